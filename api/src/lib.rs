@@ -1,0 +1,1 @@
+//! Opaque configuration API for the GPU DRA driver.

@@ -1,0 +1,1 @@
+//! Pure driver logic: no I/O, no async runtime, no Kubernetes client, no NVML.

@@ -1,0 +1,46 @@
+//! GPU inventory: the model, the `GpuInventory` seam and its backends.
+//!
+//! The model (`model`) is plain data shared by every consumer. Backends implement
+//! [`GpuInventory`]; the node binary picks one at startup and nothing else knows which.
+
+pub mod model;
+
+pub use model::{ComputeCapability, DeviceRef, Gpu, Inventory, MigDevice, MigMode, Placement};
+
+/// Errors while discovering GPUs.
+#[derive(Debug, thiserror::Error)]
+pub enum DeviceError {
+    /// The NVML library could not be loaded or initialised.
+    #[error("cannot initialise NVML from {path}: {reason}")]
+    Init {
+        /// Library path that was tried.
+        path: String,
+        /// What NVML or the loader said.
+        reason: String,
+    },
+    /// An NVML query failed.
+    #[error("NVML {call} failed for {target}: {reason}")]
+    Query {
+        /// The NVML call, e.g. `nvmlDeviceGetUUID`.
+        call: &'static str,
+        /// What was queried, e.g. `GPU 3`.
+        target: String,
+        /// What NVML said.
+        reason: String,
+    },
+    /// Reading sysfs failed.
+    #[error("cannot read {path}: {source}")]
+    Sysfs {
+        /// Path that failed.
+        path: String,
+        /// Underlying error.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// The seam in front of the hardware: returns the node's current inventory.
+pub trait GpuInventory: Send + Sync {
+    /// Discovers the GPUs now present. Called at startup and whenever a refresh is wanted.
+    fn discover(&self) -> Result<Inventory, DeviceError>;
+}

@@ -1,0 +1,265 @@
+//! The inventory model: plain data describing the GPUs of one node.
+//!
+//! Every backend (NVML, fixtures) produces this model and every consumer (slice rendering,
+//! prepare planning, `discover`) reads it, so it carries no behaviour beyond lookups and the
+//! device naming rules. Device names are part of the compatibility contract with the NVIDIA
+//! driver: `gpu-<minor>` for a whole GPU and
+//! `gpu-<minor>-mig-<profile without dots>-<giProfileId>-<placementStart>` for a MIG device.
+
+use serde::{Deserialize, Serialize};
+
+/// Everything discovered on one node.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Inventory {
+    /// Kernel driver version, e.g. `580.95.05`.
+    pub driver_version: String,
+    /// Highest CUDA version the driver supports, e.g. `13.0`.
+    pub cuda_driver_version: String,
+    /// GPUs ordered by NVML index.
+    pub gpus: Vec<Gpu>,
+}
+
+/// One physical GPU.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Gpu {
+    /// NVML index (enumeration order, not stable across reboots).
+    pub index: u32,
+    /// Minor number of `/dev/nvidia<minor>`; stable, used in device names.
+    pub minor: u32,
+    /// `GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`.
+    pub uuid: String,
+    /// Marketing name, e.g. `NVIDIA A100-SXM4-40GB`.
+    pub product_name: String,
+    /// Brand, e.g. `Nvidia`, `Tesla`, `GeForce`.
+    pub brand: String,
+    /// Architecture name, e.g. `Ampere`, `Hopper`.
+    pub architecture: String,
+    /// CUDA compute capability.
+    pub cuda_compute_capability: ComputeCapability,
+    /// Total framebuffer memory in bytes.
+    pub memory_bytes: u64,
+    /// PCI bus ID in the canonical sysfs form `0000:3b:00.0` (lower case, 4-digit domain).
+    pub pci_bus_id: String,
+    /// PCIe root complex, e.g. `pci0000:00`, when sysfs tells.
+    pub pcie_root: Option<String>,
+    /// NUMA node, when the platform reports one (sysfs `-1` means none).
+    pub numa_node: Option<i64>,
+    /// MIG mode, `None` when the GPU is not MIG capable.
+    pub mig: Option<MigMode>,
+    /// MIG devices that currently exist on this GPU (empty unless MIG is enabled).
+    pub mig_devices: Vec<MigDevice>,
+}
+
+/// CUDA compute capability `major.minor`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct ComputeCapability {
+    /// Major version.
+    pub major: u32,
+    /// Minor version.
+    pub minor: u32,
+}
+
+/// Current and pending MIG mode of a MIG-capable GPU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MigMode {
+    /// MIG is enabled now.
+    pub current: bool,
+    /// MIG will be enabled after the next GPU reset.
+    pub pending: bool,
+}
+
+/// One MIG device: a compute instance inside a GPU instance.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct MigDevice {
+    /// `MIG-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`.
+    pub uuid: String,
+    /// GPU instance ID (no relation to the placement).
+    pub gi_id: u32,
+    /// Compute instance ID within the GPU instance.
+    pub ci_id: u32,
+    /// Profile name without the `MIG ` prefix, e.g. `1g.5gb`, `1g.10gb+me`.
+    pub profile: String,
+    /// GPU instance profile ID as `nvidia-smi -lgip` shows it (19 for `1g.*`, 0 for `7g.*`).
+    pub gi_profile_id: u32,
+    /// Placement of the GPU instance in memory slices.
+    pub placement: Placement,
+    /// Memory of the MIG device in bytes.
+    pub memory_bytes: u64,
+    /// Streaming multiprocessors.
+    pub multiprocessors: u32,
+    /// Copy engines.
+    pub copy_engines: u32,
+    /// Video decoders.
+    pub decoders: u32,
+    /// Video encoders.
+    pub encoders: u32,
+    /// JPEG engines.
+    pub jpeg_engines: u32,
+    /// Optical flow accelerators.
+    pub ofa_engines: u32,
+}
+
+/// Placement of a GPU instance: first memory slice and number of slices.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Placement {
+    /// First memory slice.
+    pub start: u32,
+    /// Number of memory slices.
+    pub size: u32,
+}
+
+impl Gpu {
+    /// The ResourceSlice device name of the whole GPU: `gpu-<minor>`.
+    pub fn device_name(&self) -> String {
+        format!("gpu-{}", self.minor)
+    }
+
+    /// True when MIG is enabled now; such a GPU is published as its MIG devices only.
+    pub fn mig_enabled(&self) -> bool {
+        self.mig.is_some_and(|m| m.current)
+    }
+}
+
+impl MigDevice {
+    /// The ResourceSlice device name:
+    /// `gpu-<parent minor>-mig-<profile without dots>-<giProfileId>-<placementStart>`.
+    pub fn device_name(&self, parent: &Gpu) -> String {
+        format!(
+            "gpu-{}-mig-{}-{}-{}",
+            parent.minor,
+            self.profile.replace('.', ""),
+            self.gi_profile_id,
+            self.placement.start
+        )
+    }
+}
+
+/// A device as the scheduler sees it: a whole GPU or one MIG device with its parent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeviceRef<'a> {
+    /// A whole GPU (MIG disabled).
+    Gpu(&'a Gpu),
+    /// A MIG device and the GPU it lives on.
+    Mig {
+        /// The parent GPU.
+        parent: &'a Gpu,
+        /// The MIG device.
+        mig: &'a MigDevice,
+    },
+}
+
+impl<'a> DeviceRef<'a> {
+    /// The ResourceSlice device name.
+    pub fn name(&self) -> String {
+        match self {
+            DeviceRef::Gpu(gpu) => gpu.device_name(),
+            DeviceRef::Mig { parent, mig } => mig.device_name(parent),
+        }
+    }
+
+    /// The device's UUID (`GPU-...` or `MIG-...`).
+    pub fn uuid(&self) -> &'a str {
+        match self {
+            DeviceRef::Gpu(gpu) => &gpu.uuid,
+            DeviceRef::Mig { mig, .. } => &mig.uuid,
+        }
+    }
+
+    /// The physical GPU (the device itself, or a MIG device's parent).
+    pub fn gpu(&self) -> &'a Gpu {
+        match self {
+            DeviceRef::Gpu(gpu) => gpu,
+            DeviceRef::Mig { parent, .. } => parent,
+        }
+    }
+}
+
+impl Inventory {
+    /// Every allocatable device in publication order: for each GPU, either the whole GPU (MIG
+    /// disabled) or its MIG devices (MIG enabled), never both.
+    pub fn devices(&self) -> impl Iterator<Item = DeviceRef<'_>> {
+        self.gpus.iter().flat_map(|gpu| {
+            let whole = (!gpu.mig_enabled()).then_some(DeviceRef::Gpu(gpu));
+            let migs = gpu
+                .mig_devices
+                .iter()
+                .filter(|_| gpu.mig_enabled())
+                .map(move |mig| DeviceRef::Mig { parent: gpu, mig });
+            whole.into_iter().chain(migs)
+        })
+    }
+
+    /// Finds an allocatable device by its ResourceSlice name.
+    pub fn device(&self, name: &str) -> Option<DeviceRef<'_>> {
+        self.devices().find(|d| d.name() == name)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn gpu(minor: u32, mig: Option<MigMode>, migs: Vec<MigDevice>) -> Gpu {
+        Gpu {
+            index: minor,
+            minor,
+            uuid: format!("GPU-{minor:08}-0000-0000-0000-000000000000"),
+            product_name: "NVIDIA A100-SXM4-40GB".into(),
+            brand: "Nvidia".into(),
+            architecture: "Ampere".into(),
+            cuda_compute_capability: ComputeCapability { major: 8, minor: 0 },
+            memory_bytes: 40960 << 20,
+            pci_bus_id: format!("0000:{:02x}:00.0", minor + 7),
+            pcie_root: Some("pci0000:00".into()),
+            numa_node: Some(0),
+            mig,
+            mig_devices: migs,
+        }
+    }
+
+    fn mig(profile: &str, id: u32, start: u32) -> MigDevice {
+        MigDevice {
+            uuid: format!("MIG-{id:08}-0000-0000-0000-{start:012}"),
+            gi_id: start + 1,
+            ci_id: 0,
+            profile: profile.into(),
+            gi_profile_id: id,
+            placement: Placement { start, size: 1 },
+            memory_bytes: 4864 << 20,
+            multiprocessors: 14,
+            copy_engines: 1,
+            decoders: 0,
+            encoders: 0,
+            jpeg_engines: 0,
+            ofa_engines: 0,
+        }
+    }
+
+    #[test]
+    fn mig_enabled_gpu_is_published_as_its_mig_devices_only() {
+        let on = Some(MigMode {
+            current: true,
+            pending: true,
+        });
+        let inv = Inventory {
+            driver_version: "580.95.05".into(),
+            cuda_driver_version: "13.0".into(),
+            gpus: vec![
+                gpu(0, on, vec![mig("1g.5gb", 19, 0), mig("1g.5gb", 19, 1)]),
+                gpu(1, None, vec![]),
+            ],
+        };
+        let names: Vec<String> = inv.devices().map(|d| d.name()).collect();
+        assert_eq!(
+            names,
+            ["gpu-0-mig-1g5gb-19-0", "gpu-0-mig-1g5gb-19-1", "gpu-1"]
+        );
+        let found = inv.device("gpu-0-mig-1g5gb-19-1").expect("present");
+        assert_eq!(found.gpu().minor, 0);
+        assert!(found.uuid().starts_with("MIG-"));
+        assert!(inv.device("gpu-0").is_none());
+    }
+}

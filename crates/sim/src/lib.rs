@@ -1,0 +1,1 @@
+//! GPU simulator below NVML.
