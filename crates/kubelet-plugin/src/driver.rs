@@ -573,3 +573,323 @@ impl Driver {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::claims::MemoryClaims;
+    use crate::sharing::ExclusiveOnly;
+    use crate::testing::{a100_inventory, allocated_claim, simulate_host};
+    use serde_json::json;
+
+    const DRIVER: &str = "gpu.nvidia.com";
+    const NODE: &str = "node-a";
+
+    struct Env {
+        dir: tempfile::TempDir,
+        claims: Arc<MemoryClaims>,
+        driver: Arc<Driver>,
+    }
+
+    fn driver_in(dir: &Path, claims: Arc<MemoryClaims>) -> Driver {
+        let inventory = a100_inventory(4, 1);
+        let cdi = CdiHost::discover(
+            dir.join("cdi"),
+            &dir.join("host"),
+            &dir.join("host"),
+            &inventory.driver_version,
+            None,
+        );
+        Driver::new(DriverParts {
+            settings: DriverSettings {
+                driver_name: DRIVER.into(),
+                node_name: NODE.into(),
+                checkpoint_path: dir.join("checkpoint.json"),
+            },
+            inventory: Arc::new(inventory),
+            claims,
+            sharing: Arc::new(ExclusiveOnly),
+            decoder: Arc::new(gpu_dra_core::plan::EnvelopeDecoder),
+            cdi: Arc::new(cdi),
+            failpoints: Failpoints::default(),
+            metrics: Arc::new(Metrics::default()),
+        })
+        .expect("driver")
+    }
+
+    use std::path::Path;
+
+    fn env() -> Env {
+        let dir = tempfile::tempdir().expect("tempdir");
+        simulate_host(&dir.path().join("host"), &a100_inventory(4, 1)).expect("host");
+        let claims = Arc::new(MemoryClaims::default());
+        let driver = Arc::new(driver_in(dir.path(), claims.clone()));
+        Env {
+            dir,
+            claims,
+            driver,
+        }
+    }
+
+    fn add(env: &Env, name: &str, uid: &str, devices: &[(&str, &str)]) -> ClaimRef {
+        env.claims
+            .insert(allocated_claim("ns", name, uid, DRIVER, NODE, devices, &[]));
+        ClaimRef {
+            namespace: "ns".into(),
+            name: name.into(),
+            uid: uid.into(),
+        }
+    }
+
+    fn spec_path(env: &Env, uid: &str) -> std::path::PathBuf {
+        env.dir
+            .path()
+            .join("cdi")
+            .join(gpu_dra_core::cdi::spec_file_name(uid))
+    }
+
+    fn on_disk(env: &Env) -> Checkpoint {
+        Checkpoint::from_json(&std::fs::read(env.dir.path().join("checkpoint.json")).expect("file"))
+            .expect("valid")
+    }
+
+    #[tokio::test]
+    async fn prepare_writes_a_valid_spec_is_idempotent_and_unprepare_cleans_up() {
+        let env = env();
+        let c = add(
+            &env,
+            "a",
+            "uid-a",
+            &[
+                ("gpu", "gpu-1"),
+                ("mig", "gpu-0-mig-1g5gb-19-0"),
+                ("mig", "gpu-0-mig-1g5gb-19-1"),
+            ],
+        );
+        let devices = env.driver.prepare(&c).await.expect("prepares");
+        assert_eq!(devices.len(), 3);
+        assert_eq!(
+            devices[0].cdi_device_ids,
+            ["k8s.gpu.nvidia.com/claim=uid-a-gpu-1"]
+        );
+        assert_eq!(devices[0].pool, NODE);
+
+        let path = spec_path(&env, "uid-a");
+        let mut spec =
+            container_device_interface::spec::read_spec(&path, 0).expect("CDI crate reads it");
+        let cdi_devices = spec.validate().expect("CDI crate validates it");
+        assert_eq!(cdi_devices.len(), 3);
+        let raw: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(&path).expect("spec")).expect("json");
+        // Two MIG devices of GPU 0: each has the parent node and its own capability nodes.
+        let nodes = |i: usize| -> Vec<String> {
+            raw["devices"][i]["containerEdits"]["deviceNodes"]
+                .as_array()
+                .expect("nodes")
+                .iter()
+                .map(|n| n["path"].as_str().expect("path").to_owned())
+                .collect()
+        };
+        assert_eq!(nodes(1)[0], "/dev/nvidia0");
+        assert_eq!(nodes(2)[0], "/dev/nvidia0");
+        assert_eq!(nodes(1).len(), 3);
+        assert_ne!(nodes(1)[1..], nodes(2)[1..]);
+        assert!(
+            raw["containerEdits"]["mounts"]
+                .as_array()
+                .expect("mounts")
+                .iter()
+                .any(|m| m["containerPath"] == "/usr/lib/x86_64-linux-gnu/libcuda.so.580.95.05")
+        );
+
+        let cp = on_disk(&env);
+        assert_eq!(cp.claims["uid-a"].state, PrepareState::PrepareCompleted);
+        // Repeat: same answer, no new work even if the claim vanished from the API server.
+        env.claims.remove("ns", "a");
+        assert_eq!(env.driver.prepare(&c).await.expect("repeat"), devices);
+
+        env.driver.unprepare(&c).await.expect("unprepares");
+        assert!(!path.exists());
+        assert!(on_disk(&env).claims.is_empty());
+        env.driver
+            .unprepare(&c)
+            .await
+            .expect("unknown claim unprepare succeeds");
+    }
+
+    #[tokio::test]
+    async fn a_held_device_is_refused_naming_the_holder_unless_both_use_admin_access() {
+        let env = env();
+        let a = add(&env, "a", "uid-a", &[("gpu", "gpu-1")]);
+        let b = add(&env, "b", "uid-b", &[("gpu", "gpu-1")]);
+        env.driver.prepare(&a).await.expect("a prepares");
+        let err = env
+            .driver
+            .prepare(&b)
+            .await
+            .expect_err("b conflicts")
+            .to_string();
+        assert!(
+            err.contains("gpu-1") && err.contains("ns/a") && err.contains("uid-a"),
+            "{err}"
+        );
+        assert!(!spec_path(&env, "uid-b").exists());
+        env.driver.unprepare(&a).await.expect("a unprepares");
+        env.driver
+            .prepare(&b)
+            .await
+            .expect("b prepares once a is gone");
+
+        let mut admin = allocated_claim("ns", "c", "uid-c", DRIVER, NODE, &[("gpu", "gpu-2")], &[]);
+        let mut admin2 =
+            allocated_claim("ns", "d", "uid-d", DRIVER, NODE, &[("gpu", "gpu-2")], &[]);
+        for c in [&mut admin, &mut admin2] {
+            if let Some(r) = c
+                .status
+                .as_mut()
+                .and_then(|s| s.allocation.as_mut())
+                .and_then(|a| a.devices.as_mut())
+                .and_then(|d| d.results.as_mut())
+            {
+                r[0].admin_access = Some(true);
+            }
+            env.claims.insert(c.clone());
+        }
+        for (name, uid) in [("c", "uid-c"), ("d", "uid-d")] {
+            let r = ClaimRef {
+                namespace: "ns".into(),
+                name: name.into(),
+                uid: uid.into(),
+            };
+            env.driver.prepare(&r).await.expect("admin access overlaps");
+        }
+    }
+
+    #[tokio::test]
+    async fn concurrent_prepares_of_one_claim_prepare_it_once() {
+        let env = env();
+        let a = add(&env, "a", "uid-a", &[("gpu", "gpu-3")]);
+        let (x, y) = tokio::join!(env.driver.prepare(&a), env.driver.prepare(&a));
+        assert_eq!(x.expect("x"), y.expect("y"));
+        assert_eq!(on_disk(&env).claims.len(), 1);
+    }
+
+    #[tokio::test]
+    async fn missing_device_node_fails_without_leaving_a_spec_or_a_reservation() {
+        let env = env();
+        std::fs::remove_file(env.dir.path().join("host/dev/nvidia2")).expect("rm");
+        let a = add(&env, "a", "uid-a", &[("gpu", "gpu-2")]);
+        let err = env
+            .driver
+            .prepare(&a)
+            .await
+            .expect_err("missing node")
+            .to_string();
+        assert!(
+            err.contains("dev/nvidia2") && err.contains("missing"),
+            "{err}"
+        );
+        assert!(!spec_path(&env, "uid-a").exists());
+        assert!(on_disk(&env).claims.is_empty());
+        std::fs::write(env.dir.path().join("host/dev/nvidia2"), "").expect("restore");
+        env.driver.prepare(&a).await.expect("retry works");
+    }
+
+    #[tokio::test]
+    async fn errors_are_clear_for_unallocated_replaced_and_sharing_claims() {
+        let env = env();
+        let mut c = allocated_claim("ns", "u", "uid-u", DRIVER, NODE, &[], &[]);
+        c.status = None;
+        env.claims.insert(c);
+        let r = ClaimRef {
+            namespace: "ns".into(),
+            name: "u".into(),
+            uid: "uid-u".into(),
+        };
+        assert!(
+            env.driver
+                .prepare(&r)
+                .await
+                .expect_err("unallocated")
+                .to_string()
+                .contains("not allocated")
+        );
+        let r2 = ClaimRef {
+            uid: "uid-old".into(),
+            ..r.clone()
+        };
+        assert!(
+            env.driver
+                .prepare(&r2)
+                .await
+                .expect_err("replaced")
+                .to_string()
+                .contains("replaced")
+        );
+        let missing = ClaimRef {
+            name: "nope".into(),
+            ..r
+        };
+        assert!(
+            env.driver
+                .prepare(&missing)
+                .await
+                .expect_err("missing")
+                .to_string()
+                .contains("not found")
+        );
+
+        let ts = json!({"apiVersion": "resource.nvidia.com/v1beta1", "kind": "GpuConfig",
+                        "sharing": {"strategy": "TimeSlicing"}});
+        env.claims.insert(allocated_claim(
+            "ns",
+            "t",
+            "uid-t",
+            DRIVER,
+            NODE,
+            &[("gpu", "gpu-1")],
+            &[("FromClaim", &[], ts)],
+        ));
+        let t = ClaimRef {
+            namespace: "ns".into(),
+            name: "t".into(),
+            uid: "uid-t".into(),
+        };
+        let err = env
+            .driver
+            .prepare(&t)
+            .await
+            .expect_err("sharing")
+            .to_string();
+        assert!(err.contains("sharing not enabled in this build"), "{err}");
+        assert!(
+            on_disk(&env).claims.is_empty(),
+            "failed prepare leaves no entry"
+        );
+    }
+
+    #[tokio::test]
+    async fn restart_rolls_back_half_prepared_claims_and_drops_stale_specs_and_gone_claims() {
+        let env = env();
+        let a = add(&env, "a", "uid-a", &[("gpu", "gpu-1")]);
+        let b = add(&env, "b", "uid-b", &[("gpu", "gpu-2")]);
+        env.driver.prepare(&a).await.expect("a");
+        env.driver.prepare(&b).await.expect("b");
+        // Fake a crash between CDI write and completion for b, a stale spec, and a deleted a.
+        let mut cp = on_disk(&env);
+        cp.claims.get_mut("uid-b").expect("b").state = PrepareState::PrepareStarted;
+        std::fs::write(env.dir.path().join("checkpoint.json"), cp.to_json()).expect("write");
+        std::fs::write(spec_path(&env, "uid-stale"), "{}").expect("stale");
+        env.claims.remove("ns", "a");
+
+        let restarted = driver_in(env.dir.path(), env.claims.clone());
+        restarted.reconcile().await;
+        assert!(!spec_path(&env, "uid-b").exists());
+        assert!(!spec_path(&env, "uid-stale").exists());
+        assert!(!spec_path(&env, "uid-a").exists());
+        assert!(on_disk(&env).claims.is_empty());
+        // b prepares again on retry.
+        restarted.prepare(&b).await.expect("b again");
+        assert!(spec_path(&env, "uid-b").exists());
+    }
+}

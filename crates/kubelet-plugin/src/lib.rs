@@ -18,3 +18,4 @@ pub mod grpc;
 pub mod http;
 pub mod metrics;
 pub mod sharing;
+pub mod testing;
