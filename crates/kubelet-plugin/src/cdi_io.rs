@@ -262,6 +262,14 @@ impl CdiHost {
         fsutil::remove_durable(&path).map_err(|source| CdiError::Io { path, source })
     }
 
+    /// Removes temp files of spec writes interrupted by a crash; returns how many.
+    pub fn remove_stale_temps(&self) -> usize {
+        fsutil::remove_stale_temps(
+            &self.cdi_root,
+            &format!("{}-{}_", cdi::CDI_VENDOR, cdi::CDI_CLASS),
+        )
+    }
+
     /// Claim UIDs of the claim specs present in the CDI root.
     pub fn list(&self) -> Vec<String> {
         let Ok(entries) = std::fs::read_dir(&self.cdi_root) else {

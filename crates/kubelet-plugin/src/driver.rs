@@ -537,6 +537,18 @@ impl Driver {
                 }
             }
         }
+        let temps = self.cdi.remove_stale_temps()
+            + self
+                .settings
+                .checkpoint_path
+                .parent()
+                .zip(self.settings.checkpoint_path.file_name())
+                .map_or(0, |(dir, name)| {
+                    fsutil::remove_stale_temps(dir, &name.to_string_lossy())
+                });
+        if temps > 0 {
+            info!(files = temps, "removed temp files of interrupted writes");
+        }
         for uid in self.cdi.list() {
             if self.entry(&uid).is_none() {
                 let lock = self.claim_lock(&uid);

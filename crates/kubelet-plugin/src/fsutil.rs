@@ -47,6 +47,27 @@ pub fn remove_durable(path: &Path) -> io::Result<()> {
     File::open(dir)?.sync_all()
 }
 
+/// Removes temp files that [`write_atomic`] left in `dir` for targets starting with `prefix`
+/// when a process died mid-write. Temp files of this process are kept (a write may be in
+/// flight). Returns how many were removed.
+pub fn remove_stale_temps(dir: &Path, prefix: &str) -> usize {
+    let Ok(entries) = fs::read_dir(dir) else {
+        return 0;
+    };
+    let own = format!(".tmp-{}", std::process::id());
+    let mut removed = 0;
+    for entry in entries.filter_map(Result::ok) {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let ours = name
+            .strip_prefix('.')
+            .is_some_and(|n| n.starts_with(prefix) && n.contains(".tmp-"));
+        if ours && !name.ends_with(&own) && fs::remove_file(entry.path()).is_ok() {
+            removed += 1;
+        }
+    }
+    removed
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -66,5 +87,16 @@ mod tests {
         remove_durable(&path).expect("remove");
         remove_durable(&path).expect("remove again is fine");
         assert!(!path.exists());
+
+        std::fs::write(dir.path().join(".a.json.tmp-1"), "x").expect("stale temp");
+        std::fs::write(
+            dir.path()
+                .join(format!(".a.json.tmp-{}", std::process::id())),
+            "x",
+        )
+        .expect("own temp");
+        std::fs::write(dir.path().join(".other.tmp-1"), "x").expect("foreign");
+        assert_eq!(remove_stale_temps(dir.path(), "a.json"), 1);
+        assert_eq!(fs::read_dir(dir.path()).expect("ls").count(), 2);
     }
 }

@@ -11,6 +11,7 @@ pub mod authority;
 pub mod cdi_io;
 pub mod claims;
 pub mod cli;
+pub mod client;
 pub mod driver;
 pub mod failpoint;
 pub mod fsutil;
