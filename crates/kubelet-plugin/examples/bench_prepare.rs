@@ -221,6 +221,20 @@ async fn main() -> anyhow::Result<()> {
     let conc = concurrent[ROUNDS / 2];
     let rss_end = rss_kib();
 
+    // The floor set by the disk: one crash-safe small-file write (write, fsync, rename, fsync
+    // dir). A prepare does three of them (checkpoint started, CDI spec, checkpoint completed).
+    let mut floor = Vec::new();
+    for i in 0..100 {
+        let t = Instant::now();
+        gpu_kubelet_plugin::fsutil::write_atomic(
+            &dir.path().join("floor.json"),
+            format!("{i}").as_bytes(),
+            0o600,
+        )?;
+        floor.push(t.elapsed());
+    }
+    floor.sort();
+
     println!(
         "bench_prepare (one-GPU claim over the DRA socket, real CDI + checkpoint writes with fsync)"
     );
@@ -235,6 +249,11 @@ async fn main() -> anyhow::Result<()> {
         seq.as_secs_f64() * 1e3,
         conc.as_secs_f64() * 1e3,
         seq.as_secs_f64() / conc.as_secs_f64()
+    );
+    println!(
+        "  disk floor: one atomic small-file write p50 {:.3} ms, p99 {:.3} ms",
+        percentile(&floor, 0.5).as_secs_f64() * 1e3,
+        percentile(&floor, 0.99).as_secs_f64() * 1e3
     );
     println!(
         "  RSS (plugin and client in one process): {:.1} MiB after warm-up, {:.1} MiB at end (target <= 20 MiB)",
