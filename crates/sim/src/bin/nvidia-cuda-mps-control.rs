@@ -1,0 +1,2 @@
+//! `nvidia-cuda-mps-control` stand-in for the GPU simulator.
+fn main() {}

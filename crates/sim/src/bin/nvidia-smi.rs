@@ -1,0 +1,2 @@
+//! `nvidia-smi` stand-in for the GPU simulator.
+fn main() {}

@@ -1,0 +1,1 @@
+//! `nvidia-cuda-mps-control` stand-in.

@@ -1,0 +1,1 @@
+//! `nvidia-smi` stand-in.
