@@ -109,6 +109,9 @@ pub struct GpuState {
     pub mig_current: bool,
     /// MIG mode after the next reset.
     pub mig_pending: bool,
+    /// Persistence mode (`nvidia-smi -pm`).
+    #[serde(default)]
+    pub persistence: bool,
     /// GPU instances, sorted by ID.
     pub gpu_instances: Vec<GpuInstance>,
 }
@@ -205,6 +208,7 @@ impl State {
                     timeslice: 0,
                     mig_current: g.mig_enabled,
                     mig_pending: g.mig_enabled,
+                    persistence: false,
                     gpu_instances: gis,
                 }
             })
