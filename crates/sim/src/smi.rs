@@ -838,6 +838,34 @@ mod tests {
     }
 
     #[test]
+    fn query_summary_and_persistence() {
+        let h = host("dgx-a100-40gb");
+        let (code, out) = smi(&h, "-q -i 0");
+        assert_eq!(code, 0);
+        assert!(
+            out.contains("    Product Name                          : NVIDIA A100-SXM4-40GB\n"),
+            "{out}"
+        );
+        assert!(
+            out.contains("        Current                           : Enabled\n"),
+            "{out}"
+        );
+        assert!(
+            out.contains("    Compute Mode                          : Default\n"),
+            "{out}"
+        );
+        let (code, out) = smi(&h, "-i 00000000:07:00.0 -pm 0");
+        assert_eq!(code, 0);
+        assert_eq!(
+            out,
+            "Persistence mode is already Disabled for GPU 00000000:07:00.0.\nAll done.\n"
+        );
+        let (_, out) = smi(&h, "-i 0 -pm 1");
+        assert!(out.starts_with("Enabled persistence mode for GPU 00000000:07:00.0."));
+        assert!(h.file.load().expect("state").gpus[0].persistence);
+    }
+
+    #[test]
     fn unknown_options_are_invalid() {
         let h = host("t4");
         let (code, out) = smi(&h, "--bogus");

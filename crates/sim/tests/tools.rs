@@ -321,3 +321,90 @@ fn mps_daemon_rejects_a_bad_thread_percentage_env() {
     );
     assert!(!m.pipe.join("control").exists());
 }
+
+#[test]
+fn gpu_sim_setup_builds_a_host_from_the_build_directory() {
+    let gpu_sim = env!("CARGO_BIN_EXE_gpu-sim");
+    // The artefacts it installs are the ones SimHost builds.
+    let _ = SimHost::new("t4");
+    let dir = tempfile::tempdir().expect("tmp");
+    let root = dir.path().join("node-a");
+    let out = Command::new(gpu_sim)
+        .args(["setup", "--profile", "h200", "--root"])
+        .arg(&root)
+        .env_remove("GPU_SIM_ARTEFACTS")
+        .output()
+        .expect("gpu-sim setup");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        root.join("usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1")
+            .is_file()
+    );
+    assert!(root.join("usr/bin/nvidia-smi").is_file());
+    assert!(root.join("dev/nvidia0").is_file());
+
+    let smi = Command::new(root.join("usr/bin/nvidia-smi"))
+        .arg("-L")
+        .env_remove("GPU_SIM_STATE")
+        .output()
+        .expect("smi");
+    let text = String::from_utf8_lossy(&smi.stdout);
+    assert!(text.starts_with("GPU 0: NVIDIA H200 (UUID: GPU-"), "{text}");
+
+    let state = Command::new(gpu_sim)
+        .args(["state", "--root"])
+        .arg(&root)
+        .output()
+        .expect("gpu-sim state");
+    let v: serde_json::Value = serde_json::from_slice(&state.stdout).expect("json");
+    assert_eq!(v["profile"]["name"], "h200");
+    assert_eq!(v["profile"]["gpus"][0]["memoryMiB"], 143771);
+
+    let list = Command::new(gpu_sim)
+        .arg("profiles")
+        .output()
+        .expect("profiles");
+    let names: Vec<String> = String::from_utf8_lossy(&list.stdout)
+        .lines()
+        .filter_map(|l| l.split_whitespace().next().map(String::from))
+        .collect();
+    assert_eq!(
+        names,
+        ["t4", "p4", "rtx4090", "dgx-a100-40gb", "dgx-h100", "h200"]
+    );
+
+    let bad = Command::new(gpu_sim)
+        .args(["setup", "--profile", "a100", "--root"])
+        .arg(dir.path().join("x"))
+        .output()
+        .expect("gpu-sim setup");
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("unknown profile \"a100\""));
+}
+
+#[test]
+fn gpu_sim_state_env_overrides_the_tool_location() {
+    let host = SimHost::new("dgx-a100-40gb");
+    let dir = tempfile::tempdir().expect("tmp");
+    let state = dir.path().join("other/state.json");
+    let out = Command::new(host.tool("nvidia-smi"))
+        .args(["--query-gpu=name", "--format=csv,noheader"])
+        .env("GPU_SIM_STATE", &state)
+        .env("GPU_SIM_PROFILE", "t4")
+        .output()
+        .expect("smi");
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "Tesla T4\n");
+    assert!(state.is_file(), "the state is created from GPU_SIM_PROFILE");
+    // Without GPU_SIM_PROFILE a missing GPU_SIM_STATE is an error, not a silent fallback.
+    let out = Command::new(host.tool("nvidia-smi"))
+        .arg("-L")
+        .env("GPU_SIM_STATE", dir.path().join("missing.json"))
+        .env_remove("GPU_SIM_PROFILE")
+        .output()
+        .expect("smi");
+    assert_eq!(out.status.code(), Some(9));
+}
