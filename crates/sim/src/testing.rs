@@ -146,6 +146,26 @@ impl SimHost {
         StateFile::under_root(self.root())
     }
 
+    /// Changes the host's state as other tests need (compute mode, MIG layout, ...), then
+    /// brings the MIG capability files under `proc/` and `dev/` in line with it.
+    ///
+    /// # Panics
+    /// When the state file cannot be read or written (test support).
+    pub fn update_state<T>(&self, f: impl FnOnce(&mut State) -> T) -> T {
+        let res = self
+            .state_file()
+            .update(|s| Ok::<T, std::convert::Infallible>(f(s)));
+        let value = match res {
+            Ok(Ok(v)) => v,
+            Ok(Err(never)) => match never {},
+            Err(e) => panic!("updating simulator state: {e}"),
+        };
+        if let Err(e) = setup::sync_mig_files(self.root(), &self.state()) {
+            panic!("syncing MIG capability files: {e}");
+        }
+        value
+    }
+
     /// The current state (as other processes left it).
     ///
     /// # Panics

@@ -408,3 +408,38 @@ fn gpu_sim_state_env_overrides_the_tool_location() {
         .expect("smi");
     assert_eq!(out.status.code(), Some(9));
 }
+
+#[test]
+fn mig_changes_through_nvidia_smi_are_seen_by_nvml() {
+    let host = SimHost::new("dgx-h100");
+    let nvml = Nvml::builder()
+        .lib_path(host.lib_path().as_os_str())
+        .init()
+        .expect("init");
+    let d = nvml.device_by_index(6).expect("device");
+    assert_eq!(d.mig_device_count().expect("max"), 0);
+
+    let (code, out) = smi(&host, &["-i", "6", "-mig", "1"]);
+    assert_eq!(code, 0, "{out}");
+    let (code, out) = smi(&host, &["mig", "-i", "6", "-cgi", "1g.10gb:5", "-C"]);
+    assert_eq!(code, 0, "{out}");
+    assert_eq!(d.mig_device_count().expect("max"), 7);
+    let m = d.mig_device_by_index(0).expect("mig device");
+    assert_eq!(m.name().expect("name"), "NVIDIA H100 80GB HBM3 MIG 1g.10gb");
+    let gi = host.state().gpus[6].gpu_instances[0].id;
+    let access = host.root().join(format!(
+        "proc/driver/nvidia/capabilities/gpu6/mig/gi{gi}/ci0/access"
+    ));
+    assert!(access.is_file(), "{}", access.display());
+
+    // The same through the test helper.
+    host.update_state(|s| {
+        s.destroy_compute_instance(6, gi, 0).expect("dci");
+        s.destroy_gpu_instance(6, gi).expect("dgi");
+    });
+    assert!(matches!(
+        d.mig_device_by_index(0),
+        Err(nvml_wrapper::error::NvmlError::NotFound)
+    ));
+    assert!(!access.exists());
+}
