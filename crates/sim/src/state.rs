@@ -748,6 +748,35 @@ mod tests {
     }
 
     #[test]
+    fn concurrent_updates_are_not_lost() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let file = StateFile::under_root(dir.path());
+        file.create(&State::from_profile(Profile::load("t4").expect("t4")))
+            .expect("create");
+        let threads: Vec<_> = (0..4)
+            .map(|_| {
+                // Each thread opens its own lock file description, like separate processes.
+                let file = file.clone();
+                std::thread::spawn(move || {
+                    for _ in 0..25 {
+                        file.update(|s| {
+                            s.generation += 1;
+                            Ok::<(), ()>(())
+                        })
+                        .expect("update")
+                        .expect("ok");
+                        let _ = file.load().expect("readers never see a torn file");
+                    }
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().expect("join");
+        }
+        assert_eq!(file.load().expect("load").generation, 100);
+    }
+
+    #[test]
     fn locate_walks_up_from_the_anchor() {
         let dir = tempfile::tempdir().expect("tempdir");
         let file = StateFile::under_root(dir.path());
