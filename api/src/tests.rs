@@ -519,7 +519,13 @@ fn unknown_kind_still_reports_body_errors() {
 fn yaml_input_errors_are_clear() {
     let e = decode_yaml("apiVersion: [unclosed\nkind: GpuConfig\n").unwrap_err();
     assert_eq!(e.len(), 1);
-    assert!(e.0[0].message.starts_with("invalid YAML: "), "{e}");
+    assert!(
+        e.0[0]
+            .message
+            .starts_with("invalid YAML: line 2 column 5: "),
+        "{e}"
+    );
+    assert!(!e.0[0].message.contains('\n'), "{e}");
     assert!(e.0[0].path.is_empty());
     let e = decode_yaml("- a\n- b\n").unwrap_err();
     assert!(e.to_string().starts_with("must be an object"), "{e}");
