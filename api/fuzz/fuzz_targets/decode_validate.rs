@@ -1,5 +1,6 @@
 //! Fuzz target: arbitrary bytes -> JSON and YAML -> decode -> validate, plus the object
-//! walker and the quantity parser. Nothing may panic; decoded configs must validate.
+//! walker and the quantity parser. Nothing may panic; decoded configs must validate and
+//! their canonical form must decode to the same config.
 #![no_main]
 
 use gpu_dra_api::{ClaimDevice, decode, decode_yaml, objects, quantity::Quantity, validate_for_devices};
@@ -7,6 +8,11 @@ use libfuzzer_sys::fuzz_target;
 
 fn check(config: &gpu_dra_api::Config) {
     assert!(config.validate().is_ok(), "decoded config fails validate: {config:?}");
+    assert_eq!(
+        decode(&config.to_parameters()).as_ref(),
+        Ok(config),
+        "canonical form does not round-trip"
+    );
     let devices = [
         ClaimDevice::gpu("GPU-4cf8db2d-06c0-7d70-1a51-e59b25b2c16c"),
         ClaimDevice::mig("MIG-cd8ad1b9-d0c3-5bbc-9a4b-93c2e5c9b0f1"),
