@@ -199,7 +199,9 @@ fn plural(n: usize, word: &str) -> String {
 }
 
 /// Parses all documents of a file: JSON (a stream of values) when it starts with `{` or `[`,
-/// multi-document YAML otherwise. Empty documents are dropped.
+/// multi-document YAML otherwise, as kubectl decides. There is deliberately no YAML fallback
+/// for JSON-looking input: YAML would read `{"b": }` as `b: null` and hide the mistake.
+/// Empty documents are dropped.
 pub fn parse_documents(text: &str) -> Result<Vec<Value>, ParseError> {
     let text = text.strip_prefix('\u{feff}').unwrap_or(text);
     let trimmed = text.trim_start();
