@@ -23,16 +23,11 @@ fn discover(host: &SimHost) -> Inventory {
 /// (minor, uuid, bus id, pcie root, numa node)
 type Placed = (u32, &'static str, &'static str, &'static str, i64);
 
-fn check_gpu(
-    gpu: &Gpu,
-    index: u32,
-    placed: Placed,
-    name: &str,
-    brand: &str,
-    arch: &str,
-    cc: (u32, u32),
-    mem_mib: u64,
-) {
+/// (product name, brand, architecture, compute capability, memory MiB)
+type Product = (&'static str, &'static str, &'static str, (u32, u32), u64);
+
+fn check_gpu(gpu: &Gpu, index: u32, placed: Placed, product: Product) {
+    let (name, brand, arch, cc, mem_mib) = product;
     let (minor, uuid, bus, root, numa) = placed;
     assert_eq!(gpu.index, index);
     assert_eq!(gpu.minor, minor);
@@ -74,11 +69,7 @@ fn t4() {
             "pci0000:00",
             0,
         ),
-        "Tesla T4",
-        "Nvidia",
-        "Turing",
-        (7, 5),
-        15360,
+        ("Tesla T4", "Nvidia", "Turing", (7, 5), 15360),
     );
     assert_eq!(g.mig, None);
     assert!(g.mig_devices.is_empty());
@@ -103,11 +94,13 @@ fn rtx4090() {
             "pci0000:00",
             0,
         ),
-        "NVIDIA GeForce RTX 4090",
-        "GeForce",
-        "Ada Lovelace",
-        (8, 9),
-        24564,
+        (
+            "NVIDIA GeForce RTX 4090",
+            "GeForce",
+            "Ada Lovelace",
+            (8, 9),
+            24564,
+        ),
     );
     assert_eq!(inv.gpus[0].mig, None);
 }
@@ -125,11 +118,7 @@ fn p4() {
             "pci0000:00",
             0,
         ),
-        "Tesla P4",
-        "Nvidia",
-        "Pascal",
-        (6, 1),
-        7680,
+        ("Tesla P4", "Nvidia", "Pascal", (6, 1), 7680),
     );
 }
 
@@ -202,11 +191,7 @@ fn dgx_a100_40gb_has_4_whole_gpus_and_16_mig_devices() {
             gpu,
             i as u32,
             placed,
-            "NVIDIA A100-SXM4-40GB",
-            "Nvidia",
-            "Ampere",
-            (8, 0),
-            40960,
+            ("NVIDIA A100-SXM4-40GB", "Nvidia", "Ampere", (8, 0), 40960),
         );
         let on = i < 4;
         assert_eq!(
@@ -347,11 +332,7 @@ fn dgx_h100_is_mig_capable_with_mig_off() {
             gpu,
             i as u32,
             p,
-            "NVIDIA H100 80GB HBM3",
-            "Nvidia",
-            "Hopper",
-            (9, 0),
-            81559,
+            ("NVIDIA H100 80GB HBM3", "Nvidia", "Hopper", (9, 0), 81559),
         );
         assert_eq!(
             gpu.mig,
@@ -379,11 +360,7 @@ fn h200() {
             "pci0000:17",
             0,
         ),
-        "NVIDIA H200",
-        "Nvidia",
-        "Hopper",
-        (9, 0),
-        143771,
+        ("NVIDIA H200", "Nvidia", "Hopper", (9, 0), 143771),
     );
     assert_eq!(
         inv.gpus[0].mig,
