@@ -37,3 +37,4 @@ fuzz: ## run the opaque-config fuzzer (needs a nightly toolchain and cargo-fuzz)
 
 bench: ## benchmarks: print figures (medians, percentiles, ratios)
 	$(CARGO) run --release --locked -p gpu-dra-api --example bench_validate
+	$(CARGO) run --release --locked -p gpu-dra-core --example bench_discover
