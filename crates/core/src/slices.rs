@@ -797,3 +797,101 @@ mod tests {
         assert_eq!(parse_quantity("2M"), Some(2_000_000));
     }
 }
+
+#[cfg(test)]
+mod limits {
+    //! Property: whatever the inventory, the slices respect the API limits.
+    use super::*;
+    use gpu_dra_device::{ComputeCapability, MigMode, Placement};
+    use proptest::prelude::*;
+
+    fn arb_mig() -> impl Strategy<Value = MigDevice> {
+        (
+            "[0-9]c?\\.?[0-9]g\\.[0-9]{1,3}gb(\\+me)?",
+            0u32..30,
+            0u32..8,
+            1u32..9,
+            any::<u32>(),
+        )
+            .prop_map(|(profile, id, start, size, n)| MigDevice {
+                uuid: format!("MIG-{n:08x}-0000-5000-8000-000000000000"),
+                gi_id: id,
+                ci_id: 0,
+                profile,
+                gi_profile_id: id,
+                placement: Placement { start, size },
+                memory_bytes: u64::from(n) << 10,
+                multiprocessors: n % 200,
+                copy_engines: n % 8,
+                decoders: n % 7,
+                encoders: 0,
+                jpeg_engines: n % 3,
+                ofa_engines: n % 2,
+            })
+    }
+
+    fn arb_gpu() -> impl Strategy<Value = Gpu> {
+        (
+            0u32..1000,
+            ".{0,80}",
+            any::<bool>(),
+            proptest::collection::vec(arb_mig(), 0..8),
+            proptest::option::of(-1i64..8),
+        )
+            .prop_map(|(minor, name, mig_on, migs, numa)| Gpu {
+                index: minor,
+                minor,
+                uuid: format!("GPU-{minor:08x}-0000-0000-0000-000000000000"),
+                product_name: name,
+                brand: "Nvidia".into(),
+                architecture: "Hopper".into(),
+                cuda_compute_capability: ComputeCapability { major: 9, minor: 0 },
+                memory_bytes: u64::from(minor) << 30,
+                pci_bus_id: format!("0000:{:02x}:00.0", minor % 256),
+                pcie_root: Some("pci0000:00".into()),
+                numa_node: numa,
+                mig: Some(MigMode {
+                    current: mig_on,
+                    pending: mig_on,
+                }),
+                mig_devices: migs,
+            })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(64))]
+        #[test]
+        fn slices_respect_api_limits(
+            gpus in proptest::collection::vec(arb_gpu(), 0..60),
+            driver in "[0-9]{1,3}\\.[0-9]{1,2}(\\.[0-9]{1,2})?",
+            generation in 1i64..1000,
+        ) {
+            let inventory = Inventory { driver_version: driver, cuda_driver_version: "13.0".into(), gpus };
+            let expected = inventory.devices().count();
+            let r = render_slices(&inventory, &SliceParams { node_name: "n", driver_name: "gpu.nvidia.com", generation });
+            let count = r.slices.len() as i64;
+            let mut total = 0;
+            for s in &r.slices {
+                prop_assert_eq!(s.spec.pool.generation, generation);
+                prop_assert_eq!(s.spec.pool.resource_slice_count, count);
+                let devices = s.spec.devices.as_deref().unwrap_or_default();
+                prop_assert!(devices.len() <= MAX_DEVICES_PER_SLICE);
+                total += devices.len();
+                for d in devices {
+                    prop_assert!(d.name.len() <= 63 && !d.name.is_empty());
+                    prop_assert!(d.name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-'), "{}", d.name);
+                    prop_assert!(!d.name.ends_with('-'));
+                    let attrs = d.attributes.as_ref().map_or(0, BTreeMap::len);
+                    let caps = d.capacity.as_ref().map_or(0, BTreeMap::len);
+                    prop_assert!(attrs + caps <= MAX_ATTRIBUTES_AND_CAPACITIES);
+                    for a in d.attributes.iter().flat_map(BTreeMap::values) {
+                        for v in [&a.string, &a.version].into_iter().flatten() {
+                            prop_assert!(v.len() <= MAX_STRING_LENGTH);
+                        }
+                    }
+                }
+            }
+            prop_assert_eq!(total, expected);
+        }
+    }
+}
