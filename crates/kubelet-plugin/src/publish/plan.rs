@@ -459,4 +459,75 @@ mod tests {
         server[0].spec.devices = None;
         assert!(plan(&empty, &params(&o, 1), &server).ops.is_empty());
     }
+
+    /// Something that happens to the server between reconciles.
+    #[derive(Debug, Clone)]
+    enum Disturbance {
+        Nothing,
+        DeleteSlice(usize),
+        EditSlice(usize),
+        BumpGeneration(usize, i64),
+        DropOwner(usize),
+    }
+
+    fn arb_disturbance() -> impl proptest::strategy::Strategy<Value = Disturbance> {
+        use proptest::prelude::*;
+        prop_oneof![
+            Just(Disturbance::Nothing),
+            (0usize..4).prop_map(Disturbance::DeleteSlice),
+            (0usize..4).prop_map(Disturbance::EditSlice),
+            ((0usize..4), 1i64..50).prop_map(|(i, g)| Disturbance::BumpGeneration(i, g)),
+            (0usize..4).prop_map(Disturbance::DropOwner),
+        ]
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(48))]
+        /// Whatever the inventory changes and third-party edits, one plan brings the server to
+        /// the desired pool: a second plan is empty, every slice has the same generation and
+        /// the right count, the generation never goes down, and the devices are the inventory's.
+        #[test]
+        fn one_plan_always_converges(
+            steps in proptest::collection::vec(((0u32..300), arb_disturbance()), 1..10),
+        ) {
+            let o = owner();
+            let mut server: Vec<ResourceSlice> = vec![];
+            let mut last = 0i64;
+            for (n, disturbance) in steps {
+                match disturbance {
+                    Disturbance::Nothing => {}
+                    Disturbance::DeleteSlice(i) if i < server.len() => {
+                        server.remove(i);
+                    }
+                    Disturbance::EditSlice(i) if i < server.len() => {
+                        if let Some(d) = server[i].spec.devices.as_mut().and_then(|d| d.first_mut()) {
+                            d.name = "edited".into();
+                        } else {
+                            server[i].spec.pool.resource_slice_count += 1;
+                        }
+                    }
+                    Disturbance::BumpGeneration(i, g) if i < server.len() => {
+                        server[i].spec.pool.generation += g;
+                    }
+                    Disturbance::DropOwner(i) if i < server.len() => {
+                        server[i].metadata.owner_references = None;
+                    }
+                    _ => {}
+                }
+                let inv = inventory(n);
+                let p = plan(&inv, &params(&o, last), &server);
+                proptest::prop_assert!(p.generation >= last);
+                apply(&mut server, &p);
+                last = last.max(p.generation);
+                let again = plan(&inv, &params(&o, last), &server);
+                proptest::prop_assert!(again.ops.is_empty(), "{:?}", kinds(&again));
+                let count = server.len() as i64;
+                proptest::prop_assert!(server.iter().all(|s| s.spec.pool.generation == p.generation
+                    && s.spec.pool.resource_slice_count == count
+                    && owned_by(s, &o)));
+                let devices: usize = server.iter().map(|s| s.spec.devices.as_ref().map_or(0, Vec::len)).sum();
+                proptest::prop_assert_eq!(devices, n as usize);
+            }
+        }
+    }
 }
