@@ -40,3 +40,4 @@ fuzz: ## run the opaque-config fuzzer for FUZZ_SECONDS (default 600)
 
 bench: ## benchmarks: print figures (medians, percentiles, ratios)
 	$(CARGO) run --release --locked -p gpu-dra-api --example bench_validate
+	$(CARGO) run --release --locked -p gpu-dra-core --example bench_discover
