@@ -133,10 +133,7 @@ pub fn inventory_from_args(args: &RunArgs) -> anyhow::Result<Arc<dyn GpuInventor
     })))
 }
 
-async fn claim_source(args: &RunArgs) -> anyhow::Result<Arc<dyn ClaimSource>> {
-    if let Some(path) = &args.claim_source_file {
-        return Ok(Arc::new(FileClaims::new(path.clone())));
-    }
+async fn kube_client(args: &RunArgs) -> anyhow::Result<kube::Client> {
     let config = match &args.kubeconfig {
         Some(path) => {
             let kc = kube::config::Kubeconfig::read_from(path)
@@ -147,7 +144,19 @@ async fn claim_source(args: &RunArgs) -> anyhow::Result<Arc<dyn ClaimSource>> {
         }
         None => kube::Config::incluster().context("in-cluster Kubernetes config")?,
     };
-    Ok(Arc::new(KubeClaims::new(kube::Client::try_from(config)?)))
+    Ok(kube::Client::try_from(config)?)
+}
+
+/// The claim source and, when claims come from the API server, the client that also
+/// publishes this node's ResourceSlices. A claim file (tests) means no API server at all.
+async fn claim_source(
+    args: &RunArgs,
+) -> anyhow::Result<(Arc<dyn ClaimSource>, Option<kube::Client>)> {
+    if let Some(path) = &args.claim_source_file {
+        return Ok((Arc::new(FileClaims::new(path.clone())), None));
+    }
+    let client = kube_client(args).await?;
+    Ok((Arc::new(KubeClaims::new(client.clone())), Some(client)))
 }
 
 /// Socket paths of a run.
@@ -161,15 +170,14 @@ pub fn socket_paths(args: &RunArgs) -> (PathBuf, PathBuf) {
 
 /// The `run` subcommand: serves until SIGTERM/SIGINT.
 pub async fn run(args: RunArgs) -> anyhow::Result<()> {
-    let inventory = inventory_from_args(&args)?
-        .discover()
-        .context("discovering GPUs")?;
+    let backend = inventory_from_args(&args)?;
+    let inventory = backend.discover().context("discovering GPUs")?;
     info!(
         gpus = inventory.gpus.len(),
         devices = inventory.devices().count(),
         "inventory"
     );
-    let claims = claim_source(&args).await?;
+    let (claims, client) = claim_source(&args).await?;
     std::fs::create_dir_all(&args.plugin_dir)
         .with_context(|| format!("creating {}", args.plugin_dir.display()))?;
     let failpoints = Failpoints::parse(
@@ -194,7 +202,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         inventory: Arc::new(inventory),
         claims,
         sharing: Arc::new(ExclusiveOnly),
-        decoder: Arc::new(gpu_dra_core::plan::EnvelopeDecoder),
+        decoder: Arc::new(gpu_dra_core::plan::ApiDecoder),
         cdi: Arc::new(cdi),
         failpoints,
         metrics: metrics.clone(),
@@ -234,6 +242,19 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             }
         })
     };
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let publisher = client.map(|client| {
+        let config = crate::publish::PublisherConfig::new(&args.node_name, &args.driver_name);
+        let mut stop = stop_rx.clone();
+        tokio::spawn(async move {
+            let stopped = async move {
+                let _ = stop.wait_for(|s| *s).await;
+            };
+            if let Err(e) = crate::publish::run(client, config, backend, stopped).await {
+                warn!(error = %e, "ResourceSlice publisher ended");
+            }
+        })
+    });
     ready.store(true, Ordering::Relaxed);
     info!(registration = %reg_path.display(), dra = %dra_path.display(), "serving");
     crate::grpc::serve(
@@ -245,6 +266,10 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     )
     .await?;
     cleanup.abort();
+    let _ = stop_tx.send(true);
+    if let Some(publisher) = publisher {
+        let _ = publisher.await;
+    }
     remove_quietly(&reg_path);
     remove_quietly(&dra_path);
     info!("stopped");

@@ -621,7 +621,7 @@ mod tests {
             inventory: Arc::new(inventory),
             claims,
             sharing: Arc::new(ExclusiveOnly),
-            decoder: Arc::new(gpu_dra_core::plan::EnvelopeDecoder),
+            decoder: Arc::new(gpu_dra_core::plan::ApiDecoder),
             cdi: Arc::new(cdi),
             failpoints: Failpoints::default(),
             metrics: Arc::new(Metrics::default()),
