@@ -1,0 +1,403 @@
+//! Renders the Helm chart (deploy/helm/gpu-dra-driver) with helm and checks what matters:
+//! DeviceClass selectors, the node-restriction policy's user name and node claim, RBAC, the
+//! webhook registration and the node plugin's environment.
+//!
+//! Needs a helm binary: env `HELM`, else `.tools/bin/helm` (`make chart-check` installs it).
+//! Without one the test says so and passes, unless env `CHART_CHECK=1` demands helm
+//! (`make chart-check` sets it, so there it cannot pass vacuously).
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use serde_json::Value;
+
+const NAMESPACE: &str = "gpu-system";
+const KUBE_VERSION: &str = "1.34.0";
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn helm() -> Option<PathBuf> {
+    let helm = std::env::var_os("HELM")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| repo().join(".tools/bin/helm"));
+    if helm.is_file() {
+        return Some(helm);
+    }
+    assert!(
+        std::env::var_os("CHART_CHECK").is_none(),
+        "CHART_CHECK is set but there is no helm at {}",
+        helm.display()
+    );
+    eprintln!(
+        "skipping the chart check: no helm at {} (run `make chart-check`)",
+        helm.display()
+    );
+    None
+}
+
+/// Renders the chart with `--set` values; returns every object.
+fn render(helm: &Path, sets: &[&str]) -> Vec<Value> {
+    let mut cmd = Command::new(helm);
+    cmd.args(["template", "rel"])
+        .arg(repo().join("deploy/helm/gpu-dra-driver"))
+        .args(["--namespace", NAMESPACE, "--kube-version", KUBE_VERSION]);
+    for s in sets {
+        cmd.args(["--set", s]);
+    }
+    let out = cmd.output().expect("helm runs");
+    assert!(
+        out.status.success(),
+        "helm template {sets:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8(out.stdout).expect("rendered chart has the expected shape");
+    let docs: Vec<Value> =
+        serde_saphyr::from_multiple(&text).expect("rendered chart has the expected shape");
+    docs.into_iter().filter(|d| d.is_object()).collect()
+}
+
+fn find<'a>(objects: &'a [Value], kind: &str, name: &str) -> &'a Value {
+    objects
+        .iter()
+        .find(|o| o["kind"] == kind && o["metadata"]["name"] == name)
+        .unwrap_or_else(|| panic!("no {kind} {name} rendered"))
+}
+
+fn kinds(objects: &[Value]) -> Vec<String> {
+    objects
+        .iter()
+        .map(|o| {
+            format!(
+                "{}/{}",
+                o["kind"]
+                    .as_str()
+                    .expect("rendered chart has the expected shape"),
+                o["metadata"]["name"]
+                    .as_str()
+                    .expect("rendered chart has the expected shape")
+            )
+        })
+        .collect()
+}
+
+fn strs(v: &Value) -> Vec<&str> {
+    v.as_array()
+        .expect("rendered chart has the expected shape")
+        .iter()
+        .map(|s| s.as_str().expect("rendered chart has the expected shape"))
+        .collect()
+}
+
+#[test]
+fn default_values() {
+    let Some(helm) = helm() else { return };
+    let lint = Command::new(&helm)
+        .args(["lint", "--strict", "--kube-version", KUBE_VERSION])
+        .arg(repo().join("deploy/helm/gpu-dra-driver"))
+        .output()
+        .unwrap();
+    assert!(
+        lint.status.success(),
+        "{}",
+        String::from_utf8_lossy(&lint.stdout)
+    );
+
+    let objects = render(&helm, &[]);
+
+    // DeviceClasses: exactly the selectors users write for the NVIDIA driver.
+    for (name, ty) in [("gpu.nvidia.com", "gpu"), ("mig.nvidia.com", "mig")] {
+        let class = find(&objects, "DeviceClass", name);
+        assert_eq!(class["apiVersion"], "resource.k8s.io/v1");
+        assert_eq!(
+            class["spec"]["selectors"][0]["cel"]["expression"],
+            format!(
+                "device.driver == 'gpu.nvidia.com' && device.attributes['gpu.nvidia.com'].type == '{ty}'"
+            )
+        );
+        assert!(
+            class["spec"].get("extendedResourceName").is_none(),
+            "off by default"
+        );
+        assert!(class["spec"].get("config").is_none());
+    }
+
+    // The node plugin: service account, env for every flag, host paths, probes.
+    let ds = find(&objects, "DaemonSet", "rel-gpu-dra-driver-kubelet-plugin");
+    let pod = &ds["spec"]["template"]["spec"];
+    let sa = pod["serviceAccountName"].as_str().unwrap();
+    let container = &pod["containers"][0];
+    let env: Vec<&str> = container["env"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["name"].as_str().unwrap())
+        .collect();
+    for flag_env in [
+        "NODE_NAME",
+        "DRIVER_NAME",
+        "PLUGIN_DIR",
+        "REGISTRAR_DIR",
+        "CDI_ROOT",
+        "NVIDIA_DRIVER_ROOT",
+        "NVIDIA_DEV_ROOT",
+        "SYSFS_ROOT",
+        "HTTP_ADDRESS",
+        "LOG_FORMAT",
+        "LOG_LEVEL",
+        "CLEANUP_INTERVAL",
+    ] {
+        assert!(env.contains(&flag_env), "{flag_env} missing from {env:?}");
+    }
+    let host_paths: Vec<&str> = pod["volumes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|v| v["hostPath"]["path"].as_str())
+        .collect();
+    for p in [
+        "/var/lib/kubelet/plugins/gpu.nvidia.com",
+        "/var/lib/kubelet/plugins_registry",
+        "/var/run/cdi",
+        "/",
+    ] {
+        assert!(host_paths.contains(&p), "{p} not mounted: {host_paths:?}");
+    }
+    assert_eq!(container["livenessProbe"]["httpGet"]["path"], "/healthz");
+    assert_eq!(container["readinessProbe"]["httpGet"]["path"], "/readyz");
+    assert!(container["resources"]["requests"].is_object());
+
+    // RBAC: least privilege for the plugin, none for the webhook.
+    let role = find(&objects, "ClusterRole", "rel-gpu-dra-driver-kubelet-plugin");
+    let rules: Vec<(String, String, Vec<&str>)> = role["rules"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|r| {
+            let verbs = strs(&r["verbs"]);
+            let group = r["apiGroups"][0].as_str().unwrap().to_owned();
+            strs(&r["resources"])
+                .into_iter()
+                .map(move |res| (group.clone(), res.to_owned(), verbs.clone()))
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    assert_eq!(
+        rules,
+        vec![
+            (
+                "resource.k8s.io".into(),
+                "resourceclaims".into(),
+                vec!["get", "list", "watch"]
+            ),
+            (
+                "resource.k8s.io".into(),
+                "resourceslices".into(),
+                vec!["create", "update", "delete", "list", "watch"]
+            ),
+            ("".into(), "nodes".into(), vec!["get"]),
+        ]
+    );
+    let bindings: Vec<&Value> = objects
+        .iter()
+        .filter(|o| o["kind"] == "ClusterRoleBinding" || o["kind"] == "RoleBinding")
+        .collect();
+    assert_eq!(bindings.len(), 1, "only the plugin is bound to a role");
+    assert_eq!(bindings[0]["subjects"][0]["name"], sa);
+    assert_eq!(bindings[0]["subjects"][0]["namespace"], NAMESPACE);
+
+    // Node restriction: the real user name of the plugin's service account, and the node
+    // claim of its pod-bound token.
+    let vap = find(
+        &objects,
+        "ValidatingAdmissionPolicy",
+        "rel-gpu-dra-driver-node-restriction",
+    );
+    assert_eq!(
+        vap["spec"]["matchConditions"][0]["expression"],
+        format!("request.userInfo.username == 'system:serviceaccount:{NAMESPACE}:{sa}'")
+    );
+    let rule = &vap["spec"]["matchConstraints"]["resourceRules"][0];
+    assert_eq!(strs(&rule["resources"]), ["resourceslices"]);
+    assert_eq!(strs(&rule["operations"]), ["CREATE", "UPDATE", "DELETE"]);
+    let user_node = vap["spec"]["variables"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|v| v["name"] == "userNodeName")
+        .unwrap()["expression"]
+        .as_str()
+        .unwrap();
+    assert!(
+        user_node.contains("request.userInfo.extra['authentication.kubernetes.io/node-name'][0]"),
+        "{user_node}"
+    );
+    let binding = find(
+        &objects,
+        "ValidatingAdmissionPolicyBinding",
+        "rel-gpu-dra-driver-node-restriction",
+    );
+    assert_eq!(binding["spec"]["policyName"], vap["metadata"]["name"]);
+    assert_eq!(strs(&binding["spec"]["validationActions"]), ["Deny"]);
+
+    // The webhook: registered for our three resources in v1 only, with a CA bundle.
+    let vwc = find(
+        &objects,
+        "ValidatingWebhookConfiguration",
+        "rel-gpu-dra-driver-webhook",
+    );
+    let hook = &vwc["webhooks"][0];
+    assert_eq!(hook["failurePolicy"], "Fail");
+    assert_eq!(strs(&hook["admissionReviewVersions"]), ["v1"]);
+    assert_eq!(hook["clientConfig"]["service"]["path"], "/validate");
+    assert!(
+        !hook["clientConfig"]["caBundle"]
+            .as_str()
+            .unwrap()
+            .is_empty()
+    );
+    let rule = &hook["rules"][0];
+    assert_eq!(strs(&rule["apiVersions"]), ["v1"]);
+    assert_eq!(
+        strs(&rule["resources"]),
+        ["resourceclaims", "resourceclaimtemplates", "deviceclasses"]
+    );
+    assert_eq!(strs(&rule["operations"]), ["CREATE", "UPDATE"]);
+    let deploy = find(&objects, "Deployment", "rel-gpu-dra-driver-webhook");
+    let webhook_pod = &deploy["spec"]["template"]["spec"];
+    assert_eq!(webhook_pod["automountServiceAccountToken"], false);
+    assert_eq!(
+        webhook_pod["containers"][0]["readinessProbe"]["httpGet"]["scheme"],
+        "HTTPS"
+    );
+    let secret = find(&objects, "Secret", "rel-gpu-dra-driver-webhook-tls");
+    assert_eq!(
+        secret["data"]["ca.crt"], hook["clientConfig"]["caBundle"],
+        "the registered CA is the one that signed the served certificate"
+    );
+}
+
+#[test]
+fn value_combinations() {
+    let Some(helm) = helm() else { return };
+
+    let objects = render(
+        &helm,
+        &[
+            "deviceClasses.gpu.extendedResourceName.enabled=true",
+            "deviceClasses.gpu.config.apiVersion=resource.nvidia.com/v1beta1",
+            "deviceClasses.gpu.config.kind=GpuConfig",
+            "deviceClasses.gpu.config.sharing.strategy=TimeSlicing",
+            "deviceClasses.gpu.config.sharing.timeSlicingConfig.interval=Long",
+            "webhook.failurePolicy=Ignore",
+            "webhook.v1beta1=true",
+            "webhook.v1beta2=true",
+            "webhook.tls.mode=certManager",
+            "kubeletPlugin.driverRoot=/run/nvidia/driver",
+            "kubeletPlugin.serviceAccount.name=plugin",
+        ],
+    );
+    let gpu = find(&objects, "DeviceClass", "gpu.nvidia.com");
+    assert_eq!(gpu["spec"]["extendedResourceName"], "nvidia.com/gpu");
+    let opaque = &gpu["spec"]["config"][0]["opaque"];
+    assert_eq!(opaque["driver"], "gpu.nvidia.com");
+    assert_eq!(
+        opaque["parameters"]["sharing"]["timeSlicingConfig"]["interval"],
+        "Long"
+    );
+    let hook = &find(
+        &objects,
+        "ValidatingWebhookConfiguration",
+        "rel-gpu-dra-driver-webhook",
+    );
+    assert_eq!(
+        hook["metadata"]["annotations"]["cert-manager.io/inject-ca-from"],
+        format!("{NAMESPACE}/rel-gpu-dra-driver-webhook")
+    );
+    assert_eq!(hook["webhooks"][0]["failurePolicy"], "Ignore");
+    assert_eq!(
+        strs(&hook["webhooks"][0]["rules"][0]["apiVersions"]),
+        ["v1", "v1beta2", "v1beta1"]
+    );
+    find(&objects, "Certificate", "rel-gpu-dra-driver-webhook");
+    find(&objects, "Issuer", "rel-gpu-dra-driver-webhook-selfsigned");
+    let vap = find(
+        &objects,
+        "ValidatingAdmissionPolicy",
+        "rel-gpu-dra-driver-node-restriction",
+    );
+    assert_eq!(
+        vap["spec"]["matchConditions"][0]["expression"],
+        format!("request.userInfo.username == 'system:serviceaccount:{NAMESPACE}:plugin'")
+    );
+    let ds = find(&objects, "DaemonSet", "rel-gpu-dra-driver-kubelet-plugin");
+    assert_eq!(
+        ds["spec"]["template"]["spec"]["serviceAccountName"],
+        "plugin"
+    );
+    assert!(
+        ds["spec"]["template"]["spec"]["volumes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|v| v["hostPath"]["path"] == "/run/nvidia/driver")
+    );
+
+    // Only the node side; only the webhook with a provided Secret.
+    let objects = render(
+        &helm,
+        &["webhook.enabled=false", "deviceClasses.enabled=false"],
+    );
+    let k = kinds(&objects);
+    assert!(
+        k.iter()
+            .all(|k| !k.starts_with("ValidatingWebhookConfiguration/")
+                && !k.starts_with("DeviceClass/")),
+        "{k:?}"
+    );
+    let objects = render(
+        &helm,
+        &[
+            "kubeletPlugin.enabled=false",
+            "webhook.tls.mode=secret",
+            "webhook.tls.secret.name=my-tls",
+            "webhook.tls.secret.caBundle=Q0E=",
+        ],
+    );
+    let k = kinds(&objects);
+    assert!(
+        k.iter().all(|k| !k.starts_with("DaemonSet/")
+            && !k.starts_with("ValidatingAdmissionPolicy")
+            && !k.starts_with("Secret/")),
+        "{k:?}"
+    );
+    let hook = find(
+        &objects,
+        "ValidatingWebhookConfiguration",
+        "rel-gpu-dra-driver-webhook",
+    );
+    assert_eq!(hook["webhooks"][0]["clientConfig"]["caBundle"], "Q0E=");
+}
+
+#[test]
+fn bad_values_are_refused_by_the_schema() {
+    let Some(helm) = helm() else { return };
+    for (set, want) in [
+        ("webhook.failurePolicy=Sometimes", "failurePolicy"),
+        ("webhook.tls.mode=none", "mode"),
+        ("kubeletPlugin.driverRoot=relative", "driverRoot"),
+        ("logFormat=xml", "logFormat"),
+        ("webhook.tls.mode=secret", "webhook.tls.secret.name"),
+    ] {
+        let out = Command::new(&helm)
+            .args(["template", "rel"])
+            .arg(repo().join("deploy/helm/gpu-dra-driver"))
+            .args(["--kube-version", KUBE_VERSION, "--set", set])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{set} accepted");
+        assert!(err.contains(want), "{set}: {err}");
+    }
+}
