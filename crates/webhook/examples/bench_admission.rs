@@ -5,7 +5,8 @@
 //! 1/rate seconds whatever the answers do, as the API server would), over one HTTP/2
 //! connection like the API server's webhook client. Prints p50/p90/p99/p99.9/max latency
 //! (measured from the scheduled send time, so a stall is not hidden by the generator waiting)
-//! and the server's resident memory (VmRSS, VmHWM from /proc). Targets: p99 <= 1 ms, RSS <=
+//! and the server's resident memory (VmRSS, VmHWM from /proc) and CPU time per request (which,
+//! unlike latency, barely depends on what else the machine runs). Targets: p99 <= 1 ms, RSS <=
 //! 15 MiB. Also times the review itself in-process, to show how much is HTTP and TLS.
 //!
 //! `make bench` builds the binary and runs this. Flags: `--rate N` (default 1000),
@@ -276,6 +277,21 @@ fn proc_status_kib(pid: u32, field: &str) -> anyhow::Result<u64> {
         .parse()?)
 }
 
+/// CPU time the process has used (all threads, user + system), from /proc/<pid>/stat.
+/// The kernel reports it in USER_HZ ticks, which is 100 per second on Linux.
+fn cpu_time(pid: u32) -> anyhow::Result<Duration> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    // Fields after the command name (which may contain spaces) start at state (field 3).
+    let rest = stat
+        .rsplit_once(')')
+        .context("malformed /proc/<pid>/stat")?
+        .1;
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let ticks: u64 = fields.get(11).context("no utime")?.parse::<u64>()?
+        + fields.get(12).context("no stime")?.parse::<u64>()?;
+    Ok(Duration::from_millis(ticks * 10))
+}
+
 struct KillOnDrop(Child);
 
 impl Drop for KillOnDrop {
@@ -358,7 +374,9 @@ fn main() -> anyhow::Result<()> {
 
         // Warm up (connection windows, allocator arenas), then measure.
         load(&sender, &bodies, o.rate, 1).await?;
+        let cpu_before = cpu_time(pid)?;
         let mut lat = load(&sender, &bodies, o.rate, o.seconds).await?;
+        let cpu = cpu_time(pid)?.saturating_sub(cpu_before);
         lat.sort();
         let rss = proc_status_kib(pid, "VmRSS:")?;
         let hwm = proc_status_kib(pid, "VmHWM:")?;
@@ -380,6 +398,11 @@ fn main() -> anyhow::Result<()> {
             us(p99),
             us(pct(&lat, 0.999)),
             us(pct(&lat, 1.0))
+        );
+        println!(
+            "  server CPU: {:.1} us per request ({:.1}% of one core), less sensitive to machine load than latency",
+            cpu.as_secs_f64() * 1e6 / lat.len() as f64,
+            cpu.as_secs_f64() * 100.0 / f64::from(o.seconds)
         );
         println!(
             "  server memory: VmRSS {:.1} MiB (idle {:.1} MiB), VmHWM {:.1} MiB",

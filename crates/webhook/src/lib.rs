@@ -118,3 +118,65 @@ pub fn worker_threads() -> usize {
         .unwrap_or(1)
         .min(2)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn every_flag_has_its_env_twin() {
+        Args::command().debug_assert();
+        let twins: Vec<(String, String)> = Args::command()
+            .get_arguments()
+            .filter(|a| !matches!(a.get_id().as_str(), "help" | "version"))
+            .map(|a| {
+                let env = a.get_env().map(|e| e.to_string_lossy().into_owned());
+                (a.get_id().to_string(), env.unwrap_or_default())
+            })
+            .collect();
+        assert_eq!(
+            twins,
+            [
+                ("bind_address", "BIND_ADDRESS"),
+                ("tls_cert_file", "TLS_CERT_FILE"),
+                ("tls_key_file", "TLS_KEY_FILE"),
+                ("driver_name", "DRIVER_NAME"),
+                ("log_format", "LOG_FORMAT"),
+                ("log_level", "LOG_LEVEL"),
+            ]
+            .map(|(a, e)| (a.to_owned(), e.to_owned()))
+        );
+    }
+
+    #[test]
+    fn defaults_match_the_contract() {
+        let a = Args::try_parse_from([
+            "gpu-dra-webhook",
+            "--tls-cert-file",
+            "c",
+            "--tls-key-file",
+            "k",
+        ])
+        .unwrap();
+        // An env twin set in the test's environment legitimately overrides a default.
+        let unset = |var: &str| std::env::var_os(var).is_none();
+        if unset("BIND_ADDRESS") {
+            assert_eq!(a.bind_address.to_string(), "0.0.0.0:8443");
+        }
+        if unset("DRIVER_NAME") {
+            assert_eq!(a.driver_name, "gpu.nvidia.com");
+        }
+        if unset("LOG_FORMAT") {
+            assert_eq!(a.log_format, LogFormat::Text);
+        }
+        if unset("LOG_LEVEL") {
+            assert_eq!(a.log_level, "info");
+        }
+        let err = init_tracing(LogFormat::Json, "info,=bad[").unwrap_err();
+        assert!(
+            err.to_string().contains("not a valid tracing filter"),
+            "{err}"
+        );
+    }
+}

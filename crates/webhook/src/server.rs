@@ -3,7 +3,8 @@
 //! Routes: `POST /validate` (AdmissionReview), `GET /healthz`, `GET /readyz`, `GET /metrics`.
 //! Invariants:
 //! - a request never panics the server and never hangs it: bodies are capped at
-//!   [`MAX_BODY_BYTES`], TLS handshakes at [`HANDSHAKE_TIMEOUT`];
+//!   [`MAX_BODY_BYTES`], TLS handshakes at [`HANDSHAKE_TIMEOUT`], HTTP/1.1 headers at
+//!   [`HEADER_READ_TIMEOUT`];
 //! - a body that is not an AdmissionReview gets 400 with the reason in plain text;
 //! - on shutdown the listener closes, `/readyz` fails, and open connections finish their
 //!   in-flight requests (HTTP graceful shutdown) within [`DRAIN_TIMEOUT`].
@@ -18,7 +19,7 @@ use http::{Method, Request, Response, StatusCode, header};
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::{Bytes, Incoming};
 use hyper::service::service_fn;
-use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use rustls::ServerConfig;
 use tokio::net::TcpListener;
@@ -36,6 +37,8 @@ use crate::validation;
 pub const MAX_BODY_BYTES: usize = 8 << 20;
 /// A client that does not finish its TLS handshake in this time is dropped.
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// An HTTP/1.1 request's headers must arrive within this time.
+pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long open connections may take to finish after shutdown starts.
 pub const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -211,7 +214,12 @@ pub async fn serve(
                         let app = Arc::clone(&app);
                         async move { Ok::<_, Infallible>(app.handle(req).await) }
                     });
-                    let builder = auto::Builder::new(TokioExecutor::new());
+                    let mut builder = auto::Builder::new(TokioExecutor::new());
+                    // An HTTP/1.1 client that never finishes its headers is dropped.
+                    builder
+                        .http1()
+                        .timer(TokioTimer::new())
+                        .header_read_timeout(HEADER_READ_TIMEOUT);
                     let conn = builder.serve_connection(TokioIo::new(tls), service);
                     tokio::pin!(conn);
                     tokio::select! {

@@ -1,6 +1,7 @@
 //! Renders the Helm chart (deploy/helm/gpu-dra-driver) with helm and checks what matters:
 //! DeviceClass selectors, the node-restriction policy's user name and node claim, RBAC, the
-//! webhook registration and the node plugin's environment.
+//! webhook registration and the node plugin's environment; and evaluates the node-restriction
+//! policy's CEL (with the `cel` crate) on plugin requests for its own and other nodes.
 //!
 //! Needs a helm binary: env `HELM`, else `.tools/bin/helm` (`make chart-check` installs it).
 //! Without one the test says so and passes, unless env `CHART_CHECK=1` demands helm
@@ -399,5 +400,185 @@ fn bad_values_are_refused_by_the_schema() {
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(!out.status.success(), "{set} accepted");
         assert!(err.contains(want), "{set}: {err}");
+    }
+}
+
+/// Evaluates one CEL expression of the policy against `vars` (request, object, oldObject,
+/// variables).
+fn eval(expr: &str, vars: &Value) -> cel::Value {
+    let program =
+        cel::Program::compile(expr).unwrap_or_else(|e| panic!("policy CEL {expr:?}: {e}"));
+    let mut ctx = cel::Context::default();
+    for (name, value) in vars.as_object().expect("variables are an object") {
+        ctx.add_variable_from_value(
+            name.as_str(),
+            cel::to_value(value).expect("JSON converts to CEL"),
+        );
+    }
+    program
+        .execute(&ctx)
+        .unwrap_or_else(|e| panic!("policy CEL {expr:?} on {vars}: {e}"))
+}
+
+/// What the node-restriction policy decides: `None` when it does not apply to the request,
+/// else the messages of the failed validations (empty: allowed).
+fn node_policy(
+    vap: &Value,
+    user: &str,
+    extra: Value,
+    op: &str,
+    object: Value,
+    old: Value,
+) -> Option<Vec<String>> {
+    let spec = &vap["spec"];
+    let mut vars = serde_json::json!({
+        "request": {"operation": op, "userInfo": {"username": user, "extra": extra}},
+        "object": object,
+        "oldObject": old,
+    });
+    for cond in spec["matchConditions"].as_array().expect("matchConditions") {
+        let expr = cond["expression"].as_str().expect("expression");
+        if eval(expr, &vars) != cel::Value::Bool(true) {
+            return None;
+        }
+    }
+    let mut variables = serde_json::Map::new();
+    for var in spec["variables"].as_array().expect("variables") {
+        let expr = var["expression"].as_str().expect("expression");
+        let cel::Value::String(s) = eval(expr, &vars) else {
+            panic!("variable {} is not a string", var["name"]);
+        };
+        variables.insert(
+            var["name"].as_str().expect("name").to_owned(),
+            Value::String(s.to_string()),
+        );
+        vars["variables"] = Value::Object(variables.clone());
+    }
+    let mut failed = Vec::new();
+    for v in spec["validations"].as_array().expect("validations") {
+        if eval(v["expression"].as_str().expect("expression"), &vars) == cel::Value::Bool(true) {
+            continue;
+        }
+        let message = match v["messageExpression"].as_str() {
+            Some(m) => match eval(m, &vars) {
+                cel::Value::String(s) => s.to_string(),
+                other => panic!("messageExpression gave {other:?}"),
+            },
+            None => v["message"].as_str().expect("message").to_owned(),
+        };
+        failed.push(message);
+    }
+    Some(failed)
+}
+
+#[test]
+fn node_restriction_policy_keeps_each_plugin_to_its_node() {
+    let Some(helm) = helm() else { return };
+    let objects = render(&helm, &[]);
+    let vap = find(
+        &objects,
+        "ValidatingAdmissionPolicy",
+        "rel-gpu-dra-driver-node-restriction",
+    );
+    let plugin = format!("system:serviceaccount:{NAMESPACE}:rel-gpu-dra-driver-kubelet-plugin");
+    let on_a = serde_json::json!({"authentication.kubernetes.io/node-name": ["node-a"],
+        "authentication.kubernetes.io/pod-name": ["plugin-xyz"]});
+    let slice = |node: Option<&str>| match node {
+        Some(n) => serde_json::json!({"spec": {"driver": "gpu.nvidia.com", "nodeName": n}}),
+        None => serde_json::json!({"spec": {"driver": "gpu.nvidia.com", "allNodes": true}}),
+    };
+    let null = Value::Null;
+
+    // Its own node: allowed, for every operation.
+    let ok = Some(vec![]);
+    assert_eq!(
+        node_policy(
+            vap,
+            &plugin,
+            on_a.clone(),
+            "CREATE",
+            slice(Some("node-a")),
+            null.clone()
+        ),
+        ok
+    );
+    assert_eq!(
+        node_policy(
+            vap,
+            &plugin,
+            on_a.clone(),
+            "UPDATE",
+            slice(Some("node-a")),
+            slice(Some("node-a"))
+        ),
+        ok
+    );
+    assert_eq!(
+        node_policy(
+            vap,
+            &plugin,
+            on_a.clone(),
+            "DELETE",
+            null.clone(),
+            slice(Some("node-a"))
+        ),
+        ok
+    );
+
+    // Another node's slices, or a slice for no single node: denied with a clear message.
+    let denied = node_policy(
+        vap,
+        &plugin,
+        on_a.clone(),
+        "CREATE",
+        slice(Some("node-b")),
+        null.clone(),
+    )
+    .expect("applies");
+    assert_eq!(
+        denied,
+        [
+            "the kubelet plugin on node node-a may only write ResourceSlices with spec.nodeName node-a, not \"node-b\""
+        ]
+    );
+    for (op, object, old) in [
+        ("CREATE", slice(None), null.clone()),
+        ("DELETE", null.clone(), slice(Some("node-b"))),
+        ("UPDATE", slice(Some("node-a")), slice(Some("node-b"))),
+    ] {
+        let failed = node_policy(vap, &plugin, on_a.clone(), op, object, old).expect("applies");
+        assert!(!failed.is_empty(), "{op} allowed");
+    }
+
+    // A token without the node claim (not bound to a pod on a node): denied.
+    let failed = node_policy(
+        vap,
+        &plugin,
+        serde_json::json!({}),
+        "CREATE",
+        slice(Some("node-a")),
+        null.clone(),
+    )
+    .expect("applies");
+    assert!(failed[0].contains("carries no node name"), "{failed:?}");
+
+    // Other users (the kubelet cleaning up, an admin, a wrongly named account) are not matched.
+    for user in [
+        "system:node:node-a",
+        "kubernetes-admin",
+        "system:serviceaccount:other:rel-gpu-dra-driver-kubelet-plugin",
+    ] {
+        assert_eq!(
+            node_policy(
+                vap,
+                user,
+                on_a.clone(),
+                "CREATE",
+                slice(Some("node-b")),
+                null.clone()
+            ),
+            None,
+            "{user}"
+        );
     }
 }
