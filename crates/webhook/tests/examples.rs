@@ -3,7 +3,7 @@
 //! - each scenario folder has a README naming the devices it needs and YAML manifests whose
 //!   `resource.k8s.io` objects are all `v1`; every object passes `check_object` with no error,
 //!   no unknown request and no warning, and the webhook allows it without a warning; pods'
-//!   claim references resolve inside the folder;
+//!   claim references resolve inside the folder; every CEL selector parses;
 //! - each `examples/invalid/<name>.yaml` fails with exactly the lines of
 //!   `<name>.expected.txt` (errors, then unknown requests; `UPDATE_GENERATED=1` rewrites them
 //!   for review).
@@ -50,6 +50,24 @@ fn names_of(docs: &[Value], kind: &str) -> BTreeSet<String> {
                 .to_owned()
         })
         .collect()
+}
+
+/// Every `cel.expression` string anywhere in `v`.
+fn cel_expressions<'a>(v: &'a Value, out: &mut Vec<&'a str>) {
+    match v {
+        Value::Object(map) => {
+            if let Some(e) = map
+                .get("cel")
+                .and_then(|c| c.get("expression"))
+                .and_then(Value::as_str)
+            {
+                out.push(e);
+            }
+            map.values().for_each(|v| cel_expressions(v, out));
+        }
+        Value::Array(items) => items.iter().for_each(|v| cel_expressions(v, out)),
+        _ => {}
+    }
 }
 
 /// The pod spec of a Pod or of a workload's pod template.
@@ -116,6 +134,18 @@ fn valid_examples_pass() {
                 "{label}: webhook says {findings:?}"
             );
             checked_objects += 1;
+
+            let mut selectors = Vec::new();
+            cel_expressions(doc, &mut selectors);
+            for expr in selectors {
+                assert!(
+                    expr.contains("device."),
+                    "{label}: selector {expr:?} looks at no device"
+                );
+                if let Err(e) = cel::Program::compile(expr) {
+                    panic!("{label}: selector {expr:?} does not parse: {e}");
+                }
+            }
 
             // Claim references resolve inside the folder; containers use declared claims.
             if let Some(spec) = pod_spec(doc) {
