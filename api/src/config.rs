@@ -305,6 +305,53 @@ impl Config {
         }
     }
 
+    /// The canonical wire form: `decode(&c.to_parameters()) == Ok(c)` for every valid `c`.
+    /// Defaults are written out (`interval: Default`) and limits are whole MiB (`"1536Mi"`),
+    /// so two configs that mean the same produce the same JSON (useful for checkpoints and
+    /// for comparing what was applied).
+    pub fn to_parameters(&self) -> Value {
+        let mut obj = Map::new();
+        obj.insert("apiVersion".into(), self.api_version().as_str().into());
+        obj.insert("kind".into(), self.kind().as_str().into());
+        let sharing = match self.sharing() {
+            None => None,
+            Some(Sharing::TimeSlicing { interval }) if self.kind() == ConfigKind::Gpu => {
+                Some(serde_json::json!({
+                    "strategy": "TimeSlicing",
+                    "timeSlicingConfig": {"interval": interval.as_str()},
+                }))
+            }
+            Some(Sharing::TimeSlicing { .. }) => {
+                Some(serde_json::json!({"strategy": "TimeSlicing"}))
+            }
+            Some(Sharing::Mps(mps)) => {
+                let mut m = Map::new();
+                if let Some(p) = mps.active_thread_percentage {
+                    m.insert("defaultActiveThreadPercentage".into(), p.into());
+                }
+                if let Some(mib) = mps.pinned_memory_limit_mib {
+                    m.insert(
+                        "defaultPinnedDeviceMemoryLimit".into(),
+                        format!("{mib}Mi").into(),
+                    );
+                }
+                if !mps.per_device_pinned_memory_limit_mib.is_empty() {
+                    let per: Map<String, Value> = mps
+                        .per_device_pinned_memory_limit_mib
+                        .iter()
+                        .map(|(k, mib)| (k.to_string(), format!("{mib}Mi").into()))
+                        .collect();
+                    m.insert("defaultPerDevicePinnedMemoryLimit".into(), per.into());
+                }
+                Some(serde_json::json!({"strategy": "MPS", "mpsConfig": m}))
+            }
+        };
+        if let Some(sharing) = sharing {
+            obj.insert("sharing".into(), sharing);
+        }
+        Value::Object(obj)
+    }
+
     /// Checks the rules that a normalized value can still break when built in code rather
     /// than decoded: thread percentage 1..=100, limits at least 1 MiB, well-formed per-device
     /// keys, no time-slice interval on a MIG device configuration.

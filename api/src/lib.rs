@@ -10,6 +10,7 @@
 //! - [`objects`]: finds and checks our configs inside ResourceClaims, ResourceClaimTemplates
 //!   and DeviceClasses of any `resource.k8s.io` version.
 //! - [`quantity`]: exact Kubernetes quantities.
+//! - [`yaml`]: YAML documents with one-line positioned errors.
 //! - [`json_schema`]: the JSON Schema of both kinds (committed under `api/schema/`).
 
 mod allocation;
@@ -18,6 +19,7 @@ mod error;
 pub mod objects;
 pub mod quantity;
 mod schema;
+pub mod yaml;
 
 pub use allocation::{ClaimDevice, validate_for_devices};
 pub use config::{
@@ -38,7 +40,7 @@ pub fn decode(parameters: &serde_json::Value) -> Result<Config, Errors> {
 
 /// [`decode`] for a configuration written as a single YAML (or JSON) document.
 pub fn decode_yaml(text: &str) -> Result<Config, Errors> {
-    let value: serde_json::Value = serde_saphyr::from_str(text)
+    let value = yaml::from_str(text)
         .map_err(|e| Errors::from(FieldError::new("", format!("invalid YAML: {e}"))))?;
     decode(&value)
 }

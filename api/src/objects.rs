@@ -290,3 +290,205 @@ fn warn_class_mismatch(
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    const DRIVER: &str = "gpu.nvidia.com";
+
+    fn params(strategy: &str) -> Value {
+        json!({"apiVersion": "resource.nvidia.com/v1beta1", "kind": "GpuConfig",
+               "sharing": {"strategy": strategy}})
+    }
+
+    fn opaque(parameters: Value) -> Value {
+        json!({"opaque": {"driver": DRIVER, "parameters": parameters}})
+    }
+
+    fn claim(api_version: &str, devices: Value) -> Value {
+        json!({"apiVersion": api_version, "kind": "ResourceClaim",
+               "metadata": {"name": "c", "namespace": "ns"}, "spec": {"devices": devices}})
+    }
+
+    fn paths(errs: &[FieldError]) -> Vec<&str> {
+        errs.iter().map(|e| e.path.as_str()).collect()
+    }
+
+    #[test]
+    fn full_paths_for_each_kind() {
+        let bad = opaque(params("mps"));
+        let c = claim(
+            "resource.k8s.io/v1",
+            json!({"config": [opaque(params("MPS")), bad]}),
+        );
+        let r = check_object(&c, DRIVER);
+        assert_eq!(
+            paths(&r.errors),
+            ["spec.devices.config[1].opaque.parameters.sharing.strategy"]
+        );
+        let t = json!({"apiVersion": "resource.k8s.io/v1beta2", "kind": "ResourceClaimTemplate",
+            "metadata": {"name": "t"}, "spec": {"spec": {"devices": {"config": [bad]}}}});
+        assert_eq!(
+            paths(&check_object(&t, DRIVER).errors),
+            ["spec.spec.devices.config[0].opaque.parameters.sharing.strategy"]
+        );
+        let d = json!({"apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass",
+            "metadata": {"name": "d"}, "spec": {"config": [bad]}});
+        assert_eq!(
+            paths(&check_object(&d, DRIVER).errors),
+            ["spec.config[0].opaque.parameters.sharing.strategy"]
+        );
+    }
+
+    #[test]
+    fn only_our_driver_is_judged() {
+        let foreign = json!({"opaque": {"driver": "other.example.com", "parameters": 42}});
+        let c = claim(
+            "resource.k8s.io/v1",
+            json!({"config": [foreign, {"other": {}}]}),
+        );
+        assert_eq!(check_object(&c, DRIVER), Report::default());
+        // The same config is ours under another driver name.
+        let r = check_object(&c, "other.example.com");
+        assert_eq!(
+            paths(&r.errors),
+            ["spec.devices.config[0].opaque.parameters"]
+        );
+        assert!(
+            r.errors[0].message.starts_with("must be an object"),
+            "{r:?}"
+        );
+    }
+
+    #[test]
+    fn missing_or_non_object_parameters_are_clear_errors() {
+        let c = claim(
+            "resource.k8s.io/v1",
+            json!({"config": [{"opaque": {"driver": DRIVER}}, opaque(json!("GpuConfig"))]}),
+        );
+        let r = check_object(&c, DRIVER);
+        assert_eq!(r.errors.len(), 2, "{r:?}");
+        assert_eq!(
+            r.errors[0].to_string(),
+            "spec.devices.config[0].opaque.parameters: required: configs for driver \
+             gpu.nvidia.com carry a GpuConfig or MigDeviceConfig object here"
+        );
+        assert_eq!(
+            r.errors[1].to_string(),
+            "spec.devices.config[1].opaque.parameters: must be an object with apiVersion, \
+             kind and sharing, got string \"GpuConfig\""
+        );
+        let c = claim("resource.k8s.io/v1", json!({"config": {"a": 1}}));
+        assert_eq!(
+            check_object(&c, DRIVER).errors[0].to_string(),
+            "spec.devices.config: must be a list, got an object"
+        );
+    }
+
+    #[test]
+    fn request_references_are_checked_in_all_shapes() {
+        let mut cfg = opaque(params("TimeSlicing"));
+        cfg["requests"] = json!(["a", "b", "b/x", "b/y", "nope", "b/nope", 7]);
+        let devices = json!({
+            "requests": [
+                // v1 shape
+                {"name": "a", "exactly": {"deviceClassName": "gpu.nvidia.com"}},
+                {"name": "b", "firstAvailable": [
+                    {"name": "x", "deviceClassName": "gpu.nvidia.com"},
+                    {"name": "y", "deviceClassName": "gpu.nvidia.com"}]}
+            ],
+            "config": [cfg]
+        });
+        let r = check_object(&claim("resource.k8s.io/v1", devices), DRIVER);
+        assert_eq!(
+            paths(&r.unknown_requests),
+            [
+                "spec.devices.config[0].requests[4]",
+                "spec.devices.config[0].requests[5]"
+            ]
+        );
+        assert_eq!(
+            r.unknown_requests[0].message,
+            "request \"nope\" does not exist; requests here: a, b, b/x, b/y"
+        );
+        assert_eq!(
+            r.errors[0].to_string(),
+            "spec.devices.config[0].requests[6]: must be a request name, got number 7"
+        );
+        assert!(!r.is_ok());
+        // v1beta1 shape: deviceClassName on the request itself.
+        let mut cfg = opaque(params("TimeSlicing"));
+        cfg["requests"] = json!(["gpu"]);
+        let devices = json!({"requests": [{"name": "gpu", "deviceClassName": "gpu.nvidia.com"}],
+                             "config": [cfg]});
+        let r = check_object(&claim("resource.k8s.io/v1beta1", devices), DRIVER);
+        assert!(r.is_ok() && r.warnings.is_empty(), "{r:?}");
+    }
+
+    #[test]
+    fn class_mismatch_is_a_warning() {
+        let mut cfg = opaque(params("TimeSlicing"));
+        cfg["requests"] = json!(["m"]);
+        let devices = json!({
+            "requests": [{"name": "m", "firstAvailable": [
+                {"name": "small", "deviceClassName": "mig.nvidia.com"}]}],
+            "config": [cfg]
+        });
+        let r = check_object(&claim("resource.k8s.io/v1", devices), DRIVER);
+        assert!(r.is_ok());
+        assert_eq!(r.warnings.len(), 1);
+        assert!(
+            r.warnings[0].starts_with(
+                "spec.devices.config[0]: GpuConfig applies to request \"m\", whose DeviceClass \
+                 \"mig.nvidia.com\" gives MIG devices"
+            ),
+            "{r:?}"
+        );
+    }
+
+    #[test]
+    fn kinds_and_groups_recognized() {
+        assert_eq!(
+            object_kind(&json!({"apiVersion": "resource.k8s.io/v1beta2", "kind": "DeviceClass"})),
+            Some(ObjectKind::DeviceClass)
+        );
+        assert_eq!(
+            object_kind(&json!({"kind": "ResourceClaimTemplate"})),
+            Some(ObjectKind::ResourceClaimTemplate)
+        );
+        assert_eq!(
+            object_kind(&json!({"apiVersion": "example.com/v1", "kind": "ResourceClaim"})),
+            None
+        );
+        assert_eq!(
+            object_kind(&json!({"apiVersion": "v1", "kind": "Pod"})),
+            None
+        );
+        assert_eq!(object_kind(&json!([1])), None);
+        assert_eq!(ObjectKind::ResourceClaim.as_str(), "ResourceClaim");
+    }
+
+    #[test]
+    fn labels() {
+        assert_eq!(
+            object_label(&json!({"kind": "ResourceClaim", "metadata": {"name": "x"}})),
+            "ResourceClaim default/x"
+        );
+        assert_eq!(
+            object_label(&json!({"kind": "ResourceClaimTemplate",
+                "metadata": {"name": "t", "namespace": "ml"}})),
+            "ResourceClaimTemplate ml/t"
+        );
+        assert_eq!(
+            object_label(&json!({"kind": "DeviceClass", "metadata": {"name": "gpu.nvidia.com"}})),
+            "DeviceClass gpu.nvidia.com"
+        );
+        assert_eq!(
+            object_label(&json!({"kind": "ResourceClaim", "metadata": {"generateName": "p-"}})),
+            "ResourceClaim default/p-*"
+        );
+        assert_eq!(object_label(&json!(null)), "object default/<unnamed>");
+    }
+}

@@ -38,6 +38,15 @@ fn memory_limit(_: &mut SchemaGenerator) -> Schema {
     })
 }
 
+/// [`memory_limit`] for an optional field: `null` means not set.
+fn optional_memory_limit(generator: &mut SchemaGenerator) -> Schema {
+    let mut schema = memory_limit(generator);
+    if let Some(Value::Array(any_of)) = schema.get_mut("anyOf") {
+        any_of.push(json!({"type": "null"}));
+    }
+    schema
+}
+
 fn per_device_limits(generator: &mut SchemaGenerator) -> Schema {
     let item = memory_limit(generator);
     json_schema!({
@@ -162,9 +171,14 @@ struct MpsConfig {
     /// Default active thread percentage of MPS clients, 1..=100 (MPS rejects 0).
     #[schemars(range(min = 1, max = 100))]
     default_active_thread_percentage: Option<i64>,
-    /// Pinned device memory limit for every device of the claim.
-    #[schemars(schema_with = "memory_limit")]
+    /// Pinned device memory limit for every device of the claim: a Kubernetes quantity
+    /// (e.g. "5Gi", "512Mi", "1e9"), positive and at least 1Mi. The value is rounded up to
+    /// whole bytes, then DOWN to whole MiB, which is the unit MPS takes
+    /// (set_default_device_pinned_mem_limit <uuid> <N>M).
+    #[serde(default)]
+    #[schemars(schema_with = "optional_memory_limit")]
     default_pinned_device_memory_limit: Option<String>,
+    #[serde(default)]
     #[schemars(schema_with = "per_device_limits")]
     default_per_device_pinned_memory_limit: Option<BTreeMap<String, String>>,
 }
@@ -210,6 +224,25 @@ mod tests {
             committed == fresh,
             "{SCHEMA_FILE} is stale; run `make generate` (UPDATE_GENERATED=1 cargo test \
              generated_) and commit the result"
+        );
+    }
+
+    #[test]
+    fn only_identity_and_strategy_are_required() {
+        let schema = json_schema();
+        let required = |def: &str| schema["$defs"][def]["required"].clone();
+        assert_eq!(required("GpuConfig"), json!(["apiVersion", "kind"]));
+        assert_eq!(required("MigDeviceConfig"), json!(["apiVersion", "kind"]));
+        assert_eq!(required("GpuSharing"), json!(["strategy"]));
+        assert_eq!(required("MigDeviceSharing"), json!(["strategy"]));
+        for optional in ["MpsConfig", "TimeSlicingConfig"] {
+            assert_eq!(required(optional), Value::Null, "{optional}");
+        }
+        let mps = &schema["$defs"]["MpsConfig"]["properties"];
+        let limit = mps["defaultPinnedDeviceMemoryLimit"].to_string();
+        assert!(
+            limit.contains("DOWN to whole MiB") && limit.contains("null"),
+            "{limit}"
         );
     }
 

@@ -111,6 +111,32 @@ fn talk_example_mig_device_config_with_mps() {
 }
 
 #[test]
+fn canonical_parameters_write_defaults_and_whole_mib() {
+    let c = decode(&gpu(json!({"strategy": "MPS", "mpsConfig": {
+        "defaultPinnedDeviceMemoryLimit": "1.5G",
+        "defaultPerDevicePinnedMemoryLimit": {GPU0: "1Gi"}}})))
+    .unwrap();
+    assert_eq!(
+        c.to_parameters(),
+        gpu(json!({"strategy": "MPS", "mpsConfig": {
+            "defaultPinnedDeviceMemoryLimit": "1430Mi",
+            "defaultPerDevicePinnedMemoryLimit": {GPU0: "1024Mi"}}}))
+    );
+    let c = decode(&gpu(json!({"strategy": "TimeSlicing"}))).unwrap();
+    assert_eq!(
+        c.to_parameters(),
+        gpu(json!({"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Default"}}))
+    );
+    let c = decode(&mig(json!({"strategy": "TimeSlicing"}))).unwrap();
+    assert_eq!(c.to_parameters(), mig(json!({"strategy": "TimeSlicing"})));
+    let c = decode(&json!({"apiVersion": V1ALPHA1, "kind": "GpuConfig"})).unwrap();
+    assert_eq!(
+        c.to_parameters(),
+        json!({"apiVersion": V1ALPHA1, "kind": "GpuConfig"})
+    );
+}
+
+#[test]
 fn defaults_are_applied() {
     let ts = |tsc: Value| {
         let mut s = json!({"strategy": "TimeSlicing"});
@@ -519,7 +545,13 @@ fn unknown_kind_still_reports_body_errors() {
 fn yaml_input_errors_are_clear() {
     let e = decode_yaml("apiVersion: [unclosed\nkind: GpuConfig\n").unwrap_err();
     assert_eq!(e.len(), 1);
-    assert!(e.0[0].message.starts_with("invalid YAML: "), "{e}");
+    assert!(
+        e.0[0]
+            .message
+            .starts_with("invalid YAML: line 2 column 5: "),
+        "{e}"
+    );
+    assert!(!e.0[0].message.contains('\n'), "{e}");
     assert!(e.0[0].path.is_empty());
     let e = decode_yaml("- a\n- b\n").unwrap_err();
     assert!(e.to_string().starts_with("must be an object"), "{e}");
@@ -645,7 +677,7 @@ mod fuzzish {
     }
 
     proptest! {
-        #![proptest_config(ProptestConfig::with_cases(2000))]
+        #![proptest_config(ProptestConfig::with_cases(1000))]
 
         #[test]
         fn decode_never_panics_on_arbitrary_json(v in arb_json()) {
@@ -682,6 +714,13 @@ mod fuzzish {
         }
 
         #[test]
+        fn canonical_parameters_round_trip(v in arb_json()) {
+            if let Ok(c) = decode(&v) {
+                prop_assert_eq!(decode(&c.to_parameters()), Ok(c));
+            }
+        }
+
+        #[test]
         fn yaml_decode_never_panics(text in "\\PC{0,200}") {
             let _ = decode_yaml(&text);
         }
@@ -698,9 +737,10 @@ mod fuzzish {
     }
 
     #[test]
-    fn valid_configs_are_valid() {
+    fn valid_configs_are_valid_and_round_trip() {
         for v in valid_configs() {
-            decode(&v).unwrap_or_else(|e| panic!("{v}: {e}"));
+            let c = decode(&v).unwrap_or_else(|e| panic!("{v}: {e}"));
+            assert_eq!(decode(&c.to_parameters()), Ok(c));
         }
     }
 }
