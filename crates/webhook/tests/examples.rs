@@ -6,7 +6,9 @@
 //!   claim references resolve inside the folder; every CEL selector parses;
 //! - each `examples/invalid/<name>.yaml` fails with exactly the lines of
 //!   `<name>.expected.txt` (errors, then unknown requests; `UPDATE_GENERATED=1` rewrites them
-//!   for review).
+//!   for review);
+//! - `gpu-dra validate` (the operator CLI's library entry) passes every valid file and fails
+//!   every invalid one, printing each expected message.
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -219,4 +221,52 @@ fn invalid_examples_fail_with_their_expected_messages() {
         }
     }
     assert!(mismatches.is_empty(), "{}", mismatches.join("\n"));
+}
+
+#[test]
+fn gpu_dra_validate_agrees() {
+    let mut dirs: Vec<PathBuf> = std::fs::read_dir(examples())
+        .expect("examples directory is readable")
+        .map(|e| e.expect("directory entry").path())
+        .filter(|p| p.is_dir())
+        .collect();
+    dirs.sort();
+    let mut files = 0;
+    for dir in dirs {
+        let invalid = dir.ends_with("invalid");
+        for file in yaml_files(&dir) {
+            let text = std::fs::read_to_string(&file).expect("example is readable UTF-8");
+            let mut out = Vec::new();
+            let outcome =
+                gpu_dra::validate_text("f", &text, DRIVER, &mut out).expect("in-memory output");
+            let out = String::from_utf8(out).expect("UTF-8 report");
+            if invalid {
+                assert_eq!(
+                    outcome,
+                    gpu_dra::Outcome::Invalid,
+                    "{}: {out}",
+                    file.display()
+                );
+                let expected = std::fs::read_to_string(file.with_extension("expected.txt"))
+                    .expect("expected messages");
+                for line in expected.lines() {
+                    assert!(
+                        out.contains(line),
+                        "{}: {line:?} not in\n{out}",
+                        file.display()
+                    );
+                }
+            } else {
+                assert_eq!(
+                    outcome,
+                    gpu_dra::Outcome::Valid,
+                    "{}: {out}",
+                    file.display()
+                );
+                assert!(!out.contains("warning"), "{}: {out}", file.display());
+            }
+            files += 1;
+        }
+    }
+    assert!(files >= 25, "only {files} files");
 }
