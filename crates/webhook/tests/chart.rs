@@ -91,6 +91,21 @@ fn strs(v: &Value) -> Vec<&str> {
         .collect()
 }
 
+fn plugin_env<'a>(ds: &'a Value, name: &str) -> Option<&'a str> {
+    ds["spec"]["template"]["spec"]["containers"][0]["env"]
+        .as_array()?
+        .iter()
+        .find(|e| e["name"] == name)?["value"]
+        .as_str()
+}
+
+fn mount_paths(ds: &Value) -> Vec<&str> {
+    ds["spec"]["template"]["spec"]["containers"][0]["volumeMounts"]
+        .as_array()
+        .map(|m| m.iter().filter_map(|m| m["mountPath"].as_str()).collect())
+        .unwrap_or_default()
+}
+
 #[test]
 fn default_values() {
     let Some(helm) = helm() else { return };
@@ -165,6 +180,15 @@ fn default_values() {
     ] {
         assert!(host_paths.contains(&p), "{p} not mounted: {host_paths:?}");
     }
+    // The host's /dev is the device root, seen at /dev; a host-installed driver ("/") is
+    // mounted at /driver-root.
+    assert_eq!(plugin_env(ds, "NVIDIA_DEV_ROOT"), Some("/"));
+    assert_eq!(plugin_env(ds, "NVIDIA_DRIVER_ROOT"), Some("/driver-root"));
+    let mounts = mount_paths(ds);
+    assert!(
+        mounts.contains(&"/dev") && mounts.contains(&"/driver-root"),
+        "{mounts:?}"
+    );
     assert_eq!(container["livenessProbe"]["httpGet"]["path"], "/healthz");
     assert_eq!(container["readinessProbe"]["httpGet"]["path"], "/readyz");
     assert!(container["resources"]["requests"].is_object());
@@ -337,6 +361,12 @@ fn value_combinations() {
         ds["spec"]["template"]["spec"]["serviceAccountName"],
         "plugin"
     );
+    // CDI specs name host paths: a driver root other than "/" is mounted at its host path.
+    assert_eq!(
+        plugin_env(ds, "NVIDIA_DRIVER_ROOT"),
+        Some("/run/nvidia/driver")
+    );
+    assert!(mount_paths(ds).contains(&"/run/nvidia/driver"));
     assert!(
         ds["spec"]["template"]["spec"]["volumes"]
             .as_array()
