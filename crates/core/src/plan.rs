@@ -731,7 +731,7 @@ mod tests {
         .expect_err("out of range");
         assert_eq!(
             err.to_string(),
-            "status.allocation.devices.config[2].opaque.parameters.sharing.mpsConfig.defaultActiveThreadPercentage: 150 is out of range 1..=100 (MPS rejects 0)"
+            "status.allocation.devices.config[2].opaque.parameters.sharing.mpsConfig.defaultActiveThreadPercentage: 150 is out of range 1..=100"
         );
     }
 }
