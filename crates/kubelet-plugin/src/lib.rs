@@ -1,1 +1,3 @@
 //! The node plugin.
+
+pub mod sharing;
