@@ -2,6 +2,9 @@
 //! `nvidia-cuda-mps-control` stand-ins found under a simulated driver root, with state in its
 //! state file. Each test builds a fresh simulated host and plugin directory.
 
+// Test helpers outside #[test] functions: a failed unwrap is a failed test.
+#![allow(clippy::unwrap_used)]
+
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
