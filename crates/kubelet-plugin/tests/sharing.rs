@@ -108,6 +108,7 @@ impl Node {
 
 fn gpu(uuid: &str) -> SharedDevice {
     SharedDevice {
+        index: 0,
         uuid: uuid.to_string(),
         mig: false,
     }
@@ -115,6 +116,7 @@ fn gpu(uuid: &str) -> SharedDevice {
 
 fn mig(uuid: &str) -> SharedDevice {
     SharedDevice {
+        index: 0,
         uuid: uuid.to_string(),
         mig: true,
     }
@@ -324,18 +326,18 @@ async fn mps_on_two_gpus_applies_a_per_device_limit() {
     sorted.sort();
     let req = MpsRequest {
         default_pinned_memory_mib: Some(1024),
+        // Claim index 1 is GPU b.
         per_device_pinned_memory_mib: [(DeviceKey::Index(1), 3000)].into(),
         ..Default::default()
     };
-    m.prepare(CLAIM_A, &mps(vec![gpu(&b), gpu(&a)], req))
-        .await
-        .unwrap();
+    let mut devices = vec![gpu(&a), gpu(&b)];
+    devices[1].index = 1;
+    m.prepare(CLAIM_A, &mps(devices, req)).await.unwrap();
     let dir = node.daemon_dir(CLAIM_A, "0");
     let (_, out) = node.mps_client(
         &dir,
         &format!(
-            "get_default_device_pinned_mem_limit {}\nget_default_device_pinned_mem_limit {}\n",
-            sorted[0], sorted[1]
+            "get_default_device_pinned_mem_limit {a}\nget_default_device_pinned_mem_limit {b}\n"
         ),
     );
     assert_eq!(out, "1G\n3000M\n");

@@ -31,7 +31,9 @@ use super::mps::{self, CONTAINER_PIPE_DIR, PIPE_DIR_ENV};
 use super::smi::{self, ComputeMode, TimeSliceInterval};
 use super::state::{MpsLimitsApplied, MpsPhase, MpsRecord, SharingState, SharingStore};
 use super::tools::DriverRoot;
-use super::{DeviceKey, MpsRequest, SharingEdits, SharingGroup, SharingMount, SharingRequest};
+use super::{
+    DeviceKey, MpsRequest, SharedDevice, SharingEdits, SharingGroup, SharingMount, SharingRequest,
+};
 
 /// Tunables of the manager; [`SharingOptions::new`] gives production defaults.
 #[derive(Debug, Clone)]
@@ -438,7 +440,7 @@ impl SharingManager {
             phase: MpsPhase::Starting,
             pid: None,
             dir: inner.opts.plugin_dir.join("mps").join(&id),
-            limits: resolve_limits(req, &devices)?,
+            limits: resolve_limits(req, &group.devices)?,
             devices,
             whole_gpus,
         };
@@ -804,10 +806,13 @@ fn check_name(what: &str, name: &str) -> Result<(), SharingError> {
     }
 }
 
-/// Resolves the request's device keys: an index is the device's position in the sorted UUID
-/// list, which is also its CUDA ordinal inside the daemon (`CUDA_VISIBLE_DEVICES` order);
-/// a UUID must be one of the group's devices.
-fn resolve_limits(req: &MpsRequest, devices: &[String]) -> Result<MpsLimitsApplied, SharingError> {
+/// Resolves the request's limits to one value per device UUID: a UUID key, else an index key
+/// (the device's position in the claim), else the default. Every key must name a device of
+/// the group.
+fn resolve_limits(
+    req: &MpsRequest,
+    devices: &[SharedDevice],
+) -> Result<MpsLimitsApplied, SharingError> {
     const FIELD: &str = "sharing.mpsConfig";
     if let Some(p) = req.active_thread_percentage
         && !(1..=100).contains(&p)
@@ -817,46 +822,50 @@ fn resolve_limits(req: &MpsRequest, devices: &[String]) -> Result<MpsLimitsAppli
             message: format!("{p} is out of range; MPS accepts 1 to 100"),
         });
     }
-    let mut pinned: BTreeMap<String, u64> = BTreeMap::new();
     if let Some(mib) = req.default_pinned_memory_mib {
         check_mib(&format!("{FIELD}.defaultPinnedDeviceMemoryLimit"), mib)?;
-        for d in devices {
-            pinned.insert(d.clone(), mib);
-        }
     }
     for (key, mib) in &req.per_device_pinned_memory_mib {
         let field = format!("{FIELD}.defaultPerDevicePinnedMemoryLimit[{key}]");
         check_mib(&field, *mib)?;
-        let uuid = match key {
-            DeviceKey::Index(i) => devices.get(*i).cloned().ok_or_else(|| {
-                SharingError::InvalidRequest {
-                    field: field.clone(),
-                    message: format!(
-                        "device index {i} is out of range; this group has {} device(s), indexes 0 to {}",
-                        devices.len(),
-                        devices.len() - 1
-                    ),
-                }
-            })?,
-            DeviceKey::Uuid(u) => {
-                if !devices.contains(u) {
-                    return Err(SharingError::InvalidRequest {
-                        field,
-                        message: format!(
-                            "{u} is not a device of this group; valid UUIDs: {}",
-                            devices.join(", ")
-                        ),
-                    });
-                }
-                u.clone()
-            }
+        let known = devices.iter().any(|d| key_matches(key, d));
+        if !known {
+            let valid: Vec<String> = devices
+                .iter()
+                .map(|d| format!("{} ({})", d.index, d.uuid))
+                .collect();
+            return Err(SharingError::InvalidRequest {
+                field,
+                message: format!(
+                    "{key} is not a device of this group; valid keys (claim index or UUID): {}",
+                    valid.join(", ")
+                ),
+            });
+        }
+    }
+    let mut pinned: BTreeMap<String, u64> = BTreeMap::new();
+    for d in devices {
+        let by = |want_uuid: bool| {
+            req.per_device_pinned_memory_mib
+                .iter()
+                .find(|(k, _)| matches!(k, DeviceKey::Uuid(_)) == want_uuid && key_matches(k, d))
+                .map(|(_, v)| *v)
         };
-        pinned.insert(uuid, *mib);
+        if let Some(mib) = by(true).or_else(|| by(false)).or(req.default_pinned_memory_mib) {
+            pinned.insert(d.uuid.clone(), mib);
+        }
     }
     Ok(MpsLimitsApplied {
         active_thread_percentage: req.active_thread_percentage,
         pinned_memory_mib: pinned,
     })
+}
+
+fn key_matches(key: &DeviceKey, device: &SharedDevice) -> bool {
+    match key {
+        DeviceKey::Index(i) => *i == device.index,
+        DeviceKey::Uuid(u) => u.eq_ignore_ascii_case(&device.uuid),
+    }
 }
 
 fn check_mib(field: &str, mib: u64) -> Result<(), SharingError> {
@@ -893,26 +902,40 @@ fn mps_edits(record: &MpsRecord) -> SharingEdits {
 mod tests {
     use super::*;
 
-    fn devices(n: usize) -> Vec<String> {
-        (0..n).map(|i| format!("GPU-{i}")).collect()
+    fn devices(n: usize) -> Vec<SharedDevice> {
+        // Claim order differs from UUID order on purpose.
+        (0..n)
+            .map(|i| SharedDevice {
+                index: i,
+                uuid: format!("GPU-{}", n - i),
+                mig: false,
+            })
+            .collect()
     }
 
     #[test]
-    fn limits_resolve_indexes_to_sorted_uuids_and_override_the_default() {
+    fn limits_resolve_uuid_over_index_over_default() {
         let req = MpsRequest {
             active_thread_percentage: Some(50),
             default_pinned_memory_mib: Some(1024),
             per_device_pinned_memory_mib: [
-                (DeviceKey::Index(1), 2048),
-                (DeviceKey::Uuid("GPU-0".into()), 512),
+                (DeviceKey::Index(0), 2048),
+                (DeviceKey::Index(1), 4096),
+                (DeviceKey::Uuid("gpu-2".into()), 512),
             ]
             .into(),
         };
-        let l = resolve_limits(&req, &devices(2)).unwrap();
+        // Claim index 0 is GPU-3, index 1 is GPU-2, index 2 is GPU-1.
+        let l = resolve_limits(&req, &devices(3)).unwrap();
         assert_eq!(l.active_thread_percentage, Some(50));
         assert_eq!(
             l.pinned_memory_mib,
-            [("GPU-0".to_string(), 512), ("GPU-1".to_string(), 2048)].into()
+            [
+                ("GPU-1".to_string(), 1024),
+                ("GPU-2".to_string(), 512),
+                ("GPU-3".to_string(), 2048)
+            ]
+            .into()
         );
     }
 
@@ -923,14 +946,10 @@ mod tests {
             ..Default::default()
         };
         let err = resolve_limits(&req, &devices(2)).unwrap_err().to_string();
-        assert!(
-            err.contains("defaultPerDevicePinnedMemoryLimit[2]"),
-            "{err}"
-        );
-        assert!(err.contains("indexes 0 to 1"), "{err}");
+        assert!(err.contains("defaultPerDevicePinnedMemoryLimit[2]"), "{err}");
+        assert!(err.contains("0 (GPU-2), 1 (GPU-1)"), "{err}");
         req.per_device_pinned_memory_mib = [(DeviceKey::Uuid("GPU-9".into()), 1)].into();
-        let err = resolve_limits(&req, &devices(2)).unwrap_err().to_string();
-        assert!(err.contains("GPU-0, GPU-1"), "{err}");
+        assert!(resolve_limits(&req, &devices(2)).is_err());
         let req = MpsRequest {
             active_thread_percentage: Some(0),
             ..Default::default()

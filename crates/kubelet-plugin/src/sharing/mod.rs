@@ -34,6 +34,9 @@ pub use tools::DriverRoot;
 /// One device of a sharing group.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SharedDevice {
+    /// Position of the device among the claim's allocated devices (what an index key of
+    /// `defaultPerDevicePinnedMemoryLimit` refers to).
+    pub index: usize,
     /// GPU (`GPU-…`) or MIG (`MIG-…`) UUID.
     pub uuid: String,
     /// Whether it is a MIG device (no compute mode or time-slice settings apply).
@@ -70,14 +73,15 @@ pub struct MpsRequest {
     pub active_thread_percentage: Option<u32>,
     /// `defaultPinnedDeviceMemoryLimit`, for every device of the group.
     pub default_pinned_memory_mib: Option<u64>,
-    /// `defaultPerDevicePinnedMemoryLimit`, overriding the default per device.
+    /// `defaultPerDevicePinnedMemoryLimit`, overriding the default per device. A UUID key
+    /// wins over an index key naming the same device (the api crate's precedence).
     pub per_device_pinned_memory_mib: BTreeMap<DeviceKey, u64>,
 }
 
 /// A key of `defaultPerDevicePinnedMemoryLimit`.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
 pub enum DeviceKey {
-    /// Index into the group's devices sorted by UUID (the CUDA ordinal inside the daemon).
+    /// Position of the device among the claim's allocated devices ([`SharedDevice::index`]).
     Index(usize),
     /// A device UUID.
     Uuid(String),
