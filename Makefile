@@ -37,3 +37,5 @@ fuzz: ## run the opaque-config fuzzer (needs a nightly toolchain and cargo-fuzz)
 
 bench: ## benchmarks: print figures (medians, percentiles, ratios)
 	$(CARGO) run --release --locked -p gpu-dra-api --example bench_validate
+	$(CARGO) build --release --locked -p gpu-dra-sim --lib --bins
+	$(CARGO) run --release --locked -p gpu-kubelet-plugin --example bench_mps
