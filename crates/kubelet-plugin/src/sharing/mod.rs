@@ -115,3 +115,142 @@ pub struct SharingMount {
     /// Mount options (CDI `options`).
     pub options: Vec<String>,
 }
+
+impl From<gpu_dra_api::Interval> for TimeSliceInterval {
+    fn from(i: gpu_dra_api::Interval) -> Self {
+        match i {
+            gpu_dra_api::Interval::Default => TimeSliceInterval::Default,
+            gpu_dra_api::Interval::Short => TimeSliceInterval::Short,
+            gpu_dra_api::Interval::Medium => TimeSliceInterval::Medium,
+            gpu_dra_api::Interval::Long => TimeSliceInterval::Long,
+        }
+    }
+}
+
+impl From<&gpu_dra_api::MpsConfig> for MpsRequest {
+    fn from(c: &gpu_dra_api::MpsConfig) -> Self {
+        MpsRequest {
+            active_thread_percentage: c.active_thread_percentage.map(u32::from),
+            default_pinned_memory_mib: c.pinned_memory_limit_mib,
+            per_device_pinned_memory_mib: c
+                .per_device_pinned_memory_limit_mib
+                .iter()
+                .map(|(k, v)| {
+                    let key = match k {
+                        gpu_dra_api::DeviceKey::Index(i) => DeviceKey::Index(*i as usize),
+                        gpu_dra_api::DeviceKey::Uuid(u) => DeviceKey::Uuid(u.clone()),
+                    };
+                    (key, *v)
+                })
+                .collect(),
+        }
+    }
+}
+
+impl From<&gpu_dra_api::Sharing> for SharingRequest {
+    fn from(s: &gpu_dra_api::Sharing) -> Self {
+        match s {
+            gpu_dra_api::Sharing::TimeSlicing { interval } => SharingRequest::TimeSlicing {
+                interval: (*interval).into(),
+            },
+            gpu_dra_api::Sharing::Mps(c) => SharingRequest::Mps(c.into()),
+        }
+    }
+}
+
+impl SharingRequest {
+    /// Time-slicing with an interval given by its API name (`Default`, `Short`, `Medium`,
+    /// `Long`), as the prepare plan carries it.
+    pub fn time_slicing(interval: &str) -> Result<Self, SharingError> {
+        let interval = match interval {
+            "Default" => TimeSliceInterval::Default,
+            "Short" => TimeSliceInterval::Short,
+            "Medium" => TimeSliceInterval::Medium,
+            "Long" => TimeSliceInterval::Long,
+            other => {
+                return Err(SharingError::InvalidRequest {
+                    field: "sharing.timeSlicingConfig.interval".to_string(),
+                    message: format!("{other:?} is not an interval; use Default, Short, Medium or Long"),
+                });
+            }
+        };
+        Ok(SharingRequest::TimeSlicing { interval })
+    }
+
+    /// MPS from a raw `mpsConfig` object (as the prepare plan carries it), decoded and
+    /// validated by the api crate so that quantities and device keys mean what the webhook
+    /// checked.
+    pub fn mps_from_json(mps_config: &serde_json::Value) -> Result<Self, SharingError> {
+        let doc = serde_json::json!({
+            "apiVersion": gpu_dra_api::API_VERSIONS[0],
+            "kind": "GpuConfig",
+            "sharing": { "strategy": "MPS", "mpsConfig": mps_config },
+        });
+        let config = gpu_dra_api::decode(&doc).map_err(|e| SharingError::InvalidRequest {
+            field: "sharing.mpsConfig".to_string(),
+            message: e.to_string(),
+        })?;
+        match config.sharing() {
+            Some(s @ gpu_dra_api::Sharing::Mps(_)) => Ok(s.into()),
+            _ => Err(SharingError::InvalidRequest {
+                field: "sharing.mpsConfig".to_string(),
+                message: "did not decode as an MPS configuration".to_string(),
+            }),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn mps_config_json_decodes_through_the_api_crate() {
+        let r = SharingRequest::mps_from_json(&json!({
+            "defaultActiveThreadPercentage": 40,
+            "defaultPinnedDeviceMemoryLimit": "1536Mi",
+            "defaultPerDevicePinnedMemoryLimit": {"1": "2Gi", "GPU-8614e54a-4d5b-70ec-4cf8-cfd33eb7be95": "1Gi"},
+        }))
+        .unwrap();
+        let SharingRequest::Mps(m) = r else {
+            panic!("not MPS: {r:?}")
+        };
+        assert_eq!(m.active_thread_percentage, Some(40));
+        assert_eq!(m.default_pinned_memory_mib, Some(1536));
+        assert_eq!(m.per_device_pinned_memory_mib[&DeviceKey::Index(1)], 2048);
+        assert_eq!(
+            m.per_device_pinned_memory_mib[&DeviceKey::Uuid(
+                "GPU-8614e54a-4d5b-70ec-4cf8-cfd33eb7be95".into()
+            )],
+            1024
+        );
+        let err = SharingRequest::mps_from_json(&json!({"defaultActiveThreadPercentage": 0}))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("defaultActiveThreadPercentage"), "{err}");
+    }
+
+    #[test]
+    fn interval_names_map_to_nvidia_smi_values() {
+        for (name, v) in [("Default", "0"), ("Short", "1"), ("Medium", "2"), ("Long", "3")] {
+            let SharingRequest::TimeSlicing { interval } =
+                SharingRequest::time_slicing(name).unwrap()
+            else {
+                panic!("not time-slicing")
+            };
+            assert_eq!(interval.as_arg(), v);
+            let api: gpu_dra_api::Interval = match name {
+                "Default" => gpu_dra_api::Interval::Default,
+                "Short" => gpu_dra_api::Interval::Short,
+                "Medium" => gpu_dra_api::Interval::Medium,
+                _ => gpu_dra_api::Interval::Long,
+            };
+            assert_eq!(
+                TimeSliceInterval::from(api).as_arg(),
+                api.as_nvidia_smi_value().to_string()
+            );
+        }
+        assert!(SharingRequest::time_slicing("Forever").is_err());
+    }
+}
