@@ -80,10 +80,9 @@ async fn main() {
     let m = SharingManager::new(opts, store, SharingMetrics::default()).unwrap();
 
     // Whole GPUs of the profile (GPUs 4-7 have MIG disabled).
-    let state: serde_json::Value = serde_json::from_slice(
-        &std::fs::read(host.path().join("etc/gpu-sim/state.json")).unwrap(),
-    )
-    .unwrap();
+    let state: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(host.path().join("etc/gpu-sim/state.json")).unwrap())
+            .unwrap();
     let uuids: Vec<String> = state
         .pointer("/profile/gpus")
         .and_then(|g| g.as_array())

@@ -80,10 +80,11 @@ pub struct SharingMetrics {
 }
 
 impl SharingMetrics {
-    /// Registers the metrics in `registry`.
+    /// Registers the metrics in `registry`, which carries the plugin's `gpu_dra` prefix
+    /// (so the counter is exposed as `gpu_dra_mps_daemon_restarts_total`).
     pub fn register(&self, registry: &mut Registry) {
         registry.register(
-            "gpu_dra_mps_daemon_restarts",
+            "mps_daemon_restarts",
             "MPS control daemons restarted after they exited unexpectedly",
             self.mps_daemon_restarts.clone(),
         );
@@ -851,7 +852,10 @@ fn resolve_limits(
                 .find(|(k, _)| matches!(k, DeviceKey::Uuid(_)) == want_uuid && key_matches(k, d))
                 .map(|(_, v)| *v)
         };
-        if let Some(mib) = by(true).or_else(|| by(false)).or(req.default_pinned_memory_mib) {
+        if let Some(mib) = by(true)
+            .or_else(|| by(false))
+            .or(req.default_pinned_memory_mib)
+        {
             pinned.insert(d.uuid.clone(), mib);
         }
     }
@@ -880,7 +884,9 @@ fn check_mib(field: &str, mib: u64) -> Result<(), SharingError> {
 
 /// What the claim's containers need to reach the daemon.
 fn mps_edits(record: &MpsRecord) -> SharingEdits {
-    let opts = ["rw", "nosuid", "nodev", "bind"].map(String::from).to_vec();
+    let opts = ["rw", "nosuid", "nodev", "rbind", "rprivate"]
+        .map(String::from)
+        .to_vec();
     SharingEdits {
         env: vec![format!("{PIPE_DIR_ENV}={CONTAINER_PIPE_DIR}")],
         mounts: vec![
@@ -946,7 +952,10 @@ mod tests {
             ..Default::default()
         };
         let err = resolve_limits(&req, &devices(2)).unwrap_err().to_string();
-        assert!(err.contains("defaultPerDevicePinnedMemoryLimit[2]"), "{err}");
+        assert!(
+            err.contains("defaultPerDevicePinnedMemoryLimit[2]"),
+            "{err}"
+        );
         assert!(err.contains("0 (GPU-2), 1 (GPU-1)"), "{err}");
         req.per_device_pinned_memory_mib = [(DeviceKey::Uuid("GPU-9".into()), 1)].into();
         assert!(resolve_limits(&req, &devices(2)).is_err());

@@ -16,6 +16,7 @@
 //! [`SharingState`] saved first; see [`manager`] for the ordering.
 
 pub mod error;
+pub mod executor;
 pub mod manager;
 pub mod mps;
 pub mod smi;
@@ -26,6 +27,7 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 pub use error::SharingError;
+pub use executor::{Applied, ExclusiveOnly, SharingExecutor};
 pub use manager::{RecoveryReport, SharingManager, SharingMetrics, SharingOptions, daemon_id};
 pub use smi::TimeSliceInterval;
 pub use state::{FileStore, MemoryStore, SharingState, SharingStore};
@@ -170,7 +172,9 @@ impl SharingRequest {
             other => {
                 return Err(SharingError::InvalidRequest {
                     field: "sharing.timeSlicingConfig.interval".to_string(),
-                    message: format!("{other:?} is not an interval; use Default, Short, Medium or Long"),
+                    message: format!(
+                        "{other:?} is not an interval; use Default, Short, Medium or Long"
+                    ),
                 });
             }
         };
@@ -220,9 +224,8 @@ mod tests {
         assert_eq!(m.default_pinned_memory_mib, Some(1536));
         assert_eq!(m.per_device_pinned_memory_mib[&DeviceKey::Index(1)], 2048);
         assert_eq!(
-            m.per_device_pinned_memory_mib[&DeviceKey::Uuid(
-                "GPU-8614e54a-4d5b-70ec-4cf8-cfd33eb7be95".into()
-            )],
+            m.per_device_pinned_memory_mib
+                [&DeviceKey::Uuid("GPU-8614e54a-4d5b-70ec-4cf8-cfd33eb7be95".into())],
             1024
         );
         let err = SharingRequest::mps_from_json(&json!({"defaultActiveThreadPercentage": 0}))
@@ -233,7 +236,12 @@ mod tests {
 
     #[test]
     fn interval_names_map_to_nvidia_smi_values() {
-        for (name, v) in [("Default", "0"), ("Short", "1"), ("Medium", "2"), ("Long", "3")] {
+        for (name, v) in [
+            ("Default", "0"),
+            ("Short", "1"),
+            ("Medium", "2"),
+            ("Long", "3"),
+        ] {
             let SharingRequest::TimeSlicing { interval } =
                 SharingRequest::time_slicing(name).unwrap()
             else {
