@@ -65,13 +65,7 @@ impl Layout {
             .env("GPU_DRA_FAILPOINTS", failpoints)
             .env("LOG_LEVEL", "warn")
             .stdout(Stdio::null())
-            .stderr(
-                std::fs::OpenOptions::new()
-                    .create(true)
-                    .append(true)
-                    .open("/tmp/sharing-cc-stderr.log")
-                    .unwrap(),
-            )
+            .stderr(Stdio::null())
             .spawn()
             .expect("plugin starts")
     }
