@@ -40,5 +40,7 @@ fuzz: ## run the opaque-config fuzzer for FUZZ_SECONDS (default 600)
 
 bench: ## benchmarks: print figures (medians, percentiles, ratios)
 	$(CARGO) run --release --locked -p gpu-dra-api --example bench_validate
+	$(CARGO) run --release --locked -p gpu-dra-core --example bench_discover
+	$(CARGO) run --release --locked -p gpu-kubelet-plugin --example bench_prepare
 	$(CARGO) build --release --locked -p gpu-dra-sim --lib --bins
 	$(CARGO) run --release --locked -p gpu-kubelet-plugin --example bench_mps

@@ -7,3 +7,4 @@
 pub mod cdi;
 pub mod checkpoint;
 pub mod plan;
+pub mod slices;

@@ -7,7 +7,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use anyhow::Context;
-use gpu_dra_device::{DeviceError, GpuInventory, Inventory};
+use gpu_dra_device::GpuInventory;
+use gpu_dra_device::fixture::FixtureInventory;
+use gpu_dra_device::nvml::{NvmlInventory, NvmlOptions};
 use tracing::{info, warn};
 
 use crate::cdi_io::CdiHost;
@@ -107,41 +109,28 @@ pub fn init_logging(args: &LogArgs) {
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr);
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
     let _ = match args.log_format {
         LogFormat::Text => builder.try_init(),
         LogFormat::Json => builder.json().flatten_event(true).try_init(),
     };
 }
 
-/// An inventory read from a JSON file of the `Inventory` model.
-struct FixtureFile(PathBuf);
-
-impl GpuInventory for FixtureFile {
-    fn discover(&self) -> Result<Inventory, DeviceError> {
-        let path = self.0.display().to_string();
-        let bytes = std::fs::read(&self.0).map_err(|source| DeviceError::Sysfs {
-            path: path.clone(),
-            source,
-        })?;
-        serde_json::from_slice(&bytes).map_err(|e| DeviceError::Init {
-            path,
-            reason: format!("not an inventory fixture: {e}"),
-        })
-    }
-}
-
 /// THE place where the inventory backend is chosen from the flags.
 ///
-/// `--inventory-fixture` gives a fixture; otherwise the NVML backend is meant to be built from
-/// `--nvml-lib`/`--driver-root`/`--sysfs-root` (wired in when the NVML backend lands).
+/// `--inventory-fixture` (hidden, tests) gives a fixture; otherwise NVML, loaded from
+/// `--nvml-lib` or the first `libnvidia-ml.so.1` under `--driver-root`.
 pub fn inventory_from_args(args: &RunArgs) -> anyhow::Result<Arc<dyn GpuInventory>> {
     if let Some(path) = &args.inventory_fixture {
-        return Ok(Arc::new(FixtureFile(path.clone())));
+        return Ok(Arc::new(FixtureInventory::from_json_file(path)?));
     }
-    anyhow::bail!(
-        "no inventory backend: this build has no NVML backend yet; pass --inventory-fixture FILE"
-    )
+    let lib_path = crate::discover::nvml_library(&args.driver_root, args.nvml_lib.as_deref())?;
+    info!(library = %lib_path.display(), "using NVML");
+    Ok(Arc::new(NvmlInventory::new(NvmlOptions {
+        lib_path,
+        sysfs_root: args.sysfs_root.clone(),
+    })))
 }
 
 async fn claim_source(args: &RunArgs) -> anyhow::Result<Arc<dyn ClaimSource>> {

@@ -63,18 +63,46 @@ impl Layout {
             .arg("--claim-source-file")
             .arg(self.root.join("claims.json"))
             .env("GPU_DRA_FAILPOINTS", failpoints)
-            .env("LOG_LEVEL", "warn")
+            .env("LOG_LEVEL", "info")
             .stdout(Stdio::null())
-            .stderr(Stdio::null())
+            .stderr(Stdio::from(
+                std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(self.root.join("plugin.log"))
+                    .expect("log file"),
+            ))
             .spawn()
             .expect("plugin starts")
     }
 }
 
 fn wait_for(path: &Path, what: &str) {
-    let deadline = Instant::now() + Duration::from_secs(20);
+    // Generous: CI machines can be slow to start a debug binary under load.
+    let deadline = Instant::now() + Duration::from_secs(60);
     while !path.exists() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        if Instant::now() > deadline {
+            let log_path = path
+                .ancestors()
+                .find(|p| p.join("plugin.log").exists())
+                .map(|p| p.join("plugin.log"));
+            let log = log_path
+                .and_then(|p| std::fs::read_to_string(p).ok())
+                .unwrap_or_default();
+            let tail: String = log
+                .lines()
+                .rev()
+                .take(30)
+                .collect::<Vec<_>>()
+                .into_iter()
+                .rev()
+                .collect::<Vec<_>>()
+                .join("\n");
+            panic!(
+                "timed out waiting for {what} ({}); plugin log tail:\n{tail}",
+                path.display()
+            );
+        }
         std::thread::sleep(Duration::from_millis(5));
     }
 }

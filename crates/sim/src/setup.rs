@@ -207,6 +207,20 @@ pub fn setup(root: &Path, profile: &Profile, artefacts: &Artefacts) -> Result<St
 /// compute instances in `state`: files of instances that no longer exist are removed.
 pub fn sync_mig_files(root: &Path, state: &State) -> Result<(), SimError> {
     let caps = root.join("proc/driver/nvidia/capabilities");
+    // Device files of instances that no longer exist go too (1 and 2 are config/monitor).
+    let capdev = root.join("dev/nvidia-caps");
+    if let Ok(entries) = fs::read_dir(&capdev) {
+        for e in entries.flatten() {
+            let name = e.file_name();
+            let minor = name
+                .to_str()
+                .and_then(|n| n.strip_prefix("nvidia-cap"))
+                .and_then(|n| n.parse::<u32>().ok());
+            if minor.is_some_and(|m| m > 2) {
+                fs::remove_file(e.path()).map_err(io(&e.path()))?;
+            }
+        }
+    }
     for (i, g) in state.profile.gpus.iter().enumerate() {
         let migdir = caps.join(format!("gpu{}/mig", g.minor));
         if migdir.exists() {
@@ -285,6 +299,19 @@ mod tests {
         .expect("ci access");
         assert!(ci.starts_with(&format!("DeviceFileMinor: {}\n", 3 + 135 * 3 + 9 * 12 + 1)));
         assert!(root.join("dev/nvidia-caps/nvidia-cap13").is_file());
+        assert!(root.join("dev/nvidia-caps/nvidia-cap1").is_file());
+        // Destroying an instance removes its files.
+        let mut st = StateFile::under_root(&root).load().expect("state");
+        st.destroy_compute_instance(0, 1, 0).expect("dci");
+        st.destroy_gpu_instance(0, 1).expect("dgi");
+        sync_mig_files(&root, &st).expect("sync");
+        assert!(!root.join("dev/nvidia-caps/nvidia-cap13").exists());
+        assert!(!root.join("dev/nvidia-caps/nvidia-cap12").exists());
+        assert!(root.join("dev/nvidia-caps/nvidia-cap1").is_file());
+        assert!(
+            root.join(format!("dev/nvidia-caps/nvidia-cap{}", 3 + 9 * 6))
+                .is_file()
+        );
         assert!(
             !root
                 .join("proc/driver/nvidia/capabilities/gpu4/mig")

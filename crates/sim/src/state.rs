@@ -263,6 +263,191 @@ impl State {
     }
 }
 
+/// Why a MIG layout change was refused. Each maps to the NVML return code and the
+/// `nvidia-smi` wording of the real driver.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum MigError {
+    /// The GPU has no MIG support (NVML `NOT_SUPPORTED`).
+    #[error("Not Supported")]
+    NotCapable,
+    /// MIG mode is disabled on the GPU (NVML `NOT_SUPPORTED`).
+    #[error("MIG mode is not enabled")]
+    NotEnabled,
+    /// The GPU does not offer this profile ID (NVML `INVALID_ARGUMENT`).
+    #[error("Invalid Argument")]
+    UnknownProfile,
+    /// The placement start is not valid for the profile (NVML `INVALID_ARGUMENT`).
+    #[error("Invalid Argument")]
+    BadPlacement,
+    /// The slices are taken, or no instance ID is free (NVML `INSUFFICIENT_RESOURCES`).
+    #[error("Insufficient Resources")]
+    Insufficient,
+    /// No such GPU, GPU instance or compute instance (NVML `NOT_FOUND`).
+    #[error("Not Found")]
+    NotFound,
+    /// The instance still has compute instances, or MIG devices exist (NVML `IN_USE`).
+    #[error("In use by another client")]
+    InUse,
+}
+
+impl State {
+    fn mig_gpu(
+        &mut self,
+        gpu: usize,
+    ) -> Result<(&'static [mig::GiProfile], &mut GpuState), MigError> {
+        let spec = self.profile.gpus.get(gpu).ok_or(MigError::NotFound)?;
+        let table = spec.mig_profiles().ok_or(MigError::NotCapable)?;
+        let st = self.gpus.get_mut(gpu).ok_or(MigError::NotFound)?;
+        Ok((table, st))
+    }
+
+    /// Enables or disables MIG mode (immediately, like a reset-less Hopper toggle).
+    /// Disabling while GPU instances exist is refused.
+    pub fn set_mig_mode(&mut self, gpu: usize, enabled: bool) -> Result<(), MigError> {
+        let (_, st) = self.mig_gpu(gpu)?;
+        if !enabled && !st.gpu_instances.is_empty() {
+            return Err(MigError::InUse);
+        }
+        st.mig_current = enabled;
+        st.mig_pending = enabled;
+        if enabled {
+            // Compute mode is not applicable to a MIG-enabled GPU.
+            st.compute_mode = ComputeMode::Default;
+        }
+        Ok(())
+    }
+
+    /// Creates a GPU instance of `profile_id`, at `start` or at the first free placement
+    /// (tried from the highest start down, as drivers fill from the top). Returns its ID:
+    /// the lowest free ID, deliberately unrelated to the placement.
+    pub fn create_gpu_instance(
+        &mut self,
+        gpu: usize,
+        profile_id: u32,
+        start: Option<u32>,
+    ) -> Result<u32, MigError> {
+        let (table, st) = self.mig_gpu(gpu)?;
+        if !st.mig_current {
+            return Err(MigError::NotEnabled);
+        }
+        let p = mig::by_id(table, profile_id).ok_or(MigError::UnknownProfile)?;
+        let used: Vec<(u32, u32)> = st
+            .gpu_instances
+            .iter()
+            .filter_map(|gi| {
+                mig::by_id(table, gi.profile_id).map(|q| (gi.placement_start, q.placement_size))
+            })
+            .collect();
+        let free = |s: u32| {
+            !used
+                .iter()
+                .any(|(u, z)| mig::overlaps(*u, *z, s, p.placement_size))
+        };
+        let count = st
+            .gpu_instances
+            .iter()
+            .filter(|gi| gi.profile_id == profile_id)
+            .count();
+        if count >= p.instance_count as usize {
+            return Err(MigError::Insufficient);
+        }
+        let start = match start {
+            Some(s) if !p.is_valid_start(s) => return Err(MigError::BadPlacement),
+            Some(s) if !free(s) => return Err(MigError::Insufficient),
+            Some(s) => s,
+            None => *p
+                .placement_starts
+                .iter()
+                .rev()
+                .find(|s| free(**s))
+                .ok_or(MigError::Insufficient)?,
+        };
+        let first = if p.placement_size == mig::MEMORY_SLICES {
+            0
+        } else {
+            1
+        };
+        let id = (first..=14)
+            .find(|id| st.gpu_instances.iter().all(|gi| gi.id != *id))
+            .ok_or(MigError::Insufficient)?;
+        st.gpu_instances.push(GpuInstance {
+            id,
+            profile_id,
+            placement_start: start,
+            compute_instances: Vec::new(),
+        });
+        st.gpu_instances.sort_by_key(|gi| gi.id);
+        Ok(id)
+    }
+
+    /// Creates the full-size (default) compute instance in GPU instance `gi`; returns its ID.
+    pub fn create_compute_instance(&mut self, gpu: usize, gi: u32) -> Result<u32, MigError> {
+        self.generation += 1;
+        let generation = self.generation;
+        let parent = self
+            .profile
+            .gpus
+            .get(gpu)
+            .map(|g| g.uuid.clone())
+            .ok_or(MigError::NotFound)?;
+        let (table, st) = self.mig_gpu(gpu)?;
+        let inst = st
+            .gpu_instances
+            .iter_mut()
+            .find(|x| x.id == gi)
+            .ok_or(MigError::NotFound)?;
+        let p = mig::by_id(table, inst.profile_id).ok_or(MigError::UnknownProfile)?;
+        // Only full-size compute instances are simulated, so a GI holds at most one.
+        if !inst.compute_instances.is_empty() {
+            return Err(MigError::Insufficient);
+        }
+        inst.compute_instances.push(ComputeInstance {
+            id: 0,
+            profile_id: p.default_ci_profile(),
+            placement_start: 0,
+            slice_count: p.slice_count,
+            uuid: mig_uuid(&parent, gi, 0, generation),
+        });
+        Ok(0)
+    }
+
+    /// Destroys compute instance `ci` of GPU instance `gi`.
+    pub fn destroy_compute_instance(
+        &mut self,
+        gpu: usize,
+        gi: u32,
+        ci: u32,
+    ) -> Result<(), MigError> {
+        let (_, st) = self.mig_gpu(gpu)?;
+        let inst = st
+            .gpu_instances
+            .iter_mut()
+            .find(|x| x.id == gi)
+            .ok_or(MigError::NotFound)?;
+        let before = inst.compute_instances.len();
+        inst.compute_instances.retain(|c| c.id != ci);
+        if inst.compute_instances.len() == before {
+            return Err(MigError::NotFound);
+        }
+        Ok(())
+    }
+
+    /// Destroys GPU instance `gi` (refused while it has compute instances).
+    pub fn destroy_gpu_instance(&mut self, gpu: usize, gi: u32) -> Result<(), MigError> {
+        let (_, st) = self.mig_gpu(gpu)?;
+        let pos = st
+            .gpu_instances
+            .iter()
+            .position(|x| x.id == gi)
+            .ok_or(MigError::NotFound)?;
+        if !st.gpu_instances[pos].compute_instances.is_empty() {
+            return Err(MigError::InUse);
+        }
+        st.gpu_instances.remove(pos);
+        Ok(())
+    }
+}
+
 /// Deterministic MIG UUID with RFC-4122 version-5 shape, derived from the parent UUID, the
 /// instance IDs and a creation counter (so a recreated device gets a new UUID, as on real
 /// drivers).
@@ -477,6 +662,62 @@ mod tests {
     }
 
     #[test]
+    fn mig_layout_changes_follow_driver_rules() {
+        let mut s = State::from_profile(Profile::load("dgx-a100-40gb").expect("profile"));
+        // GPU 0: 1g@0, 1g@1, 2g@2, 3g@4 taken: nothing fits any more.
+        assert_eq!(
+            s.create_gpu_instance(0, 19, None),
+            Err(MigError::Insufficient)
+        );
+        // GPU 5: MIG off.
+        assert_eq!(
+            s.create_gpu_instance(5, 19, None),
+            Err(MigError::NotEnabled)
+        );
+        s.set_mig_mode(5, true).expect("enable");
+        let a = s.create_gpu_instance(5, 9, Some(4)).expect("3g at 4");
+        assert_eq!(
+            s.create_gpu_instance(5, 9, Some(4)),
+            Err(MigError::Insufficient)
+        );
+        assert_eq!(
+            s.create_gpu_instance(5, 14, Some(1)),
+            Err(MigError::BadPlacement)
+        );
+        assert_eq!(
+            s.create_gpu_instance(5, 99, None),
+            Err(MigError::UnknownProfile)
+        );
+        let b = s.create_gpu_instance(5, 19, None).expect("1g");
+        assert_ne!(a, b);
+        // Automatic placement fills from the top of the free range.
+        let gi = s.gpus[5]
+            .gpu_instances
+            .iter()
+            .find(|g| g.id == b)
+            .expect("gi");
+        assert_eq!(gi.placement_start, 3);
+        assert!(s.mig_devices(5).is_empty(), "no CI yet, no MIG device");
+        s.create_compute_instance(5, a).expect("ci");
+        let uuid = s.mig_devices(5)[0].ci.uuid.clone();
+        assert_eq!(s.destroy_gpu_instance(5, a), Err(MigError::InUse));
+        assert_eq!(s.set_mig_mode(5, false), Err(MigError::InUse));
+        s.destroy_compute_instance(5, a, 0).expect("destroy ci");
+        s.destroy_gpu_instance(5, a).expect("destroy gi");
+        // Recreated in the same place: new UUID.
+        let a2 = s.create_gpu_instance(5, 9, Some(4)).expect("again");
+        s.create_compute_instance(5, a2).expect("ci");
+        let m = s.mig_devices(5);
+        assert_ne!(m[0].ci.uuid, uuid);
+        assert_eq!(
+            s.create_gpu_instance(0, 0, None).err(),
+            Some(MigError::Insufficient)
+        );
+        let mut t4 = State::from_profile(Profile::load("t4").expect("t4"));
+        assert_eq!(t4.set_mig_mode(0, true), Err(MigError::NotCapable));
+    }
+
+    #[test]
     fn mig_uuid_changes_with_generation() {
         assert_ne!(mig_uuid("GPU-a", 1, 0, 1), mig_uuid("GPU-a", 1, 0, 2));
         assert_eq!(mig_uuid("GPU-a", 1, 0, 1), mig_uuid("GPU-a", 1, 0, 1));
@@ -504,6 +745,35 @@ mod tests {
             .expect("update");
         assert_eq!(r, Err("no"));
         assert_eq!(file.load().expect("load").gpus[0].timeslice, 2);
+    }
+
+    #[test]
+    fn concurrent_updates_are_not_lost() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let file = StateFile::under_root(dir.path());
+        file.create(&State::from_profile(Profile::load("t4").expect("t4")))
+            .expect("create");
+        let threads: Vec<_> = (0..4)
+            .map(|_| {
+                // Each thread opens its own lock file description, like separate processes.
+                let file = file.clone();
+                std::thread::spawn(move || {
+                    for _ in 0..25 {
+                        file.update(|s| {
+                            s.generation += 1;
+                            Ok::<(), ()>(())
+                        })
+                        .expect("update")
+                        .expect("ok");
+                        let _ = file.load().expect("readers never see a torn file");
+                    }
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().expect("join");
+        }
+        assert_eq!(file.load().expect("load").generation, 100);
     }
 
     #[test]

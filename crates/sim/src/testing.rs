@@ -5,9 +5,9 @@
 //! then runs the same setup as `gpu-sim setup` into a fresh temp dir. The directory is
 //! removed when the `SimHost` is dropped.
 //!
-//! The build goes to the workspace target directory of the running test (from
-//! `CARGO_TARGET_DIR`, else derived from the test executable's path
-//! `<target>/<profile>/deps/<test>`), with the same cargo profile.
+//! The build goes to the target directory of the running test, derived from the test
+//! executable's path `<target>/<profile>/deps/<test>` (which reflects `CARGO_TARGET_DIR`),
+//! with the same cargo profile.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -30,26 +30,18 @@ static BUILT: OnceLock<Result<PathBuf, String>> = OnceLock::new();
 /// The cargo profile directory of the running executable (`target/debug`).
 fn profile_dir() -> Result<PathBuf, String> {
     let exe = std::env::current_exe().map_err(|e| format!("current_exe: {e}"))?;
-    // <target>/<profile>/deps/<test> or <target>/<profile>/<bin>.
+    // <target>/<profile>/deps/<test>, <target>/<profile>/examples/<bench> or
+    // <target>/<profile>/<bin>.
     let mut dir = exe.parent().map(Path::to_path_buf).unwrap_or_default();
-    if dir.file_name().is_some_and(|n| n == "deps") {
+    if dir
+        .file_name()
+        .is_some_and(|n| n == "deps" || n == "examples")
+    {
         dir.pop();
     }
-    if let Some(target) = std::env::var_os("CARGO_TARGET_DIR") {
-        let name = dir
-            .file_name()
-            .map(|n| n.to_owned())
-            .unwrap_or_else(|| "debug".into());
-        let target = PathBuf::from(target);
-        let target = if target.is_absolute() {
-            target
-        } else {
-            std::env::current_dir()
-                .map_err(|e| e.to_string())?
-                .join(target)
-        };
-        return Ok(target.join(name));
-    }
+    // The executable's directory is authoritative: cargo put this build there, so it
+    // already reflects `CARGO_TARGET_DIR` (whose value, if relative, would be relative to a
+    // directory this process does not know).
     Ok(dir)
 }
 
@@ -152,6 +144,26 @@ impl SimHost {
     /// The state file.
     pub fn state_file(&self) -> StateFile {
         StateFile::under_root(self.root())
+    }
+
+    /// Changes the host's state as other tests need (compute mode, MIG layout, ...), then
+    /// brings the MIG capability files under `proc/` and `dev/` in line with it.
+    ///
+    /// # Panics
+    /// When the state file cannot be read or written (test support).
+    pub fn update_state<T>(&self, f: impl FnOnce(&mut State) -> T) -> T {
+        let res = self
+            .state_file()
+            .update(|s| Ok::<T, std::convert::Infallible>(f(s)));
+        let value = match res {
+            Ok(Ok(v)) => v,
+            Ok(Err(never)) => match never {},
+            Err(e) => panic!("updating simulator state: {e}"),
+        };
+        if let Err(e) = setup::sync_mig_files(self.root(), &self.state()) {
+            panic!("syncing MIG capability files: {e}");
+        }
+        value
     }
 
     /// The current state (as other processes left it).

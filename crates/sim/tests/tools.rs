@@ -321,3 +321,125 @@ fn mps_daemon_rejects_a_bad_thread_percentage_env() {
     );
     assert!(!m.pipe.join("control").exists());
 }
+
+#[test]
+fn gpu_sim_setup_builds_a_host_from_the_build_directory() {
+    let gpu_sim = env!("CARGO_BIN_EXE_gpu-sim");
+    // The artefacts it installs are the ones SimHost builds.
+    let _ = SimHost::new("t4");
+    let dir = tempfile::tempdir().expect("tmp");
+    let root = dir.path().join("node-a");
+    let out = Command::new(gpu_sim)
+        .args(["setup", "--profile", "h200", "--root"])
+        .arg(&root)
+        .env_remove("GPU_SIM_ARTEFACTS")
+        .output()
+        .expect("gpu-sim setup");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        root.join("usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1")
+            .is_file()
+    );
+    assert!(root.join("usr/bin/nvidia-smi").is_file());
+    assert!(root.join("dev/nvidia0").is_file());
+
+    let smi = Command::new(root.join("usr/bin/nvidia-smi"))
+        .arg("-L")
+        .env_remove("GPU_SIM_STATE")
+        .output()
+        .expect("smi");
+    let text = String::from_utf8_lossy(&smi.stdout);
+    assert!(text.starts_with("GPU 0: NVIDIA H200 (UUID: GPU-"), "{text}");
+
+    let state = Command::new(gpu_sim)
+        .args(["state", "--root"])
+        .arg(&root)
+        .output()
+        .expect("gpu-sim state");
+    let v: serde_json::Value = serde_json::from_slice(&state.stdout).expect("json");
+    assert_eq!(v["profile"]["name"], "h200");
+    assert_eq!(v["profile"]["gpus"][0]["memoryMiB"], 143771);
+
+    let list = Command::new(gpu_sim)
+        .arg("profiles")
+        .output()
+        .expect("profiles");
+    let names: Vec<String> = String::from_utf8_lossy(&list.stdout)
+        .lines()
+        .filter_map(|l| l.split_whitespace().next().map(String::from))
+        .collect();
+    assert_eq!(
+        names,
+        ["t4", "p4", "rtx4090", "dgx-a100-40gb", "dgx-h100", "h200"]
+    );
+
+    let bad = Command::new(gpu_sim)
+        .args(["setup", "--profile", "a100", "--root"])
+        .arg(dir.path().join("x"))
+        .output()
+        .expect("gpu-sim setup");
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("unknown profile \"a100\""));
+}
+
+#[test]
+fn gpu_sim_state_env_overrides_the_tool_location() {
+    let host = SimHost::new("dgx-a100-40gb");
+    let dir = tempfile::tempdir().expect("tmp");
+    let state = dir.path().join("other/state.json");
+    let out = Command::new(host.tool("nvidia-smi"))
+        .args(["--query-gpu=name", "--format=csv,noheader"])
+        .env("GPU_SIM_STATE", &state)
+        .env("GPU_SIM_PROFILE", "t4")
+        .output()
+        .expect("smi");
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "Tesla T4\n");
+    assert!(state.is_file(), "the state is created from GPU_SIM_PROFILE");
+    // Without GPU_SIM_PROFILE a missing GPU_SIM_STATE is an error, not a silent fallback.
+    let out = Command::new(host.tool("nvidia-smi"))
+        .arg("-L")
+        .env("GPU_SIM_STATE", dir.path().join("missing.json"))
+        .env_remove("GPU_SIM_PROFILE")
+        .output()
+        .expect("smi");
+    assert_eq!(out.status.code(), Some(9));
+}
+
+#[test]
+fn mig_changes_through_nvidia_smi_are_seen_by_nvml() {
+    let host = SimHost::new("dgx-h100");
+    let nvml = Nvml::builder()
+        .lib_path(host.lib_path().as_os_str())
+        .init()
+        .expect("init");
+    let d = nvml.device_by_index(6).expect("device");
+    assert_eq!(d.mig_device_count().expect("max"), 0);
+
+    let (code, out) = smi(&host, &["-i", "6", "-mig", "1"]);
+    assert_eq!(code, 0, "{out}");
+    let (code, out) = smi(&host, &["mig", "-i", "6", "-cgi", "1g.10gb:5", "-C"]);
+    assert_eq!(code, 0, "{out}");
+    assert_eq!(d.mig_device_count().expect("max"), 7);
+    let m = d.mig_device_by_index(0).expect("mig device");
+    assert_eq!(m.name().expect("name"), "NVIDIA H100 80GB HBM3 MIG 1g.10gb");
+    let gi = host.state().gpus[6].gpu_instances[0].id;
+    let access = host.root().join(format!(
+        "proc/driver/nvidia/capabilities/gpu6/mig/gi{gi}/ci0/access"
+    ));
+    assert!(access.is_file(), "{}", access.display());
+
+    // The same through the test helper.
+    host.update_state(|s| {
+        s.destroy_compute_instance(6, gi, 0).expect("dci");
+        s.destroy_gpu_instance(6, gi).expect("dgi");
+    });
+    assert!(matches!(
+        d.mig_device_by_index(0),
+        Err(nvml_wrapper::error::NvmlError::NotFound)
+    ));
+    assert!(!access.exists());
+}

@@ -2,8 +2,9 @@
 //! messages and exit codes (NVIDIA_FACTS §B.2).
 //!
 //! Supported: `-L`, `--version`, `-q` (short summary), `-i <id[,id…]>` with `-c <mode>`,
-//! `-pm <0|1>`, `--query-gpu=<fields> --format=csv[,noheader][,nounits]`, and
-//! `compute-policy [-i <ids>] (--set-timeslice <0..3> | -l)`. `<id>` is an index, a GPU
+//! `-pm <0|1>`, `-mig <0|1>`, `--query-gpu=<fields> --format=csv[,noheader][,nounits]`,
+//! `compute-policy [-i <ids>] (--set-timeslice <0..3> | -l)` and
+//! `mig [-i <ids>] (-lgip | -lgipp | -lgi | -cgi <profiles>[-C] | -dci | -dgi)` ([`mig`]). `<id>` is an index, a GPU
 //! UUID, a PCI bus ID in any of its forms, or a board serial.
 //!
 //! Invariant: every change goes to the simulator state file, so NVML reads through the
@@ -12,6 +13,8 @@
 //! 6 not found, 9 driver not loaded).
 
 use std::io::Write;
+
+mod mig;
 
 use crate::SimError;
 use crate::profile::PciAddress;
@@ -30,7 +33,7 @@ pub const EXIT_NO_DRIVER: i32 = 9;
 /// Exit code: other error.
 pub const EXIT_OTHER: i32 = 255;
 
-const INVALID_COMBINATION: &str =
+pub(crate) const INVALID_COMBINATION: &str =
     "Invalid combination of input arguments. Please run 'nvidia-smi -h' for help.";
 
 const TIMESLICE_NAMES: [&str; 4] = ["Default", "Short", "Medium", "Long"];
@@ -49,6 +52,7 @@ struct Opts {
     id: Option<String>,
     compute_mode: Option<String>,
     persistence: Option<String>,
+    mig_mode: Option<String>,
     query_gpu: Option<String>,
     format: Option<String>,
     list: bool,
@@ -79,6 +83,7 @@ fn parse_opts(args: &[String]) -> Result<Opts, String> {
             "-i" | "--id" => o.id = Some(value(inline)?),
             "-c" | "--compute-mode" => o.compute_mode = Some(value(inline)?),
             "-pm" | "--persistence-mode" => o.persistence = Some(value(inline)?),
+            "-mig" | "--multi-instance-gpu" => o.mig_mode = Some(value(inline)?),
             "--query-gpu" => o.query_gpu = Some(value(inline)?),
             "--format" => o.format = Some(value(inline)?),
             "-L" | "--list-gpus" => o.list = true,
@@ -96,6 +101,12 @@ fn run_inner(
     args: &[String],
     out: &mut dyn Write,
 ) -> std::io::Result<i32> {
+    if args.first().map(String::as_str) == Some("mig") {
+        let Ok(file) = file else {
+            return no_driver(out);
+        };
+        return mig::run(&file, &args[1..], out);
+    }
     if args.first().map(String::as_str) == Some("compute-policy") {
         let Ok(file) = file else {
             return no_driver(out);
@@ -150,6 +161,9 @@ fn run_inner(
     if let Some(mode) = &o.compute_mode {
         return set_compute_mode(&file, &targets, mode, out);
     }
+    if let Some(m) = &o.mig_mode {
+        return mig::set_mode(&file, &targets, m, out);
+    }
     if let Some(pm) = &o.persistence {
         return set_persistence(&file, &targets, pm, out);
     }
@@ -163,7 +177,7 @@ fn run_inner(
     summary(&state, &targets, o.query, out)
 }
 
-fn no_driver(out: &mut dyn Write) -> std::io::Result<i32> {
+pub(crate) fn no_driver(out: &mut dyn Write) -> std::io::Result<i32> {
     writeln!(
         out,
         "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver. \
@@ -173,7 +187,7 @@ fn no_driver(out: &mut dyn Write) -> std::io::Result<i32> {
 }
 
 /// Resolves a comma-separated `-i` value to GPU indices (None if any is unknown).
-fn resolve_ids(state: &State, ids: &str) -> Option<Vec<usize>> {
+pub(crate) fn resolve_ids(state: &State, ids: &str) -> Option<Vec<usize>> {
     let mut out = Vec::new();
     for id in ids.split(',').map(str::trim).filter(|s| !s.is_empty()) {
         let gpus = &state.profile.gpus;
@@ -835,6 +849,34 @@ mod tests {
         let code = run(Err(err), &["-L".to_string()], &mut out);
         assert_eq!(code, EXIT_NO_DRIVER);
         assert!(String::from_utf8_lossy(&out).starts_with("NVIDIA-SMI has failed"));
+    }
+
+    #[test]
+    fn query_summary_and_persistence() {
+        let h = host("dgx-a100-40gb");
+        let (code, out) = smi(&h, "-q -i 0");
+        assert_eq!(code, 0);
+        assert!(
+            out.contains("    Product Name                          : NVIDIA A100-SXM4-40GB\n"),
+            "{out}"
+        );
+        assert!(
+            out.contains("        Current                           : Enabled\n"),
+            "{out}"
+        );
+        assert!(
+            out.contains("    Compute Mode                          : Default\n"),
+            "{out}"
+        );
+        let (code, out) = smi(&h, "-i 00000000:07:00.0 -pm 0");
+        assert_eq!(code, 0);
+        assert_eq!(
+            out,
+            "Persistence mode is already Disabled for GPU 00000000:07:00.0.\nAll done.\n"
+        );
+        let (_, out) = smi(&h, "-i 0 -pm 1");
+        assert!(out.starts_with("Enabled persistence mode for GPU 00000000:07:00.0."));
+        assert!(h.file.load().expect("state").gpus[0].persistence);
     }
 
     #[test]
