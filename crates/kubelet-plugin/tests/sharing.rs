@@ -579,3 +579,67 @@ async fn daemons_are_readopted_after_a_plugin_restart_or_restarted_if_dead() {
     assert_eq!(node.compute_mode(4), ComputeMode::Default);
     assert_eq!(node.compute_mode(5), ComputeMode::Default);
 }
+
+#[tokio::test]
+async fn the_executor_applies_a_plan_group_with_edits_and_releases_without_state() {
+    use gpu_dra_core::plan::{DeviceNodesNeed, DevicePlan, Sharing, SharingGroup as PlanGroup};
+    use gpu_kubelet_plugin::sharing::SharingExecutor;
+
+    let node = Node::new(PROFILE);
+    let m = node.manager();
+    let uuid = node.gpu_uuid(4);
+    let device = DevicePlan {
+        device: "gpu-4".into(),
+        request_names: vec!["gpu".into()],
+        uuid: uuid.clone(),
+        gpu_uuid: uuid.clone(),
+        nodes: DeviceNodesNeed {
+            gpu_minor: 4,
+            mig: None,
+        },
+        admin_access: false,
+        share_id: None,
+        group: 0,
+    };
+    let group = PlanGroup {
+        config_index: Some(0),
+        sharing: Some(Sharing::Mps {
+            config: serde_json::json!({
+                "defaultActiveThreadPercentage": 20,
+                "defaultPerDevicePinnedMemoryLimit": {"0": "3Gi"},
+            }),
+        }),
+        devices: vec![0],
+    };
+    let applied = m.apply(CLAIM_A, &group, &[(0, &device)]).await.unwrap();
+    assert!(applied.state.is_some());
+    assert_eq!(
+        applied.edits.env,
+        ["CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps"]
+    );
+    let dir = node.daemon_dir(CLAIM_A, "c0");
+    let (_, out) = node.mps_client(
+        &dir,
+        &format!(
+            "get_default_active_thread_percentage\nget_default_device_pinned_mem_limit {uuid}\n"
+        ),
+    );
+    assert_eq!(out, "20.0\n3G\n");
+    // A crash may lose the state the pipeline keeps; release works from the claim UID.
+    m.release(CLAIM_A, None).await.unwrap();
+    assert!(!dir.exists());
+    assert_eq!(node.compute_mode(4), ComputeMode::Default);
+
+    // Time-slicing by interval name, as the plan carries it.
+    let ts_group = PlanGroup {
+        config_index: Some(1),
+        sharing: Some(Sharing::TimeSlicing {
+            interval: "Short".into(),
+        }),
+        devices: vec![0],
+    };
+    m.apply(CLAIM_B, &ts_group, &[(0, &device)]).await.unwrap();
+    assert_eq!(node.timeslice(4), 1);
+    m.release(CLAIM_B, None).await.unwrap();
+    assert_eq!(node.timeslice(4), 0);
+}
