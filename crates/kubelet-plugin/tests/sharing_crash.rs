@@ -108,8 +108,22 @@ fn claims() -> Vec<v1::Claim> {
     }]
 }
 
-async fn call(layout: &Layout, prepare: bool) -> Result<String, String> {
-    let mut client = connect_dra(layout.socket())
+/// One kubelet call; a transport error (a plugin just restarted under load) is retried a few
+/// times, as the kubelet retries. Returns the claim's error string.
+async fn call(socket: PathBuf, prepare: bool) -> Result<String, String> {
+    let mut last = String::new();
+    for _ in 0..20 {
+        match call_once(&socket, prepare).await {
+            Ok(e) => return Ok(e),
+            Err(e) => last = e,
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    Err(last)
+}
+
+async fn call_once(socket: &Path, prepare: bool) -> Result<String, String> {
+    let mut client = connect_dra(socket.to_path_buf())
         .await
         .map_err(|e| e.to_string())?;
     if prepare {
@@ -235,7 +249,7 @@ async fn sigkill_at_every_step_of_an_mps_claim_leaves_no_orphan() {
         if !is_prepare {
             let mut plugin = layout.start("");
             wait_for(&layout, &layout.socket(), "socket");
-            let error = call(&layout, true).await.expect("setup prepare");
+            let error = call(layout.socket(), true).await.expect("setup prepare");
             problems.extend(
                 check_prepared(&layout, &error)
                     .into_iter()
@@ -246,25 +260,8 @@ async fn sigkill_at_every_step_of_an_mps_claim_leaves_no_orphan() {
         }
         let mut plugin = layout.start(&format!("{step}=pause"));
         wait_for(&layout, &layout.socket(), "socket");
-        let root = layout.root.path().join("plugin/dra.sock");
-        let pending = tokio::spawn(async move {
-            let mut client = connect_dra(root).await.map_err(|e| e.to_string())?;
-            if is_prepare {
-                client
-                    .node_prepare_resources(v1::NodePrepareResourcesRequest { claims: claims() })
-                    .await
-                    .map(|_| ())
-                    .map_err(|e| e.to_string())
-            } else {
-                client
-                    .node_unprepare_resources(v1::NodeUnprepareResourcesRequest {
-                        claims: claims(),
-                    })
-                    .await
-                    .map(|_| ())
-                    .map_err(|e| e.to_string())
-            }
-        });
+        // The call that the kill interrupts (its outcome does not matter).
+        let pending = tokio::spawn(call(layout.socket(), is_prepare));
         wait_for(
             &layout,
             &layout.plugin_dir().join("failpoint.reached"),
@@ -272,11 +269,14 @@ async fn sigkill_at_every_step_of_an_mps_claim_leaves_no_orphan() {
         );
         plugin.kill().unwrap();
         plugin.wait().unwrap();
+        pending.abort();
         let _ = pending.await;
 
         let mut plugin = layout.start("");
         wait_for(&layout, &layout.socket(), "socket after restart");
-        let error = call(&layout, is_prepare).await.unwrap_or_else(|e| e);
+        let error = call(layout.socket(), is_prepare)
+            .await
+            .unwrap_or_else(|e| e);
         let found = if is_prepare {
             check_prepared(&layout, &error)
         } else {
@@ -284,7 +284,9 @@ async fn sigkill_at_every_step_of_an_mps_claim_leaves_no_orphan() {
         };
         problems.extend(found.into_iter().map(|p| format!("{step}: {p}")));
         if is_prepare {
-            let error = call(&layout, false).await.expect("cleanup unprepare");
+            let error = call(layout.socket(), false)
+                .await
+                .expect("cleanup unprepare");
             problems.extend(
                 check_unprepared(&layout, &error)
                     .into_iter()
