@@ -42,6 +42,8 @@ bench: ## benchmarks: print figures (medians, percentiles, ratios)
 	$(CARGO) run --release --locked -p gpu-dra-api --example bench_validate
 	$(CARGO) run --release --locked -p gpu-dra-core --example bench_discover
 	$(CARGO) run --release --locked -p gpu-kubelet-plugin --example bench_prepare
+	$(CARGO) build --release --locked -p gpu-dra-sim --lib --bins
+	$(CARGO) run --release --locked -p gpu-kubelet-plugin --example bench_mps
 	$(CARGO) build --release --locked -p gpu-dra-webhook --bin gpu-dra-webhook
 	$(CARGO) run --release --locked -p gpu-dra-webhook --example bench_admission
 

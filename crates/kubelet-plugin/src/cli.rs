@@ -17,7 +17,7 @@ use crate::claims::{ClaimSource, FileClaims, KubeClaims};
 use crate::driver::{Driver, DriverParts, DriverSettings};
 use crate::failpoint::Failpoints;
 use crate::metrics::Metrics;
-use crate::sharing::ExclusiveOnly;
+use crate::sharing::{DriverRoot, FileStore, SharingManager, SharingOptions};
 
 /// Log output format.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -193,6 +193,21 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         args.cdi_hook_path.as_deref(),
     );
     let metrics = Arc::new(Metrics::default());
+    // Sharing state is recovered before the driver reconciles: live MPS daemons of prepared
+    // claims are re-adopted (or restarted) and interrupted starts and stops are cleaned up;
+    // then the driver rolls back half-prepared claims through the same manager.
+    let sharing = SharingManager::new(
+        SharingOptions::new(
+            DriverRoot::new(&args.driver_root, args.nvml_lib.clone()),
+            &args.plugin_dir,
+        ),
+        Arc::new(FileStore::new(args.plugin_dir.join("sharing.json"))),
+        metrics.sharing.clone(),
+    )
+    .context("loading the sharing state")?;
+    if let Err(e) = sharing.recover().await {
+        warn!(error = %e, "sharing recovery incomplete; retried by the next unprepare or restart");
+    }
     let driver = Arc::new(Driver::new(DriverParts {
         settings: DriverSettings {
             driver_name: args.driver_name.clone(),
@@ -201,7 +216,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         },
         inventory: Arc::new(inventory),
         claims,
-        sharing: Arc::new(ExclusiveOnly),
+        sharing: Arc::new(sharing.clone()),
         decoder: Arc::new(gpu_dra_core::plan::ApiDecoder),
         cdi: Arc::new(cdi),
         failpoints,
@@ -270,6 +285,8 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     if let Some(publisher) = publisher {
         let _ = publisher.await;
     }
+    // MPS daemons keep serving their claims across a plugin restart.
+    sharing.detach();
     remove_quietly(&reg_path);
     remove_quietly(&dra_path);
     info!("stopped");
