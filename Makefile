@@ -5,7 +5,7 @@ CARGO ?= cargo
 GO ?= go
 TOOLS := $(CURDIR)/.tools
 
-.PHONY: help build release test lint fmt fuzz bench generate chart-check
+.PHONY: help build release unit test lint fmt fuzz bench generate chart-check
 
 help: ## list targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | sort
@@ -23,8 +23,10 @@ lint: ## rustfmt check and clippy with warnings as errors
 fmt: ## format the code
 	$(CARGO) fmt --all
 
-test: lint ## everything CI checks: lint, then all tests
+unit: lint ## the quick loop: lint, then every Rust test
 	$(CARGO) test --workspace --locked
+
+test: unit ## everything CI checks
 
 generate: ## regenerate committed generated files (protobuf bindings, JSON schema)
 	UPDATE_GENERATED=1 $(CARGO) test --workspace --locked generated_
@@ -40,6 +42,7 @@ fuzz: ## run the opaque-config fuzzer for FUZZ_SECONDS (default 600)
 
 bench: ## benchmarks: print figures (medians, percentiles, ratios)
 	$(CARGO) run --release --locked -p gpu-dra-api --example bench_validate
+	$(CARGO) run --release --locked -p gpu-dra-sim --example bench_sim
 	$(CARGO) run --release --locked -p gpu-dra-core --example bench_discover
 	$(CARGO) run --release --locked -p gpu-kubelet-plugin --example bench_prepare
 	$(CARGO) build --release --locked -p gpu-dra-sim --lib --bins
