@@ -5,7 +5,7 @@ CARGO ?= cargo
 GO ?= go
 TOOLS := $(CURDIR)/.tools
 
-.PHONY: help build release test lint fmt fuzz bench generate
+.PHONY: help build release test lint fmt fuzz bench generate e2e e2e-build e2e-tools e2e-kubectl demo bench-e2e
 
 help: ## list targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | sort
@@ -37,3 +37,29 @@ fuzz: ## run the opaque-config fuzzer (needs a nightly toolchain and cargo-fuzz)
 
 bench: ## benchmarks: print figures (medians, percentiles, ratios)
 	$(CARGO) run --release --locked -p gpu-dra-api --example bench_validate
+
+# --- e2e: a real control plane in one Go process (e2e/), simulated GPU nodes ---
+HELM_VERSION ?= v3.22.0
+E2E_TIMEOUT ?= 45m
+E2E_ENV = E2E_REPO_ROOT=$(CURDIR) E2E_BIN_DIR=$(CURDIR)/target/debug
+
+e2e-tools: ## helm from the Go module proxy into .tools/bin (renders the chart for e2e and demo)
+	test -x $(TOOLS)/bin/helm || GOBIN=$(TOOLS)/bin $(GO) install helm.sh/helm/v3/cmd/helm@$(HELM_VERSION)
+
+e2e-kubectl: ## optional: kubectl of the pinned Kubernetes release into .tools/bin
+	cd e2e && GOBIN=$(TOOLS)/bin $(GO) install k8s.io/kubernetes/cmd/kubectl
+
+e2e-build: ## compile the e2e harness, demo, benchmark and tests without running them
+	cd e2e && $(GO) build ./... && $(GO) test -count=1 -run '^$$' ./... >/dev/null
+
+e2e-bins: ## the binaries e2e runs: node plugin, webhook, simulator
+	$(CARGO) build --workspace --locked
+
+e2e: e2e-bins e2e-tools ## end-to-end tests against the in-process control plane
+	cd e2e && $(E2E_ENV) $(GO) test -count=1 -timeout $(E2E_TIMEOUT) ./...
+
+demo: e2e-bins e2e-tools ## local cluster with an A100 and a T4 node, a short tour, then up for kubectl until Ctrl-C
+	cd e2e && $(E2E_ENV) $(GO) run ./cmd/demo
+
+bench-e2e: e2e-bins ## scale benchmark: 100 nodes x 8 GPUs, 800 one-GPU pods (not in CI)
+	cd e2e && $(E2E_ENV) $(GO) run ./cmd/bench-e2e

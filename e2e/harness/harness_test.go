@@ -1,0 +1,194 @@
+package harness
+
+import (
+	"context"
+	"path/filepath"
+	"sync"
+	"testing"
+	"time"
+
+	v1 "k8s.io/api/core/v1"
+	resourceapi "k8s.io/api/resource/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/apimachinery/pkg/util/wait"
+	"k8s.io/dynamic-resource-allocation/kubeletplugin"
+)
+
+const refDriver = "ref.e2e.gpu-dra"
+
+// refPlugin is a minimal DRA driver built on the upstream Go helper. It
+// proves the harness (plugin watcher, DRA manager, scheduler, claim
+// controller) independently of our Rust plugin.
+type refPlugin struct {
+	mu         sync.Mutex
+	prepared   map[types.UID]bool
+	unprepared map[types.UID]bool
+}
+
+func (p *refPlugin) PrepareResourceClaims(_ context.Context, claims []*resourceapi.ResourceClaim) (map[types.UID]kubeletplugin.PrepareResult, error) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	out := map[types.UID]kubeletplugin.PrepareResult{}
+	for _, c := range claims {
+		var devs []kubeletplugin.Device
+		for _, r := range c.Status.Allocation.Devices.Results {
+			devs = append(devs, kubeletplugin.Device{
+				Requests: []string{r.Request}, PoolName: r.Pool, DeviceName: r.Device,
+				CDIDeviceIDs: []string{"ref.e2e/dev=" + string(c.UID) + "-" + r.Device},
+			})
+		}
+		p.prepared[c.UID] = true
+		out[c.UID] = kubeletplugin.PrepareResult{Devices: devs}
+	}
+	return out, nil
+}
+
+func (p *refPlugin) UnprepareResourceClaims(_ context.Context, claims []kubeletplugin.NamespacedObject) (map[types.UID]error, error) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	out := map[types.UID]error{}
+	for _, c := range claims {
+		p.unprepared[c.UID] = true
+		out[c.UID] = nil
+	}
+	return out, nil
+}
+
+func (p *refPlugin) HandleError(_ context.Context, err error, msg string) {}
+
+func (p *refPlugin) WatchHealthStatus(context.Context, chan<- kubeletplugin.DeviceHealthReport) error {
+	return kubeletplugin.ErrHealthNotSupported
+}
+
+// TestControlPlaneWithReferenceDriver: control plane up, a driver registers
+// through the kubelet's plugin watcher, the scheduler allocates a claim from
+// a template against a ResourceSlice created here, the DRA manager prepares
+// it, the pod runs with the CDI IDs recorded, and deletion unprepares it.
+func TestControlPlaneWithReferenceDriver(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	c, err := Start(ctx, Options{Logf: t.Logf})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Stop()
+	n, err := c.AddNode(ctx, NodeOptions{Name: "node-1"})
+	if err != nil {
+		t.Fatal(err)
+	}
+
+	plugin := &refPlugin{prepared: map[types.UID]bool{}, unprepared: map[types.UID]bool{}}
+	helper, err := kubeletplugin.Start(ctx, plugin,
+		kubeletplugin.KubeClient(c.Client),
+		kubeletplugin.NodeName(n.Name),
+		kubeletplugin.DriverName(refDriver),
+		kubeletplugin.RegistrarDirectoryPath(n.RegistrarDir),
+		kubeletplugin.PluginDataDirectoryPath(filepath.Join(n.PluginsDir, refDriver)),
+	)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer helper.Stop()
+	if err := wait.PollUntilContextTimeout(ctx, 100*time.Millisecond, time.Minute, true, func(context.Context) (bool, error) {
+		return n.DriverRegistered(refDriver), nil
+	}); err != nil {
+		t.Fatalf("driver never registered with the kubelet's plugin manager: %v", err)
+	}
+
+	slice := &resourceapi.ResourceSlice{
+		ObjectMeta: metav1.ObjectMeta{Name: "node-1-ref"},
+		Spec: resourceapi.ResourceSliceSpec{
+			Driver:   refDriver,
+			Pool:     resourceapi.ResourcePool{Name: n.Name, ResourceSliceCount: 1},
+			NodeName: &n.Name,
+			Devices: []resourceapi.Device{
+				{Name: "dev-0", Attributes: map[resourceapi.QualifiedName]resourceapi.DeviceAttribute{"type": {StringValue: new("gpu")}}},
+				{Name: "dev-1", Attributes: map[resourceapi.QualifiedName]resourceapi.DeviceAttribute{"type": {StringValue: new("gpu")}}},
+			},
+		},
+	}
+	if _, err := c.Client.ResourceV1().ResourceSlices().Create(ctx, slice, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	class := &resourceapi.DeviceClass{
+		ObjectMeta: metav1.ObjectMeta{Name: "ref"},
+		Spec: resourceapi.DeviceClassSpec{Selectors: []resourceapi.DeviceSelector{{
+			CEL: &resourceapi.CELDeviceSelector{Expression: `device.driver == "` + refDriver + `"`},
+		}}},
+	}
+	if _, err := c.Client.ResourceV1().DeviceClasses().Create(ctx, class, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	tmpl := &resourceapi.ResourceClaimTemplate{
+		ObjectMeta: metav1.ObjectMeta{Name: "one", Namespace: "default"},
+		Spec: resourceapi.ResourceClaimTemplateSpec{Spec: resourceapi.ResourceClaimSpec{
+			Devices: resourceapi.DeviceClaim{Requests: []resourceapi.DeviceRequest{{
+				Name: "gpu", Exactly: &resourceapi.ExactDeviceRequest{DeviceClassName: "ref"},
+			}}},
+		}},
+	}
+	if _, err := c.Client.ResourceV1().ResourceClaimTemplates("default").Create(ctx, tmpl, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	pod := &v1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Name: "p", Namespace: "default"},
+		Spec: v1.PodSpec{
+			Containers: []v1.Container{{
+				Name: "ctr", Image: "busybox",
+				Resources: v1.ResourceRequirements{Claims: []v1.ResourceClaim{{Name: "gpu"}}},
+			}},
+			ResourceClaims: []v1.PodResourceClaim{{Name: "gpu", ResourceClaimTemplateName: new("one")}},
+		},
+	}
+	if _, err := c.Client.CoreV1().Pods("default").Create(ctx, pod, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	running, err := c.WaitPodRunning(ctx, "default", "p", time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if running.Spec.NodeName != n.Name {
+		t.Fatalf("pod on %q, want %q", running.Spec.NodeName, n.Name)
+	}
+	ids, err := CDIDevices(running)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(ids["ctr"]) != 1 {
+		t.Fatalf("container CDI devices %v, want one", ids)
+	}
+	claimName := *running.Status.ResourceClaimStatuses[0].ResourceClaimName
+	claim, err := c.Client.ResourceV1().ResourceClaims("default").Get(ctx, claimName, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if claim.Status.Allocation == nil || len(claim.Status.Allocation.Devices.Results) != 1 {
+		t.Fatalf("claim not allocated: %+v", claim.Status)
+	}
+	want := "ref.e2e/dev=" + string(claim.UID) + "-" + claim.Status.Allocation.Devices.Results[0].Device
+	if ids["ctr"][0] != want {
+		t.Fatalf("CDI ID %q, want %q", ids["ctr"][0], want)
+	}
+
+	if err := c.Client.CoreV1().Pods("default").Delete(ctx, "p", metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.WaitPodGone(ctx, "default", "p", time.Minute); err != nil {
+		t.Fatal(err)
+	}
+	plugin.mu.Lock()
+	unprepared := plugin.unprepared[claim.UID]
+	plugin.mu.Unlock()
+	if !unprepared {
+		t.Fatalf("claim %s was not unprepared on pod deletion", claim.UID)
+	}
+	// The generated claim goes away with its pod (resourceclaim controller).
+	if err := wait.PollUntilContextTimeout(ctx, 100*time.Millisecond, time.Minute, true, func(ctx context.Context) (bool, error) {
+		_, err := c.Client.ResourceV1().ResourceClaims("default").Get(ctx, claimName, metav1.GetOptions{})
+		return apierrors.IsNotFound(err), nil
+	}); err != nil {
+		t.Fatalf("generated claim %s not deleted after its pod: %v", claimName, err)
+	}
+}
