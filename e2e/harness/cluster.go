@@ -12,6 +12,7 @@ package harness
 
 import (
 	"context"
+	"flag"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -26,12 +27,16 @@ import (
 	"k8s.io/client-go/dynamic/dynamicinformer"
 	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/metadata"
+	"k8s.io/client-go/metadata/metadatainformer"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/restmapper"
 	"k8s.io/client-go/tools/clientcmd"
 	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
 	"k8s.io/client-go/tools/events"
+	"k8s.io/controller-manager/pkg/informerfactory"
 	"k8s.io/klog/v2"
+	"k8s.io/kubernetes/pkg/controller/garbagecollector"
 	"k8s.io/kubernetes/pkg/controller/resourceclaim"
 	"k8s.io/kubernetes/pkg/controller/serviceaccount"
 	"k8s.io/kubernetes/pkg/scheduler"
@@ -113,7 +118,7 @@ func Start(ctx context.Context, opts Options) (c *Cluster, err error) {
 		if err != nil {
 			return nil, err
 		}
-		klog.LogToStderr(false)
+		quietKlog()
 		klog.SetOutput(c.logFile)
 	}
 
@@ -163,6 +168,16 @@ func Start(ctx context.Context, opts Options) (c *Cluster, err error) {
 	return c, nil
 }
 
+// quietKlog stops klog copying errors to stderr: the control plane logs
+// plenty of expected errors while starting and stopping.
+func quietKlog() {
+	fs := flag.NewFlagSet("klog", flag.ContinueOnError)
+	klog.InitFlags(fs)
+	for k, v := range map[string]string{"logtostderr": "false", "alsologtostderr": "false", "stderrthreshold": "FATAL", "one_output": "true"} {
+		_ = fs.Set(k, v)
+	}
+}
+
 // TokenConfig is a rest.Config for the given bearer token, trusting the cluster CA.
 func (c *Cluster) TokenConfig(token string) *rest.Config {
 	return &rest.Config{
@@ -210,15 +225,33 @@ func (c *Cluster) startControllers(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("serviceaccount controller: %w", err)
 	}
+	// The garbage collector removes generated claims whose pod is gone.
+	metadataClient, err := metadata.NewForConfig(c.AdminConfig)
+	if err != nil {
+		return err
+	}
+	metadataFactory := metadatainformer.NewSharedInformerFactory(metadataClient, 0)
+	gcMapper := restmapper.NewDeferredDiscoveryRESTMapper(memory.NewMemCacheClient(c.Client.Discovery()))
+	started := make(chan struct{})
+	close(started)
+	gc, err := garbagecollector.NewGarbageCollector(ctx, c.Client, metadataClient, gcMapper,
+		garbagecollector.DefaultIgnoredResources(),
+		informerfactory.NewInformerFactory(factory, metadataFactory), started)
+	if err != nil {
+		return fmt.Errorf("garbage collector: %w", err)
+	}
 	factory.Start(ctx.Done())
-	c.wg.Add(2)
+	metadataFactory.Start(ctx.Done())
+	c.wg.Add(4)
 	go func() { defer c.wg.Done(); claims.Run(ctx, 10) }()
 	go func() { defer c.wg.Done(); sa.Run(ctx, 2) }()
+	go func() { defer c.wg.Done(); gc.Run(ctx, 5, 30*time.Second) }()
+	go func() { defer c.wg.Done(); gc.Sync(ctx, c.Client.Discovery(), 30*time.Second) }()
 	return nil
 }
 
 func (c *Cluster) startScheduler(ctx context.Context) error {
-	factory := scheduler.NewInformerFactory(c.Client, 0)
+	factory := scheduler.NewInformerFactory(c.Client, 0, nil)
 	dynFactory := dynamicinformer.NewFilteredDynamicSharedInformerFactory(c.Dynamic, 0, v1.NamespaceAll, nil)
 	broadcaster := events.NewBroadcaster(&events.EventSinkImpl{Interface: c.Client.EventsV1()})
 	sched, err := scheduler.New(ctx, c.Client, factory, dynFactory,

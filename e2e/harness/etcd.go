@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"net"
 	"net/url"
+	"path/filepath"
 	"time"
 
 	"go.etcd.io/etcd/server/v3/embed"
@@ -25,6 +26,7 @@ func startEtcd(dir string) (*embed.Etcd, string, error) {
 	cfg.Name = "e2e"
 	cfg.Dir = dir
 	cfg.LogLevel = "error"
+	cfg.LogOutputs = []string{filepath.Join(filepath.Dir(dir), "etcd.log")}
 	cfg.UnsafeNoFsync = true
 	clientURL := url.URL{Scheme: "http", Host: fmt.Sprintf("127.0.0.1:%d", clientPort)}
 	peerURL := url.URL{Scheme: "http", Host: fmt.Sprintf("127.0.0.1:%d", peerPort)}

@@ -2,6 +2,7 @@ package harness
 
 import (
 	"context"
+	"os"
 	"path/filepath"
 	"sync"
 	"testing"
@@ -79,6 +80,9 @@ func TestControlPlaneWithReferenceDriver(t *testing.T) {
 		t.Fatal(err)
 	}
 
+	if err := os.MkdirAll(filepath.Join(n.PluginsDir, refDriver), 0o750); err != nil {
+		t.Fatal(err)
+	}
 	plugin := &refPlugin{prepared: map[types.UID]bool{}, unprepared: map[types.UID]bool{}}
 	helper, err := kubeletplugin.Start(ctx, plugin,
 		kubeletplugin.KubeClient(c.Client),

@@ -23,6 +23,7 @@ import (
 	"k8s.io/client-go/util/workqueue"
 	"k8s.io/klog/v2"
 	pluginwatcherapi "k8s.io/kubelet/pkg/apis/pluginregistration/v1"
+	podutil "k8s.io/kubernetes/pkg/api/v1/pod"
 	"k8s.io/kubernetes/pkg/kubelet/cm/dra"
 	draplugin "k8s.io/kubernetes/pkg/kubelet/cm/dra/plugin"
 	kubeletconfig "k8s.io/kubernetes/pkg/kubelet/config"
@@ -290,6 +291,14 @@ func (n *Node) syncPod(ctx context.Context, key string) error {
 	}
 	pods := n.cluster.Client.CoreV1().Pods(ns)
 	if pod.DeletionTimestamp != nil {
+		// As the kubelet: containers stopped, the pod in a terminal phase
+		// (which lets the resourceclaim controller release and delete
+		// generated claims), then unprepare, then the final delete.
+		if !podutil.IsPodPhaseTerminal(pod.Status.Phase) {
+			if err := n.setTerminated(ctx, pod); err != nil {
+				return err
+			}
+		}
 		if err := n.dra.UnprepareResources(ctx, pod); err != nil {
 			return err
 		}
@@ -358,6 +367,37 @@ func (n *Node) syncPod(ctx context.Context, key string) error {
 		return err
 	}
 	return nil
+}
+
+// setTerminated records the containers as exited and the pod as Succeeded.
+func (n *Node) setTerminated(ctx context.Context, pod *v1.Pod) error {
+	p := pod.DeepCopy()
+	now := metav1.Now()
+	p.Status.Phase = v1.PodSucceeded
+	for i := range p.Status.Conditions {
+		if t := p.Status.Conditions[i].Type; t == v1.PodReady || t == v1.ContainersReady {
+			p.Status.Conditions[i].Status = v1.ConditionFalse
+			p.Status.Conditions[i].Reason = "PodCompleted"
+			p.Status.Conditions[i].LastTransitionTime = now
+		}
+	}
+	for i := range p.Status.ContainerStatuses {
+		st := &p.Status.ContainerStatuses[i]
+		started := now
+		if st.State.Running != nil {
+			started = st.State.Running.StartedAt
+		}
+		st.Ready = false
+		st.Started = new(false)
+		st.State = v1.ContainerState{Terminated: &v1.ContainerStateTerminated{
+			ExitCode: 0, Reason: "Completed", StartedAt: started, FinishedAt: now, ContainerID: st.ContainerID,
+		}}
+	}
+	_, err := n.cluster.Client.CoreV1().Pods(pod.Namespace).UpdateStatus(ctx, p, metav1.UpdateOptions{})
+	if apierrors.IsNotFound(err) {
+		return nil
+	}
+	return err
 }
 
 // setWaiting reports a failed prepare the way the kubelet does: the
