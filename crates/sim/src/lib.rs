@@ -1,1 +1,84 @@
 //! GPU simulator below NVML.
+//!
+//! This crate builds three things from one source tree:
+//! - a `cdylib` (`libnvidia_ml.so`, installed as `libnvidia-ml.so.1`) exporting the subset of
+//!   the NVML C API the driver calls, with the exact ABI of `nvml.h` ([`ffi`]);
+//! - stand-ins for `nvidia-smi` and `nvidia-cuda-mps-control` that speak the real tools'
+//!   command-line and stdin protocols ([`smi`], [`mps`]);
+//! - `gpu-sim`, which lays out a self-contained simulated host (libraries, tools, `/dev`,
+//!   `/proc` and `/sys` files, state file) under a directory ([`setup`]).
+//!
+//! Invariants: every process that looks at one simulated root sees one fleet, because all
+//! mutable state lives in `etc/gpu-sim/state.json` under that root ([`state`]), found from
+//! the library's or tool's own location; fleet descriptions ([`profile`]) and MIG tables
+//! ([`mig`]) reproduce real hardware values.
+
+use std::path::PathBuf;
+
+pub mod ffi;
+pub mod mig;
+pub mod mps;
+pub mod profile;
+pub mod setup;
+pub mod smi;
+pub mod state;
+pub mod testing;
+
+pub use profile::Profile;
+pub use state::{State, StateFile};
+
+/// Errors of the simulator library and tools.
+#[derive(Debug, thiserror::Error)]
+pub enum SimError {
+    /// A file could not be read or written.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// No built-in profile has this name and it does not look like a path.
+    #[error("unknown profile {name:?}: use one of {known} or a path to a .json file")]
+    UnknownProfile {
+        /// What was asked for.
+        name: String,
+        /// The built-in names.
+        known: String,
+    },
+    /// A profile failed to parse or validate.
+    #[error("profile {origin}: {field}: {message}")]
+    InvalidProfile {
+        /// Where the profile came from.
+        origin: String,
+        /// JSON path of the offending field.
+        field: String,
+        /// What is wrong and what would be valid.
+        message: String,
+    },
+    /// The state file is not valid.
+    #[error("state file {path}: {message}")]
+    InvalidState {
+        /// The state file.
+        path: PathBuf,
+        /// Parse error.
+        message: String,
+    },
+    /// No state file could be found for this process.
+    #[error(
+        "no simulator state found (looked at {searched}); run `gpu-sim setup` or set GPU_SIM_STATE"
+    )]
+    NoState {
+        /// What was searched.
+        searched: String,
+    },
+    /// A build artefact the caller needs is missing.
+    #[error("{what} not found (looked in {searched}); build the gpu-dra-sim package first")]
+    MissingArtefact {
+        /// The artefact.
+        what: String,
+        /// Where it was looked for.
+        searched: String,
+    },
+}

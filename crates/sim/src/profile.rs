@@ -1,0 +1,533 @@
+//! Fleet profiles: the immutable description of a simulated host's GPUs.
+//!
+//! Built-in profiles are JSON files under `profiles/` embedded at compile time; any other
+//! profile is loaded from a path with the same schema. A profile is validated once when it
+//! is loaded (MIG tables exist, initial MIG instances sit on valid, non-overlapping
+//! placements with distinct GPU-instance IDs), so the rest of the simulator can trust it.
+
+use std::collections::BTreeSet;
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+use crate::SimError;
+use crate::mig;
+
+/// Built-in profiles: (name, JSON text).
+const BUILTIN: &[(&str, &str)] = &[
+    ("t4", include_str!("../profiles/t4.json")),
+    ("p4", include_str!("../profiles/p4.json")),
+    ("rtx4090", include_str!("../profiles/rtx4090.json")),
+    (
+        "dgx-a100-40gb",
+        include_str!("../profiles/dgx-a100-40gb.json"),
+    ),
+    ("dgx-h100", include_str!("../profiles/dgx-h100.json")),
+    ("h200", include_str!("../profiles/h200.json")),
+];
+
+/// Names of the built-in profiles, in listing order.
+pub fn builtin_names() -> Vec<&'static str> {
+    BUILTIN.iter().map(|(n, _)| *n).collect()
+}
+
+/// A simulated host: driver versions and GPUs in NVML index order.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct Profile {
+    /// Profile name (`dgx-a100-40gb`).
+    pub name: String,
+    /// One-line description.
+    #[serde(default)]
+    pub description: String,
+    /// Kernel driver version, e.g. `580.95.05`.
+    pub driver_version: String,
+    /// CUDA driver version as NVML encodes it (`13000` = 13.0).
+    pub cuda_driver_version: u32,
+    /// GPUs, in NVML index order.
+    pub gpus: Vec<GpuSpec>,
+}
+
+/// One physical GPU.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct GpuSpec {
+    /// Product name (`NVIDIA A100-SXM4-40GB`).
+    pub name: String,
+    /// `GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`.
+    pub uuid: String,
+    /// Board serial; `null` where NVML reports "not supported" (GeForce boards).
+    pub serial: Option<String>,
+    /// Device minor number (`/dev/nvidia<minor>`).
+    pub minor: u32,
+    /// Brand name: `NVIDIA`, `GeForce`, `Tesla`, `Quadro`, `Titan`, `NvidiaRTX`.
+    pub brand: String,
+    /// Architecture: `Kepler` .. `Blackwell` (`Ada` for Ada Lovelace).
+    pub architecture: String,
+    /// CUDA compute capability `major.minor`.
+    pub compute_capability: String,
+    /// Total framebuffer memory in MiB (`nvidia-smi --query-gpu=memory.total`).
+    #[serde(rename = "memoryMiB")]
+    pub memory_mib: u64,
+    /// PCI bus ID with an 8-digit domain, upper-case hex: `00000000:07:00.0`.
+    pub pci_bus_id: String,
+    /// Combined device and vendor ID, hex string: `0x20B010DE`.
+    pub pci_device_id: String,
+    /// Combined subsystem ID, hex string.
+    pub pci_sub_system_id: String,
+    /// PCIe root complex directory name in sysfs: `pci0000:00`.
+    pub pcie_root: String,
+    /// NUMA node of the GPU.
+    pub numa_node: u32,
+    /// MIG table name (see [`mig::TABLE_NAMES`]); absent for GPUs without MIG.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mig_table: Option<String>,
+    /// Whether MIG mode is enabled at boot.
+    #[serde(default)]
+    pub mig_enabled: bool,
+    /// MIG devices present at boot (only when `migEnabled`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub mig_instances: Vec<MigInstanceSpec>,
+    /// Whether `nvidia-smi compute-policy --set-timeslice` is supported (false on Pascal
+    /// boards such as the Tesla P4).
+    #[serde(default = "yes")]
+    pub timeslice_supported: bool,
+}
+
+fn yes() -> bool {
+    true
+}
+
+/// A MIG device (a GPU instance with its full-size compute instance) present at boot.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct MigInstanceSpec {
+    /// GPU-instance profile ID (19 = 1g, 14 = 2g, 9 = 3g, ...).
+    pub profile_id: u32,
+    /// Placement start in memory slices.
+    pub placement_start: u32,
+    /// GPU-instance ID (0..=14; real drivers assign these unrelated to placements).
+    pub gpu_instance_id: u32,
+    /// Compute-instance ID (0..=7).
+    #[serde(default)]
+    pub compute_instance_id: u32,
+}
+
+/// Decoded PCI location of a GPU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PciAddress {
+    /// PCI domain.
+    pub domain: u32,
+    /// Bus number.
+    pub bus: u32,
+    /// Device number.
+    pub device: u32,
+    /// Function number.
+    pub function: u32,
+}
+
+impl PciAddress {
+    /// Parses `DDDDDDDD:BB:DD.F`, `DDDD:BB:DD.F` or `BB:DD.F` (hex, any case).
+    pub fn parse(s: &str) -> Option<PciAddress> {
+        let (rest, function) = s.rsplit_once('.')?;
+        let mut parts: Vec<&str> = rest.split(':').collect();
+        let domain = if parts.len() == 3 {
+            parts.remove(0)
+        } else {
+            "0"
+        };
+        if parts.len() != 2 {
+            return None;
+        }
+        let hex = |v: &str| u32::from_str_radix(v, 16).ok();
+        Some(PciAddress {
+            domain: hex(domain)?,
+            bus: hex(parts[0])?,
+            device: hex(parts[1])?,
+            function: hex(function)?,
+        })
+    }
+
+    /// `00000000:07:00.0` (the NVML `busId` and nvidia-smi form).
+    pub fn long(&self) -> String {
+        format!(
+            "{:08X}:{:02X}:{:02X}.{:X}",
+            self.domain, self.bus, self.device, self.function
+        )
+    }
+
+    /// `0000:07:00.0` (the NVML `busIdLegacy` form).
+    pub fn legacy(&self) -> String {
+        format!(
+            "{:04X}:{:02X}:{:02X}.{:X}",
+            self.domain, self.bus, self.device, self.function
+        )
+    }
+
+    /// `0000:07:00.0` in lower case, as sysfs names devices.
+    pub fn sysfs(&self) -> String {
+        self.legacy().to_ascii_lowercase()
+    }
+}
+
+impl GpuSpec {
+    /// Parsed PCI address (validated at load).
+    pub fn pci(&self) -> PciAddress {
+        PciAddress::parse(&self.pci_bus_id).unwrap_or(PciAddress {
+            domain: 0,
+            bus: 0,
+            device: 0,
+            function: 0,
+        })
+    }
+
+    /// Compute capability as (major, minor) (validated at load).
+    pub fn cc(&self) -> (i32, i32) {
+        parse_cc(&self.compute_capability).unwrap_or((0, 0))
+    }
+
+    /// The GPU's MIG table, if MIG capable.
+    pub fn mig_profiles(&self) -> Option<&'static [mig::GiProfile]> {
+        self.mig_table.as_deref().and_then(mig::table)
+    }
+
+    /// NVML brand enum value (`nvmlBrandType_t`).
+    pub fn brand_value(&self) -> u32 {
+        brand_value(&self.brand).unwrap_or(0)
+    }
+
+    /// NVML architecture enum value (`nvmlDeviceArchitecture_t`).
+    pub fn architecture_value(&self) -> u32 {
+        architecture_value(&self.architecture).unwrap_or(0xffff_ffff)
+    }
+}
+
+fn parse_cc(s: &str) -> Option<(i32, i32)> {
+    let (a, b) = s.split_once('.')?;
+    Some((a.parse().ok()?, b.parse().ok()?))
+}
+
+fn parse_hex(s: &str) -> Option<u32> {
+    u32::from_str_radix(s.strip_prefix("0x")?, 16).ok()
+}
+
+/// Parses a `0x`-prefixed hex PCI ID.
+pub fn pci_id(s: &str) -> u32 {
+    parse_hex(s).unwrap_or(0)
+}
+
+const BRANDS: &[(&str, u32)] = &[
+    ("Quadro", 1),
+    ("Tesla", 2),
+    ("NVS", 3),
+    ("GeForce", 5),
+    ("Titan", 6),
+    ("NvidiaRTX", 13),
+    ("NVIDIA", 14),
+];
+
+const ARCHITECTURES: &[(&str, u32)] = &[
+    ("Kepler", 2),
+    ("Maxwell", 3),
+    ("Pascal", 4),
+    ("Volta", 5),
+    ("Turing", 6),
+    ("Ampere", 7),
+    ("Ada", 8),
+    ("Hopper", 9),
+    ("Blackwell", 10),
+];
+
+fn brand_value(s: &str) -> Option<u32> {
+    BRANDS.iter().find(|(n, _)| *n == s).map(|(_, v)| *v)
+}
+
+fn architecture_value(s: &str) -> Option<u32> {
+    ARCHITECTURES.iter().find(|(n, _)| *n == s).map(|(_, v)| *v)
+}
+
+impl Profile {
+    /// Loads a built-in profile by name, or a JSON file when `name_or_path` names one
+    /// (contains a `/` or ends in `.json`).
+    pub fn load(name_or_path: &str) -> Result<Profile, SimError> {
+        if let Some((_, text)) = BUILTIN.iter().find(|(n, _)| *n == name_or_path) {
+            return Profile::from_json(text, name_or_path);
+        }
+        if name_or_path.contains('/') || name_or_path.ends_with(".json") {
+            let path = Path::new(name_or_path);
+            let text = std::fs::read_to_string(path).map_err(|source| SimError::Io {
+                path: path.to_path_buf(),
+                source,
+            })?;
+            return Profile::from_json(&text, name_or_path);
+        }
+        Err(SimError::UnknownProfile {
+            name: name_or_path.to_string(),
+            known: builtin_names().join(", "),
+        })
+    }
+
+    /// Parses and validates a profile; `origin` names it in errors.
+    pub fn from_json(text: &str, origin: &str) -> Result<Profile, SimError> {
+        let profile: Profile =
+            serde_json::from_str(text).map_err(|e| SimError::InvalidProfile {
+                origin: origin.to_string(),
+                field: "$".to_string(),
+                message: e.to_string(),
+            })?;
+        profile.validate(origin)?;
+        Ok(profile)
+    }
+
+    /// Checks the invariants the rest of the simulator relies on.
+    pub fn validate(&self, origin: &str) -> Result<(), SimError> {
+        let bad = |field: String, message: String| SimError::InvalidProfile {
+            origin: origin.to_string(),
+            field,
+            message,
+        };
+        if self.gpus.is_empty() {
+            return Err(bad("gpus".into(), "at least one GPU is required".into()));
+        }
+        let mut uuids = BTreeSet::new();
+        let mut minors = BTreeSet::new();
+        for (i, g) in self.gpus.iter().enumerate() {
+            let f = |name: &str| format!("gpus[{i}].{name}");
+            if !is_gpu_uuid(&g.uuid) {
+                return Err(bad(
+                    f("uuid"),
+                    format!(
+                        "{:?} is not of the form GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx",
+                        g.uuid
+                    ),
+                ));
+            }
+            if !uuids.insert(g.uuid.clone()) {
+                return Err(bad(f("uuid"), format!("{} is used twice", g.uuid)));
+            }
+            if !minors.insert(g.minor) {
+                return Err(bad(f("minor"), format!("minor {} is used twice", g.minor)));
+            }
+            if g.minor > 31 {
+                return Err(bad(f("minor"), "must be at most 31".into()));
+            }
+            if PciAddress::parse(&g.pci_bus_id).is_none() {
+                return Err(bad(
+                    f("pciBusId"),
+                    format!(
+                        "{:?} is not a PCI address like 00000000:07:00.0",
+                        g.pci_bus_id
+                    ),
+                ));
+            }
+            for (name, v) in [
+                ("pciDeviceId", &g.pci_device_id),
+                ("pciSubSystemId", &g.pci_sub_system_id),
+            ] {
+                if parse_hex(v).is_none() {
+                    return Err(bad(
+                        f(name),
+                        format!("{v:?} is not a hex ID like 0x20B010DE"),
+                    ));
+                }
+            }
+            if !g.pcie_root.starts_with("pci") || g.pcie_root.contains('/') {
+                return Err(bad(
+                    f("pcieRoot"),
+                    format!("{:?} is not a sysfs root name like pci0000:00", g.pcie_root),
+                ));
+            }
+            if parse_cc(&g.compute_capability).is_none() {
+                return Err(bad(f("computeCapability"), "must look like 8.0".into()));
+            }
+            if brand_value(&g.brand).is_none() {
+                let names: Vec<&str> = BRANDS.iter().map(|(n, _)| *n).collect();
+                return Err(bad(
+                    f("brand"),
+                    format!("must be one of {}", names.join(", ")),
+                ));
+            }
+            if architecture_value(&g.architecture).is_none() {
+                let names: Vec<&str> = ARCHITECTURES.iter().map(|(n, _)| *n).collect();
+                return Err(bad(
+                    f("architecture"),
+                    format!("must be one of {}", names.join(", ")),
+                ));
+            }
+            let table = match &g.mig_table {
+                None => {
+                    if g.mig_enabled || !g.mig_instances.is_empty() {
+                        return Err(bad(
+                            f("migEnabled"),
+                            "MIG needs a migTable (the GPU is not MIG capable)".into(),
+                        ));
+                    }
+                    continue;
+                }
+                Some(t) => mig::table(t).ok_or_else(|| {
+                    bad(
+                        f("migTable"),
+                        format!(
+                            "unknown table {t:?}; known: {}",
+                            mig::TABLE_NAMES.join(", ")
+                        ),
+                    )
+                })?,
+            };
+            if !g.mig_enabled && !g.mig_instances.is_empty() {
+                return Err(bad(
+                    f("migInstances"),
+                    "MIG instances need migEnabled: true".into(),
+                ));
+            }
+            let mut used: Vec<(u32, u32)> = Vec::new();
+            let mut gi_ids = BTreeSet::new();
+            for (j, m) in g.mig_instances.iter().enumerate() {
+                let mf = |name: &str| format!("gpus[{i}].migInstances[{j}].{name}");
+                let p = mig::by_id(table, m.profile_id).ok_or_else(|| {
+                    let ids: Vec<String> = table.iter().map(|p| p.id.to_string()).collect();
+                    bad(
+                        mf("profileId"),
+                        format!(
+                            "unknown profile ID {}; valid: {}",
+                            m.profile_id,
+                            ids.join(", ")
+                        ),
+                    )
+                })?;
+                if !p.is_valid_start(m.placement_start) {
+                    return Err(bad(
+                        mf("placementStart"),
+                        format!(
+                            "{} is not a placement of {}; valid: {:?}",
+                            m.placement_start, p.name, p.placement_starts
+                        ),
+                    ));
+                }
+                if used
+                    .iter()
+                    .any(|(s, z)| mig::overlaps(*s, *z, m.placement_start, p.placement_size))
+                {
+                    return Err(bad(
+                        mf("placementStart"),
+                        "overlaps another MIG instance".into(),
+                    ));
+                }
+                used.push((m.placement_start, p.placement_size));
+                if m.gpu_instance_id > 14 || !gi_ids.insert(m.gpu_instance_id) {
+                    return Err(bad(
+                        mf("gpuInstanceId"),
+                        "must be unique on the GPU and at most 14".into(),
+                    ));
+                }
+                if m.compute_instance_id > 7 {
+                    return Err(bad(mf("computeInstanceId"), "must be at most 7".into()));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Whether `s` is `GPU-` followed by an 8-4-4-4-12 hex UUID.
+pub fn is_gpu_uuid(s: &str) -> bool {
+    s.strip_prefix("GPU-").is_some_and(is_uuid_body)
+}
+
+/// Whether `s` is an 8-4-4-4-12 lower- or upper-case hex string.
+pub fn is_uuid_body(s: &str) -> bool {
+    let groups: Vec<&str> = s.split('-').collect();
+    groups.len() == 5
+        && groups
+            .iter()
+            .zip([8, 4, 4, 4, 12])
+            .all(|(g, n)| g.len() == n && g.chars().all(|c| c.is_ascii_hexdigit()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_builtin_profile_loads() {
+        for name in builtin_names() {
+            let p = Profile::load(name).expect(name);
+            assert_eq!(p.name, name);
+            assert_eq!(p.driver_version, "580.95.05");
+            assert_eq!(p.cuda_driver_version, 13000);
+        }
+    }
+
+    #[test]
+    fn dgx_a100_matches_the_brief() {
+        let p = Profile::load("dgx-a100-40gb").expect("profile");
+        assert_eq!(p.gpus.len(), 8);
+        let buses: Vec<String> = p.gpus.iter().map(|g| g.pci().sysfs()).collect();
+        assert_eq!(
+            buses,
+            [
+                "0000:07:00.0",
+                "0000:0f:00.0",
+                "0000:47:00.0",
+                "0000:4e:00.0",
+                "0000:87:00.0",
+                "0000:90:00.0",
+                "0000:b7:00.0",
+                "0000:bd:00.0"
+            ]
+        );
+        let numa: Vec<u32> = p.gpus.iter().map(|g| g.numa_node).collect();
+        assert_eq!(numa, [0, 0, 0, 0, 1, 1, 1, 1]);
+        // Two GPUs per PCIe root.
+        for pair in p.gpus.chunks(2) {
+            assert_eq!(pair[0].pcie_root, pair[1].pcie_root);
+        }
+        assert_ne!(p.gpus[0].pcie_root, p.gpus[2].pcie_root);
+        for (i, g) in p.gpus.iter().enumerate() {
+            assert_eq!(g.mig_enabled, i < 4);
+            assert_eq!(g.mig_instances.len(), if i < 4 { 4 } else { 0 });
+            // GI IDs are not placements.
+            for m in &g.mig_instances {
+                assert_ne!(m.gpu_instance_id, m.placement_start);
+            }
+        }
+    }
+
+    #[test]
+    fn overlapping_instances_are_rejected_with_a_field_path() {
+        let mut p = Profile::load("dgx-a100-40gb").expect("profile");
+        p.gpus[1].mig_instances[3].placement_start = 4;
+        let text = serde_json::to_string(&p).expect("json");
+        let err = Profile::from_json(&text, "x.json").expect_err("overlap");
+        let msg = err.to_string();
+        assert!(
+            msg.contains("gpus[1].migInstances[3].placementStart"),
+            "{msg}"
+        );
+        assert!(msg.contains("overlaps"), "{msg}");
+    }
+
+    #[test]
+    fn unknown_profile_lists_the_known_ones() {
+        let err = Profile::load("a100").expect_err("unknown");
+        assert!(err.to_string().contains("dgx-a100-40gb"), "{err}");
+    }
+
+    #[test]
+    fn pci_addresses_parse_in_every_form() {
+        let want = PciAddress {
+            domain: 0,
+            bus: 0xb7,
+            device: 0,
+            function: 0,
+        };
+        for s in ["00000000:B7:00.0", "0000:b7:00.0", "b7:00.0"] {
+            assert_eq!(PciAddress::parse(s), Some(want), "{s}");
+        }
+        assert_eq!(want.long(), "00000000:B7:00.0");
+        assert_eq!(want.legacy(), "0000:B7:00.0");
+        assert_eq!(want.sysfs(), "0000:b7:00.0");
+        assert_eq!(PciAddress::parse("zz:00.0"), None);
+        assert_eq!(PciAddress::parse("07:00"), None);
+    }
+}

@@ -1,0 +1,347 @@
+//! `gpu-sim setup`: lays out a self-contained simulated host under a directory.
+//!
+//! The tree mirrors what the driver finds on a real node (paths relative to the root):
+//! - `usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1` (the simulator library) and the
+//!   `libnvidia-ml.so` link; `libcuda.so.<ver>` (+ `libcuda.so.1`),
+//!   `libnvidia-ptxjitcompiler.so.<ver>` (+ `.so.1`), `lib/firmware/nvidia/<ver>/gsp_ga10x.bin`;
+//! - `usr/bin/nvidia-smi`, `usr/bin/nvidia-cuda-mps-control`, `usr/bin/nvidia-persistenced`;
+//! - `dev/nvidia<minor>`, `dev/nvidiactl`, `dev/nvidia-uvm`, `dev/nvidia-uvm-tools`,
+//!   `dev/nvidia-caps/nvidia-cap<N>` (regular files standing in for device nodes);
+//! - `proc/devices`, `proc/driver/nvidia/capabilities/mig/{config,monitor}` and
+//!   `.../gpu<minor>/mig/gi<G>/access`, `.../gi<G>/ci<C>/access` for the MIG devices present;
+//! - `sys/bus/pci/devices/<busid>` links into `sys/devices/<pcieRoot>/<bridge>/<busid>` with
+//!   `numa_node`, `vendor`, `device`;
+//! - `etc/gpu-sim/state.json`.
+//!
+//! Invariant: the library and tools are *copied* (not linked) so that their own path, which
+//! they use to find the state, lies inside the root.
+
+use std::fs;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use crate::SimError;
+use crate::mig;
+use crate::profile::Profile;
+use crate::state::{State, StateFile};
+
+/// Library directory under the root.
+pub const LIB_DIR: &str = "usr/lib/x86_64-linux-gnu";
+/// Installed NVML library path under the root.
+pub const NVML_LIB: &str = "usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1";
+/// Tool directory under the root.
+pub const BIN_DIR: &str = "usr/bin";
+/// File name of the cdylib as cargo builds it.
+pub const CDYLIB_NAME: &str = "libnvidia_ml.so";
+/// The stand-in tools installed by setup.
+pub const TOOLS: &[&str] = &["nvidia-smi", "nvidia-cuda-mps-control"];
+
+/// Where the build artefacts to install come from.
+#[derive(Debug, Clone)]
+pub struct Artefacts {
+    /// The cdylib (`libnvidia_ml.so`).
+    pub cdylib: PathBuf,
+    /// Directory holding the `nvidia-smi` and `nvidia-cuda-mps-control` executables.
+    pub bin_dir: PathBuf,
+}
+
+impl Artefacts {
+    /// Finds the artefacts next to `dir` (a cargo profile directory such as
+    /// `target/debug`): the cdylib in `dir` or `dir/deps`, the tools in `dir`.
+    pub fn beside(dir: &Path) -> Result<Artefacts, SimError> {
+        let candidates = [dir.join(CDYLIB_NAME), dir.join("deps").join(CDYLIB_NAME)];
+        let cdylib = candidates
+            .iter()
+            .find(|p| p.is_file())
+            .cloned()
+            .ok_or_else(|| SimError::MissingArtefact {
+                what: CDYLIB_NAME.to_string(),
+                searched: format!(
+                    "{} and {}",
+                    candidates[0].display(),
+                    candidates[1].display()
+                ),
+            })?;
+        for tool in TOOLS {
+            let p = dir.join(tool);
+            if !p.is_file() {
+                return Err(SimError::MissingArtefact {
+                    what: (*tool).to_string(),
+                    searched: dir.display().to_string(),
+                });
+            }
+        }
+        Ok(Artefacts {
+            cdylib,
+            bin_dir: dir.to_path_buf(),
+        })
+    }
+}
+
+fn io(path: &Path) -> impl FnOnce(std::io::Error) -> SimError {
+    let path = path.to_path_buf();
+    move |source| SimError::Io { path, source }
+}
+
+fn write(path: &Path, content: &[u8]) -> Result<(), SimError> {
+    if let Some(dir) = path.parent() {
+        fs::create_dir_all(dir).map_err(io(dir))?;
+    }
+    let mut f = fs::File::create(path).map_err(io(path))?;
+    f.write_all(content).map_err(io(path))
+}
+
+fn copy(from: &Path, to: &Path) -> Result<(), SimError> {
+    if let Some(dir) = to.parent() {
+        fs::create_dir_all(dir).map_err(io(dir))?;
+    }
+    // Remove first: overwriting a library another process has mapped would corrupt it.
+    let _ = fs::remove_file(to);
+    fs::copy(from, to).map_err(io(from))?;
+    Ok(())
+}
+
+fn symlink(target: &str, link: &Path) -> Result<(), SimError> {
+    if let Some(dir) = link.parent() {
+        fs::create_dir_all(dir).map_err(io(dir))?;
+    }
+    let _ = fs::remove_file(link);
+    std::os::unix::fs::symlink(target, link).map_err(io(link))
+}
+
+fn set_mode(path: &Path, mode: u32) -> Result<(), SimError> {
+    use std::os::unix::fs::PermissionsExt;
+    fs::set_permissions(path, fs::Permissions::from_mode(mode)).map_err(io(path))
+}
+
+/// Creates (or refreshes) a simulated host for `profile` under `root`, installing the
+/// library and tools from `artefacts`. An existing state file is replaced by the profile's
+/// boot state.
+pub fn setup(root: &Path, profile: &Profile, artefacts: &Artefacts) -> Result<State, SimError> {
+    fs::create_dir_all(root).map_err(io(root))?;
+    let ver = &profile.driver_version;
+
+    // Libraries.
+    let lib = root.join(LIB_DIR);
+    copy(&artefacts.cdylib, &root.join(NVML_LIB))?;
+    symlink("libnvidia-ml.so.1", &lib.join("libnvidia-ml.so"))?;
+    for (name, link) in [
+        (format!("libcuda.so.{ver}"), "libcuda.so.1"),
+        (
+            format!("libnvidia-ptxjitcompiler.so.{ver}"),
+            "libnvidia-ptxjitcompiler.so.1",
+        ),
+    ] {
+        write(&lib.join(&name), format!("simulated {name}\n").as_bytes())?;
+        symlink(&name, &lib.join(link))?;
+    }
+    write(
+        &root.join(format!("lib/firmware/nvidia/{ver}/gsp_ga10x.bin")),
+        b"simulated GSP firmware\n",
+    )?;
+
+    // Tools.
+    let bin = root.join(BIN_DIR);
+    for tool in TOOLS {
+        let to = bin.join(tool);
+        copy(&artefacts.bin_dir.join(tool), &to)?;
+        set_mode(&to, 0o755)?;
+    }
+    let persistenced = bin.join("nvidia-persistenced");
+    write(&persistenced, b"#!/bin/sh\nexit 0\n")?;
+    set_mode(&persistenced, 0o755)?;
+
+    // State first: the device files below are derived from it.
+    let state = State::from_profile(profile.clone());
+    StateFile::under_root(root).create(&state)?;
+
+    // Device nodes and /proc.
+    let dev = root.join("dev");
+    for name in ["nvidiactl", "nvidia-uvm", "nvidia-uvm-tools"] {
+        write(&dev.join(name), b"")?;
+    }
+    for g in &profile.gpus {
+        write(&dev.join(format!("nvidia{}", g.minor)), b"")?;
+    }
+    write(
+        &root.join("proc/devices"),
+        b"Character devices:\n  1 mem\n195 nvidia-frontend\n195 nvidia\n195 nvidiactl\n236 nvidia-caps\n508 nvidia-uvm\n\nBlock devices:\n  8 sd\n",
+    )?;
+    let caps = root.join("proc/driver/nvidia/capabilities");
+    write(
+        &caps.join("mig/config"),
+        b"DeviceFileMinor: 1\nDeviceFileMode: 256\nDeviceFileModify: 1\n",
+    )?;
+    write(
+        &caps.join("mig/monitor"),
+        b"DeviceFileMinor: 2\nDeviceFileMode: 292\nDeviceFileModify: 1\n",
+    )?;
+    write(&dev.join("nvidia-caps/nvidia-cap1"), b"")?;
+    write(&dev.join("nvidia-caps/nvidia-cap2"), b"")?;
+    sync_mig_files(root, &state)?;
+
+    // sysfs.
+    for g in &profile.gpus {
+        let a = g.pci();
+        let busid = a.sysfs();
+        // A root-port bridge between the root complex and the GPU, as on real systems.
+        let bridge = format!("{:04x}:{:02x}:01.0", a.domain, a.bus.saturating_sub(1));
+        let rel = format!("devices/{}/{bridge}/{busid}", g.pcie_root);
+        let devdir = root.join("sys").join(&rel);
+        write(
+            &devdir.join("numa_node"),
+            format!("{}\n", g.numa_node).as_bytes(),
+        )?;
+        write(&devdir.join("vendor"), b"0x10de\n")?;
+        let id = crate::profile::pci_id(&g.pci_device_id) >> 16;
+        write(&devdir.join("device"), format!("0x{id:04x}\n").as_bytes())?;
+        symlink(
+            &format!("../../../{rel}"),
+            &root.join("sys/bus/pci/devices").join(&busid),
+        )?;
+    }
+    Ok(state)
+}
+
+/// Makes the MIG capability files under `proc/` and `dev/nvidia-caps/` match the GPU and
+/// compute instances in `state`: files of instances that no longer exist are removed.
+pub fn sync_mig_files(root: &Path, state: &State) -> Result<(), SimError> {
+    let caps = root.join("proc/driver/nvidia/capabilities");
+    // Device files of instances that no longer exist go too (1 and 2 are config/monitor).
+    let capdev = root.join("dev/nvidia-caps");
+    if let Ok(entries) = fs::read_dir(&capdev) {
+        for e in entries.flatten() {
+            let name = e.file_name();
+            let minor = name
+                .to_str()
+                .and_then(|n| n.strip_prefix("nvidia-cap"))
+                .and_then(|n| n.parse::<u32>().ok());
+            if minor.is_some_and(|m| m > 2) {
+                fs::remove_file(e.path()).map_err(io(&e.path()))?;
+            }
+        }
+    }
+    for (i, g) in state.profile.gpus.iter().enumerate() {
+        let migdir = caps.join(format!("gpu{}/mig", g.minor));
+        if migdir.exists() {
+            fs::remove_dir_all(&migdir).map_err(io(&migdir))?;
+        }
+        for gi in &state.gpus[i].gpu_instances {
+            let m = mig::gi_cap_minor(g.minor, gi.id);
+            let gidir = migdir.join(format!("gi{}", gi.id));
+            write(
+                &gidir.join("access"),
+                format!("DeviceFileMinor: {m}\nDeviceFileMode: 292\nDeviceFileModify: 1\n")
+                    .as_bytes(),
+            )?;
+            write(&root.join(format!("dev/nvidia-caps/nvidia-cap{m}")), b"")?;
+            for ci in &gi.compute_instances {
+                let m = mig::ci_cap_minor(g.minor, gi.id, ci.id);
+                write(
+                    &gidir.join(format!("ci{}/access", ci.id)),
+                    format!("DeviceFileMinor: {m}\nDeviceFileMode: 292\nDeviceFileModify: 1\n")
+                        .as_bytes(),
+                )?;
+                write(&root.join(format!("dev/nvidia-caps/nvidia-cap{m}")), b"")?;
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fake_artefacts(dir: &Path) -> Artefacts {
+        let bin = dir.join("bin");
+        fs::create_dir_all(bin.join("deps")).expect("mkdir");
+        fs::write(bin.join("deps").join(CDYLIB_NAME), b"lib").expect("lib");
+        for t in TOOLS {
+            fs::write(bin.join(t), b"tool").expect("tool");
+        }
+        Artefacts::beside(&bin).expect("artefacts")
+    }
+
+    #[test]
+    fn dgx_a100_tree_has_devices_caps_and_sysfs() {
+        let tmp = tempfile::tempdir().expect("tmp");
+        let art = fake_artefacts(tmp.path());
+        let root = tmp.path().join("root");
+        let profile = Profile::load("dgx-a100-40gb").expect("profile");
+        setup(&root, &profile, &art).expect("setup");
+
+        assert_eq!(fs::read(root.join(NVML_LIB)).expect("lib"), b"lib");
+        assert!(root.join(LIB_DIR).join("libnvidia-ml.so").exists());
+        assert!(root.join(LIB_DIR).join("libcuda.so.1").exists());
+        assert!(
+            root.join("usr/lib/x86_64-linux-gnu/libcuda.so.580.95.05")
+                .is_file()
+        );
+        assert!(
+            root.join("lib/firmware/nvidia/580.95.05/gsp_ga10x.bin")
+                .is_file()
+        );
+        for i in 0..8 {
+            assert!(root.join(format!("dev/nvidia{i}")).is_file());
+        }
+        // GPU 0 GI 1 (3g.20gb): minor 12, CI 0: 13 (NVIDIA's mig-minors table).
+        let gi =
+            fs::read_to_string(root.join("proc/driver/nvidia/capabilities/gpu0/mig/gi1/access"))
+                .expect("gi access");
+        assert_eq!(
+            gi,
+            "DeviceFileMinor: 12\nDeviceFileMode: 292\nDeviceFileModify: 1\n"
+        );
+        let ci = fs::read_to_string(
+            root.join("proc/driver/nvidia/capabilities/gpu3/mig/gi12/ci0/access"),
+        )
+        .expect("ci access");
+        assert!(ci.starts_with(&format!("DeviceFileMinor: {}\n", 3 + 135 * 3 + 9 * 12 + 1)));
+        assert!(root.join("dev/nvidia-caps/nvidia-cap13").is_file());
+        assert!(root.join("dev/nvidia-caps/nvidia-cap1").is_file());
+        // Destroying an instance removes its files.
+        let mut st = StateFile::under_root(&root).load().expect("state");
+        st.destroy_compute_instance(0, 1, 0).expect("dci");
+        st.destroy_gpu_instance(0, 1).expect("dgi");
+        sync_mig_files(&root, &st).expect("sync");
+        assert!(!root.join("dev/nvidia-caps/nvidia-cap13").exists());
+        assert!(!root.join("dev/nvidia-caps/nvidia-cap12").exists());
+        assert!(root.join("dev/nvidia-caps/nvidia-cap1").is_file());
+        assert!(
+            root.join(format!("dev/nvidia-caps/nvidia-cap{}", 3 + 9 * 6))
+                .is_file()
+        );
+        assert!(
+            !root
+                .join("proc/driver/nvidia/capabilities/gpu4/mig")
+                .exists()
+        );
+
+        let link = root.join("sys/bus/pci/devices/0000:b7:00.0");
+        let target = fs::canonicalize(&link).expect("link resolves");
+        assert!(
+            target.ends_with("sys/devices/pci0000:b0/0000:b6:01.0/0000:b7:00.0"),
+            "{}",
+            target.display()
+        );
+        assert_eq!(
+            fs::read_to_string(link.join("numa_node")).expect("numa"),
+            "1\n"
+        );
+        assert_eq!(
+            fs::read_to_string(link.join("device")).expect("id"),
+            "0x20b0\n"
+        );
+
+        let st = StateFile::under_root(&root).load().expect("state");
+        assert_eq!(st.profile.name, "dgx-a100-40gb");
+    }
+
+    #[test]
+    fn missing_artefacts_are_named() {
+        let tmp = tempfile::tempdir().expect("tmp");
+        let err = Artefacts::beside(tmp.path()).expect_err("missing");
+        assert!(err.to_string().contains(CDYLIB_NAME), "{err}");
+    }
+}

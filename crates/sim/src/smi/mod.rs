@@ -1,0 +1,889 @@
+//! `nvidia-smi` stand-in: the options the driver and its operators use, with the real tool's
+//! messages and exit codes (NVIDIA_FACTS §B.2).
+//!
+//! Supported: `-L`, `--version`, `-q` (short summary), `-i <id[,id…]>` with `-c <mode>`,
+//! `-pm <0|1>`, `-mig <0|1>`, `--query-gpu=<fields> --format=csv[,noheader][,nounits]`,
+//! `compute-policy [-i <ids>] (--set-timeslice <0..3> | -l)` and
+//! `mig [-i <ids>] (-lgip | -lgipp | -lgi | -cgi <profiles>[-C] | -dci | -dgi)` ([`mig`]). `<id>` is an index, a GPU
+//! UUID, a PCI bus ID in any of its forms, or a board serial.
+//!
+//! Invariant: every change goes to the simulator state file, so NVML reads through the
+//! simulated library agree with what this tool set. Messages go to stdout, as the real tool
+//! prints them there; exit codes follow the man page (2 invalid argument, 3 not supported,
+//! 6 not found, 9 driver not loaded).
+
+use std::io::Write;
+
+mod mig;
+
+use crate::SimError;
+use crate::profile::PciAddress;
+use crate::state::{ComputeMode, State, StateFile};
+
+/// Exit code: success.
+pub const EXIT_OK: i32 = 0;
+/// Exit code: invalid argument or flag.
+pub const EXIT_INVALID: i32 = 2;
+/// Exit code: operation not available on the target device.
+pub const EXIT_NOT_SUPPORTED: i32 = 3;
+/// Exit code: a query to find an object was unsuccessful.
+pub const EXIT_NOT_FOUND: i32 = 6;
+/// Exit code: the driver is not loaded.
+pub const EXIT_NO_DRIVER: i32 = 9;
+/// Exit code: other error.
+pub const EXIT_OTHER: i32 = 255;
+
+pub(crate) const INVALID_COMBINATION: &str =
+    "Invalid combination of input arguments. Please run 'nvidia-smi -h' for help.";
+
+const TIMESLICE_NAMES: [&str; 4] = ["Default", "Short", "Medium", "Long"];
+
+/// Runs `nvidia-smi <args>` against the state in `file` (or the error locating it).
+pub fn run(file: Result<StateFile, SimError>, args: &[String], out: &mut dyn Write) -> i32 {
+    match run_inner(file, args, out) {
+        Ok(code) => code,
+        // Output errors (closed stdout) leave nothing more to report.
+        Err(_) => EXIT_OTHER,
+    }
+}
+
+#[derive(Default)]
+struct Opts {
+    id: Option<String>,
+    compute_mode: Option<String>,
+    persistence: Option<String>,
+    mig_mode: Option<String>,
+    query_gpu: Option<String>,
+    format: Option<String>,
+    list: bool,
+    version: bool,
+    query: bool,
+    help: bool,
+}
+
+/// Splits `--name=value` / `-n=value` / `-n value` style arguments.
+fn parse_opts(args: &[String]) -> Result<Opts, String> {
+    let mut o = Opts::default();
+    let mut it = args.iter();
+    while let Some(arg) = it.next() {
+        let (name, inline) = match arg.split_once('=') {
+            Some((n, v)) if n.starts_with('-') => (n, Some(v.to_string())),
+            _ => (arg.as_str(), None),
+        };
+        let mut value = |inline: Option<String>| -> Result<String, String> {
+            match inline {
+                Some(v) => Ok(v),
+                None => it
+                    .next()
+                    .cloned()
+                    .ok_or_else(|| INVALID_COMBINATION.to_string()),
+            }
+        };
+        match name {
+            "-i" | "--id" => o.id = Some(value(inline)?),
+            "-c" | "--compute-mode" => o.compute_mode = Some(value(inline)?),
+            "-pm" | "--persistence-mode" => o.persistence = Some(value(inline)?),
+            "-mig" | "--multi-instance-gpu" => o.mig_mode = Some(value(inline)?),
+            "--query-gpu" => o.query_gpu = Some(value(inline)?),
+            "--format" => o.format = Some(value(inline)?),
+            "-L" | "--list-gpus" => o.list = true,
+            "--version" => o.version = true,
+            "-q" | "--query" => o.query = true,
+            "-h" | "--help" => o.help = true,
+            _ => return Err(INVALID_COMBINATION.to_string()),
+        }
+    }
+    Ok(o)
+}
+
+fn run_inner(
+    file: Result<StateFile, SimError>,
+    args: &[String],
+    out: &mut dyn Write,
+) -> std::io::Result<i32> {
+    if args.first().map(String::as_str) == Some("mig") {
+        let Ok(file) = file else {
+            return no_driver(out);
+        };
+        return mig::run(&file, &args[1..], out);
+    }
+    if args.first().map(String::as_str) == Some("compute-policy") {
+        let Ok(file) = file else {
+            return no_driver(out);
+        };
+        return compute_policy(&file, &args[1..], out);
+    }
+    let o = match parse_opts(args) {
+        Ok(o) => o,
+        Err(msg) => {
+            writeln!(out, "{msg}")?;
+            return Ok(EXIT_INVALID);
+        }
+    };
+    if o.help {
+        writeln!(out, "{HELP}")?;
+        return Ok(EXIT_OK);
+    }
+    let Ok(file) = file else {
+        return no_driver(out);
+    };
+    let Ok(state) = file.load() else {
+        return no_driver(out);
+    };
+    if o.version {
+        let ver = &state.profile.driver_version;
+        let nvml = ver.split('.').take(2).collect::<Vec<_>>().join(".");
+        let cuda = state.profile.cuda_driver_version;
+        writeln!(out, "NVIDIA-SMI version  : {ver}")?;
+        writeln!(out, "NVML version        : {nvml}")?;
+        writeln!(out, "DRIVER version      : {ver}")?;
+        writeln!(
+            out,
+            "CUDA Version        : {}.{}",
+            cuda / 1000,
+            cuda % 1000 / 10
+        )?;
+        return Ok(EXIT_OK);
+    }
+    let targets = match &o.id {
+        None => (0..state.gpus.len()).collect(),
+        Some(ids) => match resolve_ids(&state, ids) {
+            Some(t) => t,
+            None => {
+                writeln!(out, "No devices were found")?;
+                return Ok(EXIT_NOT_FOUND);
+            }
+        },
+    };
+    if o.list {
+        return list(&state, &targets, out);
+    }
+    if let Some(mode) = &o.compute_mode {
+        return set_compute_mode(&file, &targets, mode, out);
+    }
+    if let Some(m) = &o.mig_mode {
+        return mig::set_mode(&file, &targets, m, out);
+    }
+    if let Some(pm) = &o.persistence {
+        return set_persistence(&file, &targets, pm, out);
+    }
+    if let Some(fields) = &o.query_gpu {
+        return query_gpu(&state, &targets, fields, o.format.as_deref(), out);
+    }
+    if o.format.is_some() {
+        writeln!(out, "{INVALID_COMBINATION}")?;
+        return Ok(EXIT_INVALID);
+    }
+    summary(&state, &targets, o.query, out)
+}
+
+pub(crate) fn no_driver(out: &mut dyn Write) -> std::io::Result<i32> {
+    writeln!(
+        out,
+        "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver. \
+         Make sure that the latest NVIDIA driver is installed and running."
+    )?;
+    Ok(EXIT_NO_DRIVER)
+}
+
+/// Resolves a comma-separated `-i` value to GPU indices (None if any is unknown).
+pub(crate) fn resolve_ids(state: &State, ids: &str) -> Option<Vec<usize>> {
+    let mut out = Vec::new();
+    for id in ids.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+        let gpus = &state.profile.gpus;
+        let found = if let Ok(n) = id.parse::<usize>() {
+            // A long all-digit string is a serial number, not an index.
+            (n < gpus.len() && id.len() < 6)
+                .then_some(n)
+                .or_else(|| gpus.iter().position(|g| g.serial.as_deref() == Some(id)))
+        } else if id.starts_with("GPU-") {
+            gpus.iter().position(|g| g.uuid.eq_ignore_ascii_case(id))
+        } else if let Some(addr) = PciAddress::parse(id) {
+            gpus.iter().position(|g| g.pci() == addr)
+        } else {
+            None
+        };
+        let i = found?;
+        if !out.contains(&i) {
+            out.push(i);
+        }
+    }
+    (!out.is_empty()).then_some(out)
+}
+
+fn list(state: &State, targets: &[usize], out: &mut dyn Write) -> std::io::Result<i32> {
+    for &i in targets {
+        let g = &state.profile.gpus[i];
+        writeln!(out, "GPU {i}: {} (UUID: {})", g.name, g.uuid)?;
+        for (k, m) in state.mig_devices(i).iter().enumerate() {
+            let name = format!("MIG {}", m.name());
+            writeln!(out, "  {name:<15} Device {k:>2}: (UUID: {})", m.ci.uuid)?;
+        }
+    }
+    Ok(EXIT_OK)
+}
+
+fn parse_mode(s: &str) -> Option<ComputeMode> {
+    match s.to_ascii_uppercase().as_str() {
+        "0" | "DEFAULT" => Some(ComputeMode::Default),
+        "1" | "EXCLUSIVE_THREAD" => Some(ComputeMode::ExclusiveThread),
+        "2" | "PROHIBITED" => Some(ComputeMode::Prohibited),
+        "3" | "EXCLUSIVE_PROCESS" => Some(ComputeMode::ExclusiveProcess),
+        _ => None,
+    }
+}
+
+fn set_compute_mode(
+    file: &StateFile,
+    targets: &[usize],
+    mode: &str,
+    out: &mut dyn Write,
+) -> std::io::Result<i32> {
+    let mode = match parse_mode(mode) {
+        Some(ComputeMode::ExclusiveThread) => {
+            writeln!(
+                out,
+                "Exclusive_Thread was deprecated! Use value 3:Exclusive_Process instead."
+            )?;
+            return Ok(EXIT_INVALID);
+        }
+        Some(m) => m,
+        None => {
+            writeln!(out, "Invalid compute mode: {mode}")?;
+            return Ok(EXIT_INVALID);
+        }
+    };
+    let mut lines = Vec::new();
+    let mut failed = false;
+    let res = file.update(|s| {
+        for &i in targets {
+            let bus = s.profile.gpus[i].pci().long();
+            let g = &mut s.gpus[i];
+            if g.mig_current {
+                lines.push(format!(
+                    "Setting compute mode to {} is not supported on a MIG-enabled device.",
+                    mode.smi_name()
+                ));
+                failed = true;
+            } else if g.compute_mode == mode {
+                lines.push(format!(
+                    "Compute mode is already set to {} for GPU {bus}.",
+                    mode.smi_name()
+                ));
+            } else {
+                g.compute_mode = mode;
+                lines.push(format!(
+                    "Set compute mode to {} for GPU {bus}.",
+                    mode.smi_name()
+                ));
+            }
+        }
+        Ok::<(), ()>(())
+    });
+    if res.is_err() {
+        return no_driver(out);
+    }
+    for l in lines {
+        writeln!(out, "{l}")?;
+    }
+    if failed {
+        return Ok(EXIT_NOT_SUPPORTED);
+    }
+    writeln!(out, "All done.")?;
+    Ok(EXIT_OK)
+}
+
+fn set_persistence(
+    file: &StateFile,
+    targets: &[usize],
+    value: &str,
+    out: &mut dyn Write,
+) -> std::io::Result<i32> {
+    let on = match value.to_ascii_uppercase().as_str() {
+        "0" | "DISABLED" => false,
+        "1" | "ENABLED" => true,
+        _ => {
+            writeln!(out, "{INVALID_COMBINATION}")?;
+            return Ok(EXIT_INVALID);
+        }
+    };
+    let word = if on { "Enabled" } else { "Disabled" };
+    let mut lines = Vec::new();
+    let res = file.update(|s| {
+        for &i in targets {
+            let bus = s.profile.gpus[i].pci().long();
+            let g = &mut s.gpus[i];
+            if g.persistence == on {
+                lines.push(format!("Persistence mode is already {word} for GPU {bus}."));
+            } else {
+                g.persistence = on;
+                lines.push(format!("{word} persistence mode for GPU {bus}."));
+            }
+        }
+        Ok::<(), ()>(())
+    });
+    if res.is_err() {
+        return no_driver(out);
+    }
+    for l in lines {
+        writeln!(out, "{l}")?;
+    }
+    writeln!(out, "All done.")?;
+    Ok(EXIT_OK)
+}
+
+const QUERY_FIELDS: &[(&str, &str)] = &[
+    ("index", "index"),
+    ("uuid", "uuid"),
+    ("gpu_uuid", "uuid"),
+    ("name", "name"),
+    ("gpu_name", "name"),
+    ("pci.bus_id", "pci.bus_id"),
+    ("gpu_bus_id", "pci.bus_id"),
+    ("serial", "serial"),
+    ("gpu_serial", "serial"),
+    ("count", "count"),
+    ("driver_version", "driver_version"),
+    ("memory.total", "memory.total"),
+    ("compute_mode", "compute_mode"),
+    ("mig.mode.current", "mig.mode.current"),
+    ("mig.mode.pending", "mig.mode.pending"),
+    ("persistence_mode", "persistence_mode"),
+];
+
+fn query_gpu(
+    state: &State,
+    targets: &[usize],
+    fields: &str,
+    format: Option<&str>,
+    out: &mut dyn Write,
+) -> std::io::Result<i32> {
+    let Some(format) = format else {
+        writeln!(
+            out,
+            "\"--format=\" switch is missing. Please run 'nvidia-smi -h' for help."
+        )?;
+        return Ok(EXIT_INVALID);
+    };
+    let mut csv = false;
+    let mut header = true;
+    let mut units = true;
+    for f in format.split(',').map(str::trim) {
+        match f {
+            "csv" => csv = true,
+            "noheader" => header = false,
+            "nounits" => units = false,
+            _ => {
+                writeln!(out, "\"{f}\" is not a valid format option.")?;
+                return Ok(EXIT_INVALID);
+            }
+        }
+    }
+    if !csv {
+        writeln!(out, "\"csv\" is missing in the --format switch.")?;
+        return Ok(EXIT_INVALID);
+    }
+    let mut cols = Vec::new();
+    for f in fields.split(',').map(str::trim) {
+        match QUERY_FIELDS.iter().find(|(n, _)| *n == f) {
+            Some((_, canon)) => cols.push((f, *canon)),
+            None => {
+                writeln!(out, "Field \"{f}\" is not a valid field to query.")?;
+                return Ok(EXIT_INVALID);
+            }
+        }
+    }
+    if header {
+        let names: Vec<String> = cols
+            .iter()
+            .map(|(f, c)| match *c {
+                "memory.total" => format!("{f} [MiB]"),
+                _ => (*f).to_string(),
+            })
+            .collect();
+        writeln!(out, "{}", names.join(", "))?;
+    }
+    for &i in targets {
+        let g = &state.profile.gpus[i];
+        let s = &state.gpus[i];
+        let mig = g.mig_profiles().is_some();
+        let on_off = |b: bool| if b { "Enabled" } else { "Disabled" };
+        let vals: Vec<String> = cols
+            .iter()
+            .map(|(_, c)| match *c {
+                "index" => i.to_string(),
+                "uuid" => g.uuid.clone(),
+                "name" => g.name.clone(),
+                "pci.bus_id" => g.pci().long(),
+                "serial" => g.serial.clone().unwrap_or_else(|| "[N/A]".into()),
+                "count" => state.gpus.len().to_string(),
+                "driver_version" => state.profile.driver_version.clone(),
+                "memory.total" if units => format!("{} MiB", g.memory_mib),
+                "memory.total" => g.memory_mib.to_string(),
+                "compute_mode" => s.compute_mode.query_name().to_string(),
+                "mig.mode.current" if mig => on_off(s.mig_current).to_string(),
+                "mig.mode.pending" if mig => on_off(s.mig_pending).to_string(),
+                "persistence_mode" => on_off(s.persistence).to_string(),
+                _ => "[N/A]".to_string(),
+            })
+            .collect();
+        writeln!(out, "{}", vals.join(", "))?;
+    }
+    Ok(EXIT_OK)
+}
+
+fn summary(
+    state: &State,
+    targets: &[usize],
+    detailed: bool,
+    out: &mut dyn Write,
+) -> std::io::Result<i32> {
+    let p = &state.profile;
+    let cuda = format!(
+        "{}.{}",
+        p.cuda_driver_version / 1000,
+        p.cuda_driver_version % 1000 / 10
+    );
+    if !detailed {
+        writeln!(
+            out,
+            "+-----------------------------------------------------------------------------------------+"
+        )?;
+        writeln!(
+            out,
+            "| NVIDIA-SMI {:<17} Driver Version: {:<14} CUDA Version: {:<9}|",
+            p.driver_version, p.driver_version, cuda
+        )?;
+        writeln!(
+            out,
+            "+-----------------------------------------------------------------------------------------+"
+        )?;
+        for &i in targets {
+            let g = &p.gpus[i];
+            let s = &state.gpus[i];
+            writeln!(
+                out,
+                "| {i:>3}  {:<32} {:<16} {:>8}MiB  {:<17}|",
+                g.name,
+                g.pci().long(),
+                g.memory_mib,
+                s.compute_mode.query_name()
+            )?;
+        }
+        writeln!(
+            out,
+            "+-----------------------------------------------------------------------------------------+"
+        )?;
+        return Ok(EXIT_OK);
+    }
+    writeln!(out, "\n==============NVSMI LOG==============\n")?;
+    writeln!(out, "{:<42}: {}", "Driver Version", p.driver_version)?;
+    writeln!(out, "{:<42}: {cuda}\n", "CUDA Version")?;
+    writeln!(out, "{:<42}: {}", "Attached GPUs", p.gpus.len())?;
+    for &i in targets {
+        let g = &p.gpus[i];
+        let s = &state.gpus[i];
+        let kv = |k: &str, v: &str| format!("    {k:<38}: {v}");
+        writeln!(out, "GPU {}", g.pci().long())?;
+        writeln!(out, "{}", kv("Product Name", &g.name))?;
+        writeln!(out, "{}", kv("Product Brand", &g.brand))?;
+        writeln!(out, "{}", kv("Product Architecture", &g.architecture))?;
+        writeln!(
+            out,
+            "{}",
+            kv(
+                "Persistence Mode",
+                if s.persistence { "Enabled" } else { "Disabled" }
+            )
+        )?;
+        writeln!(out, "    MIG Mode")?;
+        let mig = |b: bool| {
+            if g.mig_table.is_none() {
+                "N/A"
+            } else if b {
+                "Enabled"
+            } else {
+                "Disabled"
+            }
+        };
+        writeln!(out, "        {:<34}: {}", "Current", mig(s.mig_current))?;
+        writeln!(out, "        {:<34}: {}", "Pending", mig(s.mig_pending))?;
+        writeln!(
+            out,
+            "{}",
+            kv("Serial Number", g.serial.as_deref().unwrap_or("N/A"))
+        )?;
+        writeln!(out, "{}", kv("GPU UUID", &g.uuid))?;
+        writeln!(out, "{}", kv("Minor Number", &g.minor.to_string()))?;
+        writeln!(out, "    FB Memory Usage")?;
+        writeln!(out, "        {:<34}: {} MiB", "Total", g.memory_mib)?;
+        writeln!(out, "{}", kv("Compute Mode", s.compute_mode.query_name()))?;
+    }
+    Ok(EXIT_OK)
+}
+
+const HELP: &str = "NVIDIA System Management Interface -- v580.95.05 (GPU simulator)
+
+    -h,   --help                Print usage information and exit.
+    -L,   --list-gpus           Display a list of GPUs connected to the system.
+    -q,   --query               Display GPU or Unit info.
+    -i,   --id=                 Target a specific GPU.
+          --query-gpu=          Information about GPU (index, uuid, name, pci.bus_id,
+                                memory.total, compute_mode, mig.mode.current, ...).
+          --format=             csv[,noheader][,nounits]
+    -pm,  --persistence-mode=   Set persistence mode: 0/DISABLED, 1/ENABLED
+    -c,   --compute-mode=       Set MODE for compute applications:
+                                0/DEFAULT, 1/EXCLUSIVE_THREAD (DEPRECATED),
+                                2/PROHIBITED, 3/EXCLUSIVE_PROCESS
+          --version             Print the version and exit.
+
+    compute-policy              Control and list compute policies.";
+
+const POLICY_HELP: &str = "compute-policy -- Control and list compute policies.
+
+Usage: nvidia-smi compute-policy [options]
+
+Options include:
+[-i | --id]: GPU device ID's. Provide comma separated values for more than one device
+[-l | --list]: List all compute policies
+[ | --set-timeslice]: Set timeslice config for a GPU: 0=DEFAULT, 1=SHORT, 2=MEDIUM, 3=LONG
+[-h | --help]: Display help information";
+
+fn compute_policy(file: &StateFile, args: &[String], out: &mut dyn Write) -> std::io::Result<i32> {
+    let mut id = None;
+    let mut list = false;
+    let mut timeslice = None;
+    let mut help = false;
+    let mut commands = 0;
+    let mut it = args.iter();
+    while let Some(arg) = it.next() {
+        let (name, inline) = match arg.split_once('=') {
+            Some((n, v)) if n.starts_with('-') => (n, Some(v.to_string())),
+            _ => (arg.as_str(), None),
+        };
+        let mut value = || inline.clone().or_else(|| it.next().cloned());
+        match name {
+            "-i" | "--id" => id = value(),
+            "-l" | "--list" => {
+                list = true;
+                commands += 1;
+            }
+            "--set-timeslice" => {
+                timeslice = Some(value().unwrap_or_default());
+                commands += 1;
+            }
+            "-h" | "--help" => help = true,
+            _ => {
+                writeln!(out, "{INVALID_COMBINATION}")?;
+                return Ok(EXIT_INVALID);
+            }
+        }
+    }
+    if help || commands == 0 {
+        writeln!(out, "{POLICY_HELP}")?;
+        return Ok(if help { EXIT_OK } else { EXIT_INVALID });
+    }
+    if commands > 1 {
+        writeln!(
+            out,
+            "One, and only one, compute-policy command allowed at a time"
+        )?;
+        return Ok(EXIT_INVALID);
+    }
+    let Ok(state) = file.load() else {
+        return no_driver(out);
+    };
+    let targets = match &id {
+        None => (0..state.gpus.len()).collect(),
+        Some(ids) => match resolve_ids(&state, ids) {
+            Some(t) => t,
+            None => {
+                writeln!(out, "No devices were found")?;
+                return Ok(EXIT_NOT_FOUND);
+            }
+        },
+    };
+    if list {
+        writeln!(out, "+-------------------------------------+")?;
+        writeln!(out, "| GPU compute policies:               |")?;
+        writeln!(out, "| GPU     Name           Value        |")?;
+        writeln!(out, "|=====================================|")?;
+        for &i in &targets {
+            let g = &state.profile.gpus[i];
+            let v = if g.timeslice_supported {
+                TIMESLICE_NAMES
+                    .get(state.gpus[i].timeslice as usize)
+                    .copied()
+                    .unwrap_or("Default")
+            } else {
+                "N/A"
+            };
+            writeln!(out, "| {i:>3}     {:<14} {v:<12} |", "Timeslice")?;
+        }
+        writeln!(out, "+-------------------------------------+")?;
+        return Ok(EXIT_OK);
+    }
+    let raw = timeslice.unwrap_or_default();
+    let value = match raw.parse::<u32>() {
+        Ok(v) if v < 4 => v,
+        _ => {
+            writeln!(
+                out,
+                "Invalid value for --set-timeslice: \"{raw}\". Valid values: 0=DEFAULT, 1=SHORT, 2=MEDIUM, 3=LONG"
+            )?;
+            return Ok(EXIT_INVALID);
+        }
+    };
+    let name = TIMESLICE_NAMES[value as usize];
+    let mut lines = Vec::new();
+    let mut failed = false;
+    let res = file.update(|s| {
+        for &i in &targets {
+            if !s.profile.gpus[i].timeslice_supported {
+                lines.push(format!(
+                    "Failed to set timeslice policy with value {name} for GPU {i} : Not Supported"
+                ));
+                failed = true;
+                continue;
+            }
+            s.gpus[i].timeslice = value;
+            lines.push(format!(
+                "Successfully set timeslice policy with value {name} for GPU {i}"
+            ));
+        }
+        Ok::<(), ()>(())
+    });
+    if res.is_err() {
+        return no_driver(out);
+    }
+    for l in lines {
+        writeln!(out, "{l}")?;
+    }
+    if failed {
+        writeln!(
+            out,
+            "Failed to set timeslice for requested devices : Not Supported"
+        )?;
+        return Ok(EXIT_NOT_SUPPORTED);
+    }
+    Ok(EXIT_OK)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::profile::Profile;
+
+    struct Host {
+        _dir: tempfile::TempDir,
+        file: StateFile,
+    }
+
+    fn host(profile: &str) -> Host {
+        let dir = tempfile::tempdir().expect("tmp");
+        let file = StateFile::under_root(dir.path());
+        file.create(&State::from_profile(
+            Profile::load(profile).expect("profile"),
+        ))
+        .expect("create");
+        Host { _dir: dir, file }
+    }
+
+    fn smi(h: &Host, args: &str) -> (i32, String) {
+        let args: Vec<String> = args.split_whitespace().map(String::from).collect();
+        let mut out = Vec::new();
+        let code = run(Ok(h.file.clone()), &args, &mut out);
+        (code, String::from_utf8(out).expect("utf8"))
+    }
+
+    #[test]
+    fn version_matches_the_r580_format() {
+        let h = host("t4");
+        let (code, out) = smi(&h, "--version");
+        assert_eq!(code, 0);
+        assert_eq!(
+            out,
+            "NVIDIA-SMI version  : 580.95.05\nNVML version        : 580.95\n\
+             DRIVER version      : 580.95.05\nCUDA Version        : 13.0\n"
+        );
+    }
+
+    #[test]
+    fn list_shows_mig_devices_under_their_gpu() {
+        let h = host("dgx-a100-40gb");
+        let (code, out) = smi(&h, "-L -i 0,4");
+        assert_eq!(code, 0);
+        let st = h.file.load().expect("state");
+        let lines: Vec<&str> = out.lines().collect();
+        assert_eq!(lines.len(), 6, "{out}");
+        assert_eq!(
+            lines[0],
+            format!(
+                "GPU 0: NVIDIA A100-SXM4-40GB (UUID: {})",
+                st.profile.gpus[0].uuid
+            )
+        );
+        let mig = &st.gpus[0].gpu_instances[0].compute_instances[0].uuid;
+        assert_eq!(
+            lines[1],
+            format!("  MIG 3g.20gb     Device  0: (UUID: {mig})")
+        );
+        assert!(lines[3].starts_with("  MIG 1g.5gb      Device  2: (UUID: MIG-"));
+        assert!(lines[5].starts_with("GPU 4: "));
+    }
+
+    #[test]
+    fn compute_mode_is_set_persisted_and_reported() {
+        let h = host("dgx-h100");
+        let uuid = h.file.load().expect("state").profile.gpus[1].uuid.clone();
+        let (code, out) = smi(&h, &format!("-i {uuid} -c EXCLUSIVE_PROCESS"));
+        assert_eq!(code, 0);
+        assert_eq!(
+            out,
+            "Set compute mode to EXCLUSIVE_PROCESS for GPU 00000000:0F:00.0.\nAll done.\n"
+        );
+        assert_eq!(
+            h.file.load().expect("state").gpus[1].compute_mode,
+            ComputeMode::ExclusiveProcess
+        );
+        let (code, out) = smi(&h, "--id=00000000:0F:00.0 --compute-mode=3");
+        assert_eq!(code, 0);
+        assert!(out.starts_with(
+            "Compute mode is already set to EXCLUSIVE_PROCESS for GPU 00000000:0F:00.0."
+        ));
+        let (code, out) = smi(&h, "-i 1 -c 1");
+        assert_eq!(code, EXIT_INVALID);
+        assert!(out.contains("Exclusive_Thread was deprecated!"));
+        let (code, out) = smi(&h, "-i 1 -c 7");
+        assert_eq!(code, EXIT_INVALID);
+        assert_eq!(out, "Invalid compute mode: 7\n");
+        let (code, out) = smi(&h, "-i 9 -c 0");
+        assert_eq!(
+            (code, out.as_str()),
+            (EXIT_NOT_FOUND, "No devices were found\n")
+        );
+    }
+
+    #[test]
+    fn compute_mode_on_a_mig_enabled_gpu_fails() {
+        let h = host("dgx-a100-40gb");
+        let (code, out) = smi(&h, "-i 0 -c DEFAULT");
+        assert_eq!(code, EXIT_NOT_SUPPORTED);
+        assert_eq!(
+            out,
+            "Setting compute mode to DEFAULT is not supported on a MIG-enabled device.\n"
+        );
+    }
+
+    #[test]
+    fn timeslice_is_set_and_listed() {
+        let h = host("dgx-h100");
+        let (code, out) = smi(&h, "compute-policy -i 2 --set-timeslice 3");
+        assert_eq!(code, 0, "{out}");
+        assert_eq!(
+            out,
+            "Successfully set timeslice policy with value Long for GPU 2\n"
+        );
+        assert_eq!(h.file.load().expect("state").gpus[2].timeslice, 3);
+        let (code, out) = smi(&h, "compute-policy -l -i 2");
+        assert_eq!(code, 0);
+        assert!(
+            out.contains("|   2     Timeslice      Long         |"),
+            "{out}"
+        );
+        let (code, out) = smi(&h, "compute-policy -l --set-timeslice 1");
+        assert_eq!(code, EXIT_INVALID);
+        assert!(out.contains("One, and only one"));
+        let (code, _) = smi(&h, "compute-policy --set-timeslice 4");
+        assert_eq!(code, EXIT_INVALID);
+    }
+
+    #[test]
+    fn timeslice_on_a_p4_is_not_supported() {
+        let h = host("p4");
+        let (code, out) = smi(&h, "compute-policy -i 0 --set-timeslice 0");
+        assert_eq!(code, EXIT_NOT_SUPPORTED);
+        assert_eq!(
+            out,
+            "Failed to set timeslice policy with value Default for GPU 0 : Not Supported\n\
+             Failed to set timeslice for requested devices : Not Supported\n"
+        );
+    }
+
+    #[test]
+    fn query_gpu_csv_with_and_without_units() {
+        let h = host("dgx-a100-40gb");
+        let (code, out) = smi(
+            &h,
+            "-i 0,5 --query-gpu=index,pci.bus_id,memory.total,compute_mode,mig.mode.current --format=csv",
+        );
+        assert_eq!(code, 0);
+        assert_eq!(
+            out,
+            "index, pci.bus_id, memory.total [MiB], compute_mode, mig.mode.current\n\
+             0, 00000000:07:00.0, 40960 MiB, Default, Enabled\n\
+             5, 00000000:90:00.0, 40960 MiB, Default, Disabled\n"
+        );
+        let (_, out) = smi(
+            &h,
+            "-i 7 --query-gpu=memory.total,name --format=csv,noheader,nounits",
+        );
+        assert_eq!(out, "40960, NVIDIA A100-SXM4-40GB\n");
+        let (code, out) = smi(&h, "--query-gpu=bogus --format=csv");
+        assert_eq!(code, EXIT_INVALID);
+        assert_eq!(out, "Field \"bogus\" is not a valid field to query.\n");
+        let (code, out) = smi(&h, "--query-gpu=index");
+        assert_eq!(code, EXIT_INVALID);
+        assert!(out.starts_with("\"--format=\" switch is missing."));
+        let t4 = host("t4");
+        let (_, out) = smi(&t4, "--query-gpu=mig.mode.current --format=csv,noheader");
+        assert_eq!(out, "[N/A]\n");
+    }
+
+    #[test]
+    fn missing_state_is_a_driver_not_loaded_error() {
+        let mut out = Vec::new();
+        let err = SimError::NoState {
+            searched: "x".into(),
+        };
+        let code = run(Err(err), &["-L".to_string()], &mut out);
+        assert_eq!(code, EXIT_NO_DRIVER);
+        assert!(String::from_utf8_lossy(&out).starts_with("NVIDIA-SMI has failed"));
+    }
+
+    #[test]
+    fn query_summary_and_persistence() {
+        let h = host("dgx-a100-40gb");
+        let (code, out) = smi(&h, "-q -i 0");
+        assert_eq!(code, 0);
+        assert!(
+            out.contains("    Product Name                          : NVIDIA A100-SXM4-40GB\n"),
+            "{out}"
+        );
+        assert!(
+            out.contains("        Current                           : Enabled\n"),
+            "{out}"
+        );
+        assert!(
+            out.contains("    Compute Mode                          : Default\n"),
+            "{out}"
+        );
+        let (code, out) = smi(&h, "-i 00000000:07:00.0 -pm 0");
+        assert_eq!(code, 0);
+        assert_eq!(
+            out,
+            "Persistence mode is already Disabled for GPU 00000000:07:00.0.\nAll done.\n"
+        );
+        let (_, out) = smi(&h, "-i 0 -pm 1");
+        assert!(out.starts_with("Enabled persistence mode for GPU 00000000:07:00.0."));
+        assert!(h.file.load().expect("state").gpus[0].persistence);
+    }
+
+    #[test]
+    fn unknown_options_are_invalid() {
+        let h = host("t4");
+        let (code, out) = smi(&h, "--bogus");
+        assert_eq!(code, EXIT_INVALID);
+        assert!(out.starts_with("Invalid combination of input arguments"));
+    }
+}

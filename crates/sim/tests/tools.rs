@@ -1,0 +1,445 @@
+//! The stand-in tools as the driver runs them: spawned from a simulated root (so they find
+//! the host from their own location), sharing one state with the NVML library.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use nvidia_ml::testing::SimHost;
+use nvml_wrapper::Nvml;
+use nvml_wrapper::enum_wrappers::device::ComputeMode;
+
+fn tool(host: &SimHost, name: &str) -> Command {
+    let mut c = Command::new(host.tool(name));
+    c.env_remove("GPU_SIM_STATE")
+        .env_remove("GPU_SIM_PROFILE")
+        .env_remove("CUDA_VISIBLE_DEVICES");
+    c
+}
+
+fn smi(host: &SimHost, args: &[&str]) -> (i32, String) {
+    let out = tool(host, "nvidia-smi").args(args).output().expect("spawn");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+    )
+}
+
+#[test]
+fn nvidia_smi_and_nvml_see_one_state() {
+    let host = SimHost::new("dgx-h100");
+    let nvml = Nvml::builder()
+        .lib_path(host.lib_path().as_os_str())
+        .init()
+        .expect("init");
+    let uuid = host.profile().gpus[1].uuid.clone();
+    let (code, out) = smi(&host, &["-i", &uuid, "-c", "EXCLUSIVE_PROCESS"]);
+    assert_eq!(code, 0, "{out}");
+    assert_eq!(
+        out,
+        "Set compute mode to EXCLUSIVE_PROCESS for GPU 00000000:0F:00.0.\nAll done.\n"
+    );
+    let mut d = nvml.device_by_index(1).expect("device");
+    assert_eq!(
+        d.compute_mode().expect("mode"),
+        ComputeMode::ExclusiveProcess
+    );
+
+    d.set_compute_mode(ComputeMode::Prohibited).expect("set");
+    let (code, out) = smi(
+        &host,
+        &[
+            "-i",
+            "1",
+            "--query-gpu=compute_mode",
+            "--format=csv,noheader",
+        ],
+    );
+    assert_eq!((code, out.as_str()), (0, "Prohibited\n"));
+
+    let (code, out) = smi(
+        &host,
+        &["compute-policy", "-i", &uuid, "--set-timeslice", "1"],
+    );
+    assert_eq!(code, 0, "{out}");
+    assert_eq!(
+        out,
+        "Successfully set timeslice policy with value Short for GPU 1\n"
+    );
+    assert_eq!(host.state().gpus[1].timeslice, 1);
+}
+
+#[test]
+fn nvidia_smi_lists_the_dgx_a100_fleet() {
+    let host = SimHost::new("dgx-a100-40gb");
+    let (code, out) = smi(&host, &["-L"]);
+    assert_eq!(code, 0);
+    let gpus = out.lines().filter(|l| l.starts_with("GPU ")).count();
+    let migs = out.lines().filter(|l| l.starts_with("  MIG ")).count();
+    assert_eq!((gpus, migs), (8, 16), "{out}");
+    let (code, out) = smi(&host, &["--version"]);
+    assert_eq!(code, 0);
+    assert!(
+        out.starts_with("NVIDIA-SMI version  : 580.95.05\n"),
+        "{out}"
+    );
+}
+
+#[test]
+fn nvidia_smi_reports_unsupported_timeslice_on_p4() {
+    let host = SimHost::new("p4");
+    let (code, out) = smi(
+        &host,
+        &["compute-policy", "-i", "0", "--set-timeslice", "0"],
+    );
+    assert_eq!(code, 3);
+    assert!(out.ends_with("Failed to set timeslice for requested devices : Not Supported\n"));
+}
+
+#[test]
+fn nvidia_smi_without_a_host_fails_like_without_a_driver() {
+    let host = SimHost::new("t4");
+    let dir = tempfile::tempdir().expect("tmp");
+    let lone = dir.path().join("nvidia-smi");
+    std::fs::copy(host.tool("nvidia-smi"), &lone).expect("copy");
+    let out = Command::new(&lone)
+        .arg("-L")
+        .env_remove("GPU_SIM_STATE")
+        .output()
+        .expect("spawn");
+    assert_eq!(out.status.code(), Some(9));
+}
+
+struct Mps {
+    pipe: PathBuf,
+    log: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl Drop for Mps {
+    /// Stops a daemon a failed test left behind, so no process outlives the test run.
+    fn drop(&mut self) {
+        if let Ok(mut s) = std::os::unix::net::UnixStream::connect(self.pipe.join("control")) {
+            let _ = s.write_all(b"quit\n");
+            let mut buf = [0u8; 4];
+            let _ = std::io::Read::read(&mut s, &mut buf);
+        }
+    }
+}
+
+fn mps_dirs() -> Mps {
+    let dir = tempfile::tempdir().expect("tmp");
+    Mps {
+        pipe: dir.path().join("pipe"),
+        log: dir.path().join("log"),
+        _dir: dir,
+    }
+}
+
+fn mps_cmd(host: &SimHost, m: &Mps) -> Command {
+    let mut c = tool(host, "nvidia-cuda-mps-control");
+    c.env("CUDA_MPS_PIPE_DIRECTORY", &m.pipe)
+        .env("CUDA_MPS_LOG_DIRECTORY", &m.log);
+    c
+}
+
+/// Sends `input` (exactly as given, so callers test missing trailing newlines) to a
+/// front-end process.
+fn ui(host: &SimHost, m: &Mps, input: &str) -> Output {
+    let mut child = mps_cmd(host, m)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("spawn ui");
+    // A front-end without a daemon exits before reading: ignore the broken pipe.
+    let _ = child
+        .stdin
+        .take()
+        .expect("stdin")
+        .write_all(input.as_bytes());
+    child.wait_with_output().expect("wait")
+}
+
+fn text(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+fn wait_gone(p: &Path) {
+    let t = Instant::now();
+    while p.exists() && t.elapsed() < Duration::from_secs(5) {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+#[test]
+fn mps_daemon_applies_limits_and_quits() {
+    let host = SimHost::new("dgx-a100-40gb");
+    let state = host.state();
+    let gpu = state.profile.gpus[5].uuid.clone();
+    let mig = state.gpus[0].gpu_instances[0].compute_instances[0]
+        .uuid
+        .clone();
+    let m = mps_dirs();
+
+    // No daemon yet.
+    let o = ui(&host, &m, "get_server_list\n");
+    assert_eq!(o.status.code(), Some(1));
+    assert_eq!(text(&o), "Cannot find MPS control daemon process\n");
+
+    let started = Instant::now();
+    let o = mps_cmd(&host, &m)
+        .arg("-d")
+        .env("CUDA_VISIBLE_DEVICES", format!("{gpu},{mig}"))
+        .output()
+        .expect("daemon");
+    assert!(o.status.success(), "{}", text(&o));
+    let ready = started.elapsed();
+    assert!(m.pipe.join("control").exists());
+    assert!(m.pipe.join("nvidia-cuda-mps-control.pid").exists());
+    eprintln!("daemon ready after {ready:?}");
+
+    // A second daemon on the same pipe directory is refused.
+    let o = mps_cmd(&host, &m).arg("-d").output().expect("second");
+    assert_eq!(o.status.code(), Some(1));
+    assert_eq!(text(&o), "An instance of this daemon is already running\n");
+
+    // Commands written the way the device plugin does: no trailing newline.
+    let o = ui(&host, &m, "set_default_active_thread_percentage 25");
+    assert_eq!((o.status.code(), text(&o).as_str()), (Some(0), ""));
+    let o = ui(
+        &host,
+        &m,
+        &format!(
+            "get_default_active_thread_percentage\nset_default_device_pinned_mem_limit {mig} 2048M\n\
+             set_default_device_pinned_mem_limit 0 1500M\nget_default_device_pinned_mem_limit 1\n\
+             get_default_device_pinned_mem_limit {gpu}\nget_server_list\n"
+        ),
+    );
+    assert_eq!(o.status.code(), Some(0));
+    assert_eq!(text(&o), "25.0\n2G\n1500M\n");
+
+    // Rejected commands print an error and still exit 0.
+    let o = ui(
+        &host,
+        &m,
+        "set_default_active_thread_percentage 0\nset_default_device_pinned_mem_limit 2 1G\n\
+         set_default_device_pinned_mem_limit GPU-00000000 1G\nbogus 1\n",
+    );
+    assert_eq!(o.status.code(), Some(0));
+    assert_eq!(
+        text(&o),
+        "Invalid percentage, expected between (0.0, 100.0]\nInvalid device ordinal!\n\
+         Invalid device ordinal!\nUnknown command \"bogus 1\"\n"
+    );
+
+    let log = std::fs::read_to_string(m.log.join("control.log")).expect("log");
+    assert!(log.contains(&format!(
+        "Cmd:set_default_device_pinned_mem_limit {mig} 2048M"
+    )));
+    assert!(
+        log.contains("Starting control daemon using socket "),
+        "{log}"
+    );
+    assert!(
+        log.lines()
+            .all(|l| l.starts_with('[') && l.contains(" Control ")),
+        "{log}"
+    );
+
+    let o = ui(&host, &m, "quit");
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    wait_gone(&m.pipe.join("control"));
+    assert!(!m.pipe.join("control").exists());
+    let o = ui(&host, &m, "get_server_list");
+    assert_eq!(o.status.code(), Some(1));
+    // Settings are lost with the daemon, as on real MPS: a new one starts from defaults.
+    let o = mps_cmd(&host, &m).arg("-d").output().expect("daemon");
+    assert!(o.status.success());
+    let o = ui(&host, &m, "get_default_active_thread_percentage\nquit\n");
+    assert_eq!(text(&o), "100.0\n");
+}
+
+fn wait_for(p: &Path, child: &mut Child) {
+    let t = Instant::now();
+    while !p.exists() {
+        assert!(
+            child.try_wait().expect("try_wait").is_none(),
+            "daemon exited early"
+        );
+        assert!(t.elapsed() < Duration::from_secs(10), "daemon not ready");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+#[test]
+fn mps_foreground_daemon_is_supervisable() {
+    let host = SimHost::new("t4");
+    let m = mps_dirs();
+    let mut child = mps_cmd(&host, &m)
+        .arg("-f")
+        .stdout(Stdio::null())
+        .spawn()
+        .expect("spawn");
+    wait_for(&m.pipe.join("control"), &mut child);
+    let o = ui(&host, &m, "get_server_list\n");
+    assert_eq!((o.status.code(), text(&o).as_str()), (Some(0), ""));
+    // Without CUDA_VISIBLE_DEVICES the daemon serves all GPUs of the host: one on a T4.
+    let o = ui(
+        &host,
+        &m,
+        "set_default_device_pinned_mem_limit 0 1G\nset_default_device_pinned_mem_limit 1 1G\n",
+    );
+    assert_eq!(text(&o), "Invalid device ordinal!\n");
+    let o = ui(&host, &m, "quit\n");
+    assert_eq!(o.status.code(), Some(0));
+    let status = child.wait().expect("wait");
+    assert!(status.success());
+    for f in [
+        "control",
+        "control_privileged",
+        "log",
+        "nvidia-cuda-mps-control.pid",
+    ] {
+        assert!(!m.pipe.join(f).exists(), "{f} left behind");
+    }
+}
+
+#[test]
+fn mps_daemon_rejects_a_bad_thread_percentage_env() {
+    let host = SimHost::new("t4");
+    let m = mps_dirs();
+    let o = mps_cmd(&host, &m)
+        .arg("-d")
+        .env("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "0")
+        .output()
+        .expect("daemon");
+    assert_eq!(o.status.code(), Some(1));
+    assert_eq!(
+        text(&o),
+        "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE should be between (0.0, 100.0]\n"
+    );
+    assert!(!m.pipe.join("control").exists());
+}
+
+#[test]
+fn gpu_sim_setup_builds_a_host_from_the_build_directory() {
+    let gpu_sim = env!("CARGO_BIN_EXE_gpu-sim");
+    // The artefacts it installs are the ones SimHost builds.
+    let _ = SimHost::new("t4");
+    let dir = tempfile::tempdir().expect("tmp");
+    let root = dir.path().join("node-a");
+    let out = Command::new(gpu_sim)
+        .args(["setup", "--profile", "h200", "--root"])
+        .arg(&root)
+        .env_remove("GPU_SIM_ARTEFACTS")
+        .output()
+        .expect("gpu-sim setup");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        root.join("usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1")
+            .is_file()
+    );
+    assert!(root.join("usr/bin/nvidia-smi").is_file());
+    assert!(root.join("dev/nvidia0").is_file());
+
+    let smi = Command::new(root.join("usr/bin/nvidia-smi"))
+        .arg("-L")
+        .env_remove("GPU_SIM_STATE")
+        .output()
+        .expect("smi");
+    let text = String::from_utf8_lossy(&smi.stdout);
+    assert!(text.starts_with("GPU 0: NVIDIA H200 (UUID: GPU-"), "{text}");
+
+    let state = Command::new(gpu_sim)
+        .args(["state", "--root"])
+        .arg(&root)
+        .output()
+        .expect("gpu-sim state");
+    let v: serde_json::Value = serde_json::from_slice(&state.stdout).expect("json");
+    assert_eq!(v["profile"]["name"], "h200");
+    assert_eq!(v["profile"]["gpus"][0]["memoryMiB"], 143771);
+
+    let list = Command::new(gpu_sim)
+        .arg("profiles")
+        .output()
+        .expect("profiles");
+    let names: Vec<String> = String::from_utf8_lossy(&list.stdout)
+        .lines()
+        .filter_map(|l| l.split_whitespace().next().map(String::from))
+        .collect();
+    assert_eq!(
+        names,
+        ["t4", "p4", "rtx4090", "dgx-a100-40gb", "dgx-h100", "h200"]
+    );
+
+    let bad = Command::new(gpu_sim)
+        .args(["setup", "--profile", "a100", "--root"])
+        .arg(dir.path().join("x"))
+        .output()
+        .expect("gpu-sim setup");
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("unknown profile \"a100\""));
+}
+
+#[test]
+fn gpu_sim_state_env_overrides_the_tool_location() {
+    let host = SimHost::new("dgx-a100-40gb");
+    let dir = tempfile::tempdir().expect("tmp");
+    let state = dir.path().join("other/state.json");
+    let out = Command::new(host.tool("nvidia-smi"))
+        .args(["--query-gpu=name", "--format=csv,noheader"])
+        .env("GPU_SIM_STATE", &state)
+        .env("GPU_SIM_PROFILE", "t4")
+        .output()
+        .expect("smi");
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "Tesla T4\n");
+    assert!(state.is_file(), "the state is created from GPU_SIM_PROFILE");
+    // Without GPU_SIM_PROFILE a missing GPU_SIM_STATE is an error, not a silent fallback.
+    let out = Command::new(host.tool("nvidia-smi"))
+        .arg("-L")
+        .env("GPU_SIM_STATE", dir.path().join("missing.json"))
+        .env_remove("GPU_SIM_PROFILE")
+        .output()
+        .expect("smi");
+    assert_eq!(out.status.code(), Some(9));
+}
+
+#[test]
+fn mig_changes_through_nvidia_smi_are_seen_by_nvml() {
+    let host = SimHost::new("dgx-h100");
+    let nvml = Nvml::builder()
+        .lib_path(host.lib_path().as_os_str())
+        .init()
+        .expect("init");
+    let d = nvml.device_by_index(6).expect("device");
+    assert_eq!(d.mig_device_count().expect("max"), 0);
+
+    let (code, out) = smi(&host, &["-i", "6", "-mig", "1"]);
+    assert_eq!(code, 0, "{out}");
+    let (code, out) = smi(&host, &["mig", "-i", "6", "-cgi", "1g.10gb:5", "-C"]);
+    assert_eq!(code, 0, "{out}");
+    assert_eq!(d.mig_device_count().expect("max"), 7);
+    let m = d.mig_device_by_index(0).expect("mig device");
+    assert_eq!(m.name().expect("name"), "NVIDIA H100 80GB HBM3 MIG 1g.10gb");
+    let gi = host.state().gpus[6].gpu_instances[0].id;
+    let access = host.root().join(format!(
+        "proc/driver/nvidia/capabilities/gpu6/mig/gi{gi}/ci0/access"
+    ));
+    assert!(access.is_file(), "{}", access.display());
+
+    // The same through the test helper.
+    host.update_state(|s| {
+        s.destroy_compute_instance(6, gi, 0).expect("dci");
+        s.destroy_gpu_instance(6, gi).expect("dgi");
+    });
+    assert!(matches!(
+        d.mig_device_by_index(0),
+        Err(nvml_wrapper::error::NvmlError::NotFound)
+    ));
+    assert!(!access.exists());
+}
