@@ -6,6 +6,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strings"
 )
 
 // ErrMissing marks a part of the product that is not built or not present
@@ -49,7 +50,21 @@ func Binary(name string) (string, error) {
 	if !isFile(p) {
 		return "", fmt.Errorf("%w: binary %s not found in %s (run `cargo build` first, or set E2E_BIN_DIR)", ErrMissing, name, dir)
 	}
+	if want, ok := helpMentions[name]; ok {
+		out, _ := exec.Command(p, "--help").CombinedOutput()
+		if !strings.Contains(string(out), want) {
+			return "", fmt.Errorf("%w: %s is a placeholder (its --help does not mention %q)", ErrMissing, p, want)
+		}
+	}
 	return p, nil
+}
+
+// helpMentions tells a real binary from the workspace skeleton's empty
+// placeholder: what its --help must mention.
+var helpMentions = map[string]string{
+	"gpu-kubelet-plugin": "run",
+	"gpu-dra-webhook":    "tls-cert-file",
+	"gpu-sim":            "setup",
 }
 
 // Tool finds a helper tool (helm, kubectl): <repo>/.tools/bin first, then PATH.

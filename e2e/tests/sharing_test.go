@@ -2,6 +2,7 @@ package tests
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"os"
 	"os/exec"
@@ -71,8 +72,8 @@ func TestMPSDaemonLifecycle(t *testing.T) {
 	if got := mpsControl(t, d.Args[0], hostPipe, "get_default_active_thread_percentage"); !strings.HasPrefix(got, "50") {
 		t.Errorf("active thread percentage %q, want 50", got)
 	}
-	if got := mpsControl(t, d.Args[0], hostPipe, "get_default_device_pinned_mem_limit "+uuid); !strings.Contains(got, "5120M") && !strings.Contains(got, "5G") {
-		t.Errorf("pinned memory limit of %s is %q, want 5120M", uuid, got)
+	if got := mpsControl(t, d.Args[0], hostPipe, "get_default_device_pinned_mem_limit "+uuid); got != "5G" && got != "5120M" {
+		t.Errorf("pinned memory limit of %s is %q, want 5G", uuid, got)
 	}
 
 	deletePod(ctx, t, pod)
@@ -113,51 +114,40 @@ func TestTimeSlicingSetAndReset(t *testing.T) {
 	}
 	res := claim.Status.Allocation.Devices.Results[0]
 	uuid := attrString(sliceDevice(ctx, t, res.Pool, res.Device), "uuid")
-	if got := timeSlice(t, n, uuid); !strings.EqualFold(got, "Long") && got != "3" {
-		t.Errorf("time slice of %s while prepared: %q, want Long (3); state:\n%s", uuid, got, n.SimStateRaw())
+	if got := timeSlice(t, n, uuid); got != "3" {
+		t.Errorf("time slice of %s while prepared: %q, want 3 (Long)", uuid, got)
 	}
 	deletePod(ctx, t, pod)
 	if !eventually(ctx, 10*time.Second, func() bool {
-		got := timeSlice(t, n, uuid)
-		return strings.EqualFold(got, "Default") || got == "0"
+		return timeSlice(t, n, uuid) == "0"
 	}) {
 		t.Errorf("time slice of %s after unprepare: %q, want Default (0)", uuid, timeSlice(t, n, uuid))
 	}
 }
 
-// timeSlice finds the time-slice setting of a GPU in the simulator state:
-// the value under a key containing "timeslice" (any case, any separator) in
-// the object that carries the GPU's uuid.
+// timeSlice reads a GPU's time-slice setting (0..3: Default, Short, Medium,
+// Long) from the simulator state: profile.gpus[i].uuid names GPU i,
+// gpus[i].timeslice holds its setting.
 func timeSlice(t *testing.T, n *harness.Node, uuid string) string {
 	t.Helper()
-	state, err := n.SimState()
-	if err != nil {
-		t.Fatal(err)
+	var state struct {
+		Profile struct {
+			Gpus []struct {
+				UUID string `json:"uuid"`
+			} `json:"gpus"`
+		} `json:"profile"`
+		Gpus []struct {
+			Timeslice int `json:"timeslice"`
+		} `json:"gpus"`
 	}
-	var found string
-	var walk func(v any, inGPU bool)
-	walk = func(v any, inGPU bool) {
-		switch v := v.(type) {
-		case map[string]any:
-			here := inGPU
-			for _, x := range v {
-				if s, ok := x.(string); ok && s == uuid {
-					here = true
-				}
-			}
-			for k, x := range v {
-				norm := strings.ToLower(strings.NewReplacer("_", "", "-", "").Replace(k))
-				if here && strings.Contains(norm, "timeslice") && found == "" {
-					found = fmt.Sprint(x)
-				}
-				walk(x, here || k == uuid)
-			}
-		case []any:
-			for _, x := range v {
-				walk(x, inGPU)
-			}
+	if err := json.Unmarshal([]byte(n.SimStateRaw()), &state); err != nil {
+		t.Fatalf("simulator state of %s: %v", n.Name, err)
+	}
+	for i, g := range state.Profile.Gpus {
+		if g.UUID == uuid && i < len(state.Gpus) {
+			return fmt.Sprint(state.Gpus[i].Timeslice)
 		}
 	}
-	walk(state, false)
-	return found
+	t.Fatalf("GPU %s not in the simulator state of %s", uuid, n.Name)
+	return ""
 }
