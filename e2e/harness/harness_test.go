@@ -2,9 +2,6 @@ package harness
 
 import (
 	"context"
-	"os"
-	"path/filepath"
-	"sync"
 	"testing"
 	"time"
 
@@ -12,56 +9,10 @@ import (
 	resourceapi "k8s.io/api/resource/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/wait"
-	"k8s.io/dynamic-resource-allocation/kubeletplugin"
 )
 
 const refDriver = "ref.e2e.gpu-dra"
-
-// refPlugin is a minimal DRA driver built on the upstream Go helper. It
-// proves the harness (plugin watcher, DRA manager, scheduler, claim
-// controller) independently of our Rust plugin.
-type refPlugin struct {
-	mu         sync.Mutex
-	prepared   map[types.UID]bool
-	unprepared map[types.UID]bool
-}
-
-func (p *refPlugin) PrepareResourceClaims(_ context.Context, claims []*resourceapi.ResourceClaim) (map[types.UID]kubeletplugin.PrepareResult, error) {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	out := map[types.UID]kubeletplugin.PrepareResult{}
-	for _, c := range claims {
-		var devs []kubeletplugin.Device
-		for _, r := range c.Status.Allocation.Devices.Results {
-			devs = append(devs, kubeletplugin.Device{
-				Requests: []string{r.Request}, PoolName: r.Pool, DeviceName: r.Device,
-				CDIDeviceIDs: []string{"ref.e2e/dev=" + string(c.UID) + "-" + r.Device},
-			})
-		}
-		p.prepared[c.UID] = true
-		out[c.UID] = kubeletplugin.PrepareResult{Devices: devs}
-	}
-	return out, nil
-}
-
-func (p *refPlugin) UnprepareResourceClaims(_ context.Context, claims []kubeletplugin.NamespacedObject) (map[types.UID]error, error) {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	out := map[types.UID]error{}
-	for _, c := range claims {
-		p.unprepared[c.UID] = true
-		out[c.UID] = nil
-	}
-	return out, nil
-}
-
-func (p *refPlugin) HandleError(_ context.Context, err error, msg string) {}
-
-func (p *refPlugin) WatchHealthStatus(context.Context, chan<- kubeletplugin.DeviceHealthReport) error {
-	return kubeletplugin.ErrHealthNotSupported
-}
 
 // TestControlPlaneWithReferenceDriver: control plane up, a driver registers
 // through the kubelet's plugin watcher, the scheduler allocates a claim from
@@ -80,21 +31,11 @@ func TestControlPlaneWithReferenceDriver(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	if err := os.MkdirAll(filepath.Join(n.PluginsDir, refDriver), 0o750); err != nil {
-		t.Fatal(err)
-	}
-	plugin := &refPlugin{prepared: map[types.UID]bool{}, unprepared: map[types.UID]bool{}}
-	helper, err := kubeletplugin.Start(ctx, plugin,
-		kubeletplugin.KubeClient(c.Client),
-		kubeletplugin.NodeName(n.Name),
-		kubeletplugin.DriverName(refDriver),
-		kubeletplugin.RegistrarDirectoryPath(n.RegistrarDir),
-		kubeletplugin.PluginDataDirectoryPath(filepath.Join(n.PluginsDir, refDriver)),
-	)
+	plugin, err := n.StartRefDriver(ctx, refDriver, 0)
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer helper.Stop()
+	defer plugin.Stop()
 	if err := wait.PollUntilContextTimeout(ctx, 100*time.Millisecond, time.Minute, true, func(context.Context) (bool, error) {
 		return n.DriverRegistered(refDriver), nil
 	}); err != nil {
@@ -182,10 +123,7 @@ func TestControlPlaneWithReferenceDriver(t *testing.T) {
 	if err := c.WaitPodGone(ctx, "default", "p", time.Minute); err != nil {
 		t.Fatal(err)
 	}
-	plugin.mu.Lock()
-	unprepared := plugin.unprepared[claim.UID]
-	plugin.mu.Unlock()
-	if !unprepared {
+	if !plugin.Unprepared(claim.UID) {
 		t.Fatalf("claim %s was not unprepared on pod deletion", claim.UID)
 	}
 	// The generated claim goes away with its pod (resourceclaim controller).

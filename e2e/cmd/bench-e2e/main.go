@@ -31,16 +31,24 @@ func main() {
 	pods := flag.Int("pods", 800, "one-GPU pods")
 	profile := flag.String("profile", "dgx-h100", "simulator profile of every node (dgx-h100: 8 GPUs)")
 	parallel := flag.Int("parallel", 32, "concurrent pod creations")
+	driver := flag.String("driver", "plugin", "plugin: our gpu-kubelet-plugin on the simulator; reference: the upstream Go helper in-process (baseline)")
+	gpus := flag.Int("gpus", 8, "GPUs per node of the reference driver")
 	flag.Parse()
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
-	if err := run(ctx, *nodes, *pods, *parallel, *profile); err != nil {
+	if err := run(ctx, *nodes, *pods, *parallel, *profile, *driver, *gpus); err != nil {
 		fmt.Fprintln(os.Stderr, "bench-e2e:", err)
 		os.Exit(1)
 	}
 }
 
-func run(ctx context.Context, nodeCount, podCount, parallel int, profile string) error {
+func run(ctx context.Context, nodeCount, podCount, parallel int, profile, driver string, gpus int) error {
+	if driver != "plugin" && driver != "reference" {
+		return fmt.Errorf("--driver %q: want plugin or reference", driver)
+	}
+	if driver == "reference" {
+		profile = fmt.Sprintf("reference driver, %d GPUs", gpus)
+	}
 	c, err := harness.Start(ctx, harness.Options{Logf: func(f string, a ...any) { fmt.Printf(f+"\n", a...) }})
 	if err != nil {
 		return err
@@ -55,6 +63,12 @@ func run(ctx context.Context, nodeCount, podCount, parallel int, profile string)
 	var mu sync.Mutex
 	var nodes []*harness.Node
 	var firstErr error
+	var refs []*harness.RefDriver
+	defer func() {
+		for _, r := range refs {
+			r.Stop()
+		}
+	}()
 	sem := make(chan struct{}, 8)
 	var wg sync.WaitGroup
 	for i := range nodeCount {
@@ -64,8 +78,16 @@ func run(ctx context.Context, nodeCount, podCount, parallel int, profile string)
 			defer wg.Done()
 			defer func() { <-sem }()
 			n, err := c.AddNode(ctx, harness.NodeOptions{Name: fmt.Sprintf("node-%03d", i)})
-			if err == nil {
+			if err == nil && driver == "plugin" {
 				_, err = n.StartPlugin(ctx, harness.PluginOptions{Profile: profile})
+			} else if err == nil {
+				var ref *harness.RefDriver
+				ref, err = n.StartRefDriver(ctx, harness.DefaultDriver, gpus)
+				if err == nil {
+					mu.Lock()
+					refs = append(refs, ref)
+					mu.Unlock()
+				}
 			}
 			mu.Lock()
 			defer mu.Unlock()
