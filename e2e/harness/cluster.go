@@ -20,8 +20,10 @@ import (
 	"time"
 
 	"go.etcd.io/etcd/server/v3/embed"
+	"google.golang.org/grpc/grpclog"
 	v1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apiserver/pkg/quota/v1/generic"
 	"k8s.io/client-go/discovery/cached/memory"
 	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/dynamic/dynamicinformer"
@@ -36,9 +38,12 @@ import (
 	"k8s.io/client-go/tools/events"
 	"k8s.io/controller-manager/pkg/informerfactory"
 	"k8s.io/klog/v2"
+	pkgcontroller "k8s.io/kubernetes/pkg/controller"
 	"k8s.io/kubernetes/pkg/controller/garbagecollector"
 	"k8s.io/kubernetes/pkg/controller/resourceclaim"
+	resourcequotacontroller "k8s.io/kubernetes/pkg/controller/resourcequota"
 	"k8s.io/kubernetes/pkg/controller/serviceaccount"
+	quotainstall "k8s.io/kubernetes/pkg/quota/v1/install"
 	"k8s.io/kubernetes/pkg/scheduler"
 	"k8s.io/kubernetes/pkg/scheduler/profile"
 )
@@ -120,6 +125,7 @@ func Start(ctx context.Context, opts Options) (c *Cluster, err error) {
 		}
 		quietKlog()
 		klog.SetOutput(c.logFile)
+		grpclog.SetLoggerV2(grpclog.NewLoggerV2(c.logFile, c.logFile, c.logFile))
 	}
 
 	started := time.Now()
@@ -240,9 +246,34 @@ func (c *Cluster) startControllers(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("garbage collector: %w", err)
 	}
+	// ResourceQuota admission refuses pods in a namespace with a quota
+	// until this controller has computed the quota's status.
+	objectOrMetadata := informerfactory.NewInformerFactory(factory, metadataFactory)
+	quotaConfig, err := quotainstall.NewQuotaConfigurationForControllers(generic.ListerFuncForResourceFunc(factory.ForResource), factory)
+	if err != nil {
+		return err
+	}
+	discoverNamespaced := c.Client.Discovery().ServerPreferredNamespacedResources
+	quota, err := resourcequotacontroller.NewController(ctx, &resourcequotacontroller.ControllerOptions{
+		QuotaClient:               c.Client.CoreV1(),
+		ResourceQuotaInformer:     factory.Core().V1().ResourceQuotas(),
+		ResyncPeriod:              pkgcontroller.StaticResyncPeriodFunc(30 * time.Second),
+		InformerFactory:           objectOrMetadata,
+		ReplenishmentResyncPeriod: pkgcontroller.StaticResyncPeriodFunc(12 * time.Hour),
+		DiscoveryFunc:             discoverNamespaced,
+		IgnoredResourcesFunc:      quotaConfig.IgnoredResources,
+		InformersStarted:          started,
+		Registry:                  generic.NewRegistry(quotaConfig.Evaluators()),
+		UpdateFilter:              quotainstall.DefaultUpdateFilter(),
+	})
+	if err != nil {
+		return fmt.Errorf("resourcequota controller: %w", err)
+	}
 	factory.Start(ctx.Done())
 	metadataFactory.Start(ctx.Done())
-	c.wg.Add(4)
+	c.wg.Add(6)
+	go func() { defer c.wg.Done(); quota.Run(ctx, 2) }()
+	go func() { defer c.wg.Done(); quota.Sync(ctx, discoverNamespaced, 30*time.Second) }()
 	go func() { defer c.wg.Done(); claims.Run(ctx, 10) }()
 	go func() { defer c.wg.Done(); sa.Run(ctx, 2) }()
 	go func() { defer c.wg.Done(); gc.Run(ctx, 5, 30*time.Second) }()

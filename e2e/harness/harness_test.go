@@ -8,6 +8,7 @@ import (
 	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/wait"
 )
@@ -77,6 +78,21 @@ func TestControlPlaneWithReferenceDriver(t *testing.T) {
 	if _, err := c.Client.ResourceV1().ResourceClaimTemplates("default").Create(ctx, tmpl, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
+	// With a quota in the namespace, pods are admitted only once the
+	// resourcequota controller has computed its status.
+	quota := &v1.ResourceQuota{
+		ObjectMeta: metav1.ObjectMeta{Name: "q", Namespace: "default"},
+		Spec:       v1.ResourceQuotaSpec{Hard: v1.ResourceList{"pods": resource.MustParse("10"), "count/resourceclaims.resource.k8s.io": resource.MustParse("5")}},
+	}
+	if _, err := c.Client.CoreV1().ResourceQuotas("default").Create(ctx, quota, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if err := wait.PollUntilContextTimeout(ctx, 100*time.Millisecond, time.Minute, true, func(ctx context.Context) (bool, error) {
+		q, err := c.Client.CoreV1().ResourceQuotas("default").Get(ctx, "q", metav1.GetOptions{})
+		return err == nil && len(q.Status.Hard) > 0, nil
+	}); err != nil {
+		t.Fatalf("resourcequota controller never computed the quota status: %v", err)
+	}
 	pod := &v1.Pod{
 		ObjectMeta: metav1.ObjectMeta{Name: "p", Namespace: "default"},
 		Spec: v1.PodSpec{
@@ -112,7 +128,7 @@ func TestControlPlaneWithReferenceDriver(t *testing.T) {
 	if claim.Status.Allocation == nil || len(claim.Status.Allocation.Devices.Results) != 1 {
 		t.Fatalf("claim not allocated: %+v", claim.Status)
 	}
-	want := "ref.e2e/dev=" + string(claim.UID) + "-" + claim.Status.Allocation.Devices.Results[0].Device
+	want := refDriver + "/dev=" + string(claim.UID) + "-" + claim.Status.Allocation.Devices.Results[0].Device
 	if ids["ctr"][0] != want {
 		t.Fatalf("CDI ID %q, want %q", ids["ctr"][0], want)
 	}
