@@ -30,13 +30,17 @@ generate: ## regenerate committed generated files (protobuf bindings, JSON schem
 	UPDATE_GENERATED=1 $(CARGO) test --workspace --locked generated_
 
 FUZZ_SECONDS ?= 600
-fuzz: ## run the opaque-config fuzzer (needs a nightly toolchain and cargo-fuzz)
-	rustup toolchain list | grep -q nightly || rustup toolchain install nightly --profile minimal
+# cargo-fuzz passes -Z sanitizer flags; RUSTC_BOOTSTRAP=1 lets the pinned stable toolchain
+# accept them, so no nightly toolchain is needed. Crashes land in api/fuzz/artifacts/.
+fuzz: ## run the opaque-config fuzzer for FUZZ_SECONDS (default 600)
 	command -v cargo-fuzz >/dev/null || $(CARGO) install cargo-fuzz --locked
-	cd api/fuzz && $(CARGO) +nightly fuzz run decode_validate -- -max_total_time=$(FUZZ_SECONDS)
+	mkdir -p api/fuzz/corpus/decode_validate
+	cd api/fuzz && RUSTC_BOOTSTRAP=1 $(CARGO) fuzz run decode_validate corpus/decode_validate seeds \
+		-- -max_total_time=$(FUZZ_SECONDS) -dict=decode_validate.dict -max_len=4096
 
 bench: ## benchmarks: print figures (medians, percentiles, ratios)
 	$(CARGO) run --release --locked -p gpu-dra-api --example bench_validate
+	$(CARGO) run --release --locked -p gpu-dra-core --example bench_discover
 
 # --- e2e: a real control plane in one Go process (e2e/), simulated GPU nodes ---
 HELM_VERSION ?= v3.22.0

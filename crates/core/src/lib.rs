@@ -1,1 +1,3 @@
 //! Pure driver logic: no I/O, no async runtime, no Kubernetes client, no NVML.
+
+pub mod slices;

@@ -3,7 +3,11 @@
 //! The model (`model`) is plain data shared by every consumer. Backends implement
 //! [`GpuInventory`]; the node binary picks one at startup and nothing else knows which.
 
+pub mod fixture;
 pub mod model;
+pub mod names;
+pub mod nvml;
+pub mod sysfs;
 
 pub use model::{ComputeCapability, DeviceRef, Gpu, Inventory, MigDevice, MigMode, Placement};
 
@@ -26,6 +30,14 @@ pub enum DeviceError {
         /// What was queried, e.g. `GPU 3`.
         target: String,
         /// What NVML said.
+        reason: String,
+    },
+    /// A fixture inventory could not be read or parsed (or a failure was injected).
+    #[error("fixture inventory {path}: {reason}")]
+    Fixture {
+        /// File that was read, or `<inline>` / `<injected>`.
+        path: String,
+        /// What went wrong.
         reason: String,
     },
     /// Reading sysfs failed.

@@ -125,12 +125,14 @@ impl Gpu {
 
 impl MigDevice {
     /// The ResourceSlice device name:
-    /// `gpu-<parent minor>-mig-<profile without dots>-<giProfileId>-<placementStart>`.
+    /// `gpu-<parent minor>-mig-<profile without dots>-<giProfileId>-<placementStart>`, where the
+    /// profile is lower-cased and characters outside `[a-z0-9-]` become `-` as in the NVIDIA
+    /// driver (`1g.5gb+me` -> `1g5gb-me`), keeping the name a valid DNS label.
     pub fn device_name(&self, parent: &Gpu) -> String {
         format!(
             "gpu-{}-mig-{}-{}-{}",
             parent.minor,
-            self.profile.replace('.', ""),
+            crate::names::profile_for_device_name(&self.profile),
             self.gi_profile_id,
             self.placement.start
         )
@@ -248,14 +250,27 @@ mod tests {
             driver_version: "580.95.05".into(),
             cuda_driver_version: "13.0".into(),
             gpus: vec![
-                gpu(0, on, vec![mig("1g.5gb", 19, 0), mig("1g.5gb", 19, 1)]),
+                gpu(
+                    0,
+                    on,
+                    vec![
+                        mig("1g.5gb", 19, 0),
+                        mig("1g.5gb", 19, 1),
+                        mig("1g.5gb+me", 20, 2),
+                    ],
+                ),
                 gpu(1, None, vec![]),
             ],
         };
         let names: Vec<String> = inv.devices().map(|d| d.name()).collect();
         assert_eq!(
             names,
-            ["gpu-0-mig-1g5gb-19-0", "gpu-0-mig-1g5gb-19-1", "gpu-1"]
+            [
+                "gpu-0-mig-1g5gb-19-0",
+                "gpu-0-mig-1g5gb-19-1",
+                "gpu-0-mig-1g5gb-me-20-2",
+                "gpu-1"
+            ]
         );
         let found = inv.device("gpu-0-mig-1g5gb-19-1").expect("present");
         assert_eq!(found.gpu().minor, 0);

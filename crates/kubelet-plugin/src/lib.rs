@@ -1,1 +1,4 @@
 //! The node plugin.
+
+pub mod discover;
+pub mod publish;

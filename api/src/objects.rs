@@ -1,0 +1,494 @@
+//! Finding and checking our opaque configs inside Kubernetes objects.
+//!
+//! Shared by the CLI and the admission webhook. Works on plain `serde_json::Value` so that
+//! `resource.k8s.io/v1`, `v1beta1` and `v1beta2` shapes are handled alike: the parts we read
+//! (`spec.devices.config`, `spec.devices.requests[*].name`, `firstAvailable[*].name`,
+//! `spec.config` of a DeviceClass) have the same shape in all of them.
+//!
+//! Only configs whose `opaque.driver` equals the given driver name are judged; configs for
+//! other drivers are none of our business. Every path in a [`Report`] is a full path from the
+//! object root, e.g. `spec.devices.config[0].opaque.parameters.sharing.strategy`.
+
+use std::collections::BTreeMap;
+
+use serde_json::Value;
+
+use crate::config::{ConfigKind, describe};
+use crate::error::{FieldError, index, join};
+
+/// The object kinds that can carry opaque device configs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ObjectKind {
+    /// `ResourceClaim`: configs at `spec.devices.config`.
+    ResourceClaim,
+    /// `ResourceClaimTemplate`: configs at `spec.spec.devices.config`.
+    ResourceClaimTemplate,
+    /// `DeviceClass` (cluster-scoped): configs at `spec.config`.
+    DeviceClass,
+}
+
+impl ObjectKind {
+    /// The `kind` spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::ResourceClaim => "ResourceClaim",
+            Self::ResourceClaimTemplate => "ResourceClaimTemplate",
+            Self::DeviceClass => "DeviceClass",
+        }
+    }
+}
+
+/// What [`check_object`] found.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Report {
+    /// Invalid configs: the object must be rejected.
+    pub errors: Vec<FieldError>,
+    /// Likely mistakes that are not certain to fail (e.g. a `GpuConfig` for a request of a
+    /// MIG device class).
+    pub warnings: Vec<String>,
+    /// `config[i].requests[j]` naming a request the object does not have. The CLI treats
+    /// these as errors; the webhook may choose to only warn.
+    pub unknown_requests: Vec<FieldError>,
+}
+
+impl Report {
+    /// True when there is neither an error nor an unknown request.
+    pub fn is_ok(&self) -> bool {
+        self.errors.is_empty() && self.unknown_requests.is_empty()
+    }
+}
+
+/// The kind, when `obj` is a `resource.k8s.io` object that can carry configs. An object with
+/// no `apiVersion` is accepted too, so hand-written files without it are still checked.
+pub fn object_kind(obj: &Value) -> Option<ObjectKind> {
+    if let Some(api_version) = obj.get("apiVersion") {
+        let group = api_version.as_str()?.split('/').next()?;
+        if group != "resource.k8s.io" {
+            return None;
+        }
+    }
+    match obj.get("kind")?.as_str()? {
+        "ResourceClaim" => Some(ObjectKind::ResourceClaim),
+        "ResourceClaimTemplate" => Some(ObjectKind::ResourceClaimTemplate),
+        "DeviceClass" => Some(ObjectKind::DeviceClass),
+        _ => None,
+    }
+}
+
+/// `ResourceClaim default/x`, `ResourceClaimTemplate ns/t`, `DeviceClass gpu.nvidia.com`:
+/// namespaced objects without a namespace show `default`, as `kubectl apply` would use.
+pub fn object_label(obj: &Value) -> String {
+    let kind = obj.get("kind").and_then(Value::as_str).unwrap_or("object");
+    let meta = obj.get("metadata");
+    let field = |f: &str| meta.and_then(|m| m.get(f)).and_then(Value::as_str);
+    let name = match (field("name"), field("generateName")) {
+        (Some(n), _) if !n.is_empty() => n.to_owned(),
+        (_, Some(g)) if !g.is_empty() => format!("{g}*"),
+        _ => "<unnamed>".to_owned(),
+    };
+    const CLUSTER_SCOPED: [&str; 6] = [
+        "DeviceClass",
+        "ResourceSlice",
+        "DeviceTaintRule",
+        "Namespace",
+        "Node",
+        "ValidatingAdmissionPolicy",
+    ];
+    if CLUSTER_SCOPED.contains(&kind) {
+        format!("{kind} {name}")
+    } else {
+        let ns = field("namespace")
+            .filter(|n| !n.is_empty())
+            .unwrap_or("default");
+        format!("{kind} {ns}/{name}")
+    }
+}
+
+/// Checks every config for `driver` in `obj` (see the module documentation). Objects of other
+/// kinds give an empty report.
+pub fn check_object(obj: &Value, driver: &str) -> Report {
+    let mut report = Report::default();
+    let Some(kind) = object_kind(obj) else {
+        return report;
+    };
+    let (config_path, requests) = match kind {
+        ObjectKind::DeviceClass => ("spec.config", None),
+        ObjectKind::ResourceClaim => ("spec.devices.config", Some("spec.devices")),
+        ObjectKind::ResourceClaimTemplate => {
+            ("spec.spec.devices.config", Some("spec.spec.devices"))
+        }
+    };
+    let configs = match lookup(obj, config_path) {
+        None | Some(Value::Null) => return report,
+        Some(Value::Array(a)) => a,
+        Some(other) => {
+            report.errors.push(FieldError::new(
+                config_path,
+                format!("must be a list, got {}", describe(other)),
+            ));
+            return report;
+        }
+    };
+    let requests = requests.map(|p| request_classes(lookup(obj, p)));
+    for (i, cfg) in configs.iter().enumerate() {
+        let path = index(config_path, i);
+        let Some(opaque) = cfg.get("opaque").filter(|o| o.is_object()) else {
+            continue;
+        };
+        if opaque.get("driver").and_then(Value::as_str) != Some(driver) {
+            continue;
+        }
+        let params_path = join(&path, "opaque.parameters");
+        let decoded = match opaque.get("parameters") {
+            None | Some(Value::Null) => {
+                report.errors.push(FieldError::new(
+                    params_path,
+                    format!(
+                        "required: configs for driver {driver} carry a GpuConfig or \
+                         MigDeviceConfig object here"
+                    ),
+                ));
+                None
+            }
+            Some(params) => match crate::decode(params) {
+                Ok(c) => Some(c),
+                Err(errs) => {
+                    report.errors.extend(errs.with_prefix(&params_path));
+                    None
+                }
+            },
+        };
+        let Some(requests) = &requests else {
+            continue;
+        };
+        let targets = check_request_refs(cfg, &path, requests, &mut report);
+        if let Some(config) = decoded {
+            warn_class_mismatch(config.kind(), &path, &targets, requests, &mut report);
+        }
+    }
+    report
+}
+
+fn lookup<'a>(obj: &'a Value, dotted: &str) -> Option<&'a Value> {
+    dotted.split('.').try_fold(obj, |v, f| v.get(f))
+}
+
+/// Request name (`req` or `req/sub`) -> device class names it may use.
+type Requests = BTreeMap<String, Vec<String>>;
+
+fn request_classes(devices: Option<&Value>) -> Requests {
+    let mut out = Requests::new();
+    let list = devices
+        .and_then(|d| d.get("requests"))
+        .and_then(Value::as_array);
+    for req in list.into_iter().flatten() {
+        let Some(name) = req.get("name").and_then(Value::as_str) else {
+            continue;
+        };
+        // v1 nests the class under `exactly`; v1beta1 has it on the request itself.
+        let class = req
+            .get("exactly")
+            .unwrap_or(req)
+            .get("deviceClassName")
+            .and_then(Value::as_str);
+        let mut classes: Vec<String> = class.map(str::to_owned).into_iter().collect();
+        for sub in req
+            .get("firstAvailable")
+            .and_then(Value::as_array)
+            .into_iter()
+            .flatten()
+        {
+            let Some(sub_name) = sub.get("name").and_then(Value::as_str) else {
+                continue;
+            };
+            let sub_class: Vec<String> = sub
+                .get("deviceClassName")
+                .and_then(Value::as_str)
+                .map(str::to_owned)
+                .into_iter()
+                .collect();
+            classes.extend(sub_class.iter().cloned());
+            out.insert(format!("{name}/{sub_name}"), sub_class);
+        }
+        out.insert(name.to_owned(), classes);
+    }
+    out
+}
+
+/// Checks `config[i].requests` and returns the request names the config applies to.
+fn check_request_refs(
+    cfg: &Value,
+    path: &str,
+    requests: &Requests,
+    report: &mut Report,
+) -> Vec<String> {
+    let refs = match cfg.get("requests") {
+        None | Some(Value::Null) => return requests.keys().cloned().collect(),
+        Some(Value::Array(a)) if a.is_empty() => return requests.keys().cloned().collect(),
+        Some(Value::Array(a)) => a,
+        Some(other) => {
+            report.errors.push(FieldError::new(
+                join(path, "requests"),
+                format!("must be a list of request names, got {}", describe(other)),
+            ));
+            return Vec::new();
+        }
+    };
+    let mut targets = Vec::new();
+    for (j, r) in refs.iter().enumerate() {
+        let rpath = index(&join(path, "requests"), j);
+        match r.as_str() {
+            Some(name) if requests.contains_key(name) => targets.push(name.to_owned()),
+            Some(name) => {
+                let known: Vec<&str> = requests.keys().map(String::as_str).collect();
+                report.unknown_requests.push(FieldError::new(
+                    rpath,
+                    format!(
+                        "request {name:?} does not exist; requests here: {}",
+                        if known.is_empty() {
+                            "none".to_owned()
+                        } else {
+                            known.join(", ")
+                        }
+                    ),
+                ));
+            }
+            None => report.errors.push(FieldError::new(
+                rpath,
+                format!("must be a request name, got {}", describe(r)),
+            )),
+        }
+    }
+    targets
+}
+
+/// Warns when a config kind meets a request whose device class evidently gives the other kind
+/// of device (classes named like the driver's `gpu.*` / `mig.*` DeviceClasses).
+fn warn_class_mismatch(
+    kind: ConfigKind,
+    path: &str,
+    targets: &[String],
+    requests: &Requests,
+    report: &mut Report,
+) {
+    for name in targets {
+        for class in requests.get(name).into_iter().flatten() {
+            let mismatch = match kind {
+                ConfigKind::Gpu => class.starts_with("mig."),
+                ConfigKind::Mig => class.starts_with("gpu."),
+            };
+            if mismatch {
+                let (gives, wanted) = match kind {
+                    ConfigKind::Gpu => ("MIG devices", "MigDeviceConfig"),
+                    ConfigKind::Mig => ("full GPUs", "GpuConfig"),
+                };
+                report.warnings.push(format!(
+                    "{path}: {kind} applies to request {name:?}, whose DeviceClass {class:?} \
+                     gives {gives}; it will fail when the device is prepared (use {wanted})"
+                ));
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    const DRIVER: &str = "gpu.nvidia.com";
+
+    fn params(strategy: &str) -> Value {
+        json!({"apiVersion": "resource.nvidia.com/v1beta1", "kind": "GpuConfig",
+               "sharing": {"strategy": strategy}})
+    }
+
+    fn opaque(parameters: Value) -> Value {
+        json!({"opaque": {"driver": DRIVER, "parameters": parameters}})
+    }
+
+    fn claim(api_version: &str, devices: Value) -> Value {
+        json!({"apiVersion": api_version, "kind": "ResourceClaim",
+               "metadata": {"name": "c", "namespace": "ns"}, "spec": {"devices": devices}})
+    }
+
+    fn paths(errs: &[FieldError]) -> Vec<&str> {
+        errs.iter().map(|e| e.path.as_str()).collect()
+    }
+
+    #[test]
+    fn full_paths_for_each_kind() {
+        let bad = opaque(params("mps"));
+        let c = claim(
+            "resource.k8s.io/v1",
+            json!({"config": [opaque(params("MPS")), bad]}),
+        );
+        let r = check_object(&c, DRIVER);
+        assert_eq!(
+            paths(&r.errors),
+            ["spec.devices.config[1].opaque.parameters.sharing.strategy"]
+        );
+        let t = json!({"apiVersion": "resource.k8s.io/v1beta2", "kind": "ResourceClaimTemplate",
+            "metadata": {"name": "t"}, "spec": {"spec": {"devices": {"config": [bad]}}}});
+        assert_eq!(
+            paths(&check_object(&t, DRIVER).errors),
+            ["spec.spec.devices.config[0].opaque.parameters.sharing.strategy"]
+        );
+        let d = json!({"apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass",
+            "metadata": {"name": "d"}, "spec": {"config": [bad]}});
+        assert_eq!(
+            paths(&check_object(&d, DRIVER).errors),
+            ["spec.config[0].opaque.parameters.sharing.strategy"]
+        );
+    }
+
+    #[test]
+    fn only_our_driver_is_judged() {
+        let foreign = json!({"opaque": {"driver": "other.example.com", "parameters": 42}});
+        let c = claim(
+            "resource.k8s.io/v1",
+            json!({"config": [foreign, {"other": {}}]}),
+        );
+        assert_eq!(check_object(&c, DRIVER), Report::default());
+        // The same config is ours under another driver name.
+        let r = check_object(&c, "other.example.com");
+        assert_eq!(
+            paths(&r.errors),
+            ["spec.devices.config[0].opaque.parameters"]
+        );
+        assert!(
+            r.errors[0].message.starts_with("must be an object"),
+            "{r:?}"
+        );
+    }
+
+    #[test]
+    fn missing_or_non_object_parameters_are_clear_errors() {
+        let c = claim(
+            "resource.k8s.io/v1",
+            json!({"config": [{"opaque": {"driver": DRIVER}}, opaque(json!("GpuConfig"))]}),
+        );
+        let r = check_object(&c, DRIVER);
+        assert_eq!(r.errors.len(), 2, "{r:?}");
+        assert_eq!(
+            r.errors[0].to_string(),
+            "spec.devices.config[0].opaque.parameters: required: configs for driver \
+             gpu.nvidia.com carry a GpuConfig or MigDeviceConfig object here"
+        );
+        assert_eq!(
+            r.errors[1].to_string(),
+            "spec.devices.config[1].opaque.parameters: must be an object with apiVersion, \
+             kind and sharing, got string \"GpuConfig\""
+        );
+        let c = claim("resource.k8s.io/v1", json!({"config": {"a": 1}}));
+        assert_eq!(
+            check_object(&c, DRIVER).errors[0].to_string(),
+            "spec.devices.config: must be a list, got an object"
+        );
+    }
+
+    #[test]
+    fn request_references_are_checked_in_all_shapes() {
+        let mut cfg = opaque(params("TimeSlicing"));
+        cfg["requests"] = json!(["a", "b", "b/x", "b/y", "nope", "b/nope", 7]);
+        let devices = json!({
+            "requests": [
+                // v1 shape
+                {"name": "a", "exactly": {"deviceClassName": "gpu.nvidia.com"}},
+                {"name": "b", "firstAvailable": [
+                    {"name": "x", "deviceClassName": "gpu.nvidia.com"},
+                    {"name": "y", "deviceClassName": "gpu.nvidia.com"}]}
+            ],
+            "config": [cfg]
+        });
+        let r = check_object(&claim("resource.k8s.io/v1", devices), DRIVER);
+        assert_eq!(
+            paths(&r.unknown_requests),
+            [
+                "spec.devices.config[0].requests[4]",
+                "spec.devices.config[0].requests[5]"
+            ]
+        );
+        assert_eq!(
+            r.unknown_requests[0].message,
+            "request \"nope\" does not exist; requests here: a, b, b/x, b/y"
+        );
+        assert_eq!(
+            r.errors[0].to_string(),
+            "spec.devices.config[0].requests[6]: must be a request name, got number 7"
+        );
+        assert!(!r.is_ok());
+        // v1beta1 shape: deviceClassName on the request itself.
+        let mut cfg = opaque(params("TimeSlicing"));
+        cfg["requests"] = json!(["gpu"]);
+        let devices = json!({"requests": [{"name": "gpu", "deviceClassName": "gpu.nvidia.com"}],
+                             "config": [cfg]});
+        let r = check_object(&claim("resource.k8s.io/v1beta1", devices), DRIVER);
+        assert!(r.is_ok() && r.warnings.is_empty(), "{r:?}");
+    }
+
+    #[test]
+    fn class_mismatch_is_a_warning() {
+        let mut cfg = opaque(params("TimeSlicing"));
+        cfg["requests"] = json!(["m"]);
+        let devices = json!({
+            "requests": [{"name": "m", "firstAvailable": [
+                {"name": "small", "deviceClassName": "mig.nvidia.com"}]}],
+            "config": [cfg]
+        });
+        let r = check_object(&claim("resource.k8s.io/v1", devices), DRIVER);
+        assert!(r.is_ok());
+        assert_eq!(r.warnings.len(), 1);
+        assert!(
+            r.warnings[0].starts_with(
+                "spec.devices.config[0]: GpuConfig applies to request \"m\", whose DeviceClass \
+                 \"mig.nvidia.com\" gives MIG devices"
+            ),
+            "{r:?}"
+        );
+    }
+
+    #[test]
+    fn kinds_and_groups_recognized() {
+        assert_eq!(
+            object_kind(&json!({"apiVersion": "resource.k8s.io/v1beta2", "kind": "DeviceClass"})),
+            Some(ObjectKind::DeviceClass)
+        );
+        assert_eq!(
+            object_kind(&json!({"kind": "ResourceClaimTemplate"})),
+            Some(ObjectKind::ResourceClaimTemplate)
+        );
+        assert_eq!(
+            object_kind(&json!({"apiVersion": "example.com/v1", "kind": "ResourceClaim"})),
+            None
+        );
+        assert_eq!(
+            object_kind(&json!({"apiVersion": "v1", "kind": "Pod"})),
+            None
+        );
+        assert_eq!(object_kind(&json!([1])), None);
+        assert_eq!(ObjectKind::ResourceClaim.as_str(), "ResourceClaim");
+    }
+
+    #[test]
+    fn labels() {
+        assert_eq!(
+            object_label(&json!({"kind": "ResourceClaim", "metadata": {"name": "x"}})),
+            "ResourceClaim default/x"
+        );
+        assert_eq!(
+            object_label(&json!({"kind": "ResourceClaimTemplate",
+                "metadata": {"name": "t", "namespace": "ml"}})),
+            "ResourceClaimTemplate ml/t"
+        );
+        assert_eq!(
+            object_label(&json!({"kind": "DeviceClass", "metadata": {"name": "gpu.nvidia.com"}})),
+            "DeviceClass gpu.nvidia.com"
+        );
+        assert_eq!(
+            object_label(&json!({"kind": "ResourceClaim", "metadata": {"generateName": "p-"}})),
+            "ResourceClaim default/p-*"
+        );
+        assert_eq!(object_label(&json!(null)), "object default/<unnamed>");
+    }
+}

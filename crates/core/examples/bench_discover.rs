@@ -1,0 +1,73 @@
+//! Benchmark: NVML discovery + slice rendering for the `dgx-a100-40gb` simulated node
+//! (8 GPUs, 4 of them in MIG mode: 4 whole GPUs + 16 MIG devices).
+//!
+//! Prints the median and p99 of each phase over many runs. Run with `make bench` (release).
+//! Discovery includes loading and initialising NVML and shutting it down, as every
+//! rediscovery of the publisher does.
+
+// A benchmark's output is its figures on stdout.
+#![allow(clippy::print_stdout)]
+
+use std::time::{Duration, Instant};
+
+use gpu_dra_core::slices::{self, SliceParams};
+use gpu_dra_device::GpuInventory;
+use gpu_dra_device::nvml::{NvmlInventory, NvmlOptions};
+use nvidia_ml::testing::SimHost;
+
+const RUNS: usize = 300;
+
+fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[i.min(sorted.len() - 1)]
+}
+
+fn report(name: &str, mut samples: Vec<Duration>) -> Duration {
+    samples.sort_unstable();
+    let median = percentile(&samples, 0.5);
+    println!(
+        "{name:<22} median {:>9.1} us   p99 {:>9.1} us   ({} runs)",
+        median.as_secs_f64() * 1e6,
+        percentile(&samples, 0.99).as_secs_f64() * 1e6,
+        samples.len()
+    );
+    median
+}
+
+fn main() -> anyhow::Result<()> {
+    let host = SimHost::try_new("dgx-a100-40gb")?;
+    let backend = NvmlInventory::new(NvmlOptions {
+        lib_path: host.lib_path(),
+        sysfs_root: host.sysfs_root(),
+    });
+    let params = SliceParams {
+        node_name: "bench-node",
+        driver_name: "gpu.nvidia.com",
+        generation: 1,
+    };
+    // Warm up (first dlopen, page cache).
+    let inventory = backend.discover()?;
+    let devices = inventory.devices().count();
+
+    let (mut discover, mut render, mut total) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..RUNS {
+        let t0 = Instant::now();
+        let inventory = backend.discover()?;
+        let t1 = Instant::now();
+        let rendered = slices::render_slices(&inventory, &params);
+        let t2 = Instant::now();
+        std::hint::black_box(&rendered);
+        discover.push(t1 - t0);
+        render.push(t2 - t1);
+        total.push(t2 - t0);
+    }
+    println!("bench_discover: dgx-a100-40gb simulated node, {devices} devices");
+    report("discover (NVML)", discover);
+    report("render slices", render);
+    let median = report("discover + render", total);
+    println!(
+        "per device: {:.1} us",
+        median.as_secs_f64() * 1e6 / devices as f64
+    );
+    Ok(())
+}

@@ -1,0 +1,103 @@
+//! Golden ResourceSlices per simulator profile: what a node with that fleet publishes.
+//!
+//! The files under `tests/golden/` are reviewed artefacts: a change in device names,
+//! attributes or capacities shows up as a diff there. `UPDATE_GENERATED=1` (`make generate`)
+//! rewrites them; otherwise the test fails on any difference.
+
+use std::path::PathBuf;
+
+use gpu_dra_core::slices::{self, SliceParams};
+use gpu_dra_device::GpuInventory;
+use gpu_dra_device::nvml::{NvmlInventory, NvmlOptions};
+use nvidia_ml::testing::SimHost;
+
+const PROFILES: [&str; 6] = ["t4", "rtx4090", "p4", "dgx-a100-40gb", "dgx-h100", "h200"];
+
+fn render(profile: &str) -> String {
+    let host = SimHost::new(profile);
+    let inventory = NvmlInventory::new(NvmlOptions {
+        lib_path: host.lib_path(),
+        sysfs_root: host.sysfs_root(),
+    })
+    .discover()
+    .expect("discovery over the simulator");
+    let rendered = slices::render_slices(
+        &inventory,
+        &SliceParams {
+            node_name: "sim-node",
+            driver_name: "gpu.nvidia.com",
+            generation: 1,
+        },
+    );
+    assert!(rendered.warnings.is_empty(), "{:?}", rendered.warnings);
+    let mut text = serde_json::to_string_pretty(&rendered.slices).expect("serialisable");
+    text.push('\n');
+    text
+}
+
+#[test]
+fn generated_golden_slices_are_fresh() {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/golden");
+    let update = std::env::var_os("UPDATE_GENERATED").is_some_and(|v| v == "1");
+    let mut stale = Vec::new();
+    for profile in PROFILES {
+        let path = dir.join(format!("{profile}.json"));
+        let want = render(profile);
+        let have = std::fs::read_to_string(&path).unwrap_or_default();
+        if have == want {
+            continue;
+        }
+        if update {
+            std::fs::write(&path, &want).expect("writing golden file");
+        } else {
+            stale.push(path.display().to_string());
+        }
+    }
+    assert!(
+        stale.is_empty(),
+        "golden slices differ from the rendering: {stale:?}; run `make generate` and review the diff"
+    );
+}
+
+#[test]
+fn dgx_a100_golden_has_4_whole_gpus_and_16_mig_devices() {
+    let slices: serde_json::Value = serde_json::from_str(&render("dgx-a100-40gb")).expect("json");
+    let devices = slices[0]["spec"]["devices"].as_array().expect("devices");
+    let kind = |d: &serde_json::Value| {
+        d["attributes"]["type"]["string"]
+            .as_str()
+            .map(str::to_string)
+    };
+    assert_eq!(
+        devices
+            .iter()
+            .filter(|d| kind(d).as_deref() == Some("gpu"))
+            .count(),
+        4
+    );
+    assert_eq!(
+        devices
+            .iter()
+            .filter(|d| kind(d).as_deref() == Some("mig"))
+            .count(),
+        16
+    );
+    let mig = &devices[0];
+    assert_eq!(mig["name"], "gpu-0-mig-3g20gb-9-4");
+    assert_eq!(mig["attributes"]["profile"]["string"], "3g.20gb");
+    assert_eq!(mig["attributes"]["driverVersion"]["version"], "580.95.5");
+    assert_eq!(mig["attributes"]["cudaDriverVersion"]["version"], "13.0.0");
+    assert_eq!(mig["capacity"]["memory"]["value"], "19968Mi");
+    assert_eq!(mig["capacity"]["multiprocessors"]["value"], "42");
+    let whole = &devices[16];
+    assert_eq!(whole["name"], "gpu-4");
+    assert_eq!(whole["capacity"]["memory"]["value"], "40Gi");
+    assert_eq!(
+        whole["attributes"]["resource.kubernetes.io/numaNode"]["int"],
+        1
+    );
+    assert_eq!(
+        whole["attributes"]["resource.kubernetes.io/pcieRoot"]["string"],
+        "pci0000:80"
+    );
+}

@@ -1,0 +1,122 @@
+//! The fixture backend: serves an inventory held in memory (built in code or read from JSON).
+//!
+//! Used by unit tests and by `discover --fixture`-style tooling. The inventory can be replaced
+//! at runtime ([`FixtureInventory::set`]) so tests can exercise rediscovery, and a failure can
+//! be injected ([`FixtureInventory::fail`]) to exercise error paths.
+
+use std::path::Path;
+use std::sync::Mutex;
+
+use crate::{DeviceError, GpuInventory, Inventory};
+
+/// An in-memory [`GpuInventory`].
+#[derive(Debug)]
+pub struct FixtureInventory {
+    state: Mutex<Result<Inventory, String>>,
+}
+
+impl FixtureInventory {
+    /// Serves `inventory`.
+    pub fn new(inventory: Inventory) -> Self {
+        Self {
+            state: Mutex::new(Ok(inventory)),
+        }
+    }
+
+    /// Parses an inventory from JSON (the camelCase form `discover --output json` prints under
+    /// `inventory`).
+    pub fn from_json(json: &str) -> Result<Self, DeviceError> {
+        let inventory = serde_json::from_str(json).map_err(|e| DeviceError::Fixture {
+            path: "<inline>".into(),
+            reason: e.to_string(),
+        })?;
+        Ok(Self::new(inventory))
+    }
+
+    /// Reads an inventory from a JSON file.
+    pub fn from_json_file(path: &Path) -> Result<Self, DeviceError> {
+        let text = std::fs::read_to_string(path).map_err(|e| DeviceError::Fixture {
+            path: path.display().to_string(),
+            reason: e.to_string(),
+        })?;
+        let inventory = serde_json::from_str(&text).map_err(|e| DeviceError::Fixture {
+            path: path.display().to_string(),
+            reason: e.to_string(),
+        })?;
+        Ok(Self::new(inventory))
+    }
+
+    /// Replaces the inventory served from now on (and clears an injected failure).
+    pub fn set(&self, inventory: Inventory) {
+        *self.lock() = Ok(inventory);
+    }
+
+    /// Makes every discovery fail with `reason` until [`FixtureInventory::set`] is called.
+    pub fn fail(&self, reason: &str) {
+        *self.lock() = Err(reason.to_string());
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Result<Inventory, String>> {
+        // A panic while holding the lock cannot leave the plain data half-written.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+impl GpuInventory for FixtureInventory {
+    fn discover(&self) -> Result<Inventory, DeviceError> {
+        self.lock().clone().map_err(|reason| DeviceError::Fixture {
+            path: "<injected>".into(),
+            reason,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn inv() -> Inventory {
+        Inventory {
+            driver_version: "580.95.05".into(),
+            cuda_driver_version: "13.0".into(),
+            gpus: vec![],
+        }
+    }
+
+    #[test]
+    fn serves_replaces_and_fails() {
+        let f = FixtureInventory::new(inv());
+        assert_eq!(f.discover().unwrap(), inv());
+        f.fail("boom");
+        assert!(f.discover().unwrap_err().to_string().contains("boom"));
+        let mut other = inv();
+        other.driver_version = "570.1.2".into();
+        f.set(other.clone());
+        assert_eq!(f.discover().unwrap(), other);
+    }
+
+    #[test]
+    fn json_round_trip_and_errors_name_the_file() {
+        let json = serde_json::to_string(&inv()).unwrap();
+        assert_eq!(
+            FixtureInventory::from_json(&json)
+                .unwrap()
+                .discover()
+                .unwrap(),
+            inv()
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("inv.json");
+        std::fs::write(&path, &json).unwrap();
+        assert_eq!(
+            FixtureInventory::from_json_file(&path)
+                .unwrap()
+                .discover()
+                .unwrap(),
+            inv()
+        );
+        std::fs::write(&path, "{").unwrap();
+        let err = FixtureInventory::from_json_file(&path).unwrap_err();
+        assert!(err.to_string().contains("inv.json"), "{err}");
+    }
+}

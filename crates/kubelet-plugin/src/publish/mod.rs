@@ -1,0 +1,409 @@
+//! The ResourceSlice publisher: keeps the node's pool on the API server equal to the inventory.
+//!
+//! A thin async shell around [`plan::plan`]: it discovers the inventory (blocking NVML calls
+//! run on the blocking pool), lists the node's slices, applies the planned operations, and
+//! repeats whenever
+//! - one of our slices changes on the server (a watch with the field selector
+//!   `spec.nodeName=<node>,spec.driver=<driver>`): someone deleted or edited one, so restore it;
+//! - the periodic rediscovery (default 60 s) or an on-demand refresh ([`PublisherConfig::refresh`])
+//!   finds a different inventory.
+//!
+//! Failures (discovery, API errors, conflicts) are retried with exponential backoff
+//! ([`PublisherConfig::backoff_initial`] doubling up to [`PublisherConfig::backoff_max`]),
+//! reset after a success. Slices are owned by the Node object so they go away with it, and are
+//! deliberately *not* deleted on shutdown: a restarting or upgrading plugin keeps the devices
+//! schedulable, and the kubelet removes a driver's slices itself once no plugin is left.
+
+pub mod plan;
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt;
+use gpu_dra_device::{DeviceError, GpuInventory, Inventory};
+use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::api::resource::v1::ResourceSlice;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
+use kube::api::{Api, DeleteParams, ListParams, PostParams, Preconditions};
+use kube::runtime::WatchStreamExt;
+use kube::runtime::watcher::{self, Event};
+use tokio::sync::{Notify, watch};
+use tokio::time::Instant;
+
+use self::plan::{Op, PlanParams};
+
+/// Publisher settings.
+#[derive(Debug, Clone)]
+pub struct PublisherConfig {
+    /// This node's name (pool name, `spec.nodeName`, owner).
+    pub node_name: String,
+    /// Driver name, e.g. `gpu.nvidia.com`.
+    pub driver_name: String,
+    /// How often the inventory is rediscovered.
+    pub rediscover_interval: Duration,
+    /// First retry delay after a failure.
+    pub backoff_initial: Duration,
+    /// Longest retry delay.
+    pub backoff_max: Duration,
+    /// Notified to rediscover now (e.g. after a MIG reconfiguration).
+    pub refresh: Option<Arc<Notify>>,
+    /// Receives the publication status after every reconcile (for readiness and metrics).
+    pub status: Option<watch::Sender<PublishStatus>>,
+}
+
+impl PublisherConfig {
+    /// Defaults: rediscovery every 60 s, backoff 500 ms doubling up to 60 s.
+    pub fn new(node_name: impl Into<String>, driver_name: impl Into<String>) -> Self {
+        Self {
+            node_name: node_name.into(),
+            driver_name: driver_name.into(),
+            rediscover_interval: Duration::from_secs(60),
+            backoff_initial: Duration::from_millis(500),
+            backoff_max: Duration::from_secs(60),
+            refresh: None,
+            status: None,
+        }
+    }
+
+    fn selector(&self) -> String {
+        format!(
+            "spec.nodeName={},spec.driver={}",
+            self.node_name, self.driver_name
+        )
+    }
+}
+
+/// What the publisher last achieved.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PublishStatus {
+    /// The pool on the server matches the inventory.
+    pub in_sync: bool,
+    /// Pool generation last written or confirmed.
+    pub generation: i64,
+    /// Devices published.
+    pub devices: usize,
+    /// Consecutive failures since the last success.
+    pub failures: u32,
+    /// The last error, if the last attempt failed.
+    pub last_error: Option<String>,
+}
+
+/// Why a publication attempt failed (all are retried; only [`PublishError::WatchEnded`] ends
+/// [`run`]).
+#[derive(Debug, thiserror::Error)]
+pub enum PublishError {
+    /// Discovering the inventory failed.
+    #[error("discovering GPUs: {0}")]
+    Discovery(#[from] DeviceError),
+    /// An API call failed.
+    #[error("{action}: {source}")]
+    Api {
+        /// What was attempted, e.g. `creating ResourceSlice node-a-gpu-nvidia-com-0`.
+        action: String,
+        /// The client error.
+        #[source]
+        source: kube::Error,
+    },
+    /// The Node object has no UID (cannot own the slices).
+    #[error("node {0} has no metadata.uid")]
+    NodeWithoutUid(String),
+    /// The watch stream ended, which the watcher never does on its own.
+    #[error("the ResourceSlice watch ended")]
+    WatchEnded,
+}
+
+fn api_err(action: impl Into<String>) -> impl FnOnce(kube::Error) -> PublishError {
+    let action = action.into();
+    move |source| PublishError::Api { action, source }
+}
+
+/// Exponential backoff state.
+#[derive(Debug, Clone)]
+struct Backoff {
+    initial: Duration,
+    max: Duration,
+    next: Duration,
+    failures: u32,
+}
+
+impl Backoff {
+    fn new(initial: Duration, max: Duration) -> Self {
+        Self {
+            initial,
+            max,
+            next: initial,
+            failures: 0,
+        }
+    }
+
+    fn fail(&mut self) -> Duration {
+        let d = self.next;
+        self.next = (self.next * 2).min(self.max);
+        self.failures += 1;
+        d
+    }
+
+    fn reset(&mut self) {
+        self.next = self.initial;
+        self.failures = 0;
+    }
+}
+
+/// Publishes the node's ResourceSlices until `shutdown` completes. Returns `Ok(())` on
+/// shutdown; errors are logged and retried, so the only error is the end of the watch stream.
+pub async fn run(
+    client: kube::Client,
+    config: PublisherConfig,
+    inventory: Arc<dyn GpuInventory>,
+    shutdown: impl Future<Output = ()>,
+) -> Result<(), PublishError> {
+    let slices: Api<ResourceSlice> = Api::all(client.clone());
+    let nodes: Api<Node> = Api::all(client);
+    let events = watcher::watcher(
+        slices.clone(),
+        watcher::Config::default().fields(&config.selector()),
+    )
+    .default_backoff();
+    tokio::pin!(events);
+    tokio::pin!(shutdown);
+
+    let mut backoff = Backoff::new(config.backoff_initial, config.backoff_max);
+    let mut rediscover = tokio::time::interval(config.rediscover_interval);
+    rediscover.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut current: Option<Inventory> = None;
+    let mut last_generation = 0i64;
+    let mut need_discovery = true;
+    let mut dirty = false;
+    let mut retry_at: Option<Instant> = None;
+
+    loop {
+        let retry = async {
+            match retry_at {
+                Some(t) => tokio::time::sleep_until(t).await,
+                None => std::future::pending().await,
+            }
+        };
+        let refresh = async {
+            match &config.refresh {
+                Some(n) => n.notified().await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            () = &mut shutdown => {
+                tracing::info!("publisher stopping");
+                return Ok(());
+            }
+            _ = rediscover.tick() => need_discovery = true,
+            () = refresh => need_discovery = true,
+            () = retry => retry_at = None,
+            event = events.next() => match event {
+                Some(Ok(Event::Apply(_) | Event::Delete(_) | Event::InitDone)) => dirty = true,
+                Some(Ok(Event::Init | Event::InitApply(_))) => {}
+                Some(Err(e)) => tracing::warn!(error = %e, "ResourceSlice watch error; the watcher retries"),
+                None => return Err(PublishError::WatchEnded),
+            },
+        }
+        if retry_at.is_some() {
+            continue;
+        }
+
+        let result: Result<Option<(i64, usize)>, PublishError> = async {
+            if need_discovery {
+                let inv = discover(&inventory).await?;
+                need_discovery = false;
+                if current.as_ref() != Some(&inv) {
+                    tracing::info!(
+                        gpus = inv.gpus.len(),
+                        devices = inv.devices().count(),
+                        "inventory changed"
+                    );
+                    current = Some(inv);
+                    dirty = true;
+                }
+            }
+            match (&current, dirty) {
+                (Some(inv), true) => {
+                    let generation =
+                        reconcile(&slices, &nodes, &config, inv, last_generation).await?;
+                    last_generation = last_generation.max(generation);
+                    dirty = false;
+                    Ok(Some((generation, inv.devices().count())))
+                }
+                _ => Ok(None),
+            }
+        }
+        .await;
+
+        match result {
+            Ok(Some((generation, devices))) => {
+                backoff.reset();
+                send_status(&config, |s| {
+                    *s = PublishStatus {
+                        in_sync: true,
+                        generation,
+                        devices,
+                        failures: 0,
+                        last_error: None,
+                    }
+                });
+            }
+            Ok(None) => {}
+            Err(e) => {
+                let delay = backoff.fail();
+                tracing::warn!(error = %e, retry_in = ?delay, failures = backoff.failures, "publishing ResourceSlices failed");
+                retry_at = Some(Instant::now() + delay);
+                // Retry the whole reconcile: the server state may be anything now.
+                dirty = true;
+                let failures = backoff.failures;
+                send_status(&config, |s| {
+                    s.in_sync = false;
+                    s.failures = failures;
+                    s.last_error = Some(e.to_string());
+                });
+            }
+        }
+    }
+}
+
+fn send_status(config: &PublisherConfig, f: impl FnOnce(&mut PublishStatus)) {
+    if let Some(tx) = &config.status {
+        tx.send_modify(f);
+    }
+}
+
+async fn discover(inventory: &Arc<dyn GpuInventory>) -> Result<Inventory, PublishError> {
+    let inventory = Arc::clone(inventory);
+    match tokio::task::spawn_blocking(move || inventory.discover()).await {
+        Ok(result) => Ok(result?),
+        Err(join) => Err(PublishError::Discovery(DeviceError::Query {
+            call: "discover",
+            target: "the inventory backend".into(),
+            reason: format!("discovery task failed: {join}"),
+        })),
+    }
+}
+
+/// One reconcile: read the Node and our slices, plan, apply. Returns the pool generation.
+async fn reconcile(
+    slices: &Api<ResourceSlice>,
+    nodes: &Api<Node>,
+    config: &PublisherConfig,
+    inventory: &Inventory,
+    last_generation: i64,
+) -> Result<i64, PublishError> {
+    let node = nodes
+        .get(&config.node_name)
+        .await
+        .map_err(api_err(format!("reading node {}", config.node_name)))?;
+    let uid = node
+        .metadata
+        .uid
+        .ok_or_else(|| PublishError::NodeWithoutUid(config.node_name.clone()))?;
+    let owner = OwnerReference {
+        api_version: "v1".into(),
+        kind: "Node".into(),
+        name: config.node_name.clone(),
+        uid,
+        controller: Some(true),
+        block_owner_deletion: None,
+    };
+    let observed: Vec<ResourceSlice> = slices
+        .list(&ListParams::default().fields(&config.selector()))
+        .await
+        .map_err(api_err("listing ResourceSlices"))?
+        .items
+        .into_iter()
+        // The field selector cannot match the pool name; other pools are not ours to touch.
+        .filter(|s| s.spec.pool.name == config.node_name)
+        .collect();
+    let plan = plan::plan(
+        inventory,
+        &PlanParams {
+            node_name: &config.node_name,
+            driver_name: &config.driver_name,
+            owner: &owner,
+            last_generation,
+        },
+        &observed,
+    );
+    if plan.ops.is_empty() {
+        return Ok(plan.generation);
+    }
+    for w in &plan.warnings {
+        tracing::warn!(device = %w.device, field = %w.field, reason = %w.reason, "attribute left out of the ResourceSlice");
+    }
+    tracing::info!(
+        generation = plan.generation,
+        ops = plan.ops.len(),
+        "updating ResourceSlices"
+    );
+    let pp = PostParams {
+        field_manager: Some("gpu-kubelet-plugin".into()),
+        ..PostParams::default()
+    };
+    for op in &plan.ops {
+        match op {
+            Op::Create(s) => {
+                slices
+                    .create(&pp, s)
+                    .await
+                    .map_err(api_err(format!("creating ResourceSlice {}", op.name())))?;
+            }
+            Op::Update(s) => {
+                slices
+                    .replace(op.name(), &pp, s)
+                    .await
+                    .map_err(api_err(format!("updating ResourceSlice {}", op.name())))?;
+            }
+            Op::Delete {
+                name,
+                resource_version,
+            } => {
+                let dp = DeleteParams {
+                    preconditions: Some(Preconditions {
+                        resource_version: resource_version.clone(),
+                        uid: None,
+                    }),
+                    ..DeleteParams::default()
+                };
+                match slices.delete(name, &dp).await {
+                    Ok(_) => {}
+                    Err(kube::Error::Api(status)) if status.code == 404 => {}
+                    Err(e) => return Err(api_err(format!("deleting ResourceSlice {name}"))(e)),
+                }
+            }
+        }
+        tracing::debug!(slice = %op.name(), "applied");
+    }
+    Ok(plan.generation)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_doubles_to_the_cap_and_resets() {
+        let mut b = Backoff::new(Duration::from_millis(500), Duration::from_secs(3));
+        let delays: Vec<Duration> = (0..5).map(|_| b.fail()).collect();
+        assert_eq!(
+            delays,
+            [500, 1000, 2000, 3000, 3000].map(Duration::from_millis)
+        );
+        assert_eq!(b.failures, 5);
+        b.reset();
+        assert_eq!(b.fail(), Duration::from_millis(500));
+    }
+
+    #[test]
+    fn selector_names_node_and_driver() {
+        let c = PublisherConfig::new("node-a", "gpu.nvidia.com");
+        assert_eq!(
+            c.selector(),
+            "spec.nodeName=node-a,spec.driver=gpu.nvidia.com"
+        );
+        assert_eq!(c.rediscover_interval, Duration::from_secs(60));
+    }
+}

@@ -1,0 +1,533 @@
+//! The publisher's decision: desired slices vs. what the API server holds -> operations.
+//!
+//! Pure and synchronous so every rule is unit-tested without an API server.
+//!
+//! Pool generation rules (what the scheduler relies on):
+//! - every slice of the pool carries the same `pool.generation` and the pool's slice count;
+//! - when the published content would change, the generation goes up (above every generation
+//!   seen and every one this process wrote), and every slice is rewritten with it;
+//! - when content is unchanged but slices are missing (someone deleted one) or carry the wrong
+//!   owner, they are restored at the *current* generation, so the pool is complete again
+//!   without making the scheduler discard it;
+//! - slices of ours that the desired state does not name are deleted.
+//!
+//! Updates come before creations and deletions last, so a newer generation is complete as
+//! early as possible and no device disappears before its replacement exists.
+
+use gpu_dra_core::slices::{self, Rendered, SliceParams};
+use gpu_dra_device::Inventory;
+use k8s_openapi::api::resource::v1::{ResourceSlice, ResourceSliceSpec};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
+
+/// One write against the API server.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Op {
+    /// Create this slice.
+    Create(ResourceSlice),
+    /// Replace this slice (its `metadata.resourceVersion` is the observed one).
+    Update(ResourceSlice),
+    /// Delete the slice with this name (precondition: this resource version, when known).
+    Delete {
+        /// Slice name.
+        name: String,
+        /// Observed resource version.
+        resource_version: Option<String>,
+    },
+}
+
+impl Op {
+    /// The slice name the operation targets.
+    pub fn name(&self) -> &str {
+        match self {
+            Op::Create(s) | Op::Update(s) => s.metadata.name.as_deref().unwrap_or_default(),
+            Op::Delete { name, .. } => name,
+        }
+    }
+}
+
+/// What to do and the generation the pool ends up with.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Plan {
+    /// Pool generation after the operations.
+    pub generation: i64,
+    /// Operations in the order to apply them (empty: nothing to do).
+    pub ops: Vec<Op>,
+    /// Render warnings (attributes left out), for logging.
+    pub warnings: Vec<slices::RenderWarning>,
+}
+
+/// Inputs of [`plan`] besides the inventory and the observed slices.
+#[derive(Debug, Clone)]
+pub struct PlanParams<'a> {
+    /// Node name (pool name).
+    pub node_name: &'a str,
+    /// Driver name.
+    pub driver_name: &'a str,
+    /// Owner reference to the Node, set on every slice so they go away with it.
+    pub owner: &'a OwnerReference,
+    /// Highest generation this process has written (0 if none); a bump never goes below it, so
+    /// the generation never moves backwards even if all slices were deleted meanwhile.
+    pub last_generation: i64,
+}
+
+/// Decides the operations that turn `observed` (our pool's slices on the server) into the
+/// rendering of `inventory`.
+pub fn plan(inventory: &Inventory, params: &PlanParams<'_>, observed: &[ResourceSlice]) -> Plan {
+    let render = |generation| {
+        let Rendered {
+            mut slices,
+            warnings,
+        } = slices::render_slices(
+            inventory,
+            &SliceParams {
+                node_name: params.node_name,
+                driver_name: params.driver_name,
+                generation,
+            },
+        );
+        for s in &mut slices {
+            s.metadata.owner_references = Some(vec![params.owner.clone()]);
+        }
+        (slices, warnings)
+    };
+
+    let current = common_generation(observed);
+    if let Some(generation) = current {
+        let (desired, warnings) = render(generation);
+        let unchanged = observed.iter().all(|o| {
+            desired
+                .iter()
+                .find(|d| d.metadata.name == o.metadata.name)
+                .is_none_or(|d| same_spec(&o.spec, &d.spec))
+        });
+        if unchanged {
+            let mut ops = Vec::new();
+            for d in desired.iter() {
+                match find(observed, d) {
+                    Some(o) if owned_by(o, params.owner) => {}
+                    Some(o) => ops.push(Op::Update(with_version(d, o))),
+                    None => ops.push(Op::Create(d.clone())),
+                }
+            }
+            ops.sort_by_key(|op| matches!(op, Op::Create(_)));
+            ops.extend(deletions(observed, &desired));
+            return Plan {
+                generation,
+                ops,
+                warnings,
+            };
+        }
+    }
+
+    let seen = observed
+        .iter()
+        .map(|o| o.spec.pool.generation)
+        .max()
+        .unwrap_or(0);
+    let generation = seen.max(params.last_generation).saturating_add(1);
+    let (desired, warnings) = render(generation);
+    let mut updates = Vec::new();
+    let mut creates = Vec::new();
+    for d in &desired {
+        match find(observed, d) {
+            Some(o) => updates.push(Op::Update(with_version(d, o))),
+            None => creates.push(Op::Create(d.clone())),
+        }
+    }
+    let mut ops = updates;
+    ops.extend(creates);
+    ops.extend(deletions(observed, &desired));
+    Plan {
+        generation,
+        ops,
+        warnings,
+    }
+}
+
+/// The generation all observed slices share, if they share one (and exist).
+fn common_generation(observed: &[ResourceSlice]) -> Option<i64> {
+    let first = observed.first()?.spec.pool.generation;
+    observed
+        .iter()
+        .all(|o| o.spec.pool.generation == first)
+        .then_some(first)
+}
+
+fn find<'a>(observed: &'a [ResourceSlice], desired: &ResourceSlice) -> Option<&'a ResourceSlice> {
+    observed
+        .iter()
+        .find(|o| o.metadata.name == desired.metadata.name)
+}
+
+fn with_version(desired: &ResourceSlice, observed: &ResourceSlice) -> ResourceSlice {
+    let mut s = desired.clone();
+    s.metadata.resource_version = observed.metadata.resource_version.clone();
+    s
+}
+
+fn deletions<'a>(
+    observed: &'a [ResourceSlice],
+    desired: &'a [ResourceSlice],
+) -> impl Iterator<Item = Op> + 'a {
+    observed
+        .iter()
+        .filter(|o| !desired.iter().any(|d| d.metadata.name == o.metadata.name))
+        .map(|o| Op::Delete {
+            name: o.metadata.name.clone().unwrap_or_default(),
+            resource_version: o.metadata.resource_version.clone(),
+        })
+}
+
+fn owned_by(slice: &ResourceSlice, owner: &OwnerReference) -> bool {
+    slice
+        .metadata
+        .owner_references
+        .as_ref()
+        .is_some_and(|refs| {
+            refs.iter()
+                .any(|r| r.uid == owner.uid && r.kind == owner.kind)
+        })
+}
+
+/// Spec equality as the API server sees it: an absent device list equals an empty one and
+/// quantities compare by value (the server may return another spelling of the same amount).
+pub fn same_spec(observed: &ResourceSliceSpec, desired: &ResourceSliceSpec) -> bool {
+    normalize(observed) == normalize(desired)
+}
+
+fn normalize(spec: &ResourceSliceSpec) -> ResourceSliceSpec {
+    let mut spec = spec.clone();
+    let mut devices = spec.devices.take().unwrap_or_default();
+    for d in &mut devices {
+        if let Some(caps) = d.capacity.as_mut() {
+            for c in caps.values_mut() {
+                if let Some(v) =
+                    slices::parse_quantity(&c.value.0).and_then(|v| u64::try_from(v).ok())
+                {
+                    c.value = Quantity(slices::canonical_quantity(v));
+                }
+            }
+        }
+        if d.attributes.as_ref().is_some_and(|a| a.is_empty()) {
+            d.attributes = None;
+        }
+        if d.capacity.as_ref().is_some_and(|c| c.is_empty()) {
+            d.capacity = None;
+        }
+    }
+    spec.devices = Some(devices);
+    spec
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use gpu_dra_device::{ComputeCapability, Gpu};
+
+    fn owner() -> OwnerReference {
+        OwnerReference {
+            api_version: "v1".into(),
+            kind: "Node".into(),
+            name: "node-a".into(),
+            uid: "uid-1".into(),
+            controller: Some(true),
+            block_owner_deletion: None,
+        }
+    }
+
+    fn gpu(minor: u32) -> Gpu {
+        Gpu {
+            index: minor,
+            minor,
+            uuid: format!("GPU-{minor:08x}-1111-2222-3333-444444444444"),
+            product_name: "NVIDIA H100 80GB HBM3".into(),
+            brand: "Nvidia".into(),
+            architecture: "Hopper".into(),
+            cuda_compute_capability: ComputeCapability { major: 9, minor: 0 },
+            memory_bytes: 81559 << 20,
+            pci_bus_id: format!("0000:{:02x}:00.0", minor + 0x10),
+            pcie_root: Some("pci0000:00".into()),
+            numa_node: Some(0),
+            mig: None,
+            mig_devices: vec![],
+        }
+    }
+
+    fn inventory(n: u32) -> Inventory {
+        Inventory {
+            driver_version: "580.95.05".into(),
+            cuda_driver_version: "13.0".into(),
+            gpus: (0..n).map(gpu).collect(),
+        }
+    }
+
+    fn params(owner: &OwnerReference, last: i64) -> PlanParams<'_> {
+        PlanParams {
+            node_name: "node-a",
+            driver_name: "gpu.nvidia.com",
+            owner,
+            last_generation: last,
+        }
+    }
+
+    /// Applies a plan to a fake server state, as the API server would.
+    fn apply(server: &mut Vec<ResourceSlice>, plan: &Plan) {
+        for op in &plan.ops {
+            match op {
+                Op::Create(s) => {
+                    assert!(server.iter().all(|o| o.metadata.name != s.metadata.name));
+                    let mut s = s.clone();
+                    s.metadata.resource_version = Some("1".into());
+                    server.push(s);
+                }
+                Op::Update(s) => {
+                    let o = server
+                        .iter_mut()
+                        .find(|o| o.metadata.name == s.metadata.name)
+                        .expect("update of a missing slice");
+                    assert_eq!(o.metadata.resource_version, s.metadata.resource_version);
+                    *o = s.clone();
+                }
+                Op::Delete { name, .. } => {
+                    server.retain(|o| o.metadata.name.as_deref() != Some(name));
+                }
+            }
+        }
+        server.sort_by(|a, b| a.metadata.name.cmp(&b.metadata.name));
+    }
+
+    /// Plans against the fake server state and applies the plan.
+    fn publish(server: &mut Vec<ResourceSlice>, inv: &Inventory, params: &PlanParams<'_>) {
+        let p = plan(inv, params, server);
+        apply(server, &p);
+    }
+
+    fn kinds(plan: &Plan) -> Vec<String> {
+        plan.ops
+            .iter()
+            .map(|op| {
+                let k = match op {
+                    Op::Create(_) => "create",
+                    Op::Update(_) => "update",
+                    Op::Delete { .. } => "delete",
+                };
+                format!("{k} {}", op.name())
+            })
+            .collect()
+    }
+
+    #[test]
+    fn first_publication_creates_generation_one_and_then_converges() {
+        let o = owner();
+        let inv = inventory(2);
+        let mut server = vec![];
+        let p = plan(&inv, &params(&o, 0), &server);
+        assert_eq!(p.generation, 1);
+        assert_eq!(kinds(&p), ["create node-a-gpu-nvidia-com-0"]);
+        apply(&mut server, &p);
+        let again = plan(&inv, &params(&o, 1), &server);
+        assert!(again.ops.is_empty(), "{:?}", kinds(&again));
+        assert_eq!(again.generation, 1);
+        let s = &server[0];
+        assert_eq!(
+            s.metadata.owner_references.as_ref().unwrap()[0].uid,
+            "uid-1"
+        );
+    }
+
+    #[test]
+    fn changed_inventory_bumps_the_generation_on_every_slice() {
+        let o = owner();
+        let mut server = vec![];
+        publish(&mut server, &inventory(130), &params(&o, 0));
+        assert_eq!(server.len(), 2);
+        let p = plan(&inventory(131), &params(&o, 1), &server);
+        assert_eq!(p.generation, 2);
+        assert_eq!(
+            kinds(&p),
+            [
+                "update node-a-gpu-nvidia-com-0",
+                "update node-a-gpu-nvidia-com-1"
+            ]
+        );
+        apply(&mut server, &p);
+        assert!(server.iter().all(|s| s.spec.pool.generation == 2));
+    }
+
+    #[test]
+    fn shrinking_deletes_stale_slices_after_updating_the_rest() {
+        let o = owner();
+        let mut server = vec![];
+        publish(&mut server, &inventory(200), &params(&o, 0));
+        let p = plan(&inventory(3), &params(&o, 1), &server);
+        assert_eq!(
+            kinds(&p),
+            [
+                "update node-a-gpu-nvidia-com-0",
+                "delete node-a-gpu-nvidia-com-1"
+            ]
+        );
+        apply(&mut server, &p);
+        assert_eq!(server.len(), 1);
+        assert_eq!(server[0].spec.pool.resource_slice_count, 1);
+        assert_eq!(server[0].spec.pool.generation, 2);
+    }
+
+    #[test]
+    fn a_deleted_slice_is_restored_at_the_same_generation() {
+        let o = owner();
+        let inv = inventory(200);
+        let mut server = vec![];
+        publish(&mut server, &inv, &params(&o, 0));
+        server.remove(1);
+        let p = plan(&inv, &params(&o, 1), &server);
+        assert_eq!(p.generation, 1);
+        assert_eq!(kinds(&p), ["create node-a-gpu-nvidia-com-1"]);
+    }
+
+    #[test]
+    fn all_slices_deleted_restarts_above_the_last_written_generation() {
+        let o = owner();
+        let p = plan(&inventory(1), &params(&o, 7), &[]);
+        assert_eq!(p.generation, 8);
+    }
+
+    #[test]
+    fn an_edited_slice_is_rewritten_with_a_new_generation() {
+        let o = owner();
+        let inv = inventory(2);
+        let mut server = vec![];
+        publish(&mut server, &inv, &params(&o, 0));
+        server[0].spec.devices.as_mut().unwrap()[0].name = "gpu-99".into();
+        let p = plan(&inv, &params(&o, 1), &server);
+        assert_eq!(p.generation, 2);
+        assert_eq!(kinds(&p), ["update node-a-gpu-nvidia-com-0"]);
+        apply(&mut server, &p);
+        assert!(plan(&inv, &params(&o, 2), &server).ops.is_empty());
+    }
+
+    #[test]
+    fn mixed_generations_are_unified_above_the_highest() {
+        let o = owner();
+        let inv = inventory(200);
+        let mut server = vec![];
+        publish(&mut server, &inv, &params(&o, 0));
+        server[1].spec.pool.generation = 5;
+        let p = plan(&inv, &params(&o, 1), &server);
+        assert_eq!(p.generation, 6);
+        assert_eq!(p.ops.len(), 2);
+    }
+
+    #[test]
+    fn a_missing_owner_reference_is_repaired_without_a_bump() {
+        let o = owner();
+        let inv = inventory(1);
+        let mut server = vec![];
+        publish(&mut server, &inv, &params(&o, 0));
+        server[0].metadata.owner_references = None;
+        let p = plan(&inv, &params(&o, 1), &server);
+        assert_eq!(p.generation, 1);
+        assert_eq!(kinds(&p), ["update node-a-gpu-nvidia-com-0"]);
+        // A Node recreated with a new UID: slices are re-owned.
+        let mut new_owner = owner();
+        new_owner.uid = "uid-2".into();
+        apply(&mut server, &p);
+        let p = plan(&inv, &params(&new_owner, 1), &server);
+        assert_eq!(kinds(&p), ["update node-a-gpu-nvidia-com-0"]);
+    }
+
+    #[test]
+    fn server_spellings_of_the_same_quantity_and_empty_lists_are_equal() {
+        let o = owner();
+        let inv = inventory(1);
+        let mut server = vec![];
+        publish(&mut server, &inv, &params(&o, 0));
+        let caps = server[0].spec.devices.as_mut().unwrap()[0]
+            .capacity
+            .as_mut()
+            .unwrap();
+        caps.get_mut("memory").unwrap().value = Quantity(format!("{}", 81559u64 << 20));
+        assert!(plan(&inv, &params(&o, 1), &server).ops.is_empty());
+
+        let empty = Inventory {
+            gpus: vec![],
+            ..inventory(0)
+        };
+        let mut server = vec![];
+        publish(&mut server, &empty, &params(&o, 0));
+        server[0].spec.devices = None;
+        assert!(plan(&empty, &params(&o, 1), &server).ops.is_empty());
+    }
+
+    /// Something that happens to the server between reconciles.
+    #[derive(Debug, Clone)]
+    enum Disturbance {
+        Nothing,
+        DeleteSlice(usize),
+        EditSlice(usize),
+        BumpGeneration(usize, i64),
+        DropOwner(usize),
+    }
+
+    fn arb_disturbance() -> impl proptest::strategy::Strategy<Value = Disturbance> {
+        use proptest::prelude::*;
+        prop_oneof![
+            Just(Disturbance::Nothing),
+            (0usize..4).prop_map(Disturbance::DeleteSlice),
+            (0usize..4).prop_map(Disturbance::EditSlice),
+            ((0usize..4), 1i64..50).prop_map(|(i, g)| Disturbance::BumpGeneration(i, g)),
+            (0usize..4).prop_map(Disturbance::DropOwner),
+        ]
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(48))]
+        /// Whatever the inventory changes and third-party edits, one plan brings the server to
+        /// the desired pool: a second plan is empty, every slice has the same generation and
+        /// the right count, the generation never goes down, and the devices are the inventory's.
+        #[test]
+        fn one_plan_always_converges(
+            steps in proptest::collection::vec(((0u32..300), arb_disturbance()), 1..10),
+        ) {
+            let o = owner();
+            let mut server: Vec<ResourceSlice> = vec![];
+            let mut last = 0i64;
+            for (n, disturbance) in steps {
+                match disturbance {
+                    Disturbance::Nothing => {}
+                    Disturbance::DeleteSlice(i) if i < server.len() => {
+                        server.remove(i);
+                    }
+                    Disturbance::EditSlice(i) if i < server.len() => {
+                        if let Some(d) = server[i].spec.devices.as_mut().and_then(|d| d.first_mut()) {
+                            d.name = "edited".into();
+                        } else {
+                            server[i].spec.pool.resource_slice_count += 1;
+                        }
+                    }
+                    Disturbance::BumpGeneration(i, g) if i < server.len() => {
+                        server[i].spec.pool.generation += g;
+                    }
+                    Disturbance::DropOwner(i) if i < server.len() => {
+                        server[i].metadata.owner_references = None;
+                    }
+                    _ => {}
+                }
+                let inv = inventory(n);
+                let p = plan(&inv, &params(&o, last), &server);
+                proptest::prop_assert!(p.generation >= last);
+                apply(&mut server, &p);
+                last = last.max(p.generation);
+                let again = plan(&inv, &params(&o, last), &server);
+                proptest::prop_assert!(again.ops.is_empty(), "{:?}", kinds(&again));
+                let count = server.len() as i64;
+                proptest::prop_assert!(server.iter().all(|s| s.spec.pool.generation == p.generation
+                    && s.spec.pool.resource_slice_count == count
+                    && owned_by(s, &o)));
+                let devices: usize = server.iter().map(|s| s.spec.devices.as_ref().map_or(0, Vec::len)).sum();
+                proptest::prop_assert_eq!(devices, n as usize);
+            }
+        }
+    }
+}
