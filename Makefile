@@ -5,7 +5,7 @@ CARGO ?= cargo
 GO ?= go
 TOOLS := $(CURDIR)/.tools
 
-.PHONY: help build release test lint fmt fuzz bench generate e2e e2e-build e2e-tools e2e-kubectl demo bench-e2e
+.PHONY: help build release test lint fmt fuzz bench generate e2e e2e-build e2e-bins e2e-tools e2e-kubectl demo bench-e2e
 
 help: ## list targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | sort
