@@ -6,7 +6,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"strings"
+	"regexp"
 )
 
 // ErrMissing marks a part of the product that is not built or not present
@@ -36,8 +36,15 @@ func RepoRoot() (string, error) {
 }
 
 // Binary finds one of our built binaries: in env E2E_BIN_DIR if set, else
-// in <repo>/target/debug (what `cargo build` produces).
+// in <repo>/target/debug (what `cargo build` produces). A binary that does
+// not offer what the suite runs yet (its --help lacks the subcommand or
+// flag) counts as missing.
 func Binary(name string) (string, error) {
+	return BinaryWith(name, helpMentions[name])
+}
+
+// BinaryWith is Binary with the --help requirement given (nil: none).
+func BinaryWith(name string, want *regexp.Regexp) (string, error) {
 	dir := os.Getenv("E2E_BIN_DIR")
 	if dir == "" {
 		root, err := RepoRoot()
@@ -50,10 +57,10 @@ func Binary(name string) (string, error) {
 	if !isFile(p) {
 		return "", fmt.Errorf("%w: binary %s not found in %s (run `cargo build` first, or set E2E_BIN_DIR)", ErrMissing, name, dir)
 	}
-	if want, ok := helpMentions[name]; ok {
+	if want != nil {
 		out, _ := exec.Command(p, "--help").CombinedOutput()
-		if !strings.Contains(string(out), want) {
-			return "", fmt.Errorf("%w: %s is a placeholder (its --help does not mention %q)", ErrMissing, p, want)
+		if !want.Match(out) {
+			return "", fmt.Errorf("%w: %s does not offer what e2e needs yet (its --help does not match %q)", ErrMissing, p, want)
 		}
 	}
 	return p, nil
@@ -61,10 +68,10 @@ func Binary(name string) (string, error) {
 
 // helpMentions tells a real binary from the workspace skeleton's empty
 // placeholder: what its --help must mention.
-var helpMentions = map[string]string{
-	"gpu-kubelet-plugin": "run",
-	"gpu-dra-webhook":    "tls-cert-file",
-	"gpu-sim":            "setup",
+var helpMentions = map[string]*regexp.Regexp{
+	"gpu-kubelet-plugin": regexp.MustCompile(`(?m)^\s+run\b`),
+	"gpu-dra-webhook":    regexp.MustCompile(`--tls-cert-file`),
+	"gpu-sim":            regexp.MustCompile(`(?m)^\s+setup\b`),
 }
 
 // Tool finds a helper tool (helm, kubectl): <repo>/.tools/bin first, then PATH.
