@@ -41,18 +41,14 @@ func main() {
 func say(format string, args ...any) { fmt.Printf(format+"\n", args...) }
 
 func run(ctx context.Context, dir, examples string, tour bool) error {
-	if dir == "" {
-		var err error
-		if dir, err = os.MkdirTemp("", "gpu-dra-demo-"); err != nil {
-			return err
-		}
-	}
-	say("== starting the control plane (etcd, kube-apiserver, kube-scheduler, controllers) in %s", dir)
+	say("== starting the control plane (etcd, kube-apiserver, kube-scheduler, controllers)")
 	c, err := harness.Start(ctx, harness.Options{Dir: dir, Logf: func(f string, a ...any) { say("   "+f, a...) }})
 	if err != nil {
 		return err
 	}
 	defer c.Stop()
+	dir = c.Dir
+	say("   state in %s (removed on exit unless given with --dir or E2E_KEEP_DIR=1)", dir)
 
 	_, webhookErr := harness.Binary("gpu-dra-webhook")
 	drv, err := c.InstallDriver(ctx, harness.InstallOptions{Webhook: webhookErr == nil})
