@@ -7,6 +7,7 @@ import (
 	"os"
 	"path/filepath"
 	"sync"
+	"syscall"
 	"time"
 
 	v1 "k8s.io/api/core/v1"
@@ -430,6 +431,11 @@ func (n *Node) DriverRegistered(driver string) bool {
 func (n *Node) Stop() {
 	if n.Plugin != nil {
 		n.Plugin.Stop()
+	}
+	// MPS control daemons outlive a plugin restart by design; when the node
+	// goes, they go too (they run binaries of this node's simulated host).
+	for _, p := range Processes(n.SimRoot()) {
+		_ = syscall.Kill(p.Pid, syscall.SIGKILL)
 	}
 	if n.cancel != nil {
 		n.cancel()

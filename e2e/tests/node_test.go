@@ -143,6 +143,15 @@ func TestPluginCrashAndRestart(t *testing.T) {
 	n := cluster.Node(nodeA100)
 	before, claimBefore := runClaimPod(ctx, t, gpuClaim(t, ns, "before", 1, nil), claimPod(ns, "before", nodeA100, "before"))
 	devsBefore := podDevices(t, before)
+	mpsConfig := map[string]any{
+		"apiVersion": "resource.nvidia.com/v1beta1", "kind": "GpuConfig",
+		"sharing": map[string]any{"strategy": "MPS", "mpsConfig": map[string]any{"defaultActiveThreadPercentage": 25}},
+	}
+	mps, claimMPS := runClaimPod(ctx, t, gpuClaim(t, ns, "mps", 1, mpsConfig), claimPod(ns, "mps", nodeA100, "mps"))
+	devsMPS := podDevices(t, mps)
+	if len(n.MPSDaemons()) != 1 {
+		t.Fatalf("want one MPS daemon before the crash, got %v", n.MPSDaemons())
+	}
 
 	n.Plugin.Kill()
 	t.Logf("killed plugin pid on %s", nodeA100)
@@ -152,7 +161,17 @@ func TestPluginCrashAndRestart(t *testing.T) {
 	if !eventually(ctx, 60*time.Second, func() bool { return n.DriverRegistered(harness.DefaultDriver) }) {
 		t.Fatalf("plugin did not register again after restart; log:\n%s", n.Plugin.Log())
 	}
-	// The running pod still has its devices.
+	// The running pods still have their devices, and the MPS daemon (re-adopted or restarted) still serves.
+	if len(n.MPSDaemons()) != 1 {
+		t.Errorf("want one MPS daemon after the restart, got %v", n.MPSDaemons())
+	}
+	for _, list := range devsMPS {
+		for _, r := range list {
+			if _, err := harness.ResolveCDI(n.CDIRoot, r.ID); err != nil {
+				t.Errorf("after restart: %v", err)
+			}
+		}
+	}
 	for _, list := range devsBefore {
 		for _, r := range list {
 			if _, err := harness.ResolveCDI(n.CDIRoot, r.ID); err != nil {
@@ -168,7 +187,11 @@ func TestPluginCrashAndRestart(t *testing.T) {
 
 	deletePod(ctx, t, before)
 	deletePod(ctx, t, after)
-	for _, claim := range []*resourceapi.ResourceClaim{claimBefore, claimAfter} {
+	deletePod(ctx, t, mps)
+	if !eventually(ctx, 20*time.Second, func() bool { return len(n.MPSDaemons()) == 0 }) {
+		t.Errorf("MPS daemon left after its pod is gone: %v", n.MPSDaemons())
+	}
+	for _, claim := range []*resourceapi.ResourceClaim{claimBefore, claimAfter, claimMPS} {
 		if files := claimSpecFiles(t, nodeA100, string(claim.UID)); len(files) > 0 {
 			t.Errorf("claim %s: CDI spec files left after unprepare: %v", claim.Name, files)
 		}
