@@ -26,22 +26,6 @@ fmt: ## format the code
 test: lint ## everything CI checks: lint, then all tests
 	$(CARGO) test --workspace --locked
 
-generate: ## regenerate committed generated files (protobuf bindings, JSON schema)
-	UPDATE_GENERATED=1 $(CARGO) test --workspace --locked generated_
-
-FUZZ_SECONDS ?= 600
-# cargo-fuzz passes -Z sanitizer flags; RUSTC_BOOTSTRAP=1 lets the pinned stable toolchain
-# accept them, so no nightly toolchain is needed. Crashes land in api/fuzz/artifacts/.
-fuzz: ## run the opaque-config fuzzer for FUZZ_SECONDS (default 600)
-	command -v cargo-fuzz >/dev/null || $(CARGO) install cargo-fuzz --locked
-	mkdir -p api/fuzz/corpus/decode_validate
-	cd api/fuzz && RUSTC_BOOTSTRAP=1 $(CARGO) fuzz run decode_validate corpus/decode_validate seeds \
-		-- -max_total_time=$(FUZZ_SECONDS) -dict=decode_validate.dict -max_len=4096
-
-bench: ## benchmarks: print figures (medians, percentiles, ratios)
-	$(CARGO) run --release --locked -p gpu-dra-api --example bench_validate
-	$(CARGO) run --release --locked -p gpu-dra-core --example bench_discover
-
 # --- e2e: a real control plane in one Go process (e2e/), simulated GPU nodes ---
 HELM_VERSION ?= v3.22.0
 E2E_TIMEOUT ?= 45m
@@ -67,3 +51,20 @@ demo: e2e-bins e2e-tools ## local cluster with an A100 and a T4 node, a short to
 
 bench-e2e: e2e-bins ## scale benchmark: 100 nodes x 8 GPUs, 800 one-GPU pods (not in CI)
 	cd e2e && $(E2E_ENV) $(GO) run ./cmd/bench-e2e
+
+generate: ## regenerate committed generated files (protobuf bindings, JSON schema)
+	UPDATE_GENERATED=1 $(CARGO) test --workspace --locked generated_
+
+FUZZ_SECONDS ?= 600
+# cargo-fuzz passes -Z sanitizer flags; RUSTC_BOOTSTRAP=1 lets the pinned stable toolchain
+# accept them, so no nightly toolchain is needed. Crashes land in api/fuzz/artifacts/.
+fuzz: ## run the opaque-config fuzzer for FUZZ_SECONDS (default 600)
+	command -v cargo-fuzz >/dev/null || $(CARGO) install cargo-fuzz --locked
+	mkdir -p api/fuzz/corpus/decode_validate
+	cd api/fuzz && RUSTC_BOOTSTRAP=1 $(CARGO) fuzz run decode_validate corpus/decode_validate seeds \
+		-- -max_total_time=$(FUZZ_SECONDS) -dict=decode_validate.dict -max_len=4096
+
+bench: ## benchmarks: print figures (medians, percentiles, ratios)
+	$(CARGO) run --release --locked -p gpu-dra-api --example bench_validate
+	$(CARGO) run --release --locked -p gpu-dra-core --example bench_discover
+	$(CARGO) run --release --locked -p gpu-kubelet-plugin --example bench_prepare

@@ -1,3 +1,10 @@
 //! Pure driver logic: no I/O, no async runtime, no Kubernetes client, no NVML.
+//!
+//! - [`plan`]: a ResourceClaim + the node inventory + opaque configs -> a prepare plan.
+//! - [`cdi`]: CDI spec documents for a prepared claim, built from plain inputs.
+//! - [`checkpoint`]: the node plugin's checkpoint model, versioned and tolerant of unknown fields.
 
+pub mod cdi;
+pub mod checkpoint;
+pub mod plan;
 pub mod slices;

@@ -1,4 +1,24 @@
-//! The node plugin.
+//! The node plugin `gpu-kubelet-plugin`: kubelet registration and DRA gRPC, prepare/unprepare
+//! with CDI specs and a crash-safe checkpoint, metrics and health endpoints.
+//!
+//! Layout: [`cli`] (flags, `run`), [`discover`] (the `discover` subcommand), [`publish`] (ResourceSlice publisher), [`grpc`] (sockets, services), [`authority`] (grpc-go
+//! `:authority` fix), [`driver`] (prepare/unprepare state machine), [`claims`] (where claims
+//! come from), [`cdi_io`] (CDI on the host), [`sharing`] (seam for sharing actions),
+//! [`failpoint`] (fault injection), [`metrics`] and [`http`] (operations), [`fsutil`]
+//! (crash-safe writes). Pure planning, CDI and checkpoint models live in `gpu-dra-core`.
 
+pub mod authority;
+pub mod cdi_io;
+pub mod claims;
+pub mod cli;
+pub mod client;
 pub mod discover;
+pub mod driver;
+pub mod failpoint;
+pub mod fsutil;
+pub mod grpc;
+pub mod http;
+pub mod metrics;
 pub mod publish;
+pub mod sharing;
+pub mod testing;

@@ -1,6 +1,7 @@
 //! `gpu-kubelet-plugin`: the node binary. Parses arguments and hands over to the library.
 
 use clap::{Parser, Subcommand};
+use gpu_kubelet_plugin::cli;
 
 #[derive(Parser)]
 #[command(
@@ -15,16 +16,27 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Serve the kubelet: registration, prepare/unprepare, metrics.
+    Run(Box<cli::RunArgs>),
     /// Print the GPU inventory and the ResourceSlices this node would publish.
     Discover(gpu_kubelet_plugin::discover::DiscoverArgs),
 }
 
 fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_env_filter(tracing_subscriber::EnvFilter::new("warn"))
-        .init();
     match Cli::parse().command {
-        Command::Discover(args) => gpu_kubelet_plugin::discover::run(args),
+        Command::Run(args) => {
+            cli::init_logging(&args.log);
+            tokio::runtime::Builder::new_multi_thread()
+                .enable_all()
+                .build()?
+                .block_on(cli::run(*args))
+        }
+        Command::Discover(args) => {
+            tracing_subscriber::fmt()
+                .with_writer(std::io::stderr)
+                .with_env_filter(tracing_subscriber::EnvFilter::new("warn"))
+                .init();
+            gpu_kubelet_plugin::discover::run(args)
+        }
     }
 }

@@ -1,0 +1,185 @@
+//! The node plugin's checkpoint: which claims are prepared (or half prepared) on this node.
+//!
+//! Versioned JSON. Invariants:
+//! - every document carries `version`; readers accept any version they know how to migrate
+//!   and also newer ones, keeping fields they do not know (`extra`) so an older plugin that
+//!   rewrites a newer file does not lose data (upgrade and downgrade both work);
+//! - no checksums: a checksum over a document that another version rewrote is what turned
+//!   NVIDIA's upgrades into "checkpoint is corrupted" crash loops; atomic writes (temp file,
+//!   fsync, rename) already rule out torn files;
+//! - a claim is `PrepareStarted` from before the first side effect until all side effects are
+//!   done, then `PrepareCompleted`; a `PrepareStarted` entry found later is rolled back.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+
+/// Format version this code writes.
+pub const CURRENT_VERSION: u32 = 1;
+
+/// Errors reading a checkpoint document.
+#[derive(Debug, thiserror::Error)]
+pub enum CheckpointError {
+    /// Not JSON, or a known field has the wrong type.
+    #[error("checkpoint is not valid JSON of a known layout: {0}")]
+    Parse(#[from] serde_json::Error),
+    /// `version` is missing or zero.
+    #[error("checkpoint field `version` must be a positive integer, found {0}")]
+    Version(String),
+}
+
+/// The checkpoint document.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Checkpoint {
+    /// Format version.
+    pub version: u32,
+    /// Claims by UID.
+    #[serde(default)]
+    pub claims: BTreeMap<String, ClaimEntry>,
+    /// Fields of a newer format, kept as they were.
+    #[serde(flatten)]
+    pub extra: Map<String, Value>,
+}
+
+/// Preparation state of a claim.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum PrepareState {
+    /// Side effects may have begun; roll back before retrying.
+    PrepareStarted,
+    /// Fully prepared; a repeat prepare answers from here.
+    PrepareCompleted,
+}
+
+/// One claim in the checkpoint.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ClaimEntry {
+    /// State.
+    pub state: PrepareState,
+    /// Namespace of the claim.
+    #[serde(default)]
+    pub namespace: String,
+    /// Name of the claim.
+    #[serde(default)]
+    pub name: String,
+    /// Devices reserved or prepared for it.
+    #[serde(default)]
+    pub devices: Vec<PreparedDevice>,
+    /// Sharing state (e.g. MPS daemon pid, pipe directory, limits), owned by the sharing module.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sharing: Option<Value>,
+    /// Fields of a newer format, kept as they were.
+    #[serde(flatten)]
+    pub extra: Map<String, Value>,
+}
+
+/// A prepared device of a claim, with everything the kubelet's answer needs.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PreparedDevice {
+    /// Device name in the pool.
+    pub device: String,
+    /// Pool name.
+    pub pool: String,
+    /// Request names (subrequests stripped).
+    #[serde(default)]
+    pub request_names: Vec<String>,
+    /// CDI device IDs.
+    #[serde(default)]
+    pub cdi_device_ids: Vec<String>,
+    /// Device UUID.
+    #[serde(default)]
+    pub uuid: String,
+    /// Admin access (may overlap other claims).
+    #[serde(default)]
+    pub admin_access: bool,
+    /// Share ID, when allocated as a share.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub share_id: Option<String>,
+    /// Fields of a newer format, kept as they were.
+    #[serde(flatten)]
+    pub extra: Map<String, Value>,
+}
+
+impl Checkpoint {
+    /// An empty checkpoint of the current version.
+    pub fn new() -> Self {
+        Checkpoint {
+            version: CURRENT_VERSION,
+            ..Checkpoint::default()
+        }
+    }
+
+    /// Reads a document of any version, migrating known older layouts.
+    ///
+    /// A newer version is read as far as its fields are known; unknown fields are kept and
+    /// written back unchanged by [`Checkpoint::to_json`].
+    pub fn from_json(bytes: &[u8]) -> Result<Self, CheckpointError> {
+        let value: Value = serde_json::from_slice(bytes)?;
+        let version = value.get("version").and_then(Value::as_u64).unwrap_or(0);
+        if version == 0 {
+            return Err(CheckpointError::Version(
+                value
+                    .get("version")
+                    .map_or_else(|| "nothing".to_owned(), Value::to_string),
+            ));
+        }
+        // Version 1 is the first format; later formats add fields only, which `extra` keeps.
+        let mut checkpoint: Checkpoint = serde_json::from_value(value)?;
+        checkpoint.version = checkpoint.version.max(CURRENT_VERSION);
+        Ok(checkpoint)
+    }
+
+    /// Serializes the document (pretty, stable key order for claims).
+    pub fn to_json(&self) -> Vec<u8> {
+        // Serializing plain maps, strings and numbers cannot fail.
+        serde_json::to_vec_pretty(self).unwrap_or_default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GOLDEN_V1: &str = include_str!("../testdata/checkpoint-v1.json");
+    const FUTURE_V2: &str = include_str!("../testdata/checkpoint-v2-future.json");
+
+    #[test]
+    fn golden_v1_reads_and_round_trips() {
+        let cp = Checkpoint::from_json(GOLDEN_V1.as_bytes()).expect("v1 reads");
+        assert_eq!(cp.version, 1);
+        let done = &cp.claims["6f9d2c1e-0000-4000-8000-000000000001"];
+        assert_eq!(done.state, PrepareState::PrepareCompleted);
+        assert_eq!(
+            done.devices[0].cdi_device_ids,
+            ["k8s.gpu.nvidia.com/claim=6f9d2c1e-0000-4000-8000-000000000001-gpu-0"]
+        );
+        let started = &cp.claims["6f9d2c1e-0000-4000-8000-000000000002"];
+        assert_eq!(started.state, PrepareState::PrepareStarted);
+        let again = Checkpoint::from_json(&cp.to_json()).expect("round trip");
+        assert_eq!(again, cp);
+    }
+
+    #[test]
+    fn newer_format_is_read_and_its_unknown_fields_survive_a_rewrite() {
+        let cp = Checkpoint::from_json(FUTURE_V2.as_bytes()).expect("v2 reads");
+        assert_eq!(cp.version, 2);
+        let entry = &cp.claims["6f9d2c1e-0000-4000-8000-000000000003"];
+        assert_eq!(entry.devices[0].device, "gpu-1-mig-1g5gb-19-0");
+        let rewritten: Value = serde_json::from_slice(&cp.to_json()).expect("json");
+        let original: Value = serde_json::from_str(FUTURE_V2).expect("json");
+        assert_eq!(
+            rewritten, original,
+            "an older reader must not drop newer fields"
+        );
+    }
+
+    #[test]
+    fn missing_version_is_a_clear_error() {
+        let err = Checkpoint::from_json(br#"{"claims": {}}"#).expect_err("no version");
+        assert!(err.to_string().contains("`version`"), "{err}");
+        assert!(Checkpoint::from_json(b"{").is_err());
+    }
+}

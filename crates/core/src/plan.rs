@@ -1,0 +1,728 @@
+//! Prepare planning: ResourceClaim + inventory + opaque configs -> what to do per device.
+//!
+//! Pure: the caller fetches the claim and the inventory; executing the plan (sharing, device
+//! node lookups, CDI files, checkpoint) is the node plugin's job. Invariants:
+//! - only results of our driver in this node's pool are taken; subrequest names are stripped
+//!   (`req/sub` -> `req`) the way the kubelet's helper does;
+//! - for every device exactly one opaque config applies (or none): DeviceClass configs
+//!   (`FromClass`) rank below claim configs (`FromClaim`); within a source a config naming the
+//!   request beats one for all requests; among equals the later one wins;
+//! - a config kind that does not fit the device (a `GpuConfig` on a MIG device, a
+//!   `MigDeviceConfig` on a whole GPU) is an error, never silently ignored;
+//! - devices with the same effective sharing config form one group (one MPS daemon, one
+//!   time-slice setting).
+
+use gpu_dra_device::{DeviceRef, Inventory};
+use k8s_openapi::api::resource::v1::ResourceClaim;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+/// Why a claim cannot be planned. Messages name the field and what would be valid.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PlanError {
+    /// The claim has no `status.allocation`.
+    #[error("claim {claim} is not allocated (status.allocation is empty); wait for the scheduler")]
+    NotAllocated {
+        /// `namespace/name`.
+        claim: String,
+    },
+    /// The API server holds a different claim under this name (deleted and recreated).
+    #[error(
+        "claim {claim} was replaced: the kubelet asked for UID {expected}, the API server has UID {actual}"
+    )]
+    Replaced {
+        /// `namespace/name`.
+        claim: String,
+        /// UID the kubelet asked for.
+        expected: String,
+        /// UID the API server returned.
+        actual: String,
+    },
+    /// An allocated device is not in this node's inventory.
+    #[error(
+        "status.allocation.devices.results[{index}].device: {device} is not a device of this node (known: {known})"
+    )]
+    UnknownDevice {
+        /// Index of the result.
+        index: usize,
+        /// Device name.
+        device: String,
+        /// Names of the devices this node has.
+        known: String,
+    },
+    /// The opaque config is not valid for the device it applies to.
+    #[error("status.allocation.devices.config[{index}].opaque.parameters: {message}")]
+    Config {
+        /// Index of the config in the allocation.
+        index: usize,
+        /// What is wrong.
+        message: String,
+    },
+}
+
+/// Where an opaque config came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum ConfigSource {
+    /// From the DeviceClass (`FromClass`); ranks below claim configs.
+    FromClass,
+    /// From the claim itself (`FromClaim`).
+    FromClaim,
+}
+
+/// One opaque config of our driver, as copied into `status.allocation.devices.config`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct OpaqueConfig {
+    /// Index in `status.allocation.devices.config` (for error paths).
+    pub index: usize,
+    /// Source of the config.
+    pub source: ConfigSource,
+    /// Requests it applies to; empty = all requests.
+    pub requests: Vec<String>,
+    /// The opaque parameters object (`apiVersion`, `kind`, ...).
+    pub parameters: Value,
+}
+
+/// One allocated device of our driver on this node.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AllocatedDevice {
+    /// Index in `status.allocation.devices.results`.
+    pub index: usize,
+    /// Request name as allocated (may be `req/sub`).
+    pub request: String,
+    /// Device name in the pool.
+    pub device: String,
+    /// Admin access: the device may be shared with other claims.
+    pub admin_access: bool,
+    /// Share ID when the device was allocated as one share (consumable capacity).
+    pub share_id: Option<String>,
+}
+
+/// The parts of a ResourceClaim that planning needs.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ClaimInput {
+    /// Claim UID.
+    pub uid: String,
+    /// Namespace.
+    pub namespace: String,
+    /// Name.
+    pub name: String,
+    /// Allocated devices of our driver in our pool.
+    pub devices: Vec<AllocatedDevice>,
+    /// Opaque configs of our driver.
+    pub configs: Vec<OpaqueConfig>,
+}
+
+/// Strips a subrequest name: `req/sub` -> `req`.
+pub fn base_request(request: &str) -> &str {
+    request.split_once('/').map_or(request, |(base, _)| base)
+}
+
+/// Takes what planning needs from a ResourceClaim fetched from the API server.
+///
+/// `expected_uid` is the UID the kubelet asked for; `pool` is this node's pool (the node name).
+pub fn claim_input(
+    claim: &ResourceClaim,
+    expected_uid: &str,
+    driver: &str,
+    pool: &str,
+) -> Result<ClaimInput, PlanError> {
+    let namespace = claim.metadata.namespace.clone().unwrap_or_default();
+    let name = claim.metadata.name.clone().unwrap_or_default();
+    let who = format!("{namespace}/{name}");
+    let uid = claim.metadata.uid.clone().unwrap_or_default();
+    if uid != expected_uid {
+        return Err(PlanError::Replaced {
+            claim: who,
+            expected: expected_uid.to_owned(),
+            actual: uid,
+        });
+    }
+    let Some(devices) = claim
+        .status
+        .as_ref()
+        .and_then(|s| s.allocation.as_ref())
+        .map(|a| a.devices.clone().unwrap_or_default())
+    else {
+        return Err(PlanError::NotAllocated { claim: who });
+    };
+    let results = devices
+        .results
+        .unwrap_or_default()
+        .into_iter()
+        .enumerate()
+        .filter(|(_, r)| r.driver == driver && r.pool == pool)
+        .map(|(index, r)| AllocatedDevice {
+            index,
+            request: r.request,
+            device: r.device,
+            admin_access: r.admin_access.unwrap_or(false),
+            share_id: r.share_id,
+        })
+        .collect();
+    let configs = devices
+        .config
+        .unwrap_or_default()
+        .into_iter()
+        .enumerate()
+        .filter_map(|(index, c)| {
+            let opaque = c.opaque?;
+            (opaque.driver == driver).then(|| OpaqueConfig {
+                index,
+                source: if c.source == "FromClass" {
+                    ConfigSource::FromClass
+                } else {
+                    ConfigSource::FromClaim
+                },
+                requests: c.requests.unwrap_or_default(),
+                parameters: opaque.parameters.0,
+            })
+        })
+        .collect();
+    Ok(ClaimInput {
+        uid,
+        namespace,
+        name,
+        devices: results,
+        configs,
+    })
+}
+
+/// Which kind of device a config is written for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ConfigKind {
+    /// `GpuConfig`: whole GPUs.
+    Gpu,
+    /// `MigDeviceConfig`: MIG devices.
+    Mig,
+}
+
+/// How a group of devices is shared between the containers of a claim.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", tag = "strategy")]
+pub enum Sharing {
+    /// Time-slicing with the given interval name (`Default`, `Short`, `Medium`, `Long`).
+    TimeSlicing {
+        /// Interval name.
+        interval: String,
+    },
+    /// MPS with its settings (the `mpsConfig` object, already validated).
+    Mps {
+        /// The `mpsConfig` settings.
+        config: Value,
+    },
+}
+
+/// A decoded and validated opaque config.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DecodedConfig {
+    /// Which kind of device it is for.
+    pub kind: ConfigKind,
+    /// Sharing, `None` = exclusive.
+    pub sharing: Option<Sharing>,
+}
+
+/// Decodes and validates opaque parameters (the `api` crate's one validation sits behind it).
+pub trait ConfigDecoder {
+    /// Decodes `parameters` for the devices with the given UUIDs; `Err` carries a message
+    /// with the field path inside the parameters.
+    fn decode(&self, parameters: &Value, devices: &[DeviceTarget])
+    -> Result<DecodedConfig, String>;
+}
+
+/// A device a config is validated against.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceTarget {
+    /// Device UUID.
+    pub uuid: String,
+    /// True for a MIG device.
+    pub is_mig: bool,
+}
+
+/// What the node plugin needs to build device nodes for one device.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct DeviceNodesNeed {
+    /// Minor of the (parent) GPU: `/dev/nvidia<minor>`.
+    pub gpu_minor: u32,
+    /// For a MIG device: GPU instance and compute instance IDs (capability files).
+    pub mig: Option<MigIds>,
+}
+
+/// GPU instance and compute instance IDs of a MIG device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct MigIds {
+    /// GPU instance ID.
+    pub gi: u32,
+    /// Compute instance ID.
+    pub ci: u32,
+}
+
+/// The plan for one device.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DevicePlan {
+    /// Device name in the pool.
+    pub device: String,
+    /// Request names (subrequests stripped) this device answers, in allocation order.
+    pub request_names: Vec<String>,
+    /// Device UUID.
+    pub uuid: String,
+    /// Parent GPU UUID (the device itself for a whole GPU).
+    pub gpu_uuid: String,
+    /// Device nodes to resolve.
+    pub nodes: DeviceNodesNeed,
+    /// Admin access (may overlap other claims).
+    pub admin_access: bool,
+    /// Share ID, when allocated as a share.
+    pub share_id: Option<String>,
+    /// Index of the sharing group in [`Plan::groups`].
+    pub group: usize,
+}
+
+/// Devices sharing one effective config.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SharingGroup {
+    /// Index of the config in the allocation that produced it (`None` = no config).
+    pub config_index: Option<usize>,
+    /// Sharing action; `None` = exclusive devices, nothing to do.
+    pub sharing: Option<Sharing>,
+    /// Indexes into [`Plan::devices`].
+    pub devices: Vec<usize>,
+}
+
+/// Everything needed to prepare one claim on this node.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Plan {
+    /// Claim UID.
+    pub claim_uid: String,
+    /// Devices, in allocation order, each listed once.
+    pub devices: Vec<DevicePlan>,
+    /// Sharing groups.
+    pub groups: Vec<SharingGroup>,
+}
+
+/// Picks the config that applies to a result: highest (source, specificity, position).
+fn effective_config<'c>(configs: &'c [OpaqueConfig], request: &str) -> Option<&'c OpaqueConfig> {
+    let base = base_request(request);
+    configs
+        .iter()
+        .filter_map(|c| {
+            let specific = if c.requests.is_empty() {
+                false
+            } else if c.requests.iter().any(|r| r == request || r == base) {
+                true
+            } else {
+                return None;
+            };
+            Some(((c.source, specific, c.index), c))
+        })
+        .max_by_key(|(key, _)| *key)
+        .map(|(_, c)| c)
+}
+
+/// Builds the plan for a claim. Pure; deterministic for equal inputs.
+pub fn plan(
+    input: &ClaimInput,
+    inventory: &Inventory,
+    decoder: &dyn ConfigDecoder,
+) -> Result<Plan, PlanError> {
+    let mut devices: Vec<DevicePlan> = Vec::new();
+    // Config index chosen per device (parallel to `devices`).
+    let mut chosen: Vec<Option<usize>> = Vec::new();
+    for result in &input.devices {
+        let request = base_request(&result.request).to_owned();
+        let config = effective_config(&input.configs, &result.request).map(|c| c.index);
+        if let Some(existing) = devices.iter_mut().find(|d| d.device == result.device) {
+            // The same device under several requests (admin access): one entry, all names.
+            if !existing.request_names.contains(&request) {
+                existing.request_names.push(request);
+            }
+            continue;
+        }
+        let Some(dev) = inventory.device(&result.device) else {
+            let known: Vec<String> = inventory.devices().map(|d| d.name()).collect();
+            return Err(PlanError::UnknownDevice {
+                index: result.index,
+                device: result.device.clone(),
+                known: known.join(", "),
+            });
+        };
+        let nodes = match dev {
+            DeviceRef::Gpu(g) => DeviceNodesNeed {
+                gpu_minor: g.minor,
+                mig: None,
+            },
+            DeviceRef::Mig { parent, mig } => DeviceNodesNeed {
+                gpu_minor: parent.minor,
+                mig: Some(MigIds {
+                    gi: mig.gi_id,
+                    ci: mig.ci_id,
+                }),
+            },
+        };
+        devices.push(DevicePlan {
+            device: result.device.clone(),
+            request_names: vec![request],
+            uuid: dev.uuid().to_owned(),
+            gpu_uuid: dev.gpu().uuid.clone(),
+            nodes,
+            admin_access: result.admin_access,
+            share_id: result.share_id.clone(),
+            group: 0,
+        });
+        chosen.push(config);
+    }
+
+    // Group devices by chosen config, in first-seen order, then decode each config once
+    // against all of its devices.
+    let mut groups: Vec<SharingGroup> = Vec::new();
+    for (i, config_index) in chosen.iter().enumerate() {
+        let g = match groups.iter().position(|g| g.config_index == *config_index) {
+            Some(g) => g,
+            None => {
+                groups.push(SharingGroup {
+                    config_index: *config_index,
+                    sharing: None,
+                    devices: Vec::new(),
+                });
+                groups.len() - 1
+            }
+        };
+        groups[g].devices.push(i);
+        devices[i].group = g;
+    }
+    for group in &mut groups {
+        let Some(index) = group.config_index else {
+            continue;
+        };
+        let Some(config) = input.configs.iter().find(|c| c.index == index) else {
+            continue;
+        };
+        let targets: Vec<DeviceTarget> = group
+            .devices
+            .iter()
+            .map(|&d| DeviceTarget {
+                uuid: devices[d].uuid.clone(),
+                is_mig: devices[d].nodes.mig.is_some(),
+            })
+            .collect();
+        let decoded = decoder
+            .decode(&config.parameters, &targets)
+            .map_err(|message| PlanError::Config { index, message })?;
+        for &d in &group.devices {
+            let dev = &devices[d];
+            let fits = match decoded.kind {
+                ConfigKind::Gpu => dev.nodes.mig.is_none(),
+                ConfigKind::Mig => dev.nodes.mig.is_some(),
+            };
+            if !fits {
+                let (kind, what, want) = match decoded.kind {
+                    ConfigKind::Gpu => ("GpuConfig", "a MIG device", "MigDeviceConfig"),
+                    ConfigKind::Mig => ("MigDeviceConfig", "a whole GPU", "GpuConfig"),
+                };
+                return Err(PlanError::Config {
+                    index,
+                    message: format!(
+                        "kind {kind} does not fit device {} ({what}); use {want} or narrow `requests`",
+                        dev.device
+                    ),
+                });
+            }
+        }
+        group.sharing = decoded.sharing;
+    }
+    Ok(Plan {
+        claim_uid: input.uid.clone(),
+        devices,
+        groups,
+    })
+}
+
+/// A minimal decoder of the opaque config envelope: checks `apiVersion` and `kind` and reads
+/// `sharing` without further validation. Used until the `api` crate's decoder is wired in; it
+/// accepts the same documents, it only checks less.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct EnvelopeDecoder;
+
+/// API versions of the opaque config accepted by the driver.
+pub const CONFIG_API_VERSIONS: &[&str] =
+    &["resource.nvidia.com/v1beta1", "gpu.nvidia.com/v1alpha1"];
+
+impl ConfigDecoder for EnvelopeDecoder {
+    fn decode(
+        &self,
+        parameters: &Value,
+        _devices: &[DeviceTarget],
+    ) -> Result<DecodedConfig, String> {
+        let api_version = parameters
+            .get("apiVersion")
+            .and_then(Value::as_str)
+            .unwrap_or_default();
+        if !CONFIG_API_VERSIONS.contains(&api_version) {
+            return Err(format!(
+                "apiVersion: {api_version:?} is not supported; use one of {CONFIG_API_VERSIONS:?}"
+            ));
+        }
+        let kind = match parameters.get("kind").and_then(Value::as_str) {
+            Some("GpuConfig") => ConfigKind::Gpu,
+            Some("MigDeviceConfig") => ConfigKind::Mig,
+            other => {
+                return Err(format!(
+                    "kind: {other:?} is not supported; use GpuConfig or MigDeviceConfig"
+                ));
+            }
+        };
+        let sharing = match parameters.get("sharing") {
+            None | Some(Value::Null) => None,
+            Some(s) => match s.get("strategy").and_then(Value::as_str) {
+                Some("TimeSlicing") => Some(Sharing::TimeSlicing {
+                    interval: s
+                        .pointer("/timeSlicingConfig/interval")
+                        .and_then(Value::as_str)
+                        .unwrap_or("Default")
+                        .to_owned(),
+                }),
+                Some("MPS") => Some(Sharing::Mps {
+                    config: s.get("mpsConfig").cloned().unwrap_or(Value::Null),
+                }),
+                other => {
+                    return Err(format!(
+                        "sharing.strategy: {other:?} is not supported; use TimeSlicing or MPS"
+                    ));
+                }
+            },
+        };
+        Ok(DecodedConfig { kind, sharing })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use gpu_dra_device::{ComputeCapability, Gpu, MigDevice, MigMode, Placement};
+    use serde_json::json;
+
+    pub(crate) fn inventory() -> Inventory {
+        let gpu = |minor: u32, migs: Vec<MigDevice>| Gpu {
+            index: minor,
+            minor,
+            uuid: format!("GPU-{minor}"),
+            product_name: "NVIDIA A100-SXM4-40GB".into(),
+            brand: "Nvidia".into(),
+            architecture: "Ampere".into(),
+            cuda_compute_capability: ComputeCapability { major: 8, minor: 0 },
+            memory_bytes: 40 << 30,
+            pci_bus_id: format!("0000:{minor:02x}:00.0"),
+            pcie_root: None,
+            numa_node: None,
+            mig: Some(MigMode {
+                current: !migs.is_empty(),
+                pending: !migs.is_empty(),
+            }),
+            mig_devices: migs,
+        };
+        let mig = |start: u32, gi: u32| MigDevice {
+            uuid: format!("MIG-{start}"),
+            gi_id: gi,
+            ci_id: 0,
+            profile: "1g.5gb".into(),
+            gi_profile_id: 19,
+            placement: Placement { start, size: 1 },
+            memory_bytes: 5 << 30,
+            multiprocessors: 14,
+            copy_engines: 1,
+            decoders: 0,
+            encoders: 0,
+            jpeg_engines: 0,
+            ofa_engines: 0,
+        };
+        Inventory {
+            driver_version: "580.95.05".into(),
+            cuda_driver_version: "13.0".into(),
+            gpus: vec![gpu(0, vec![]), gpu(1, vec![mig(0, 7), mig(1, 8)])],
+        }
+    }
+
+    fn dev(index: usize, request: &str, device: &str) -> AllocatedDevice {
+        AllocatedDevice {
+            index,
+            request: request.into(),
+            device: device.into(),
+            admin_access: false,
+            share_id: None,
+        }
+    }
+
+    fn cfg(index: usize, source: ConfigSource, requests: &[&str], params: Value) -> OpaqueConfig {
+        OpaqueConfig {
+            index,
+            source,
+            requests: requests.iter().map(|s| s.to_string()).collect(),
+            parameters: params,
+        }
+    }
+
+    fn gpu_cfg(interval: &str) -> Value {
+        json!({"apiVersion": "resource.nvidia.com/v1beta1", "kind": "GpuConfig",
+               "sharing": {"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": interval}}})
+    }
+
+    fn input(devices: Vec<AllocatedDevice>, configs: Vec<OpaqueConfig>) -> ClaimInput {
+        ClaimInput {
+            uid: "uid-1".into(),
+            namespace: "ns".into(),
+            name: "c".into(),
+            devices,
+            configs,
+        }
+    }
+
+    fn interval(plan: &Plan, device: usize) -> Option<String> {
+        match &plan.groups[plan.devices[device].group].sharing {
+            Some(Sharing::TimeSlicing { interval }) => Some(interval.clone()),
+            _ => None,
+        }
+    }
+
+    #[test]
+    fn claim_config_beats_class_config_and_specific_beats_general() {
+        let configs = vec![
+            cfg(0, ConfigSource::FromClass, &["gpu"], gpu_cfg("Long")),
+            cfg(1, ConfigSource::FromClaim, &[], gpu_cfg("Short")),
+            cfg(2, ConfigSource::FromClaim, &["gpu"], gpu_cfg("Medium")),
+            cfg(3, ConfigSource::FromClaim, &[], gpu_cfg("Default")),
+        ];
+        let p = plan(
+            &input(vec![dev(0, "gpu/sub", "gpu-0")], configs),
+            &inventory(),
+            &EnvelopeDecoder,
+        )
+        .expect("plans");
+        assert_eq!(p.devices[0].request_names, ["gpu"]);
+        assert_eq!(interval(&p, 0).as_deref(), Some("Medium"));
+    }
+
+    #[test]
+    fn later_config_wins_among_equals_and_class_applies_without_claim_config() {
+        let configs = vec![
+            cfg(0, ConfigSource::FromClass, &[], gpu_cfg("Long")),
+            cfg(1, ConfigSource::FromClass, &[], gpu_cfg("Short")),
+        ];
+        let p = plan(
+            &input(vec![dev(0, "gpu", "gpu-0")], configs),
+            &inventory(),
+            &EnvelopeDecoder,
+        )
+        .expect("plans");
+        assert_eq!(interval(&p, 0).as_deref(), Some("Short"));
+    }
+
+    #[test]
+    fn gpu_config_on_mig_device_is_an_error_naming_the_device() {
+        let configs = vec![cfg(4, ConfigSource::FromClaim, &[], gpu_cfg("Long"))];
+        let err = plan(
+            &input(vec![dev(0, "mig", "gpu-1-mig-1g5gb-19-0")], configs),
+            &inventory(),
+            &EnvelopeDecoder,
+        )
+        .expect_err("kind mismatch");
+        let msg = err.to_string();
+        assert!(msg.contains("config[4]"), "{msg}");
+        assert!(
+            msg.contains("GpuConfig does not fit device gpu-1-mig-1g5gb-19-0"),
+            "{msg}"
+        );
+    }
+
+    #[test]
+    fn two_mig_devices_of_one_gpu_keep_their_own_instances() {
+        let p = plan(
+            &input(
+                vec![
+                    dev(0, "a", "gpu-1-mig-1g5gb-19-0"),
+                    dev(1, "b", "gpu-1-mig-1g5gb-19-1"),
+                ],
+                vec![],
+            ),
+            &inventory(),
+            &EnvelopeDecoder,
+        )
+        .expect("plans");
+        assert_eq!(p.devices.len(), 2);
+        assert_eq!(p.devices[0].nodes.mig, Some(MigIds { gi: 7, ci: 0 }));
+        assert_eq!(p.devices[1].nodes.mig, Some(MigIds { gi: 8, ci: 0 }));
+        assert_eq!(p.devices[1].gpu_uuid, "GPU-1");
+        assert_eq!(p.groups.len(), 1);
+        assert_eq!(p.groups[0].sharing, None);
+    }
+
+    #[test]
+    fn unknown_device_is_an_error_listing_known_devices() {
+        let err = plan(
+            &input(vec![dev(3, "gpu", "gpu-9")], vec![]),
+            &inventory(),
+            &EnvelopeDecoder,
+        )
+        .expect_err("unknown");
+        let msg = err.to_string();
+        assert!(msg.contains("results[3].device: gpu-9"), "{msg}");
+        assert!(msg.contains("gpu-0"), "{msg}");
+    }
+
+    #[test]
+    fn claim_input_checks_uid_allocation_driver_and_pool() {
+        let claim: ResourceClaim = serde_json::from_value(json!({
+            "metadata": {"namespace": "ns", "name": "c", "uid": "u1"},
+            "spec": {},
+            "status": {"allocation": {"devices": {
+                "results": [
+                    {"request": "gpu/x", "driver": "gpu.nvidia.com", "pool": "node-a", "device": "gpu-0"},
+                    {"request": "gpu", "driver": "other", "pool": "node-a", "device": "d"},
+                    {"request": "gpu", "driver": "gpu.nvidia.com", "pool": "node-b", "device": "gpu-1"}
+                ],
+                "config": [
+                    {"source": "FromClass", "requests": ["gpu"], "opaque": {"driver": "gpu.nvidia.com", "parameters": {"kind": "GpuConfig"}}},
+                    {"source": "FromClaim", "opaque": {"driver": "other", "parameters": {}}}
+                ]
+            }}}
+        }))
+        .expect("valid claim");
+        let input = claim_input(&claim, "u1", "gpu.nvidia.com", "node-a").expect("input");
+        assert_eq!(input.devices.len(), 1);
+        assert_eq!(input.devices[0].device, "gpu-0");
+        assert_eq!(input.configs.len(), 1);
+        assert_eq!(input.configs[0].source, ConfigSource::FromClass);
+
+        let replaced = claim_input(&claim, "u2", "gpu.nvidia.com", "node-a").expect_err("uid");
+        assert!(replaced.to_string().contains("replaced"));
+        let mut unallocated = claim.clone();
+        unallocated.status = None;
+        let err = claim_input(&unallocated, "u1", "gpu.nvidia.com", "node-a").expect_err("alloc");
+        assert!(matches!(err, PlanError::NotAllocated { .. }));
+    }
+
+    #[test]
+    fn envelope_decoder_rejects_unknown_kind_and_strategy() {
+        let d = EnvelopeDecoder;
+        assert!(
+            d.decode(&json!({"apiVersion": "x/v1", "kind": "GpuConfig"}), &[])
+                .is_err()
+        );
+        assert!(
+            d.decode(
+                &json!({"apiVersion": "gpu.nvidia.com/v1alpha1", "kind": "GpuConfig", "sharing": {"strategy": "Nope"}}),
+                &[]
+            )
+            .expect_err("strategy")
+            .contains("sharing.strategy")
+        );
+        let mps = d
+            .decode(
+                &json!({"apiVersion": "gpu.nvidia.com/v1alpha1", "kind": "MigDeviceConfig", "sharing": {"strategy": "MPS"}}),
+                &[],
+            )
+            .expect("mps");
+        assert_eq!(mps.kind, ConfigKind::Mig);
+        assert!(matches!(mps.sharing, Some(Sharing::Mps { .. })));
+    }
+}

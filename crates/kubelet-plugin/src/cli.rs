@@ -1,0 +1,273 @@
+//! Command-line flags of `gpu-kubelet-plugin` (every flag has an env twin) and the `run`
+//! entry point that wires inventory, claim source, driver, sockets and endpoints.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use anyhow::Context;
+use gpu_dra_device::GpuInventory;
+use gpu_dra_device::fixture::FixtureInventory;
+use gpu_dra_device::nvml::{NvmlInventory, NvmlOptions};
+use tracing::{info, warn};
+
+use crate::cdi_io::CdiHost;
+use crate::claims::{ClaimSource, FileClaims, KubeClaims};
+use crate::driver::{Driver, DriverParts, DriverSettings};
+use crate::failpoint::Failpoints;
+use crate::metrics::Metrics;
+use crate::sharing::ExclusiveOnly;
+
+/// Log output format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
+/// Logging flags shared by the subcommands.
+#[derive(Debug, Clone, clap::Args)]
+pub struct LogArgs {
+    /// Log format.
+    #[arg(long, env = "LOG_FORMAT", value_enum, default_value = "text")]
+    pub log_format: LogFormat,
+    /// Log filter (tracing EnvFilter syntax).
+    #[arg(long, env = "LOG_LEVEL", default_value = "info")]
+    pub log_level: String,
+}
+
+/// Flags of `run`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct RunArgs {
+    /// Name of this node (pool name of its devices).
+    #[arg(long, env = "NODE_NAME")]
+    pub node_name: String,
+    /// DRA driver name.
+    #[arg(long, env = "DRIVER_NAME", default_value = "gpu.nvidia.com")]
+    pub driver_name: String,
+    /// Kubeconfig file; in-cluster config when unset.
+    #[arg(long, env = "KUBECONFIG")]
+    pub kubeconfig: Option<PathBuf>,
+    /// Folder of dra.sock, the checkpoint and MPS folders.
+    #[arg(
+        long,
+        env = "PLUGIN_DIR",
+        default_value = "/var/lib/kubelet/plugins/gpu.nvidia.com"
+    )]
+    pub plugin_dir: PathBuf,
+    /// Folder of the kubelet's plugin registration sockets.
+    #[arg(
+        long,
+        env = "REGISTRAR_DIR",
+        default_value = "/var/lib/kubelet/plugins_registry"
+    )]
+    pub registrar_dir: PathBuf,
+    /// Folder where CDI specs are written.
+    #[arg(long, env = "CDI_ROOT", default_value = "/var/run/cdi")]
+    pub cdi_root: PathBuf,
+    /// Root of the driver installation (libraries, binaries, firmware).
+    #[arg(long, env = "NVIDIA_DRIVER_ROOT", default_value = "/")]
+    pub driver_root: PathBuf,
+    /// Root of /dev/nvidia* and /proc/driver/nvidia/capabilities.
+    #[arg(long, env = "NVIDIA_DEV_ROOT", default_value = "/")]
+    pub dev_root: PathBuf,
+    /// sysfs mount.
+    #[arg(long, env = "SYSFS_ROOT", default_value = "/sys")]
+    pub sysfs_root: PathBuf,
+    /// Explicit NVML library path.
+    #[arg(long, env = "NVML_LIB")]
+    pub nvml_lib: Option<PathBuf>,
+    /// Address of /metrics, /healthz, /readyz; empty = off.
+    #[arg(long, env = "HTTP_ADDRESS", default_value = "0.0.0.0:8080")]
+    pub http_address: String,
+    /// nvidia-cdi-hook binary for ldcache/symlink hooks.
+    #[arg(long, env = "CDI_HOOK_PATH")]
+    pub cdi_hook_path: Option<PathBuf>,
+    /// Seconds between cleanups of claims gone from the API server.
+    #[arg(long, env = "CLEANUP_INTERVAL", default_value_t = 60)]
+    pub cleanup_interval: u64,
+    /// Test only: read claims from this JSON file (array of ResourceClaims), not the API server.
+    #[arg(long, env = "CLAIM_SOURCE_FILE", hide = true)]
+    pub claim_source_file: Option<PathBuf>,
+    /// Test only: inventory from this JSON file (`Inventory`), not NVML.
+    #[arg(long, env = "INVENTORY_FIXTURE", hide = true)]
+    pub inventory_fixture: Option<PathBuf>,
+    /// Test only: failpoints, `step=error|kill|pause,...`.
+    #[arg(long, env = "GPU_DRA_FAILPOINTS", hide = true, default_value = "")]
+    pub failpoints: String,
+    /// Logging.
+    #[command(flatten)]
+    pub log: LogArgs,
+}
+
+/// Sets up tracing to stderr in the chosen format.
+pub fn init_logging(args: &LogArgs) {
+    let filter = tracing_subscriber::EnvFilter::try_new(&args.log_level)
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
+    let _ = match args.log_format {
+        LogFormat::Text => builder.try_init(),
+        LogFormat::Json => builder.json().flatten_event(true).try_init(),
+    };
+}
+
+/// THE place where the inventory backend is chosen from the flags.
+///
+/// `--inventory-fixture` (hidden, tests) gives a fixture; otherwise NVML, loaded from
+/// `--nvml-lib` or the first `libnvidia-ml.so.1` under `--driver-root`.
+pub fn inventory_from_args(args: &RunArgs) -> anyhow::Result<Arc<dyn GpuInventory>> {
+    if let Some(path) = &args.inventory_fixture {
+        return Ok(Arc::new(FixtureInventory::from_json_file(path)?));
+    }
+    let lib_path = crate::discover::nvml_library(&args.driver_root, args.nvml_lib.as_deref())?;
+    info!(library = %lib_path.display(), "using NVML");
+    Ok(Arc::new(NvmlInventory::new(NvmlOptions {
+        lib_path,
+        sysfs_root: args.sysfs_root.clone(),
+    })))
+}
+
+async fn claim_source(args: &RunArgs) -> anyhow::Result<Arc<dyn ClaimSource>> {
+    if let Some(path) = &args.claim_source_file {
+        return Ok(Arc::new(FileClaims::new(path.clone())));
+    }
+    let config = match &args.kubeconfig {
+        Some(path) => {
+            let kc = kube::config::Kubeconfig::read_from(path)
+                .with_context(|| format!("reading kubeconfig {}", path.display()))?;
+            kube::Config::from_custom_kubeconfig(kc, &kube::config::KubeConfigOptions::default())
+                .await
+                .context("loading kubeconfig")?
+        }
+        None => kube::Config::incluster().context("in-cluster Kubernetes config")?,
+    };
+    Ok(Arc::new(KubeClaims::new(kube::Client::try_from(config)?)))
+}
+
+/// Socket paths of a run.
+pub fn socket_paths(args: &RunArgs) -> (PathBuf, PathBuf) {
+    (
+        args.registrar_dir
+            .join(format!("{}-reg.sock", args.driver_name)),
+        args.plugin_dir.join("dra.sock"),
+    )
+}
+
+/// The `run` subcommand: serves until SIGTERM/SIGINT.
+pub async fn run(args: RunArgs) -> anyhow::Result<()> {
+    let inventory = inventory_from_args(&args)?
+        .discover()
+        .context("discovering GPUs")?;
+    info!(
+        gpus = inventory.gpus.len(),
+        devices = inventory.devices().count(),
+        "inventory"
+    );
+    let claims = claim_source(&args).await?;
+    std::fs::create_dir_all(&args.plugin_dir)
+        .with_context(|| format!("creating {}", args.plugin_dir.display()))?;
+    let failpoints = Failpoints::parse(
+        &args.failpoints,
+        Some(args.plugin_dir.join("failpoint.reached")),
+    )
+    .map_err(anyhow::Error::msg)?;
+    let cdi = CdiHost::discover(
+        args.cdi_root.clone(),
+        &args.driver_root,
+        &args.dev_root,
+        &inventory.driver_version,
+        args.cdi_hook_path.as_deref(),
+    );
+    let metrics = Arc::new(Metrics::default());
+    let driver = Arc::new(Driver::new(DriverParts {
+        settings: DriverSettings {
+            driver_name: args.driver_name.clone(),
+            node_name: args.node_name.clone(),
+            checkpoint_path: args.plugin_dir.join("checkpoint.json"),
+        },
+        inventory: Arc::new(inventory),
+        claims,
+        sharing: Arc::new(ExclusiveOnly),
+        decoder: Arc::new(gpu_dra_core::plan::EnvelopeDecoder),
+        cdi: Arc::new(cdi),
+        failpoints,
+        metrics: metrics.clone(),
+    })?);
+    driver.reconcile().await;
+
+    let ready = Arc::new(AtomicBool::new(false));
+    if !args.http_address.is_empty() {
+        let listener = tokio::net::TcpListener::bind(&args.http_address)
+            .await
+            .with_context(|| format!("binding --http-address {}", args.http_address))?;
+        info!(address = %args.http_address, "serving /metrics /healthz /readyz");
+        tokio::spawn(crate::http::serve(listener, metrics, ready.clone()));
+    }
+
+    let (reg_path, dra_path) = socket_paths(&args);
+    let dra_listener = crate::grpc::bind_socket(&dra_path)
+        .with_context(|| format!("binding {}", dra_path.display()))?;
+    let reg_listener = crate::grpc::bind_socket(&reg_path)
+        .with_context(|| format!("binding {}", reg_path.display()))?;
+    let (status_tx, _status_rx) = tokio::sync::watch::channel(None);
+    let registration = crate::grpc::Registration::new(
+        args.driver_name.clone(),
+        dra_path.clone(),
+        Arc::new(status_tx),
+    );
+
+    let cleanup = {
+        let driver = driver.clone();
+        let every = Duration::from_secs(args.cleanup_interval.max(1));
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(every);
+            tick.tick().await;
+            loop {
+                tick.tick().await;
+                driver.reconcile().await;
+            }
+        })
+    };
+    ready.store(true, Ordering::Relaxed);
+    info!(registration = %reg_path.display(), dra = %dra_path.display(), "serving");
+    crate::grpc::serve(
+        driver,
+        registration,
+        reg_listener,
+        dra_listener,
+        shutdown_signal(),
+    )
+    .await?;
+    cleanup.abort();
+    remove_quietly(&reg_path);
+    remove_quietly(&dra_path);
+    info!("stopped");
+    Ok(())
+}
+
+fn remove_quietly(path: &Path) {
+    if let Err(e) = std::fs::remove_file(path)
+        && e.kind() != std::io::ErrorKind::NotFound
+    {
+        warn!(path = %path.display(), error = %e, "cannot remove socket");
+    }
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let Ok(mut term) = signal(SignalKind::terminate()) else {
+        std::future::pending::<()>().await;
+        return;
+    };
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = tokio::signal::ctrl_c() => {}
+    }
+    info!("shutting down");
+}

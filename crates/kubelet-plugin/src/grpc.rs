@@ -1,0 +1,301 @@
+//! gRPC servers on unix sockets: plugin registration (for the kubelet's plugin watcher) and
+//! the DRA service in versions v1 and v1beta1.
+//!
+//! Invariants: sockets are created fresh (a stale file from a previous run is removed first),
+//! the socket file is mode 0600 and its folder 0700 when we create it; every accepted
+//! connection goes through [`AuthorityFix`] because grpc-go clients send a socket path as
+//! `:authority` (see `authority`); `v1.DRAPlugin` is advertised before `v1beta1.DRAPlugin`
+//! so kubelets that know v1 use it. Claims of one call are prepared concurrently; every
+//! claim of the request gets an entry in the answer (a missing one fails the pod).
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use futures::future::join_all;
+use gpu_dra_proto::dra::{v1, v1beta1};
+use gpu_dra_proto::pluginregistration as reg;
+use tokio::net::UnixListener;
+use tokio_stream::StreamExt;
+use tokio_stream::wrappers::UnixListenerStream;
+use tonic::{Request, Response, Status};
+use tracing::{info, warn};
+
+use crate::authority::AuthorityFix;
+use crate::driver::{ClaimRef, Driver};
+
+/// Binds a unix socket at `path`, replacing a stale socket file, with owner-only access.
+pub fn bind_socket(path: &Path) -> std::io::Result<UnixListener> {
+    if let Some(dir) = path.parent()
+        && !dir.exists()
+    {
+        std::fs::create_dir_all(dir)?;
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))?;
+    }
+    match std::fs::remove_file(path) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e),
+    }
+    let listener = UnixListener::bind(path)?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
+    Ok(listener)
+}
+
+/// The accepted connections of `listener`, each wrapped in [`AuthorityFix`].
+pub fn incoming(
+    listener: UnixListener,
+) -> impl tokio_stream::Stream<Item = std::io::Result<AuthorityFix<tokio::net::UnixStream>>> {
+    UnixListenerStream::new(listener).map(|conn| conn.map(AuthorityFix::new))
+}
+
+/// The Registration service.
+pub struct Registration {
+    driver_name: String,
+    endpoint: PathBuf,
+    registered: Arc<tokio::sync::watch::Sender<Option<bool>>>,
+}
+
+impl Registration {
+    /// Answers for `driver_name` with the DRA socket at `endpoint`; `registered` receives
+    /// the kubelet's verdict.
+    pub fn new(
+        driver_name: String,
+        endpoint: PathBuf,
+        registered: Arc<tokio::sync::watch::Sender<Option<bool>>>,
+    ) -> Self {
+        Registration {
+            driver_name,
+            endpoint,
+            registered,
+        }
+    }
+}
+
+#[tonic::async_trait]
+impl reg::registration_server::Registration for Registration {
+    async fn get_info(
+        &self,
+        _request: Request<reg::InfoRequest>,
+    ) -> Result<Response<reg::PluginInfo>, Status> {
+        Ok(Response::new(reg::PluginInfo {
+            r#type: gpu_dra_proto::DRA_PLUGIN_TYPE.to_owned(),
+            name: self.driver_name.clone(),
+            endpoint: self.endpoint.to_string_lossy().into_owned(),
+            supported_versions: vec![
+                gpu_dra_proto::DRA_V1_SERVICE.to_owned(),
+                gpu_dra_proto::DRA_V1BETA1_SERVICE.to_owned(),
+            ],
+        }))
+    }
+
+    async fn notify_registration_status(
+        &self,
+        request: Request<reg::RegistrationStatus>,
+    ) -> Result<Response<reg::RegistrationStatusResponse>, Status> {
+        let status = request.into_inner();
+        if status.plugin_registered {
+            info!("registered with the kubelet");
+        } else {
+            warn!(error = %status.error, "kubelet refused the registration");
+        }
+        self.registered.send_replace(Some(status.plugin_registered));
+        Ok(Response::new(reg::RegistrationStatusResponse {}))
+    }
+}
+
+/// The DRA service (both versions share the driver).
+#[derive(Clone)]
+pub struct DraService {
+    driver: Arc<Driver>,
+}
+
+impl DraService {
+    /// Serves `driver`.
+    pub fn new(driver: Arc<Driver>) -> Self {
+        DraService { driver }
+    }
+
+    async fn prepare(
+        &self,
+        claims: Vec<ClaimRef>,
+    ) -> Vec<(String, Result<Vec<v1::Device>, String>)> {
+        join_all(claims.into_iter().map(|c| async move {
+            let result = self.driver.prepare(&c).await.map(|devices| {
+                devices
+                    .into_iter()
+                    .map(|d| v1::Device {
+                        request_names: d.request_names,
+                        pool_name: d.pool,
+                        device_name: d.device,
+                        cdi_device_ids: d.cdi_device_ids,
+                        share_id: d.share_id,
+                    })
+                    .collect()
+            });
+            (c.uid, result.map_err(|e| e.to_string()))
+        }))
+        .await
+    }
+
+    async fn unprepare(&self, claims: Vec<ClaimRef>) -> Vec<(String, String)> {
+        join_all(claims.into_iter().map(|c| async move {
+            let error = self
+                .driver
+                .unprepare(&c)
+                .await
+                .err()
+                .map(|e| e.to_string())
+                .unwrap_or_default();
+            (c.uid, error)
+        }))
+        .await
+    }
+}
+
+fn v1_claims(claims: Vec<v1::Claim>) -> Vec<ClaimRef> {
+    claims
+        .into_iter()
+        .map(|c| ClaimRef {
+            namespace: c.namespace,
+            name: c.name,
+            uid: c.uid,
+        })
+        .collect()
+}
+
+fn v1beta1_claims(claims: Vec<v1beta1::Claim>) -> Vec<ClaimRef> {
+    claims
+        .into_iter()
+        .map(|c| ClaimRef {
+            namespace: c.namespace,
+            name: c.name,
+            uid: c.uid,
+        })
+        .collect()
+}
+
+#[tonic::async_trait]
+impl v1::dra_plugin_server::DraPlugin for DraService {
+    async fn node_prepare_resources(
+        &self,
+        request: Request<v1::NodePrepareResourcesRequest>,
+    ) -> Result<Response<v1::NodePrepareResourcesResponse>, Status> {
+        let results = self.prepare(v1_claims(request.into_inner().claims)).await;
+        Ok(Response::new(v1::NodePrepareResourcesResponse {
+            claims: results
+                .into_iter()
+                .map(|(uid, r)| {
+                    let resp = match r {
+                        Ok(devices) => v1::NodePrepareResourceResponse {
+                            devices,
+                            error: String::new(),
+                        },
+                        Err(error) => v1::NodePrepareResourceResponse {
+                            devices: Vec::new(),
+                            error,
+                        },
+                    };
+                    (uid, resp)
+                })
+                .collect(),
+        }))
+    }
+
+    async fn node_unprepare_resources(
+        &self,
+        request: Request<v1::NodeUnprepareResourcesRequest>,
+    ) -> Result<Response<v1::NodeUnprepareResourcesResponse>, Status> {
+        let results = self.unprepare(v1_claims(request.into_inner().claims)).await;
+        Ok(Response::new(v1::NodeUnprepareResourcesResponse {
+            claims: results
+                .into_iter()
+                .map(|(uid, error)| (uid, v1::NodeUnprepareResourceResponse { error }))
+                .collect(),
+        }))
+    }
+}
+
+#[tonic::async_trait]
+impl v1beta1::dra_plugin_server::DraPlugin for DraService {
+    async fn node_prepare_resources(
+        &self,
+        request: Request<v1beta1::NodePrepareResourcesRequest>,
+    ) -> Result<Response<v1beta1::NodePrepareResourcesResponse>, Status> {
+        let results = self
+            .prepare(v1beta1_claims(request.into_inner().claims))
+            .await;
+        Ok(Response::new(v1beta1::NodePrepareResourcesResponse {
+            claims: results
+                .into_iter()
+                .map(|(uid, r)| {
+                    let resp = match r {
+                        Ok(devices) => v1beta1::NodePrepareResourceResponse {
+                            devices: devices
+                                .into_iter()
+                                .map(|d| v1beta1::Device {
+                                    request_names: d.request_names,
+                                    pool_name: d.pool_name,
+                                    device_name: d.device_name,
+                                    cdi_device_ids: d.cdi_device_ids,
+                                })
+                                .collect(),
+                            error: String::new(),
+                        },
+                        Err(error) => v1beta1::NodePrepareResourceResponse {
+                            devices: Vec::new(),
+                            error,
+                        },
+                    };
+                    (uid, resp)
+                })
+                .collect(),
+        }))
+    }
+
+    async fn node_unprepare_resources(
+        &self,
+        request: Request<v1beta1::NodeUnprepareResourcesRequest>,
+    ) -> Result<Response<v1beta1::NodeUnprepareResourcesResponse>, Status> {
+        let results = self
+            .unprepare(v1beta1_claims(request.into_inner().claims))
+            .await;
+        Ok(Response::new(v1beta1::NodeUnprepareResourcesResponse {
+            claims: results
+                .into_iter()
+                .map(|(uid, error)| (uid, v1beta1::NodeUnprepareResourceResponse { error }))
+                .collect(),
+        }))
+    }
+}
+
+/// Serves registration on `reg_listener` and DRA on `dra_listener` until `shutdown` resolves.
+pub async fn serve(
+    driver: Arc<Driver>,
+    registration: Registration,
+    reg_listener: UnixListener,
+    dra_listener: UnixListener,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> Result<(), tonic::transport::Error> {
+    let (tx, rx) = tokio::sync::watch::channel(false);
+    let dra = DraService::new(driver);
+    let reg_server = tonic::transport::Server::builder()
+        .add_service(reg::registration_server::RegistrationServer::new(
+            registration,
+        ))
+        .serve_with_incoming_shutdown(incoming(reg_listener), wait_true(rx.clone()));
+    let dra_server = tonic::transport::Server::builder()
+        .add_service(v1::dra_plugin_server::DraPluginServer::new(dra.clone()))
+        .add_service(v1beta1::dra_plugin_server::DraPluginServer::new(dra))
+        .serve_with_incoming_shutdown(incoming(dra_listener), wait_true(rx));
+    tokio::spawn(async move {
+        shutdown.await;
+        let _ = tx.send(true);
+    });
+    let (a, b) = tokio::join!(reg_server, dra_server);
+    a.and(b)
+}
+
+async fn wait_true(mut rx: tokio::sync::watch::Receiver<bool>) {
+    let _ = rx.wait_for(|v| *v).await;
+}

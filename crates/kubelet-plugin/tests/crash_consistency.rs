@@ -1,0 +1,355 @@
+//! Fault injection: the real plugin binary is SIGKILLed at every step of prepare and
+//! unprepare, restarted, and the kubelet's call is repeated over the real socket; then CDI
+//! specs and the checkpoint must agree with what the kubelet was told.
+//!
+//! Each failpoint is set to `pause`, so the process stops exactly at that step; the test then
+//! kills it with SIGKILL (`Child::kill`). Prints steps x runs and the inconsistencies found.
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use gpu_dra_core::checkpoint::{Checkpoint, PrepareState};
+use gpu_dra_proto::dra::v1;
+use gpu_kubelet_plugin::client::connect_dra;
+use gpu_kubelet_plugin::failpoint::STEPS;
+use gpu_kubelet_plugin::testing::{a100_inventory, allocated_claim, simulate_host};
+
+const DRIVER: &str = "gpu.nvidia.com";
+const NODE: &str = "node-a";
+const RUNS: usize = 2;
+
+struct Layout {
+    root: PathBuf,
+}
+
+impl Layout {
+    fn plugin_dir(&self) -> PathBuf {
+        self.root.join("plugin")
+    }
+    fn cdi_dir(&self) -> PathBuf {
+        self.root.join("cdi")
+    }
+    fn socket(&self) -> PathBuf {
+        self.plugin_dir().join("dra.sock")
+    }
+
+    fn start(&self, failpoints: &str) -> Child {
+        let _ = std::fs::remove_file(self.plugin_dir().join("failpoint.reached"));
+        let _ = std::fs::remove_file(self.socket());
+        Command::new(env!("CARGO_BIN_EXE_gpu-kubelet-plugin"))
+            .arg("run")
+            .args([
+                "--node-name",
+                NODE,
+                "--http-address",
+                "",
+                "--cleanup-interval",
+                "3600",
+            ])
+            .arg("--plugin-dir")
+            .arg(self.plugin_dir())
+            .arg("--registrar-dir")
+            .arg(self.root.join("registry"))
+            .arg("--cdi-root")
+            .arg(self.cdi_dir())
+            .arg("--driver-root")
+            .arg(self.root.join("host"))
+            .arg("--dev-root")
+            .arg(self.root.join("host"))
+            .arg("--inventory-fixture")
+            .arg(self.root.join("inventory.json"))
+            .arg("--claim-source-file")
+            .arg(self.root.join("claims.json"))
+            .env("GPU_DRA_FAILPOINTS", failpoints)
+            .env("LOG_LEVEL", "info")
+            .stdout(Stdio::null())
+            .stderr(Stdio::from(
+                std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(self.root.join("plugin.log"))
+                    .expect("log file"),
+            ))
+            .spawn()
+            .expect("plugin starts")
+    }
+}
+
+fn wait_for(path: &Path, what: &str) {
+    // Generous: CI machines can be slow to start a debug binary under load.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !path.exists() {
+        if Instant::now() > deadline {
+            let log_path = path
+                .ancestors()
+                .find(|p| p.join("plugin.log").exists())
+                .map(|p| p.join("plugin.log"));
+            let log = log_path
+                .and_then(|p| std::fs::read_to_string(p).ok())
+                .unwrap_or_default();
+            let tail: String = log
+                .lines()
+                .rev()
+                .take(30)
+                .collect::<Vec<_>>()
+                .into_iter()
+                .rev()
+                .collect::<Vec<_>>()
+                .join("\n");
+            panic!(
+                "timed out waiting for {what} ({}); plugin log tail:\n{tail}",
+                path.display()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+fn claims() -> Vec<v1::Claim> {
+    vec![
+        v1::Claim {
+            namespace: "ns".into(),
+            uid: "uid-a".into(),
+            name: "a".into(),
+        },
+        v1::Claim {
+            namespace: "ns".into(),
+            uid: "uid-b".into(),
+            name: "b".into(),
+        },
+    ]
+}
+
+async fn prepare(layout: &Layout) -> Result<v1::NodePrepareResourcesResponse, String> {
+    let mut client = connect_dra(layout.socket())
+        .await
+        .map_err(|e| e.to_string())?;
+    client
+        .node_prepare_resources(v1::NodePrepareResourcesRequest { claims: claims() })
+        .await
+        .map(|r| r.into_inner())
+        .map_err(|e| e.to_string())
+}
+
+async fn unprepare(layout: &Layout) -> Result<v1::NodeUnprepareResourcesResponse, String> {
+    let mut client = connect_dra(layout.socket())
+        .await
+        .map_err(|e| e.to_string())?;
+    client
+        .node_unprepare_resources(v1::NodeUnprepareResourcesRequest { claims: claims() })
+        .await
+        .map(|r| r.into_inner())
+        .map_err(|e| e.to_string())
+}
+
+fn specs_on_disk(layout: &Layout) -> BTreeSet<String> {
+    std::fs::read_dir(layout.cdi_dir())
+        .map(|d| {
+            d.filter_map(|e| e.ok())
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+fn checkpoint(layout: &Layout) -> Checkpoint {
+    std::fs::read(layout.plugin_dir().join("checkpoint.json"))
+        .map(|b| Checkpoint::from_json(&b).expect("checkpoint parses"))
+        .unwrap_or_else(|_| Checkpoint::new())
+}
+
+/// After a successful prepare answer: both claims completed, a spec per claim whose devices
+/// are exactly the answered CDI IDs, nothing else.
+fn check_prepared(layout: &Layout, answer: &v1::NodePrepareResourcesResponse) -> Vec<String> {
+    let mut problems = Vec::new();
+    let cp = checkpoint(layout);
+    for c in claims() {
+        let Some(r) = answer.claims.get(&c.uid) else {
+            problems.push(format!("{}: missing from the answer", c.uid));
+            continue;
+        };
+        if !r.error.is_empty() {
+            problems.push(format!("{}: error {}", c.uid, r.error));
+            continue;
+        }
+        match cp.claims.get(&c.uid) {
+            Some(e) if e.state == PrepareState::PrepareCompleted => {}
+            other => problems.push(format!("{}: checkpoint entry {other:?}", c.uid)),
+        }
+        let spec_path = layout
+            .cdi_dir()
+            .join(format!("k8s.gpu.nvidia.com-claim_{}.json", c.uid));
+        let Ok(bytes) = std::fs::read(&spec_path) else {
+            problems.push(format!("{}: no CDI spec", c.uid));
+            continue;
+        };
+        let spec: serde_json::Value = serde_json::from_slice(&bytes).expect("spec is JSON");
+        let in_spec: BTreeSet<String> = spec["devices"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|d| {
+                format!(
+                    "k8s.gpu.nvidia.com/claim={}",
+                    d["name"].as_str().unwrap_or_default()
+                )
+            })
+            .collect();
+        let answered: BTreeSet<String> = r
+            .devices
+            .iter()
+            .flat_map(|d| d.cdi_device_ids.clone())
+            .collect();
+        if in_spec != answered {
+            problems.push(format!(
+                "{}: spec has {in_spec:?}, kubelet got {answered:?}",
+                c.uid
+            ));
+        }
+    }
+    if cp.claims.len() != 2 {
+        problems.push(format!("checkpoint has {} claims", cp.claims.len()));
+    }
+    if specs_on_disk(layout).len() != 2 {
+        problems.push(format!("CDI root holds {:?}", specs_on_disk(layout)));
+    }
+    problems
+}
+
+fn check_unprepared(layout: &Layout, answer: &v1::NodeUnprepareResourcesResponse) -> Vec<String> {
+    let mut problems = Vec::new();
+    for c in claims() {
+        match answer.claims.get(&c.uid) {
+            Some(r) if r.error.is_empty() => {}
+            other => problems.push(format!("{}: unprepare answer {other:?}", c.uid)),
+        }
+    }
+    let cp = checkpoint(layout);
+    if !cp.claims.is_empty() {
+        problems.push(format!(
+            "checkpoint still has {:?}",
+            cp.claims.keys().collect::<Vec<_>>()
+        ));
+    }
+    if !specs_on_disk(layout).is_empty() {
+        problems.push(format!("CDI root still holds {:?}", specs_on_disk(layout)));
+    }
+    problems
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigkill_at_every_step_leaves_cdi_and_checkpoint_consistent() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let layout = Layout {
+        root: dir.path().to_path_buf(),
+    };
+    let inventory = a100_inventory(4, 1);
+    simulate_host(&layout.root.join("host"), &inventory).expect("host");
+    std::fs::write(
+        layout.root.join("inventory.json"),
+        serde_json::to_vec(&inventory).expect("json"),
+    )
+    .expect("inventory");
+    let claim_objs = vec![
+        allocated_claim("ns", "a", "uid-a", DRIVER, NODE, &[("gpu", "gpu-1")], &[]),
+        allocated_claim(
+            "ns",
+            "b",
+            "uid-b",
+            DRIVER,
+            NODE,
+            &[
+                ("mig", "gpu-0-mig-1g5gb-19-0"),
+                ("mig", "gpu-0-mig-1g5gb-19-1"),
+            ],
+            &[],
+        ),
+    ];
+    std::fs::write(
+        layout.root.join("claims.json"),
+        serde_json::to_vec(&claim_objs).expect("json"),
+    )
+    .expect("claims");
+
+    let mut inconsistencies = Vec::new();
+    let mut runs = 0;
+    for run in 0..RUNS {
+        for step in STEPS {
+            runs += 1;
+            let is_prepare = step.starts_with("prepare.");
+            if !is_prepare {
+                // Start from a prepared state.
+                let mut plugin = layout.start("");
+                wait_for(&layout.socket(), "socket");
+                let answer = prepare(&layout).await.expect("setup prepare");
+                inconsistencies.extend(
+                    check_prepared(&layout, &answer)
+                        .into_iter()
+                        .map(|p| format!("{step} setup: {p}")),
+                );
+                plugin.kill().expect("kill");
+                plugin.wait().expect("wait");
+            }
+            let mut plugin = layout.start(&format!("{step}=pause"));
+            wait_for(&layout.socket(), "socket");
+            let call = {
+                let socket_layout = Layout {
+                    root: layout.root.clone(),
+                };
+                tokio::spawn(async move {
+                    if is_prepare {
+                        prepare(&socket_layout).await.map(|_| ())
+                    } else {
+                        unprepare(&socket_layout).await.map(|_| ())
+                    }
+                })
+            };
+            wait_for(&layout.plugin_dir().join("failpoint.reached"), step);
+            plugin.kill().expect("SIGKILL");
+            plugin.wait().expect("reaped");
+            let _ = call.await;
+
+            // Restart and repeat the kubelet's call, as the kubelet does after an error.
+            let mut plugin = layout.start("");
+            wait_for(&layout.socket(), "socket after restart");
+            let problems = if is_prepare {
+                match prepare(&layout).await {
+                    Ok(answer) => check_prepared(&layout, &answer),
+                    Err(e) => vec![format!("retry failed: {e}")],
+                }
+            } else {
+                match unprepare(&layout).await {
+                    Ok(answer) => check_unprepared(&layout, &answer),
+                    Err(e) => vec![format!("retry failed: {e}")],
+                }
+            };
+            inconsistencies.extend(
+                problems
+                    .into_iter()
+                    .map(|p| format!("run {run} {step}: {p}")),
+            );
+            // Back to a clean node for the next step.
+            if is_prepare {
+                let answer = unprepare(&layout).await.expect("cleanup unprepare");
+                inconsistencies.extend(
+                    check_unprepared(&layout, &answer)
+                        .into_iter()
+                        .map(|p| format!("run {run} {step} cleanup: {p}")),
+                );
+            }
+            plugin.kill().expect("kill");
+            plugin.wait().expect("wait");
+        }
+    }
+    println!(
+        "crash consistency: {} steps x {RUNS} runs = {runs} kills, {} inconsistencies",
+        STEPS.len(),
+        inconsistencies.len()
+    );
+    for i in &inconsistencies {
+        println!("  {i}");
+    }
+    assert!(inconsistencies.is_empty(), "{inconsistencies:#?}");
+}
