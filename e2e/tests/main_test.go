@@ -34,6 +34,8 @@ var (
 	driver  *harness.Driver
 	// pluginErr says why our node plugins are not running (nil: they are).
 	pluginErr error
+	// slicesErr says why the plugins' slices are missing (nil: published).
+	slicesErr error
 	// webhookErr says why the webhook is not running (nil: it is).
 	webhookErr error
 )
@@ -86,34 +88,44 @@ func run(m *testing.M) int {
 	if pluginErr != nil {
 		logf("node plugins not running: %v", pluginErr)
 	}
+	if slicesErr != nil {
+		logf("%v", slicesErr)
+	}
 	return m.Run()
 }
 
 // waitPluginsReady waits until every node's plugin registered through the
-// kubelet's plugin watcher and published slices.
+// kubelet's plugin watcher (error returned) and published slices (slicesErr).
 func waitPluginsReady(ctx context.Context, c *harness.Cluster) error {
 	for _, name := range []string{nodeA100, nodeT4} {
 		n := c.Node(name)
-		err := wait.PollUntilContextTimeout(ctx, 100*time.Millisecond, 90*time.Second, true, func(ctx context.Context) (bool, error) {
+		err := wait.PollUntilContextTimeout(ctx, 100*time.Millisecond, 60*time.Second, true, func(ctx context.Context) (bool, error) {
 			if !n.Plugin.Running() {
 				return false, fmt.Errorf("plugin exited")
 			}
-			if !n.DriverRegistered(harness.DefaultDriver) {
-				return false, nil
-			}
+			return n.DriverRegistered(harness.DefaultDriver), nil
+		})
+		if err != nil {
+			return fmt.Errorf("plugin on %s not registered with the kubelet: %w; plugin log:\n%s", name, err, n.Plugin.Log())
+		}
+	}
+	for _, name := range []string{nodeA100, nodeT4} {
+		n := c.Node(name)
+		err := wait.PollUntilContextTimeout(ctx, 100*time.Millisecond, 60*time.Second, true, func(ctx context.Context) (bool, error) {
 			slices, err := nodeSlices(ctx, name)
 			return err == nil && len(slices) > 0, nil
 		})
 		if err != nil {
-			return fmt.Errorf("plugin on %s not registered with slices: %w; plugin log:\n%s", name, err, n.Plugin.Log())
+			slicesErr = fmt.Errorf("plugin on %s registered but published no ResourceSlices: %w; plugin log:\n%s", name, err, n.Plugin.Log())
+			return nil
 		}
 	}
 	return nil
 }
 
-// requirePlugins skips while the plugin binaries are not built and fails if
-// they are but did not come up.
-func requirePlugins(t *testing.T) {
+// requireRegistered skips while the plugin binaries are not built and fails
+// if they are but did not register with the kubelet.
+func requireRegistered(t *testing.T) {
 	t.Helper()
 	if pluginErr == nil {
 		return
@@ -122,6 +134,15 @@ func requirePlugins(t *testing.T) {
 		t.Skipf("SKIP until the node plugin lands: %v", pluginErr)
 	}
 	t.Fatal(pluginErr)
+}
+
+// requirePlugins is requireRegistered plus published slices.
+func requirePlugins(t *testing.T) {
+	t.Helper()
+	requireRegistered(t)
+	if slicesErr != nil {
+		t.Fatal(slicesErr)
+	}
 }
 
 // requireWebhook skips while the webhook binary is not built.

@@ -19,17 +19,25 @@ import (
 
 var deviceName = regexp.MustCompile(`^gpu-[0-9]+(-mig-[0-9a-z]+-[0-9]+-[0-9]+)?$`)
 
-// The plugin registers through the kubelet's own plugin watcher (which dials
-// the registration socket with the socket path as HTTP/2 :authority) and
-// publishes slices that match what `gpu-kubelet-plugin discover` sees.
-func TestRegistrationAndSlices(t *testing.T) {
+// The plugin registers through the kubelet's own plugin watcher, which dials
+// the registration socket with grpc-go and the socket path as HTTP/2
+// :authority, and the kubelet's DRA manager connects to its DRA service.
+func TestRegistrationThroughKubeletPluginWatcher(t *testing.T) {
+	requireRegistered(t)
+	for name := range nodeProfiles {
+		if !cluster.Node(name).DriverRegistered(harness.DefaultDriver) {
+			t.Errorf("%s: driver not registered with the kubelet's DRA manager", name)
+		}
+	}
+}
+
+// The plugin publishes slices that match what `gpu-kubelet-plugin discover`
+// sees on the same simulated host.
+func TestSlicesPublished(t *testing.T) {
 	requirePlugins(t)
 	ctx := context.Background()
 	for name, profile := range nodeProfiles {
 		n := cluster.Node(name)
-		if !n.DriverRegistered(harness.DefaultDriver) {
-			t.Fatalf("%s: driver not registered with the kubelet's DRA manager", name)
-		}
 		slices, err := nodeSlices(ctx, name)
 		if err != nil {
 			t.Fatal(err)
