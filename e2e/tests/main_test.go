@@ -90,6 +90,18 @@ func run(m *testing.M) int {
 	}
 	if slicesErr != nil {
 		logf("%v", slicesErr)
+		// Stopgap while the plugin registers but does not publish: apply
+		// what its `discover` would publish, so the prepare path is tested.
+		// TestSlicesPublished still fails on slicesErr.
+		if os.Getenv("E2E_STOPGAP_SLICES") != "0" {
+			for _, name := range []string{nodeA100, nodeT4} {
+				if err := c.Node(name).ApplyDiscoveredSlices(ctx); err != nil {
+					logf("stopgap slices on %s: %v", name, err)
+				} else {
+					logf("STOPGAP: applied the slices `discover` prints for %s as admin (set E2E_STOPGAP_SLICES=0 to disable)", name)
+				}
+			}
+		}
 	}
 	return m.Run()
 }
@@ -136,11 +148,12 @@ func requireRegistered(t *testing.T) {
 	t.Fatal(pluginErr)
 }
 
-// requirePlugins is requireRegistered plus published slices.
+// requirePlugins is requireRegistered plus slices (published, or the
+// stopgap's).
 func requirePlugins(t *testing.T) {
 	t.Helper()
 	requireRegistered(t)
-	if slicesErr != nil {
+	if slicesErr != nil && os.Getenv("E2E_STOPGAP_SLICES") == "0" {
 		t.Fatal(slicesErr)
 	}
 }

@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -34,7 +35,10 @@ func TestRegistrationThroughKubeletPluginWatcher(t *testing.T) {
 // The plugin publishes slices that match what `gpu-kubelet-plugin discover`
 // sees on the same simulated host.
 func TestSlicesPublished(t *testing.T) {
-	requirePlugins(t)
+	requireRegistered(t)
+	if slicesErr != nil {
+		t.Fatal(slicesErr)
+	}
 	ctx := context.Background()
 	for name, profile := range nodeProfiles {
 		n := cluster.Node(name)
@@ -155,10 +159,20 @@ func TestPluginCrashAndRestart(t *testing.T) {
 		"apiVersion": "resource.nvidia.com/v1beta1", "kind": "GpuConfig",
 		"sharing": map[string]any{"strategy": "MPS", "mpsConfig": map[string]any{"defaultActiveThreadPercentage": 25}},
 	}
-	mps, claimMPS := runClaimPod(ctx, t, gpuClaim(t, ns, "mps", 1, mpsConfig), claimPod(ns, "mps", nodeA100, "mps"))
-	devsMPS := podDevices(t, mps)
-	if len(n.MPSDaemons()) != 1 {
-		t.Fatalf("want one MPS daemon before the crash, got %v", n.MPSDaemons())
+	// With MPS when the build has sharing: the daemon must survive the crash.
+	var mps *v1.Pod
+	var claimMPS *resourceapi.ResourceClaim
+	var devsMPS map[string][]harness.ResolvedDevice
+	t.Run("mps-before-crash", func(t *testing.T) {
+		mps, claimMPS = runClaimPod(ctx, t, gpuClaim(t, ns, "mps", 1, mpsConfig), claimPod(ns, "mps", nodeA100, "mps"))
+		devsMPS = podDevices(t, mps)
+		if len(n.MPSDaemons()) != 1 {
+			t.Fatalf("want one MPS daemon before the crash, got %v", n.MPSDaemons())
+		}
+	})
+	if mps == nil {
+		_ = cluster.Client.CoreV1().Pods(ns).Delete(ctx, "mps", metav1.DeleteOptions{})
+		_ = cluster.WaitPodGone(ctx, ns, "mps", 60*time.Second)
 	}
 
 	n.Plugin.Kill()
@@ -170,7 +184,7 @@ func TestPluginCrashAndRestart(t *testing.T) {
 		t.Fatalf("plugin did not register again after restart; log:\n%s", n.Plugin.Log())
 	}
 	// The running pods still have their devices, and the MPS daemon (re-adopted or restarted) still serves.
-	if len(n.MPSDaemons()) != 1 {
+	if mps != nil && len(n.MPSDaemons()) != 1 {
 		t.Errorf("want one MPS daemon after the restart, got %v", n.MPSDaemons())
 	}
 	for _, list := range devsMPS {
@@ -195,11 +209,15 @@ func TestPluginCrashAndRestart(t *testing.T) {
 
 	deletePod(ctx, t, before)
 	deletePod(ctx, t, after)
-	deletePod(ctx, t, mps)
+	claims := []*resourceapi.ResourceClaim{claimBefore, claimAfter}
+	if mps != nil {
+		deletePod(ctx, t, mps)
+		claims = append(claims, claimMPS)
+	}
 	if !eventually(ctx, 20*time.Second, func() bool { return len(n.MPSDaemons()) == 0 }) {
 		t.Errorf("MPS daemon left after its pod is gone: %v", n.MPSDaemons())
 	}
-	for _, claim := range []*resourceapi.ResourceClaim{claimBefore, claimAfter, claimMPS} {
+	for _, claim := range claims {
 		if files := claimSpecFiles(t, nodeA100, string(claim.UID)); len(files) > 0 {
 			t.Errorf("claim %s: CDI spec files left after unprepare: %v", claim.Name, files)
 		}
