@@ -5,7 +5,7 @@ CARGO ?= cargo
 GO ?= go
 TOOLS := $(CURDIR)/.tools
 
-.PHONY: help build release test lint fmt fuzz bench generate e2e e2e-build e2e-bins e2e-tools e2e-kubectl demo bench-e2e
+.PHONY: help build release test lint fmt fuzz bench generate chart-check e2e e2e-build e2e-bins e2e-tools e2e-kubectl demo bench-e2e
 
 help: ## list targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | sort
@@ -68,3 +68,17 @@ bench: ## benchmarks: print figures (medians, percentiles, ratios)
 	$(CARGO) run --release --locked -p gpu-dra-api --example bench_validate
 	$(CARGO) run --release --locked -p gpu-dra-core --example bench_discover
 	$(CARGO) run --release --locked -p gpu-kubelet-plugin --example bench_prepare
+	$(CARGO) build --release --locked -p gpu-dra-sim --lib --bins
+	$(CARGO) run --release --locked -p gpu-kubelet-plugin --example bench_mps
+	$(CARGO) build --release --locked -p gpu-dra-webhook --bin gpu-dra-webhook
+	$(CARGO) run --release --locked -p gpu-dra-webhook --example bench_admission
+
+# helm, built from its Go module (no release download needed); kept in .tools/.
+HELM_VERSION ?= v3.22.0
+HELM := $(TOOLS)/bin/helm
+$(HELM):
+	GOBIN=$(TOOLS)/bin $(GO) install helm.sh/helm/v3/cmd/helm@$(HELM_VERSION)
+
+chart-check: $(HELM) ## lint and render the Helm chart with several value sets, check what it renders
+	$(HELM) lint --strict --kube-version 1.34.0 deploy/helm/gpu-dra-driver
+	HELM=$(HELM) CHART_CHECK=1 $(CARGO) test --locked -p gpu-dra-webhook --test chart

@@ -402,7 +402,16 @@ impl Config {
 }
 
 fn percentage_message(got: &str) -> String {
-    format!("{got} is out of range 1..=100 (MPS rejects 0)")
+    // 0 is the value users reach for to mean "no limit"; MPS itself refuses it.
+    if got
+        .trim_start_matches('-')
+        .trim_start_matches('0')
+        .is_empty()
+    {
+        format!("{got} is out of range 1..=100 (MPS rejects 0)")
+    } else {
+        format!("{got} is out of range 1..=100")
+    }
 }
 
 /// Short description of a JSON value for "got ..." messages.

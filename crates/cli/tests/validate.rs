@@ -51,7 +51,7 @@ fn invalid_file_lists_every_problem_and_exits_1() {
          unknown strategy \"Time-Slicing\"; did you mean \"TimeSlicing\"? valid: \"TimeSlicing\" \
          or \"MPS\"",
         "ResourceClaim default/x: spec.devices.config[0].opaque.parameters.sharing.mpsConfig.\
-         defaultActiveThreadPercentage: 150 is out of range 1..=100 (MPS rejects 0)",
+         defaultActiveThreadPercentage: 150 is out of range 1..=100",
         "ResourceClaim default/x: spec.devices.config[0].requests[1]: request \"gpus\" does not \
          exist; requests here: gpu",
         "DeviceClass broken.nvidia.com: spec.config[0].opaque.parameters.sharing.\

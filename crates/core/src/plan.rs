@@ -12,6 +12,7 @@
 //! - devices with the same effective sharing config form one group (one MPS daemon, one
 //!   time-slice setting).
 
+use gpu_dra_api::{ClaimDevice, Errors};
 use gpu_dra_device::{DeviceRef, Inventory};
 use k8s_openapi::api::resource::v1::ResourceClaim;
 use serde::{Deserialize, Serialize};
@@ -50,14 +51,27 @@ pub enum PlanError {
         /// Names of the devices this node has.
         known: String,
     },
-    /// The opaque config is not valid for the device it applies to.
-    #[error("status.allocation.devices.config[{index}].opaque.parameters: {message}")]
+    /// The opaque config is not valid (or not valid for the devices it applies to). The
+    /// messages are the `api` crate's, the same the admission webhook gives, with paths from
+    /// the claim's `status.allocation`.
+    #[error("{}", config_errors(*index, errors))]
     Config {
         /// Index of the config in the allocation.
         index: usize,
-        /// What is wrong.
-        message: String,
+        /// What is wrong, with paths inside the opaque parameters.
+        errors: Errors,
     },
+}
+
+fn config_errors(index: usize, errors: &Errors) -> String {
+    let prefix = format!("status.allocation.devices.config[{index}].opaque.parameters");
+    let lines: Vec<String> = errors
+        .clone()
+        .with_prefix(&prefix)
+        .iter()
+        .map(ToString::to_string)
+        .collect();
+    lines.join("; ")
 }
 
 /// Where an opaque config came from.
@@ -223,10 +237,10 @@ pub struct DecodedConfig {
 
 /// Decodes and validates opaque parameters (the `api` crate's one validation sits behind it).
 pub trait ConfigDecoder {
-    /// Decodes `parameters` for the devices with the given UUIDs; `Err` carries a message
-    /// with the field path inside the parameters.
+    /// Decodes `parameters` for the devices with the given UUIDs; `Err` carries every problem
+    /// with its field path inside the parameters.
     fn decode(&self, parameters: &Value, devices: &[DeviceTarget])
-    -> Result<DecodedConfig, String>;
+    -> Result<DecodedConfig, Errors>;
 }
 
 /// A device a config is validated against.
@@ -408,27 +422,7 @@ pub fn plan(
             .collect();
         let decoded = decoder
             .decode(&config.parameters, &targets)
-            .map_err(|message| PlanError::Config { index, message })?;
-        for &d in &group.devices {
-            let dev = &devices[d];
-            let fits = match decoded.kind {
-                ConfigKind::Gpu => dev.nodes.mig.is_none(),
-                ConfigKind::Mig => dev.nodes.mig.is_some(),
-            };
-            if !fits {
-                let (kind, what, want) = match decoded.kind {
-                    ConfigKind::Gpu => ("GpuConfig", "a MIG device", "MigDeviceConfig"),
-                    ConfigKind::Mig => ("MigDeviceConfig", "a whole GPU", "GpuConfig"),
-                };
-                return Err(PlanError::Config {
-                    index,
-                    message: format!(
-                        "kind {kind} does not fit device {} ({what}); use {want} or narrow `requests`",
-                        dev.device
-                    ),
-                });
-            }
-        }
+            .map_err(|errors| PlanError::Config { index, errors })?;
         group.sharing = decoded.sharing;
     }
     Ok(Plan {
@@ -438,59 +432,44 @@ pub fn plan(
     })
 }
 
-/// A minimal decoder of the opaque config envelope: checks `apiVersion` and `kind` and reads
-/// `sharing` without further validation. Used until the `api` crate's decoder is wired in; it
-/// accepts the same documents, it only checks less.
+/// The decoder the driver runs: the `api` crate's strict decoding and validation, then its
+/// allocation-time rules against the devices the config lands on. The one validation that
+/// the webhook and the CLI run too, so a config is judged the same everywhere.
 #[derive(Debug, Clone, Copy, Default)]
-pub struct EnvelopeDecoder;
+pub struct ApiDecoder;
 
-/// API versions of the opaque config accepted by the driver.
-pub const CONFIG_API_VERSIONS: &[&str] =
-    &["resource.nvidia.com/v1beta1", "gpu.nvidia.com/v1alpha1"];
-
-impl ConfigDecoder for EnvelopeDecoder {
+impl ConfigDecoder for ApiDecoder {
     fn decode(
         &self,
         parameters: &Value,
-        _devices: &[DeviceTarget],
-    ) -> Result<DecodedConfig, String> {
-        let api_version = parameters
-            .get("apiVersion")
-            .and_then(Value::as_str)
-            .unwrap_or_default();
-        if !CONFIG_API_VERSIONS.contains(&api_version) {
-            return Err(format!(
-                "apiVersion: {api_version:?} is not supported; use one of {CONFIG_API_VERSIONS:?}"
-            ));
-        }
-        let kind = match parameters.get("kind").and_then(Value::as_str) {
-            Some("GpuConfig") => ConfigKind::Gpu,
-            Some("MigDeviceConfig") => ConfigKind::Mig,
-            other => {
-                return Err(format!(
-                    "kind: {other:?} is not supported; use GpuConfig or MigDeviceConfig"
-                ));
-            }
+        devices: &[DeviceTarget],
+    ) -> Result<DecodedConfig, Errors> {
+        let config = gpu_dra_api::decode(parameters)?;
+        let claim_devices: Vec<ClaimDevice> = devices
+            .iter()
+            .map(|d| ClaimDevice {
+                uuid: d.uuid.clone(),
+                is_mig: d.is_mig,
+            })
+            .collect();
+        gpu_dra_api::validate_for_devices(&config, &claim_devices)?;
+        let kind = match config.kind() {
+            gpu_dra_api::ConfigKind::Gpu => ConfigKind::Gpu,
+            gpu_dra_api::ConfigKind::Mig => ConfigKind::Mig,
         };
-        let sharing = match parameters.get("sharing") {
-            None | Some(Value::Null) => None,
-            Some(s) => match s.get("strategy").and_then(Value::as_str) {
-                Some("TimeSlicing") => Some(Sharing::TimeSlicing {
-                    interval: s
-                        .pointer("/timeSlicingConfig/interval")
-                        .and_then(Value::as_str)
-                        .unwrap_or("Default")
-                        .to_owned(),
-                }),
-                Some("MPS") => Some(Sharing::Mps {
-                    config: s.get("mpsConfig").cloned().unwrap_or(Value::Null),
-                }),
-                other => {
-                    return Err(format!(
-                        "sharing.strategy: {other:?} is not supported; use TimeSlicing or MPS"
-                    ));
-                }
-            },
+        let sharing = match config.sharing() {
+            None => None,
+            Some(gpu_dra_api::Sharing::TimeSlicing { interval }) => Some(Sharing::TimeSlicing {
+                interval: interval.as_str().to_owned(),
+            }),
+            // The canonical form: defaults applied, limits already normalized by the api crate.
+            Some(gpu_dra_api::Sharing::Mps(_)) => Some(Sharing::Mps {
+                config: config
+                    .to_parameters()
+                    .pointer("/sharing/mpsConfig")
+                    .cloned()
+                    .unwrap_or_else(|| Value::Object(Default::default())),
+            }),
         };
         Ok(DecodedConfig { kind, sharing })
     }
@@ -595,7 +574,7 @@ mod tests {
         let p = plan(
             &input(vec![dev(0, "gpu/sub", "gpu-0")], configs),
             &inventory(),
-            &EnvelopeDecoder,
+            &ApiDecoder,
         )
         .expect("plans");
         assert_eq!(p.devices[0].request_names, ["gpu"]);
@@ -611,7 +590,7 @@ mod tests {
         let p = plan(
             &input(vec![dev(0, "gpu", "gpu-0")], configs),
             &inventory(),
-            &EnvelopeDecoder,
+            &ApiDecoder,
         )
         .expect("plans");
         assert_eq!(interval(&p, 0).as_deref(), Some("Short"));
@@ -623,15 +602,21 @@ mod tests {
         let err = plan(
             &input(vec![dev(0, "mig", "gpu-1-mig-1g5gb-19-0")], configs),
             &inventory(),
-            &EnvelopeDecoder,
+            &ApiDecoder,
         )
         .expect_err("kind mismatch");
         let msg = err.to_string();
-        assert!(msg.contains("config[4]"), "{msg}");
         assert!(
-            msg.contains("GpuConfig does not fit device gpu-1-mig-1g5gb-19-0"),
+            msg.starts_with(
+                "status.allocation.devices.config[4].opaque.parameters.kind: GpuConfig applies to full GPUs"
+            ),
             "{msg}"
         );
+        let uuid = inventory()
+            .device("gpu-1-mig-1g5gb-19-0")
+            .map(|d| d.uuid().to_owned())
+            .expect("device");
+        assert!(msg.contains(&uuid), "{msg}");
     }
 
     #[test]
@@ -645,7 +630,7 @@ mod tests {
                 vec![],
             ),
             &inventory(),
-            &EnvelopeDecoder,
+            &ApiDecoder,
         )
         .expect("plans");
         assert_eq!(p.devices.len(), 2);
@@ -661,7 +646,7 @@ mod tests {
         let err = plan(
             &input(vec![dev(3, "gpu", "gpu-9")], vec![]),
             &inventory(),
-            &EnvelopeDecoder,
+            &ApiDecoder,
         )
         .expect_err("unknown");
         let msg = err.to_string();
@@ -702,27 +687,51 @@ mod tests {
     }
 
     #[test]
-    fn envelope_decoder_rejects_unknown_kind_and_strategy() {
-        let d = EnvelopeDecoder;
-        assert!(
-            d.decode(&json!({"apiVersion": "x/v1", "kind": "GpuConfig"}), &[])
-                .is_err()
-        );
-        assert!(
-            d.decode(
-                &json!({"apiVersion": "gpu.nvidia.com/v1alpha1", "kind": "GpuConfig", "sharing": {"strategy": "Nope"}}),
-                &[]
+    fn api_decoder_judges_like_the_webhook() {
+        let d = ApiDecoder;
+        let err = d
+            .decode(&json!({"apiVersion": "x/v1", "kind": "GpuConfig"}), &[])
+            .expect_err("apiVersion");
+        assert!(err.to_string().starts_with("apiVersion: "), "{err}");
+        let err = d
+            .decode(
+                &json!({"apiVersion": "gpu.nvidia.com/v1alpha1", "kind": "GpuConfig", "sharing": {"strategy": "mps"}}),
+                &[],
             )
-            .expect_err("strategy")
-            .contains("sharing.strategy")
-        );
+            .expect_err("strategy");
+        assert!(err.to_string().contains("did you mean \"MPS\"?"), "{err}");
         let mps = d
             .decode(
-                &json!({"apiVersion": "gpu.nvidia.com/v1alpha1", "kind": "MigDeviceConfig", "sharing": {"strategy": "MPS"}}),
-                &[],
+                &json!({"apiVersion": "gpu.nvidia.com/v1alpha1", "kind": "MigDeviceConfig",
+                        "sharing": {"strategy": "MPS", "mpsConfig": {"defaultActiveThreadPercentage": 50}}}),
+                &[DeviceTarget { uuid: "MIG-1".into(), is_mig: true }],
             )
             .expect("mps");
         assert_eq!(mps.kind, ConfigKind::Mig);
-        assert!(matches!(mps.sharing, Some(Sharing::Mps { .. })));
+        let Some(Sharing::Mps { config }) = mps.sharing else {
+            panic!("MPS expected");
+        };
+        assert_eq!(config["defaultActiveThreadPercentage"], 50);
+    }
+
+    #[test]
+    fn config_errors_carry_the_allocation_path() {
+        let configs = vec![cfg(
+            2,
+            ConfigSource::FromClaim,
+            &[],
+            json!({"apiVersion": "resource.nvidia.com/v1beta1", "kind": "GpuConfig",
+                   "sharing": {"strategy": "MPS", "mpsConfig": {"defaultActiveThreadPercentage": 150}}}),
+        )];
+        let err = plan(
+            &input(vec![dev(0, "gpu", "gpu-0")], configs),
+            &inventory(),
+            &ApiDecoder,
+        )
+        .expect_err("out of range");
+        assert_eq!(
+            err.to_string(),
+            "status.allocation.devices.config[2].opaque.parameters.sharing.mpsConfig.defaultActiveThreadPercentage: 150 is out of range 1..=100"
+        );
     }
 }

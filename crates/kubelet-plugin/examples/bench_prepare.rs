@@ -81,7 +81,7 @@ async fn start(
         inventory: Arc::new(inventory),
         claims: claims.clone(),
         sharing: Arc::new(ExclusiveOnly),
-        decoder: Arc::new(gpu_dra_core::plan::EnvelopeDecoder),
+        decoder: Arc::new(gpu_dra_core::plan::ApiDecoder),
         cdi: Arc::new(cdi),
         failpoints: Failpoints::default(),
         metrics: Arc::new(Metrics::default()),

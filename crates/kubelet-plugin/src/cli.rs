@@ -17,7 +17,7 @@ use crate::claims::{ClaimSource, FileClaims, KubeClaims};
 use crate::driver::{Driver, DriverParts, DriverSettings};
 use crate::failpoint::Failpoints;
 use crate::metrics::Metrics;
-use crate::sharing::ExclusiveOnly;
+use crate::sharing::{DriverRoot, FileStore, SharingManager, SharingOptions};
 
 /// Log output format.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -133,10 +133,7 @@ pub fn inventory_from_args(args: &RunArgs) -> anyhow::Result<Arc<dyn GpuInventor
     })))
 }
 
-async fn claim_source(args: &RunArgs) -> anyhow::Result<Arc<dyn ClaimSource>> {
-    if let Some(path) = &args.claim_source_file {
-        return Ok(Arc::new(FileClaims::new(path.clone())));
-    }
+async fn kube_client(args: &RunArgs) -> anyhow::Result<kube::Client> {
     let config = match &args.kubeconfig {
         Some(path) => {
             let kc = kube::config::Kubeconfig::read_from(path)
@@ -147,7 +144,19 @@ async fn claim_source(args: &RunArgs) -> anyhow::Result<Arc<dyn ClaimSource>> {
         }
         None => kube::Config::incluster().context("in-cluster Kubernetes config")?,
     };
-    Ok(Arc::new(KubeClaims::new(kube::Client::try_from(config)?)))
+    Ok(kube::Client::try_from(config)?)
+}
+
+/// The claim source and, when claims come from the API server, the client that also
+/// publishes this node's ResourceSlices. A claim file (tests) means no API server at all.
+async fn claim_source(
+    args: &RunArgs,
+) -> anyhow::Result<(Arc<dyn ClaimSource>, Option<kube::Client>)> {
+    if let Some(path) = &args.claim_source_file {
+        return Ok((Arc::new(FileClaims::new(path.clone())), None));
+    }
+    let client = kube_client(args).await?;
+    Ok((Arc::new(KubeClaims::new(client.clone())), Some(client)))
 }
 
 /// Socket paths of a run.
@@ -161,15 +170,14 @@ pub fn socket_paths(args: &RunArgs) -> (PathBuf, PathBuf) {
 
 /// The `run` subcommand: serves until SIGTERM/SIGINT.
 pub async fn run(args: RunArgs) -> anyhow::Result<()> {
-    let inventory = inventory_from_args(&args)?
-        .discover()
-        .context("discovering GPUs")?;
+    let backend = inventory_from_args(&args)?;
+    let inventory = backend.discover().context("discovering GPUs")?;
     info!(
         gpus = inventory.gpus.len(),
         devices = inventory.devices().count(),
         "inventory"
     );
-    let claims = claim_source(&args).await?;
+    let (claims, client) = claim_source(&args).await?;
     std::fs::create_dir_all(&args.plugin_dir)
         .with_context(|| format!("creating {}", args.plugin_dir.display()))?;
     let failpoints = Failpoints::parse(
@@ -185,6 +193,21 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         args.cdi_hook_path.as_deref(),
     );
     let metrics = Arc::new(Metrics::default());
+    // Sharing state is recovered before the driver reconciles: live MPS daemons of prepared
+    // claims are re-adopted (or restarted) and interrupted starts and stops are cleaned up;
+    // then the driver rolls back half-prepared claims through the same manager.
+    let sharing = SharingManager::new(
+        SharingOptions::new(
+            DriverRoot::new(&args.driver_root, args.nvml_lib.clone()),
+            &args.plugin_dir,
+        ),
+        Arc::new(FileStore::new(args.plugin_dir.join("sharing.json"))),
+        metrics.sharing.clone(),
+    )
+    .context("loading the sharing state")?;
+    if let Err(e) = sharing.recover().await {
+        warn!(error = %e, "sharing recovery incomplete; retried by the next unprepare or restart");
+    }
     let driver = Arc::new(Driver::new(DriverParts {
         settings: DriverSettings {
             driver_name: args.driver_name.clone(),
@@ -193,8 +216,8 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         },
         inventory: Arc::new(inventory),
         claims,
-        sharing: Arc::new(ExclusiveOnly),
-        decoder: Arc::new(gpu_dra_core::plan::EnvelopeDecoder),
+        sharing: Arc::new(sharing.clone()),
+        decoder: Arc::new(gpu_dra_core::plan::ApiDecoder),
         cdi: Arc::new(cdi),
         failpoints,
         metrics: metrics.clone(),
@@ -234,6 +257,19 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             }
         })
     };
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let publisher = client.map(|client| {
+        let config = crate::publish::PublisherConfig::new(&args.node_name, &args.driver_name);
+        let mut stop = stop_rx.clone();
+        tokio::spawn(async move {
+            let stopped = async move {
+                let _ = stop.wait_for(|s| *s).await;
+            };
+            if let Err(e) = crate::publish::run(client, config, backend, stopped).await {
+                warn!(error = %e, "ResourceSlice publisher ended");
+            }
+        })
+    });
     ready.store(true, Ordering::Relaxed);
     info!(registration = %reg_path.display(), dra = %dra_path.display(), "serving");
     crate::grpc::serve(
@@ -245,6 +281,12 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     )
     .await?;
     cleanup.abort();
+    let _ = stop_tx.send(true);
+    if let Some(publisher) = publisher {
+        let _ = publisher.await;
+    }
+    // MPS daemons keep serving their claims across a plugin restart.
+    sharing.detach();
     remove_quietly(&reg_path);
     remove_quietly(&dra_path);
     info!("stopped");

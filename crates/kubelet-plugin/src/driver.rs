@@ -395,14 +395,23 @@ impl Driver {
             .await?;
 
         let mut sharing_states = Vec::new();
+        let mut sharing_edits: Vec<(usize, crate::sharing::SharingEdits)> = Vec::new();
         for group in &plan.groups {
-            let members: Vec<_> = group.devices.iter().map(|&i| &plan.devices[i]).collect();
-            if let Some(state) = self
+            let members: Vec<_> = group
+                .devices
+                .iter()
+                .map(|&i| (i, &plan.devices[i]))
+                .collect();
+            let applied = self
                 .sharing
                 .apply(&claim.uid, group, &members)
-                .map_err(DriverError::Sharing)?
-            {
+                .await
+                .map_err(DriverError::Sharing)?;
+            if let Some(state) = applied.state {
                 sharing_states.push(state);
+            }
+            for &i in &group.devices {
+                sharing_edits.push((i, applied.edits.clone()));
             }
         }
         let sharing = (!sharing_states.is_empty()).then(|| Value::Array(sharing_states));
@@ -424,7 +433,21 @@ impl Driver {
                 node_paths: self.cdi.device_nodes(&d.nodes)?,
             });
         }
-        let spec = self.cdi.spec(&claim.uid, &spec_devices);
+        let mut spec = self.cdi.spec(&claim.uid, &spec_devices);
+        // Sharing edits (MPS pipe and shm mounts, env) go on the group's devices, so a
+        // container gets them exactly when it gets one of those devices.
+        for (i, edits) in sharing_edits {
+            if let Some(dev) = spec.devices.get_mut(i) {
+                let ce = &mut dev.container_edits;
+                ce.env.extend(edits.env.iter().cloned());
+                ce.mounts
+                    .extend(edits.mounts.iter().map(|m| gpu_dra_core::cdi::Mount {
+                        host_path: m.host_path.display().to_string(),
+                        container_path: m.container_path.clone(),
+                        options: m.options.clone(),
+                    }));
+            }
+        }
         let cdi = self.cdi.clone();
         let uid = claim.uid.clone();
         blocking(move || cdi.write(&uid, &spec)).await??;
@@ -447,7 +470,7 @@ impl Driver {
     async fn rollback_locked(&self, uid: &str) -> Result<(), DriverError> {
         let entry = self.entry(uid);
         if let Some(e) = &entry {
-            self.release_sharing(uid, e.sharing.as_ref())?;
+            self.release_sharing(uid, e.sharing.as_ref()).await?;
         }
         self.failpoints.hit("unprepare.after_sharing").await?;
         let cdi = self.cdi.clone();
@@ -468,12 +491,13 @@ impl Driver {
         Ok(())
     }
 
-    fn release_sharing(&self, uid: &str, state: Option<&Value>) -> Result<(), DriverError> {
+    async fn release_sharing(&self, uid: &str, state: Option<&Value>) -> Result<(), DriverError> {
         match state {
             Some(Value::Array(states)) => {
                 for s in states {
                     self.sharing
                         .release(uid, Some(s))
+                        .await
                         .map_err(DriverError::Sharing)?;
                 }
                 Ok(())
@@ -481,6 +505,7 @@ impl Driver {
             other => self
                 .sharing
                 .release(uid, other)
+                .await
                 .map_err(DriverError::Sharing),
         }
     }
@@ -621,7 +646,7 @@ mod tests {
             inventory: Arc::new(inventory),
             claims,
             sharing: Arc::new(ExclusiveOnly),
-            decoder: Arc::new(gpu_dra_core::plan::EnvelopeDecoder),
+            decoder: Arc::new(gpu_dra_core::plan::ApiDecoder),
             cdi: Arc::new(cdi),
             failpoints: Failpoints::default(),
             metrics: Arc::new(Metrics::default()),

@@ -25,6 +25,11 @@ use crate::authority::AuthorityFix;
 use crate::driver::{ClaimRef, Driver};
 
 /// Binds a unix socket at `path`, replacing a stale socket file, with owner-only access.
+///
+/// The socket is bound and listening under a hidden temporary name first and then renamed
+/// into place, so the path never names a socket that refuses connections (between `bind` and
+/// `listen`) or has the wrong mode. The kubelet's plugin watcher dials a registration socket
+/// as soon as it appears, and ignores names starting with a dot.
 pub fn bind_socket(path: &Path) -> std::io::Result<UnixListener> {
     if let Some(dir) = path.parent()
         && !dir.exists()
@@ -37,8 +42,25 @@ pub fn bind_socket(path: &Path) -> std::io::Result<UnixListener> {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
         Err(e) => return Err(e),
     }
-    let listener = UnixListener::bind(path)?;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
+    let name = path.file_name().ok_or_else(|| {
+        std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!("socket path {} has no file name", path.display()),
+        )
+    })?;
+    let staging = path.with_file_name(format!(
+        ".{}.{}",
+        name.to_string_lossy(),
+        std::process::id()
+    ));
+    let _ = std::fs::remove_file(&staging);
+    let listener = UnixListener::bind(&staging)?;
+    let placed = std::fs::set_permissions(&staging, std::fs::Permissions::from_mode(0o600))
+        .and_then(|()| std::fs::rename(&staging, path));
+    if let Err(e) = placed {
+        let _ = std::fs::remove_file(&staging);
+        return Err(e);
+    }
     Ok(listener)
 }
 

@@ -3,7 +3,7 @@
 //!
 //! Layout: [`cli`] (flags, `run`), [`discover`] (the `discover` subcommand), [`publish`] (ResourceSlice publisher), [`grpc`] (sockets, services), [`authority`] (grpc-go
 //! `:authority` fix), [`driver`] (prepare/unprepare state machine), [`claims`] (where claims
-//! come from), [`cdi_io`] (CDI on the host), [`sharing`] (seam for sharing actions),
+//! come from), [`cdi_io`] (CDI on the host), [`sharing`] (time-slicing and MPS),
 //! [`failpoint`] (fault injection), [`metrics`] and [`http`] (operations), [`fsutil`]
 //! (crash-safe writes). Pure planning, CDI and checkpoint models live in `gpu-dra-core`.
 

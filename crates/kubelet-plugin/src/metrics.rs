@@ -23,6 +23,8 @@ pub struct Metrics {
     pub in_flight: Gauge,
     /// Devices prepared on this node now.
     pub prepared_devices: Gauge,
+    /// Metrics of GPU sharing (MPS daemon restarts).
+    pub sharing: crate::sharing::SharingMetrics,
 }
 
 fn op(op: &str) -> Labels {
@@ -66,8 +68,11 @@ impl Default for Metrics {
             "Devices prepared on this node",
             prepared_devices.clone(),
         );
+        let sharing = crate::sharing::SharingMetrics::default();
+        sharing.register(&mut registry);
         Metrics {
             registry,
+            sharing,
             requests,
             errors,
             duration,

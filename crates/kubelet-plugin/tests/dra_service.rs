@@ -52,7 +52,7 @@ async fn v1_and_v1beta1_prepare_and_unprepare_over_the_socket() {
             inventory: Arc::new(inventory),
             claims,
             sharing: Arc::new(ExclusiveOnly),
-            decoder: Arc::new(gpu_dra_core::plan::EnvelopeDecoder),
+            decoder: Arc::new(gpu_dra_core::plan::ApiDecoder),
             cdi: Arc::new(cdi),
             failpoints: Failpoints::default(),
             metrics: metrics.clone(),

@@ -409,9 +409,11 @@ fn serve(env: &MpsEnv, state: Option<&State>, mode: Mode, out: &mut dyn Write) -
         let _ = fs::remove_file(pipe_dir.join(f));
     }
     let control = pipe_dir.join("control");
+    // Privileged socket first and `control` last, each bound and listening under a staging
+    // name before it is renamed into place: whoever sees `control` can connect at once.
     let listeners = [
-        UnixListener::bind(&control),
-        UnixListener::bind(pipe_dir.join("control_privileged")),
+        bind_in_place(&pipe_dir.join("control_privileged"), 0o600),
+        bind_in_place(&control, 0o666),
     ];
     let mut bound = Vec::new();
     for l in listeners {
@@ -428,7 +430,6 @@ fn serve(env: &MpsEnv, state: Option<&State>, mode: Mode, out: &mut dyn Write) -
             }
         }
     }
-    let _ = fs::set_permissions(&control, fs::Permissions::from_mode(0o666));
     let _ = make_fifo(&pipe_dir.join("log"));
     let _ = fs::write(
         pipe_dir.join("nvidia-cuda-mps-control.pid"),
@@ -663,6 +664,22 @@ fn client(env: &MpsEnv, stdin: &mut dyn BufRead, out: &mut dyn Write) -> i32 {
             return 0;
         }
     }
+}
+
+/// Binds a listening socket at a staging name, sets its mode, then renames it to `path`.
+fn bind_in_place(path: &Path, mode: u32) -> std::io::Result<UnixListener> {
+    let mut staging = path.as_os_str().to_owned();
+    staging.push(".staging");
+    let staging = std::path::PathBuf::from(staging);
+    let _ = fs::remove_file(&staging);
+    let listener = UnixListener::bind(&staging)?;
+    let placed = fs::set_permissions(&staging, fs::Permissions::from_mode(mode))
+        .and_then(|()| fs::rename(&staging, path));
+    if let Err(e) = placed {
+        let _ = fs::remove_file(&staging);
+        return Err(e);
+    }
+    Ok(listener)
 }
 
 /// Creates the FIFO the real daemon uses to collect server logs.

@@ -1,1 +1,182 @@
-//! The admission webhook.
+//! `gpu-dra-webhook`: the validating admission webhook for opaque GPU configs.
+//!
+//! It reviews ResourceClaims, ResourceClaimTemplates and DeviceClasses of `resource.k8s.io`
+//! and denies those whose `GpuConfig` / `MigDeviceConfig` parameters addressed to our driver
+//! are invalid, using the one validation of the `api` crate, so users see config errors at
+//! `kubectl apply` instead of at pod start. Layout:
+//! - [`admission`]: pure AdmissionReview decoding and answering;
+//! - [`validation`]: the bridge to the `api` crate;
+//! - [`tls`]: the serving certificate, reloaded when its files rotate;
+//! - [`server`]: HTTPS (HTTP/1.1 and HTTP/2) routing and graceful shutdown;
+//! - [`metrics`]: Prometheus metrics.
+
+pub mod admission;
+pub mod metrics;
+pub mod server;
+pub mod tls;
+pub mod validation;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::Context;
+use clap::{Parser, ValueEnum};
+use tokio::net::TcpListener;
+use tracing_subscriber::EnvFilter;
+
+use crate::metrics::Metrics;
+use crate::server::App;
+use crate::tls::ReloadingCert;
+
+/// Command line of `gpu-dra-webhook`; every flag has an environment twin (the chart sets those).
+#[derive(Debug, Clone, Parser)]
+#[command(name = "gpu-dra-webhook", version, about)]
+pub struct Args {
+    /// Address of the HTTPS listener (POST /validate, GET /healthz /readyz /metrics).
+    #[arg(long, env = "BIND_ADDRESS", default_value = "0.0.0.0:8443")]
+    pub bind_address: SocketAddr,
+    /// PEM certificate chain, leaf first; reloaded when the file changes.
+    #[arg(long, env = "TLS_CERT_FILE")]
+    pub tls_cert_file: PathBuf,
+    /// PEM private key of the certificate; reloaded with it.
+    #[arg(long, env = "TLS_KEY_FILE")]
+    pub tls_key_file: PathBuf,
+    /// Opaque configs addressed to this driver are validated; others are left alone.
+    #[arg(long, env = "DRIVER_NAME", default_value = "gpu.nvidia.com")]
+    pub driver_name: String,
+    /// Log line format.
+    #[arg(long, env = "LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
+    /// Log filter, in tracing EnvFilter syntax (e.g. `info,gpu_dra_webhook=debug`).
+    #[arg(long, env = "LOG_LEVEL", default_value = "info")]
+    pub log_level: String,
+}
+
+/// Log line format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line (for the cluster's log pipeline).
+    Json,
+}
+
+/// Installs the global tracing subscriber.
+pub fn init_tracing(format: LogFormat, level: &str) -> anyhow::Result<()> {
+    let filter = EnvFilter::try_new(level)
+        .with_context(|| format!("--log-level {level:?} is not a valid tracing filter"))?;
+    let builder = tracing_subscriber::fmt().with_env_filter(filter);
+    let result = match format {
+        LogFormat::Text => builder.try_init(),
+        LogFormat::Json => builder.json().flatten_event(true).try_init(),
+    };
+    result.map_err(|e| anyhow::anyhow!("installing the log subscriber: {e}"))
+}
+
+/// Runs the webhook until SIGTERM or SIGINT.
+pub async fn run(args: Args) -> anyhow::Result<()> {
+    let metrics = Arc::new(Metrics::new());
+    let cert = ReloadingCert::load(
+        &args.tls_cert_file,
+        &args.tls_key_file,
+        metrics.cert_reloads.clone(),
+        metrics.cert_reload_failures.clone(),
+    )
+    .context("loading the serving certificate")?;
+    let tls = Arc::new(cert).server_config()?;
+    let listener = TcpListener::bind(args.bind_address)
+        .await
+        .with_context(|| format!("binding {}", args.bind_address))?;
+    let app = Arc::new(App::new(args.driver_name, metrics));
+    server::serve(listener, tls, app, shutdown_signal()).await;
+    Ok(())
+}
+
+/// Completes on SIGTERM (pod deletion) or SIGINT (Ctrl-C).
+async fn shutdown_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    match signal(SignalKind::terminate()) {
+        Ok(mut term) => {
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = tokio::signal::ctrl_c() => {}
+            }
+        }
+        Err(error) => {
+            tracing::warn!(%error, "cannot watch SIGTERM; only Ctrl-C stops the server");
+            let _ = tokio::signal::ctrl_c().await;
+        }
+    }
+}
+
+/// Worker threads of the runtime: reviews take microseconds, so a few threads serve
+/// thousands per second, and fewer threads keep the resident memory small.
+pub fn worker_threads() -> usize {
+    std::thread::available_parallelism()
+        .map(usize::from)
+        .unwrap_or(1)
+        .min(2)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn every_flag_has_its_env_twin() {
+        Args::command().debug_assert();
+        let twins: Vec<(String, String)> = Args::command()
+            .get_arguments()
+            .filter(|a| !matches!(a.get_id().as_str(), "help" | "version"))
+            .map(|a| {
+                let env = a.get_env().map(|e| e.to_string_lossy().into_owned());
+                (a.get_id().to_string(), env.unwrap_or_default())
+            })
+            .collect();
+        assert_eq!(
+            twins,
+            [
+                ("bind_address", "BIND_ADDRESS"),
+                ("tls_cert_file", "TLS_CERT_FILE"),
+                ("tls_key_file", "TLS_KEY_FILE"),
+                ("driver_name", "DRIVER_NAME"),
+                ("log_format", "LOG_FORMAT"),
+                ("log_level", "LOG_LEVEL"),
+            ]
+            .map(|(a, e)| (a.to_owned(), e.to_owned()))
+        );
+    }
+
+    #[test]
+    fn defaults_match_the_contract() {
+        let a = Args::try_parse_from([
+            "gpu-dra-webhook",
+            "--tls-cert-file",
+            "c",
+            "--tls-key-file",
+            "k",
+        ])
+        .unwrap();
+        // An env twin set in the test's environment legitimately overrides a default.
+        let unset = |var: &str| std::env::var_os(var).is_none();
+        if unset("BIND_ADDRESS") {
+            assert_eq!(a.bind_address.to_string(), "0.0.0.0:8443");
+        }
+        if unset("DRIVER_NAME") {
+            assert_eq!(a.driver_name, "gpu.nvidia.com");
+        }
+        if unset("LOG_FORMAT") {
+            assert_eq!(a.log_format, LogFormat::Text);
+        }
+        if unset("LOG_LEVEL") {
+            assert_eq!(a.log_level, "info");
+        }
+        let err = init_tracing(LogFormat::Json, "info,=bad[").unwrap_err();
+        assert!(
+            err.to_string().contains("not a valid tracing filter"),
+            "{err}"
+        );
+    }
+}

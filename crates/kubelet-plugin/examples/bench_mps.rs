@@ -1,0 +1,150 @@
+//! Benchmark: MPS claim prepare on the simulator, from the prepare call to a daemon that
+//! answered on its pipe with its limits applied; plus unprepare, and time-slicing for
+//! comparison. Prints medians and percentiles; the target is an MPS prepare p50 <= 300 ms.
+//!
+//! Run with `make bench` (release). It uses the simulator's `gpu-sim` from the same target
+//! directory, building it first when missing.
+
+#![allow(clippy::print_stdout, clippy::unwrap_used)]
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use gpu_kubelet_plugin::sharing::{
+    DeviceKey, DriverRoot, FileStore, MpsRequest, SharedDevice, SharingGroup, SharingManager,
+    SharingMetrics, SharingOptions, SharingRequest, TimeSliceInterval,
+};
+
+const ITERATIONS: usize = 40;
+const PROFILE: &str = "dgx-a100-40gb";
+
+fn gpu_sim() -> PathBuf {
+    // <target>/<profile>/examples/bench_mps -> <target>/<profile>/gpu-sim
+    let exe = std::env::current_exe().unwrap();
+    let dir = exe.parent().unwrap().parent().unwrap().to_path_buf();
+    let tool = dir.join("gpu-sim");
+    if !tool.exists() {
+        let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+        let mut cmd = std::process::Command::new(cargo);
+        cmd.args(["build", "--quiet", "-p", "gpu-dra-sim", "--lib", "--bins"]);
+        if dir.file_name().is_some_and(|n| n == "release") {
+            cmd.arg("--release");
+        }
+        assert!(cmd.status().unwrap().success(), "building the simulator");
+    }
+    tool
+}
+
+fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[i]
+}
+
+fn report(name: &str, mut samples: Vec<Duration>) -> Duration {
+    samples.sort();
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    let p50 = percentile(&samples, 0.5);
+    println!(
+        "{name:<34} n={:<3} p50={:>8.2} ms  p90={:>8.2} ms  p99={:>8.2} ms  max={:>8.2} ms",
+        samples.len(),
+        ms(p50),
+        ms(percentile(&samples, 0.9)),
+        ms(percentile(&samples, 0.99)),
+        ms(samples[samples.len() - 1]),
+    );
+    p50
+}
+
+fn device(index: usize, uuid: &str) -> SharedDevice {
+    SharedDevice {
+        index,
+        uuid: uuid.to_string(),
+        mig: false,
+    }
+}
+
+#[tokio::main]
+async fn main() {
+    let host = tempfile::tempdir().unwrap();
+    let status = std::process::Command::new(gpu_sim())
+        .args(["setup", "--profile", PROFILE, "--root"])
+        .arg(host.path())
+        .stdout(std::process::Stdio::null())
+        .status()
+        .unwrap();
+    assert!(status.success(), "gpu-sim setup failed");
+    let plugin_dir = tempfile::tempdir().unwrap();
+    let opts = SharingOptions::new(DriverRoot::new(host.path(), None), plugin_dir.path());
+    let store = Arc::new(FileStore::new(plugin_dir.path().join("sharing.json")));
+    let m = SharingManager::new(opts, store, SharingMetrics::default()).unwrap();
+
+    // Whole GPUs of the profile (GPUs 4-7 have MIG disabled).
+    let state: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(host.path().join("etc/gpu-sim/state.json")).unwrap())
+            .unwrap();
+    let uuids: Vec<String> = state
+        .pointer("/profile/gpus")
+        .and_then(|g| g.as_array())
+        .unwrap()
+        .iter()
+        .map(|g| g["uuid"].as_str().unwrap().to_string())
+        .collect();
+    let (g4, g5) = (&uuids[4], &uuids[5]);
+
+    let one_gpu = SharingGroup {
+        name: "0".into(),
+        devices: vec![device(0, g4)],
+        sharing: SharingRequest::Mps(MpsRequest {
+            active_thread_percentage: Some(50),
+            default_pinned_memory_mib: Some(4096),
+            ..Default::default()
+        }),
+    };
+    let two_gpus = SharingGroup {
+        name: "0".into(),
+        devices: vec![device(0, g4), device(1, g5)],
+        sharing: SharingRequest::Mps(MpsRequest {
+            active_thread_percentage: Some(50),
+            default_pinned_memory_mib: Some(4096),
+            per_device_pinned_memory_mib: [(DeviceKey::Index(1), 2048)].into(),
+        }),
+    };
+    let timeslice = SharingGroup {
+        name: "0".into(),
+        devices: vec![device(0, g4)],
+        sharing: SharingRequest::TimeSlicing {
+            interval: TimeSliceInterval::Long,
+        },
+    };
+
+    println!("sharing on the simulator ({PROFILE}), {ITERATIONS} claims each, release build");
+    let mut mps_p50 = Duration::ZERO;
+    for (name, group) in [
+        ("MPS prepare, 1 GPU", &one_gpu),
+        ("MPS prepare, 2 GPUs + per-device", &two_gpus),
+        ("time-slicing prepare, 1 GPU", &timeslice),
+    ] {
+        let mut prepare = Vec::new();
+        let mut unprepare = Vec::new();
+        for i in 0..ITERATIONS {
+            let claim = format!("00000000-0000-4000-8000-{i:012}");
+            let t = Instant::now();
+            m.prepare(&claim, group).await.unwrap();
+            prepare.push(t.elapsed());
+            let t = Instant::now();
+            m.unprepare(&claim).await.unwrap();
+            unprepare.push(t.elapsed());
+        }
+        let p50 = report(name, prepare);
+        if name == "MPS prepare, 1 GPU" {
+            mps_p50 = p50;
+        }
+        report(&name.replace("prepare", "unprepare"), unprepare);
+    }
+    println!(
+        "MPS prepare p50 {:.1} ms vs target 300 ms: {:.1}x under target",
+        mps_p50.as_secs_f64() * 1e3,
+        0.3 / mps_p50.as_secs_f64()
+    );
+}

@@ -1,0 +1,253 @@
+//! What sharing has done on this node, persisted so that it survives a plugin restart.
+//!
+//! Invariants:
+//! - A time-slice entry exists for a GPU from before its interval is set until it has been
+//!   reset to `Default`; an entry with no claims left means "reset still owed".
+//! - An MPS record exists from before its directories are created or its daemon is started
+//!   until the daemon is gone, the compute mode restored and the directories removed. So
+//!   whatever crashes in between, recovery finds everything it has to clean up.
+//!
+//! The state is plain data; [`SharingStore`] persists it. The node plugin may keep it inside
+//! its own checkpoint (implement the trait over it) or use [`FileStore`].
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use super::error::SharingError;
+use super::smi::TimeSliceInterval;
+
+/// Current version of the serialized state.
+pub const STATE_VERSION: u32 = 1;
+
+/// Everything sharing has applied on the node.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SharingState {
+    /// Format version ([`STATE_VERSION`]).
+    #[serde(default)]
+    pub version: u32,
+    /// Time-slice settings by whole-GPU UUID.
+    #[serde(default)]
+    pub time_slicing: BTreeMap<String, TimeSliceRecord>,
+    /// MPS control daemons by daemon id (`<claimUID>-<group>`).
+    #[serde(default)]
+    pub mps: BTreeMap<String, MpsRecord>,
+}
+
+/// A GPU whose time-slice interval we set, and the claims relying on it (reference count).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct TimeSliceRecord {
+    /// The interval last set.
+    pub interval: TimeSliceInterval,
+    /// UIDs of the prepared claims using this GPU with time-slicing.
+    pub claims: BTreeSet<String>,
+}
+
+/// Where an MPS daemon is in its life.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub enum MpsPhase {
+    /// Being started by a prepare that has not returned yet.
+    Starting,
+    /// Answered on its pipe with its limits applied; the claim is prepared.
+    Ready,
+    /// Being torn down by an unprepare.
+    Stopping,
+}
+
+/// One MPS control daemon serving one device group of one claim.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct MpsRecord {
+    /// Claim UID.
+    pub claim_uid: String,
+    /// Device group within the claim.
+    pub group: String,
+    /// Lifecycle phase.
+    pub phase: MpsPhase,
+    /// Process id of `nvidia-cuda-mps-control -f`, once started.
+    pub pid: Option<u32>,
+    /// The daemon's directory (`<plugin-dir>/mps/<id>`), holding `pipe`, `log` and `shm`.
+    pub dir: PathBuf,
+    /// GPU or MIG UUIDs it serves, sorted: the daemon's `CUDA_VISIBLE_DEVICES` order.
+    pub devices: Vec<String>,
+    /// The subset of `devices` that are whole GPUs (compute mode set on these).
+    pub whole_gpus: Vec<String>,
+    /// Limits applied after every (re)start.
+    pub limits: MpsLimitsApplied,
+}
+
+/// MPS limits as sent to the daemon, device keys already resolved to UUIDs.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct MpsLimitsApplied {
+    /// `set_default_active_thread_percentage`.
+    pub active_thread_percentage: Option<u32>,
+    /// `set_default_device_pinned_mem_limit <uuid> <MiB>M`, by UUID.
+    pub pinned_memory_mib: BTreeMap<String, u64>,
+}
+
+impl MpsRecord {
+    /// `<dir>/pipe`: the control socket directory (`CUDA_MPS_PIPE_DIRECTORY`).
+    pub fn pipe_dir(&self) -> PathBuf {
+        self.dir.join("pipe")
+    }
+    /// `<dir>/log`: `CUDA_MPS_LOG_DIRECTORY`.
+    pub fn log_dir(&self) -> PathBuf {
+        self.dir.join("log")
+    }
+    /// `<dir>/shm`: mounted at `/dev/shm` in the claim's containers.
+    pub fn shm_dir(&self) -> PathBuf {
+        self.dir.join("shm")
+    }
+}
+
+/// Persists [`SharingState`]. `save` must be durable when it returns.
+pub trait SharingStore: Send + Sync {
+    /// The last saved state (empty when none was saved).
+    fn load(&self) -> Result<SharingState, SharingError>;
+    /// Saves `state` durably.
+    fn save(&self, state: &SharingState) -> Result<(), SharingError>;
+}
+
+/// A JSON file, written crash-safely (temp file, fsync, rename, fsync the directory).
+#[derive(Debug, Clone)]
+pub struct FileStore {
+    path: PathBuf,
+}
+
+impl FileStore {
+    /// A store at `path` (conventionally `<plugin-dir>/sharing.json`).
+    pub fn new(path: impl Into<PathBuf>) -> Self {
+        Self { path: path.into() }
+    }
+
+    /// The file path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl SharingStore for FileStore {
+    fn load(&self) -> Result<SharingState, SharingError> {
+        let bytes = match std::fs::read(&self.path) {
+            Ok(b) => b,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                return Ok(SharingState {
+                    version: STATE_VERSION,
+                    ..Default::default()
+                });
+            }
+            Err(e) => return Err(SharingError::io("read", &self.path, e)),
+        };
+        let state: SharingState =
+            serde_json::from_slice(&bytes).map_err(|e| SharingError::StateCorrupt {
+                path: self.path.clone(),
+                reason: e.to_string(),
+            })?;
+        if state.version > STATE_VERSION {
+            return Err(SharingError::StateCorrupt {
+                path: self.path.clone(),
+                reason: format!(
+                    "version {} is newer than this plugin understands ({STATE_VERSION})",
+                    state.version
+                ),
+            });
+        }
+        Ok(state)
+    }
+
+    fn save(&self, state: &SharingState) -> Result<(), SharingError> {
+        let dir = self.path.parent().unwrap_or(Path::new("."));
+        std::fs::create_dir_all(dir).map_err(|e| SharingError::io("create directory", dir, e))?;
+        let mut state = state.clone();
+        state.version = STATE_VERSION;
+        let bytes = serde_json::to_vec_pretty(&state).map_err(|e| SharingError::StateCorrupt {
+            path: self.path.clone(),
+            reason: e.to_string(),
+        })?;
+        let tmp = self.path.with_extension("json.tmp");
+        let write = || -> std::io::Result<()> {
+            let mut f = std::fs::File::create(&tmp)?;
+            f.write_all(&bytes)?;
+            f.sync_all()?;
+            std::fs::rename(&tmp, &self.path)?;
+            std::fs::File::open(dir)?.sync_all()
+        };
+        write().map_err(|e| SharingError::io("write", &self.path, e))
+    }
+}
+
+/// An in-memory store, for tests and for callers that persist the state themselves.
+#[derive(Debug, Default)]
+pub struct MemoryStore(std::sync::Mutex<SharingState>);
+
+impl SharingStore for MemoryStore {
+    fn load(&self) -> Result<SharingState, SharingError> {
+        Ok(self.0.lock().map(|s| s.clone()).unwrap_or_default())
+    }
+    fn save(&self, state: &SharingState) -> Result<(), SharingError> {
+        if let Ok(mut s) = self.0.lock() {
+            *s = state.clone();
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn file_store_round_trips_and_starts_empty() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = FileStore::new(dir.path().join("sub/sharing.json"));
+        assert_eq!(store.load().unwrap().mps.len(), 0);
+        let mut s = SharingState::default();
+        s.time_slicing.insert(
+            "GPU-1".into(),
+            TimeSliceRecord {
+                interval: TimeSliceInterval::Long,
+                claims: ["c1".to_string()].into(),
+            },
+        );
+        s.mps.insert(
+            "c1-0".into(),
+            MpsRecord {
+                claim_uid: "c1".into(),
+                group: "0".into(),
+                phase: MpsPhase::Ready,
+                pid: Some(42),
+                dir: "/x/mps/c1-0".into(),
+                devices: vec!["GPU-1".into()],
+                whole_gpus: vec!["GPU-1".into()],
+                limits: MpsLimitsApplied {
+                    active_thread_percentage: Some(50),
+                    pinned_memory_mib: [("GPU-1".to_string(), 1024)].into(),
+                },
+            },
+        );
+        store.save(&s).unwrap();
+        let back = store.load().unwrap();
+        assert_eq!(back.version, STATE_VERSION);
+        assert_eq!(back.time_slicing, s.time_slicing);
+        assert_eq!(back.mps, s.mps);
+        assert!(!dir.path().join("sub/sharing.json.tmp").exists());
+    }
+
+    #[test]
+    fn corrupt_or_newer_state_is_an_error_naming_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("sharing.json");
+        std::fs::write(&path, "{not json").unwrap();
+        let err = FileStore::new(&path).load().unwrap_err().to_string();
+        assert!(err.contains("sharing.json"), "{err}");
+        std::fs::write(&path, r#"{"version": 99}"#).unwrap();
+        let err = FileStore::new(&path).load().unwrap_err().to_string();
+        assert!(err.contains("newer"), "{err}");
+    }
+}

@@ -1,0 +1,645 @@
+//! Sharing against the simulator's real processes: its `nvidia-smi` and
+//! `nvidia-cuda-mps-control` stand-ins found under a simulated driver root, with state in its
+//! state file. Each test builds a fresh simulated host and plugin directory.
+
+// Test helpers outside #[test] functions: a failed unwrap is a failed test.
+#![allow(clippy::unwrap_used)]
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use gpu_kubelet_plugin::sharing::state::MpsPhase;
+use gpu_kubelet_plugin::sharing::{
+    DeviceKey, DriverRoot, FileStore, MpsRequest, SharedDevice, SharingGroup, SharingManager,
+    SharingMetrics, SharingOptions, SharingRequest, SharingStore, TimeSliceInterval, daemon_id,
+};
+use nvidia_ml::state::ComputeMode;
+use nvidia_ml::testing::SimHost;
+
+const CLAIM_A: &str = "0b6e2c46-6e0e-4c1c-9a55-3f6f5e9d1a7b";
+const CLAIM_B: &str = "5f1c7d2a-8b3e-4f6a-9c0d-1e2f3a4b5c6d";
+
+// dgx-a100-40gb: GPUs 0-3 have MIG enabled, 4-7 are whole.
+const PROFILE: &str = "dgx-a100-40gb";
+
+struct Node {
+    host: SimHost,
+    plugin_dir: tempfile::TempDir,
+    metrics: SharingMetrics,
+}
+
+impl Node {
+    fn new(profile: &str) -> Node {
+        Node {
+            host: SimHost::new(profile),
+            plugin_dir: tempfile::tempdir().unwrap(),
+            metrics: SharingMetrics::default(),
+        }
+    }
+
+    fn options(&self) -> SharingOptions {
+        let mut o = SharingOptions::new(
+            DriverRoot::new(self.host.root(), None),
+            self.plugin_dir.path(),
+        );
+        o.restart_backoff_initial = Duration::from_millis(20);
+        o.restart_backoff_max = Duration::from_millis(500);
+        o.liveness_interval = Duration::from_millis(20);
+        o
+    }
+
+    fn store(&self) -> Arc<FileStore> {
+        Arc::new(FileStore::new(self.plugin_dir.path().join("sharing.json")))
+    }
+
+    /// A manager as a (re)started plugin process would build it.
+    fn manager(&self) -> SharingManager {
+        SharingManager::new(self.options(), self.store(), self.metrics.clone()).unwrap()
+    }
+
+    fn gpu_uuid(&self, index: usize) -> String {
+        self.host.profile().gpus[index].uuid.clone()
+    }
+
+    fn mig_uuid(&self, gpu: usize) -> String {
+        self.host.state().mig_devices(gpu)[0].ci.uuid.clone()
+    }
+
+    fn compute_mode(&self, index: usize) -> ComputeMode {
+        self.host.state().gpus[index].compute_mode
+    }
+
+    fn timeslice(&self, index: usize) -> u32 {
+        self.host.state().gpus[index].timeslice
+    }
+
+    fn daemon_dir(&self, claim: &str, group: &str) -> PathBuf {
+        self.plugin_dir
+            .path()
+            .join("mps")
+            .join(daemon_id(claim, group))
+    }
+
+    /// Runs the MPS client against a daemon's pipe and returns its exit code and stdout.
+    fn mps_client(&self, dir: &Path, commands: &str) -> (i32, String) {
+        use std::io::Write;
+        let mut child = std::process::Command::new(self.host.tool("nvidia-cuda-mps-control"))
+            .env_clear()
+            .env("CUDA_MPS_PIPE_DIRECTORY", dir.join("pipe"))
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(commands.as_bytes())
+            .unwrap();
+        let out = child.wait_with_output().unwrap();
+        (
+            out.status.code().unwrap_or(-1),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+        )
+    }
+}
+
+fn gpu(uuid: &str) -> SharedDevice {
+    SharedDevice {
+        index: 0,
+        uuid: uuid.to_string(),
+        mig: false,
+    }
+}
+
+fn mig(uuid: &str) -> SharedDevice {
+    SharedDevice {
+        index: 0,
+        uuid: uuid.to_string(),
+        mig: true,
+    }
+}
+
+fn ts(devices: Vec<SharedDevice>, interval: TimeSliceInterval) -> SharingGroup {
+    SharingGroup {
+        name: "0".into(),
+        devices,
+        sharing: SharingRequest::TimeSlicing { interval },
+    }
+}
+
+fn mps(devices: Vec<SharedDevice>, req: MpsRequest) -> SharingGroup {
+    SharingGroup {
+        name: "0".into(),
+        devices,
+        sharing: SharingRequest::Mps(req),
+    }
+}
+
+fn environ(pid: u32) -> String {
+    String::from_utf8_lossy(&std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default())
+        .replace('\0', "\n")
+}
+
+fn alive(pid: u32) -> bool {
+    gpu_kubelet_plugin::sharing::mps::pid_alive(pid)
+}
+
+fn kill9(pid: u32) {
+    gpu_kubelet_plugin::sharing::mps::kill(pid);
+}
+
+async fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
+    for _ in 0..1000 {
+        if f() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("timed out waiting for {what}");
+}
+
+#[tokio::test]
+async fn time_slicing_on_a_whole_gpu_sets_and_resets_the_interval() {
+    let node = Node::new(PROFILE);
+    let m = node.manager();
+    let uuid = node.gpu_uuid(4);
+    let edits = m
+        .prepare(CLAIM_A, &ts(vec![gpu(&uuid)], TimeSliceInterval::Long))
+        .await
+        .unwrap();
+    assert!(edits.env.is_empty() && edits.mounts.is_empty());
+    assert_eq!(node.timeslice(4), 3);
+    assert_eq!(node.compute_mode(4), ComputeMode::Default);
+    m.unprepare(CLAIM_A).await.unwrap();
+    assert_eq!(node.timeslice(4), 0);
+    assert!(m.state().time_slicing.is_empty());
+}
+
+#[tokio::test]
+async fn time_slicing_on_a_mig_device_calls_no_tool() {
+    let node = Node::new(PROFILE);
+    // Any nvidia-smi call now fails: time-slicing a MIG device must not need one.
+    let smi = node.host.tool("nvidia-smi");
+    std::fs::set_permissions(&smi, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let m = node.manager();
+    let before = node.host.state();
+    m.prepare(
+        CLAIM_A,
+        &ts(vec![mig(&node.mig_uuid(0))], TimeSliceInterval::Short),
+    )
+    .await
+    .unwrap();
+    m.unprepare(CLAIM_A).await.unwrap();
+    assert_eq!(node.host.state().gpus, before.gpus);
+    assert!(m.state().time_slicing.is_empty());
+    // A whole GPU does need the tool, and the error says where it was looked for.
+    let err = m
+        .prepare(
+            CLAIM_B,
+            &ts(vec![gpu(&node.gpu_uuid(4))], TimeSliceInterval::Short),
+        )
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("nvidia-smi not found") && err.contains("usr/bin/nvidia-smi"),
+        "{err}"
+    );
+}
+
+#[tokio::test]
+async fn time_slicing_on_an_unsupported_gpu_is_a_clear_error() {
+    let node = Node::new("p4");
+    let m = node.manager();
+    let uuid = node.gpu_uuid(0);
+    let err = m
+        .prepare(CLAIM_A, &ts(vec![gpu(&uuid)], TimeSliceInterval::Medium))
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains(&uuid), "{err}");
+    assert!(err.contains("Not Supported"), "{err}");
+    // The failed claim holds nothing.
+    assert!(m.state().time_slicing.is_empty());
+}
+
+#[tokio::test]
+async fn time_slice_is_reset_only_after_the_last_claim_even_across_a_restart() {
+    let node = Node::new(PROFILE);
+    let uuid = node.gpu_uuid(5);
+    let m = node.manager();
+    m.prepare(CLAIM_A, &ts(vec![gpu(&uuid)], TimeSliceInterval::Medium))
+        .await
+        .unwrap();
+    m.prepare(CLAIM_B, &ts(vec![gpu(&uuid)], TimeSliceInterval::Medium))
+        .await
+        .unwrap();
+    m.unprepare(CLAIM_A).await.unwrap();
+    assert_eq!(
+        node.timeslice(5),
+        2,
+        "reset while claim B still uses the GPU"
+    );
+    // The reference count is persisted: a new plugin process knows about claim B.
+    drop(m);
+    let m = node.manager();
+    m.recover().await.unwrap();
+    assert_eq!(node.timeslice(5), 2);
+    m.unprepare(CLAIM_B).await.unwrap();
+    assert_eq!(node.timeslice(5), 0);
+    // Unprepare is idempotent.
+    m.unprepare(CLAIM_B).await.unwrap();
+}
+
+#[tokio::test]
+async fn mps_on_one_gpu_runs_a_ready_daemon_with_limits_and_cleans_up() {
+    let node = Node::new(PROFILE);
+    let m = node.manager();
+    let uuid = node.gpu_uuid(4);
+    let req = MpsRequest {
+        active_thread_percentage: Some(50),
+        default_pinned_memory_mib: Some(1536),
+        ..Default::default()
+    };
+    let edits = m
+        .prepare(CLAIM_A, &mps(vec![gpu(&uuid)], req.clone()))
+        .await
+        .unwrap();
+    let dir = node.daemon_dir(CLAIM_A, "0");
+    assert_eq!(edits.env, ["CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps"]);
+    assert_eq!(edits.mounts[0].host_path, dir.join("pipe"));
+    assert_eq!(edits.mounts[0].container_path, "/tmp/nvidia-mps");
+    assert_eq!(edits.mounts[1].host_path, dir.join("shm"));
+    assert_eq!(edits.mounts[1].container_path, "/dev/shm");
+    assert_eq!(node.compute_mode(4), ComputeMode::ExclusiveProcess);
+
+    // The daemon answers on the claim's pipe with the limits applied.
+    let (code, out) = node.mps_client(
+        &dir,
+        &format!(
+            "get_default_active_thread_percentage\nget_default_device_pinned_mem_limit {uuid}\n"
+        ),
+    );
+    assert_eq!(code, 0);
+    assert_eq!(out, "50.0\n1536M\n");
+    let pid = m.mps_pid(CLAIM_A, "0").unwrap();
+    let env = environ(pid);
+    assert!(
+        env.contains(&format!("CUDA_VISIBLE_DEVICES={uuid}\n")),
+        "{env}"
+    );
+    assert!(env.contains(&format!(
+        "CUDA_MPS_LOG_DIRECTORY={}\n",
+        dir.join("log").display()
+    )));
+    let saved = node.store().load().unwrap();
+    let rec = &saved.mps[&daemon_id(CLAIM_A, "0")];
+    assert_eq!(rec.phase, MpsPhase::Ready);
+    assert_eq!(rec.pid, Some(pid));
+
+    // Repeating prepare is a no-op returning the same edits.
+    assert_eq!(
+        m.prepare(CLAIM_A, &mps(vec![gpu(&uuid)], req))
+            .await
+            .unwrap(),
+        edits
+    );
+    assert_eq!(m.mps_pid(CLAIM_A, "0"), Some(pid));
+
+    m.unprepare(CLAIM_A).await.unwrap();
+    assert!(!alive(pid));
+    assert!(!dir.exists());
+    assert_eq!(node.compute_mode(4), ComputeMode::Default);
+    assert!(node.store().load().unwrap().mps.is_empty());
+    m.unprepare(CLAIM_A).await.unwrap();
+}
+
+#[tokio::test]
+async fn mps_on_two_gpus_applies_a_per_device_limit() {
+    let node = Node::new(PROFILE);
+    let m = node.manager();
+    let (a, b) = (node.gpu_uuid(6), node.gpu_uuid(7));
+    let mut sorted = [a.clone(), b.clone()];
+    sorted.sort();
+    let req = MpsRequest {
+        default_pinned_memory_mib: Some(1024),
+        // Claim index 1 is GPU b.
+        per_device_pinned_memory_mib: [(DeviceKey::Index(1), 3000)].into(),
+        ..Default::default()
+    };
+    let mut devices = vec![gpu(&a), gpu(&b)];
+    devices[1].index = 1;
+    m.prepare(CLAIM_A, &mps(devices, req)).await.unwrap();
+    let dir = node.daemon_dir(CLAIM_A, "0");
+    let (_, out) = node.mps_client(
+        &dir,
+        &format!(
+            "get_default_device_pinned_mem_limit {a}\nget_default_device_pinned_mem_limit {b}\n"
+        ),
+    );
+    assert_eq!(out, "1G\n3000M\n");
+    let pid = m.mps_pid(CLAIM_A, "0").unwrap();
+    assert!(environ(pid).contains(&format!(
+        "CUDA_VISIBLE_DEVICES={},{}\n",
+        sorted[0], sorted[1]
+    )));
+    assert_eq!(node.compute_mode(6), ComputeMode::ExclusiveProcess);
+    assert_eq!(node.compute_mode(7), ComputeMode::ExclusiveProcess);
+
+    // A second claim cannot time-slice a GPU that MPS holds.
+    let err = m
+        .prepare(CLAIM_B, &ts(vec![gpu(&a)], TimeSliceInterval::Short))
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains(&a) && err.contains("MPS"), "{err}");
+
+    m.unprepare(CLAIM_A).await.unwrap();
+    assert_eq!(node.compute_mode(6), ComputeMode::Default);
+    assert_eq!(node.compute_mode(7), ComputeMode::Default);
+}
+
+#[tokio::test]
+async fn mps_on_a_mig_device_leaves_the_compute_mode_alone() {
+    let node = Node::new(PROFILE);
+    let m = node.manager();
+    let uuid = node.mig_uuid(1);
+    let before = node.compute_mode(1);
+    let req = MpsRequest {
+        active_thread_percentage: Some(25),
+        per_device_pinned_memory_mib: [(DeviceKey::Uuid(uuid.clone()), 2048)].into(),
+        ..Default::default()
+    };
+    m.prepare(CLAIM_A, &mps(vec![mig(&uuid)], req))
+        .await
+        .unwrap();
+    let dir = node.daemon_dir(CLAIM_A, "0");
+    let (_, out) = node.mps_client(
+        &dir,
+        &format!(
+            "get_default_active_thread_percentage\nget_default_device_pinned_mem_limit {uuid}\n"
+        ),
+    );
+    assert_eq!(out, "25.0\n2G\n");
+    let pid = m.mps_pid(CLAIM_A, "0").unwrap();
+    assert!(environ(pid).contains(&format!("CUDA_VISIBLE_DEVICES={uuid}\n")));
+    assert_eq!(node.compute_mode(1), before);
+    m.unprepare(CLAIM_A).await.unwrap();
+    assert!(!alive(pid));
+    assert_eq!(node.compute_mode(1), before);
+}
+
+#[tokio::test]
+async fn a_daemon_dying_during_start_fails_prepare_and_leaves_nothing() {
+    let node = Node::new(PROFILE);
+    // Wrap the tool so that its daemon mode dies at once (the client still works).
+    let tool = node.host.tool("nvidia-cuda-mps-control");
+    let real = tool.with_file_name("mps-control-real");
+    std::fs::rename(&tool, &real).unwrap();
+    std::fs::write(
+        &tool,
+        format!(
+            "#!/bin/sh\nif [ \"$1\" = -f ]; then echo 'simulated crash' >&2; exit 1; fi\nexec {} \"$@\"\n",
+            real.display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&tool, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let m = node.manager();
+    let uuid = node.gpu_uuid(4);
+    let err = m
+        .prepare(CLAIM_A, &mps(vec![gpu(&uuid)], MpsRequest::default()))
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains(&daemon_id(CLAIM_A, "0")), "{err}");
+    assert!(err.contains("simulated crash"), "{err}");
+    assert!(!node.daemon_dir(CLAIM_A, "0").exists());
+    assert_eq!(node.compute_mode(4), ComputeMode::Default);
+    assert!(node.store().load().unwrap().mps.is_empty());
+}
+
+#[tokio::test]
+async fn a_plugin_crash_during_mps_start_leaves_no_orphan_after_recovery() {
+    let node = Node::new(PROFILE);
+    let m = node.manager();
+    let uuid = node.gpu_uuid(4);
+    let group = mps(vec![gpu(&uuid)], MpsRequest::default());
+    let m2 = m.clone();
+    let task = tokio::spawn(async move { m2.prepare(CLAIM_A, &group).await });
+    // "Crash" as soon as the daemon's pid is saved: the prepare future is dropped mid-way.
+    let store = node.store();
+    wait_until("a saved daemon pid", || {
+        store
+            .load()
+            .ok()
+            .and_then(|s| s.mps.values().next().and_then(|r| r.pid))
+            .is_some()
+    })
+    .await;
+    task.abort();
+    let _ = task.await;
+    m.detach();
+    drop(m);
+    let pid = store
+        .load()
+        .unwrap()
+        .mps
+        .values()
+        .next()
+        .unwrap()
+        .pid
+        .unwrap();
+
+    let m = node.manager();
+    let report = m.recover().await.unwrap();
+    assert_eq!(report.cleaned, [daemon_id(CLAIM_A, "0")]);
+    wait_until("the daemon to be gone", || !alive(pid)).await;
+    assert!(!node.daemon_dir(CLAIM_A, "0").exists());
+    assert_eq!(node.compute_mode(4), ComputeMode::Default);
+    assert!(m.state().mps.is_empty());
+}
+
+#[tokio::test]
+async fn a_stray_daemon_directory_is_cleaned_on_recovery() {
+    let node = Node::new(PROFILE);
+    let stray = node.plugin_dir.path().join("mps/unknown-0/pipe");
+    std::fs::create_dir_all(&stray).unwrap();
+    let m = node.manager();
+    let report = m.recover().await.unwrap();
+    assert_eq!(report.cleaned.len(), 1);
+    assert!(!stray.exists());
+}
+
+#[tokio::test]
+async fn a_crashed_daemon_is_restarted_with_its_limits() {
+    let node = Node::new(PROFILE);
+    let m = node.manager();
+    let uuid = node.gpu_uuid(4);
+    let req = MpsRequest {
+        active_thread_percentage: Some(30),
+        ..Default::default()
+    };
+    m.prepare(CLAIM_A, &mps(vec![gpu(&uuid)], req))
+        .await
+        .unwrap();
+    let dir = node.daemon_dir(CLAIM_A, "0");
+    let pid = m.mps_pid(CLAIM_A, "0").unwrap();
+    let inode = |p: &Path| std::os::unix::fs::MetadataExt::ino(&std::fs::metadata(p).unwrap());
+    let pipe_inode = inode(&dir.join("pipe"));
+    kill9(pid);
+    wait_until("a restarted daemon", || {
+        m.mps_pid(CLAIM_A, "0")
+            .is_some_and(|p| p != pid && alive(p))
+    })
+    .await;
+    wait_until("the restarted daemon to answer with its limits", || {
+        node.mps_client(&dir, "get_default_active_thread_percentage\n")
+            .1
+            == "30.0\n"
+    })
+    .await;
+    assert_eq!(node.metrics.mps_daemon_restarts.get(), 1);
+    // Containers keep their bind mount: the pipe directory is still the same inode.
+    assert_eq!(inode(&dir.join("pipe")), pipe_inode);
+    let new_pid = m.mps_pid(CLAIM_A, "0").unwrap();
+    m.unprepare(CLAIM_A).await.unwrap();
+    assert!(!alive(new_pid));
+    assert_eq!(
+        node.metrics.mps_daemon_restarts.get(),
+        1,
+        "an unprepare is not a crash"
+    );
+}
+
+#[tokio::test]
+async fn daemons_are_readopted_after_a_plugin_restart_or_restarted_if_dead() {
+    let node = Node::new(PROFILE);
+    let m = node.manager();
+    let req = MpsRequest {
+        active_thread_percentage: Some(60),
+        ..Default::default()
+    };
+    let mut g1 = mps(vec![gpu(&node.gpu_uuid(4))], req.clone());
+    g1.name = "g1".into();
+    let mut g2 = mps(vec![gpu(&node.gpu_uuid(5))], req);
+    g2.name = "g2".into();
+    m.prepare(CLAIM_A, &g1).await.unwrap();
+    m.prepare(CLAIM_B, &g2).await.unwrap();
+    let pid1 = m.mps_pid(CLAIM_A, "g1").unwrap();
+    let pid2 = m.mps_pid(CLAIM_B, "g2").unwrap();
+
+    // The plugin goes away; its daemons keep running. One dies while the plugin is down.
+    m.detach();
+    drop(m);
+    assert!(alive(pid1) && alive(pid2));
+    kill9(pid2);
+    wait_until("daemon 2 to die", || !alive(pid2)).await;
+
+    let m = node.manager();
+    let report = m.recover().await.unwrap();
+    assert_eq!(report.adopted, [daemon_id(CLAIM_A, "g1")]);
+    assert_eq!(report.restarted, [daemon_id(CLAIM_B, "g2")]);
+    assert_eq!(m.mps_pid(CLAIM_A, "g1"), Some(pid1));
+    let new2 = m.mps_pid(CLAIM_B, "g2").unwrap();
+    assert_ne!(new2, pid2);
+    assert_eq!(
+        node.mps_client(
+            &node.daemon_dir(CLAIM_B, "g2"),
+            "get_default_active_thread_percentage\n"
+        )
+        .1,
+        "60.0\n"
+    );
+
+    // The adopted daemon is supervised again: killing it gets it restarted.
+    kill9(pid1);
+    wait_until("the adopted daemon restarted", || {
+        m.mps_pid(CLAIM_A, "g1")
+            .is_some_and(|p| p != pid1 && alive(p))
+    })
+    .await;
+    let new1 = m.mps_pid(CLAIM_A, "g1").unwrap();
+
+    m.unprepare(CLAIM_A).await.unwrap();
+    m.unprepare(CLAIM_B).await.unwrap();
+    assert!(!alive(new1) && !alive(new2));
+    assert_eq!(
+        node.plugin_dir
+            .path()
+            .join("mps")
+            .read_dir()
+            .unwrap()
+            .count(),
+        0
+    );
+    assert_eq!(node.compute_mode(4), ComputeMode::Default);
+    assert_eq!(node.compute_mode(5), ComputeMode::Default);
+}
+
+#[tokio::test]
+async fn the_executor_applies_a_plan_group_with_edits_and_releases_without_state() {
+    use gpu_dra_core::plan::{DeviceNodesNeed, DevicePlan, Sharing, SharingGroup as PlanGroup};
+    use gpu_kubelet_plugin::sharing::SharingExecutor;
+
+    let node = Node::new(PROFILE);
+    let m = node.manager();
+    let uuid = node.gpu_uuid(4);
+    let device = DevicePlan {
+        device: "gpu-4".into(),
+        request_names: vec!["gpu".into()],
+        uuid: uuid.clone(),
+        gpu_uuid: uuid.clone(),
+        nodes: DeviceNodesNeed {
+            gpu_minor: 4,
+            mig: None,
+        },
+        admin_access: false,
+        share_id: None,
+        group: 0,
+    };
+    let group = PlanGroup {
+        config_index: Some(0),
+        sharing: Some(Sharing::Mps {
+            config: serde_json::json!({
+                "defaultActiveThreadPercentage": 20,
+                "defaultPerDevicePinnedMemoryLimit": {"0": "3Gi"},
+            }),
+        }),
+        devices: vec![0],
+    };
+    let applied = m.apply(CLAIM_A, &group, &[(0, &device)]).await.unwrap();
+    assert!(applied.state.is_some());
+    assert_eq!(
+        applied.edits.env,
+        ["CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps"]
+    );
+    let dir = node.daemon_dir(CLAIM_A, "c0");
+    let (_, out) = node.mps_client(
+        &dir,
+        &format!(
+            "get_default_active_thread_percentage\nget_default_device_pinned_mem_limit {uuid}\n"
+        ),
+    );
+    assert_eq!(out, "20.0\n3G\n");
+    // A crash may lose the state the pipeline keeps; release works from the claim UID.
+    m.release(CLAIM_A, None).await.unwrap();
+    assert!(!dir.exists());
+    assert_eq!(node.compute_mode(4), ComputeMode::Default);
+
+    // Time-slicing by interval name, as the plan carries it.
+    let ts_group = PlanGroup {
+        config_index: Some(1),
+        sharing: Some(Sharing::TimeSlicing {
+            interval: "Short".into(),
+        }),
+        devices: vec![0],
+    };
+    m.apply(CLAIM_B, &ts_group, &[(0, &device)]).await.unwrap();
+    assert_eq!(node.timeslice(4), 1);
+    m.release(CLAIM_B, None).await.unwrap();
+    assert_eq!(node.timeslice(4), 0);
+}
