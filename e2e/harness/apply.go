@@ -7,12 +7,14 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"sync"
 
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/util/yaml"
 	"k8s.io/client-go/dynamic"
+	"k8s.io/client-go/rest"
 )
 
 // ParseYAML splits a multi-document YAML stream into objects, dropping
@@ -100,4 +102,44 @@ func (c *Cluster) Apply(ctx context.Context, objs []*unstructured.Unstructured, 
 		}
 	}
 	return nil
+}
+
+// warningCollector keeps the apiserver's warnings (admission webhook warnings among them).
+type warningCollector struct {
+	mu       sync.Mutex
+	messages []string
+}
+
+func (w *warningCollector) HandleWarningHeader(_ int, _ string, text string) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	w.messages = append(w.messages, text)
+}
+
+// CreateWithWarnings is Create that also returns the warnings the apiserver
+// sent back (admission webhooks' warnings included).
+func (c *Cluster) CreateWithWarnings(ctx context.Context, obj *unstructured.Unstructured, namespace string) ([]string, error) {
+	w := &warningCollector{}
+	cfg := rest.CopyConfig(c.AdminConfig)
+	cfg.WarningHandler = w
+	dyn, err := dynamic.NewForConfig(cfg)
+	if err != nil {
+		return nil, err
+	}
+	gvk := obj.GroupVersionKind()
+	mapping, err := c.Mapper.RESTMapping(gvk.GroupKind(), gvk.Version)
+	if err != nil {
+		return nil, err
+	}
+	var ri dynamic.ResourceInterface = dyn.Resource(mapping.Resource)
+	if mapping.Scope.Name() == meta.RESTScopeNameNamespace {
+		if obj.GetNamespace() == "" {
+			obj.SetNamespace(namespace)
+		}
+		ri = dyn.Resource(mapping.Resource).Namespace(obj.GetNamespace())
+	}
+	_, err = ri.Create(ctx, obj, metav1.CreateOptions{FieldManager: "e2e"})
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.messages, err
 }
