@@ -103,7 +103,7 @@ func Start(ctx context.Context, opts Options) (c *Cluster, err error) {
 		c.logf = func(string, ...any) {}
 	}
 	if c.Dir == "" {
-		c.Dir, err = os.MkdirTemp("", "gpu-dra-e2e-")
+		c.Dir, err = os.MkdirTemp("", "e2e-")
 		if err != nil {
 			return nil, err
 		}

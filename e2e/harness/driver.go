@@ -158,7 +158,7 @@ func renderChart(set []string) ([]*unstructured.Unstructured, error) {
 	if err != nil {
 		return nil, err
 	}
-	args := []string{"template", "gpu-dra", chart, "--namespace", DriverNamespace}
+	args := []string{"template", "gpu-dra", chart, "--namespace", DriverNamespace, "--kube-version", KubernetesVersion}
 	for _, s := range set {
 		args = append(args, "--set", s)
 	}
@@ -361,3 +361,6 @@ webhooks:
     operations: ["CREATE", "UPDATE"]
     resources: ["resourceclaims", "resourceclaimtemplates", "deviceclasses"]
 `
+
+// KubernetesVersion is the release the harness runs (e2e/go.mod pins it).
+const KubernetesVersion = "v1.37.1"

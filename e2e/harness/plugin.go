@@ -60,7 +60,9 @@ const DefaultDriver = "gpu.nvidia.com"
 func (n *Node) SimRoot() string { return filepath.Join(n.Dir, "sim") }
 
 // PluginDir is the node plugin's --plugin-dir for a driver.
-func (n *Node) PluginDir(driver string) string { return filepath.Join(n.PluginsDir, driver) }
+// It is short rather than <plugins>/<driver>: MPS control sockets live below
+// it and a Unix socket path must fit in 108 bytes.
+func (n *Node) PluginDir(driver string) string { return filepath.Join(n.Dir, "p") }
 
 // SetupSim runs `gpu-sim setup --profile <profile> --root <node>/sim` once.
 func (n *Node) SetupSim(profile string) error {

@@ -2,6 +2,7 @@ package tests
 
 import (
 	"context"
+	"fmt"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -85,17 +86,26 @@ func runExample(t *testing.T, name string, files []string) {
 	// Namespaced objects go to the test's namespace whatever they say, so
 	// scenarios do not collide.
 	var pods []string
+	var expanded []*unstructured.Unstructured
 	for _, o := range objs {
 		if o.GetNamespace() != "" {
 			o.SetNamespace(ns)
 		}
 		if workloadKinds[o.GetKind()] {
-			t.Fatalf("%s %s: the harness runs no workload controllers; examples use bare Pods", o.GetKind(), o.GetName())
+			// No workload controllers run here: their pod template becomes
+			// bare pods, one per replica, as the controller would create.
+			for _, p := range podsFromTemplate(t, o) {
+				expanded = append(expanded, p)
+				pods = append(pods, p.GetName())
+			}
+			continue
 		}
+		expanded = append(expanded, o)
 		if o.GetKind() == "Pod" {
 			pods = append(pods, o.GetName())
 		}
 	}
+	objs = expanded
 	if err := cluster.Apply(ctx, objs, ns); err != nil {
 		t.Fatal(err)
 	}
@@ -269,4 +279,34 @@ func expectedMessages(t *testing.T, yamlPath string) []string {
 		}
 	}
 	return out
+}
+
+// podsFromTemplate turns a workload's pod template into bare Pods, one per
+// replica (default 1).
+func podsFromTemplate(t *testing.T, o *unstructured.Unstructured) []*unstructured.Unstructured {
+	t.Helper()
+	tmpl, ok, err := unstructured.NestedMap(o.Object, "spec", "template")
+	if err != nil || !ok {
+		t.Fatalf("%s %s: no spec.template", o.GetKind(), o.GetName())
+	}
+	replicas, ok, _ := unstructured.NestedInt64(o.Object, "spec", "replicas")
+	if !ok {
+		replicas = 1
+	}
+	var out []*unstructured.Unstructured
+	for i := range replicas {
+		p := &unstructured.Unstructured{Object: map[string]any{"apiVersion": "v1", "kind": "Pod"}}
+		if md, ok := tmpl["metadata"].(map[string]any); ok {
+			p.Object["metadata"] = runtimeDeepCopy(md)
+		}
+		p.Object["spec"] = runtimeDeepCopy(tmpl["spec"].(map[string]any))
+		p.SetName(fmt.Sprintf("%s-%d", o.GetName(), i))
+		p.SetNamespace(o.GetNamespace())
+		out = append(out, p)
+	}
+	return out
+}
+
+func runtimeDeepCopy(m map[string]any) map[string]any {
+	return (&unstructured.Unstructured{Object: m}).DeepCopy().Object
 }
