@@ -4,8 +4,11 @@
 CARGO ?= cargo
 GO ?= go
 TOOLS := $(CURDIR)/.tools
+# helm, built from its Go module (no release download needed); kept in .tools/.
+HELM_VERSION ?= v3.22.0
+HELM := $(TOOLS)/bin/helm
 
-.PHONY: help build release unit test lint fmt fuzz bench generate chart-check
+.PHONY: help build release unit test lint fmt fuzz bench generate chart-check e2e e2e-build e2e-bins e2e-tools e2e-kubectl demo bench-e2e
 
 help: ## list targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | sort
@@ -26,7 +29,31 @@ fmt: ## format the code
 unit: lint ## the quick loop: lint, then every Rust test
 	$(CARGO) test --workspace --locked
 
-test: unit ## everything CI checks
+test: unit chart-check e2e ## everything CI checks: lint, Rust tests, the Helm chart, the e2e suite
+
+# --- e2e: a real control plane in one Go process (e2e/), simulated GPU nodes ---
+E2E_TIMEOUT ?= 45m
+E2E_ENV = E2E_REPO_ROOT=$(CURDIR) E2E_BIN_DIR=$(CURDIR)/target/debug
+
+e2e-tools: $(HELM) ## helm from the Go module proxy into .tools/bin (renders the chart for e2e and demo)
+
+e2e-kubectl: ## optional: kubectl of the pinned Kubernetes release into .tools/bin
+	cd e2e && GOBIN=$(TOOLS)/bin $(GO) install k8s.io/kubernetes/cmd/kubectl
+
+e2e-build: ## compile the e2e harness, demo, benchmark and tests without running them
+	cd e2e && $(GO) build ./... && $(GO) test -count=1 -run '^$$' ./... >/dev/null
+
+e2e-bins: ## the binaries e2e runs: node plugin, webhook, simulator
+	$(CARGO) build --workspace --locked
+
+e2e: e2e-bins e2e-tools ## end-to-end tests against the in-process control plane
+	cd e2e && $(E2E_ENV) $(GO) test -count=1 -timeout $(E2E_TIMEOUT) ./...
+
+demo: e2e-bins e2e-tools ## local cluster with an A100 and a T4 node, a short tour, then up for kubectl until Ctrl-C
+	cd e2e && $(E2E_ENV) $(GO) run ./cmd/demo
+
+bench-e2e: e2e-bins ## scale benchmark: 100 nodes x 8 GPUs, 800 one-GPU pods (not in CI)
+	cd e2e && $(E2E_ENV) $(GO) run ./cmd/bench-e2e
 
 generate: ## regenerate committed generated files (protobuf bindings, JSON schema)
 	UPDATE_GENERATED=1 $(CARGO) test --workspace --locked generated_
@@ -50,9 +77,6 @@ bench: ## benchmarks: print figures (medians, percentiles, ratios)
 	$(CARGO) build --release --locked -p gpu-dra-webhook --bin gpu-dra-webhook
 	$(CARGO) run --release --locked -p gpu-dra-webhook --example bench_admission
 
-# helm, built from its Go module (no release download needed); kept in .tools/.
-HELM_VERSION ?= v3.22.0
-HELM := $(TOOLS)/bin/helm
 $(HELM):
 	GOBIN=$(TOOLS)/bin $(GO) install helm.sh/helm/v3/cmd/helm@$(HELM_VERSION)
 

@@ -1,0 +1,146 @@
+package harness
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"os"
+	"path/filepath"
+	"time"
+
+	"github.com/spf13/pflag"
+	utilerrors "k8s.io/apimachinery/pkg/util/errors"
+	"k8s.io/apimachinery/pkg/util/wait"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
+	"k8s.io/kubernetes/cmd/kube-apiserver/app"
+	"k8s.io/kubernetes/cmd/kube-apiserver/app/options"
+)
+
+// adminToken is the static bearer token of the cluster admin (group
+// system:masters). It lives only as long as the in-process cluster.
+const adminToken = "e2e-admin-token"
+
+// apiserver is a running in-process kube-apiserver.
+type apiserver struct {
+	host  string // https://127.0.0.1:<port>
+	errCh chan error
+}
+
+// startAPIServer starts kube-apiserver in this process, configured like a
+// production control plane as far as our driver can tell: Node+RBAC
+// authorization, service-account tokens signed with a fresh key (bound
+// tokens carry the node name), the default admission chain (which includes
+// NodeRestriction, ValidatingAdmissionWebhook and ValidatingAdmissionPolicy)
+// and every GA resource.k8s.io API.
+func startAPIServer(ctx context.Context, dir, etcdURL string, ca *CA) (*apiserver, error) {
+	certFile, keyFile, err := ca.IssueServing(dir, "apiserver", "kubernetes", "kubernetes.default", "kubernetes.default.svc")
+	if err != nil {
+		return nil, err
+	}
+	saKey := filepath.Join(dir, "sa-signing.key")
+	if err := writeSigningKey(saKey); err != nil {
+		return nil, err
+	}
+	tokens := filepath.Join(dir, "tokens.csv")
+	if err := os.WriteFile(tokens, []byte(adminToken+`,e2e-admin,e2e-admin,"system:masters"`+"\n"), 0o600); err != nil {
+		return nil, err
+	}
+
+	s := options.NewServerRunOptions()
+	fs := pflag.NewFlagSet("kube-apiserver", pflag.ContinueOnError)
+	for _, f := range s.Flags().FlagSets {
+		fs.AddFlagSet(f)
+	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return nil, err
+	}
+	port := ln.Addr().(*net.TCPAddr).Port
+	s.SecureServing.Listener = ln
+	s.SecureServing.BindPort = port
+	s.SecureServing.ExternalAddress = net.ParseIP("127.0.0.1")
+	if err := fs.Parse([]string{
+		"--etcd-servers=" + etcdURL,
+		"--etcd-prefix=/registry",
+		"--bind-address=127.0.0.1",
+		"--advertise-address=127.0.0.1",
+		"--tls-cert-file=" + certFile,
+		"--tls-private-key-file=" + keyFile,
+		"--cert-dir=" + dir,
+		"--service-cluster-ip-range=10.0.0.0/16",
+		"--authorization-mode=Node,RBAC",
+		"--token-auth-file=" + tokens,
+		"--service-account-issuer=https://kubernetes.default.svc",
+		"--service-account-key-file=" + saKey,
+		"--service-account-signing-key-file=" + saKey,
+		"--enable-admission-plugins=NodeRestriction",
+		"--endpoint-reconciler-type=none",
+		"--enable-priority-and-fairness=false",
+	}); err != nil {
+		return nil, fmt.Errorf("kube-apiserver flags: %w", err)
+	}
+	if err := s.GenericServerRunOptions.ComponentGlobalsRegistry.Set(); err != nil {
+		return nil, err
+	}
+	completed, err := s.Complete(ctx)
+	if err != nil {
+		return nil, fmt.Errorf("complete kube-apiserver options: %w", err)
+	}
+	if errs := completed.Validate(); len(errs) != 0 {
+		return nil, fmt.Errorf("kube-apiserver options: %w", utilerrors.NewAggregate(errs))
+	}
+	cfg, err := app.NewConfig(completed)
+	if err != nil {
+		return nil, fmt.Errorf("kube-apiserver config: %w", err)
+	}
+	cc, err := cfg.Complete()
+	if err != nil {
+		return nil, err
+	}
+	server, err := app.CreateServerChain(cc)
+	if err != nil {
+		return nil, fmt.Errorf("kube-apiserver server chain: %w", err)
+	}
+	prepared, err := server.PrepareRun()
+	if err != nil {
+		return nil, err
+	}
+	a := &apiserver{host: fmt.Sprintf("https://127.0.0.1:%d", port), errCh: make(chan error, 1)}
+	go func() {
+		a.errCh <- prepared.Run(ctx)
+		close(a.errCh)
+	}()
+	return a, nil
+}
+
+// waitHealthy waits until /readyz answers ok (all post-start hooks done,
+// bootstrap RBAC roles and the default namespace in place).
+func (a *apiserver) waitHealthy(ctx context.Context, cfg *rest.Config) error {
+	client, err := kubernetes.NewForConfig(cfg)
+	if err != nil {
+		return err
+	}
+	var last string
+	err = wait.PollUntilContextTimeout(ctx, 100*time.Millisecond, 2*time.Minute, true, func(ctx context.Context) (bool, error) {
+		select {
+		case err := <-a.errCh:
+			return false, fmt.Errorf("kube-apiserver exited: %v", err)
+		default:
+		}
+		body, err := client.Discovery().RESTClient().Get().AbsPath("/readyz").DoRaw(ctx)
+		if err != nil {
+			last = string(body) + err.Error()
+			return false, nil
+		}
+		if _, err := client.CoreV1().Namespaces().Get(ctx, "default", metav1GetOptions); err != nil {
+			last = err.Error()
+			return false, nil
+		}
+		return true, nil
+	})
+	if err != nil {
+		return fmt.Errorf("kube-apiserver not ready: %w (last: %s)", err, last)
+	}
+	return nil
+}

@@ -1,0 +1,352 @@
+// Package harness runs a real Kubernetes control plane in one Go process and
+// simulated GPU nodes next to it, so our node plugin and webhook meet the real
+// kube-apiserver, kube-scheduler, resourceclaim controller and the kubelet's
+// own plugin watcher and DRA manager.
+//
+// Invariants: everything a Cluster starts lives under Cluster.Dir and stops
+// with Cluster.Stop; nothing listens on anything but 127.0.0.1; nothing here
+// fakes a Kubernetes component between the API and the container runtime
+// (no container runs: a simulated node marks a pod Running once the kubelet's
+// DRA manager has prepared its claims and recorded the CDI device IDs).
+package harness
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"os"
+	"path/filepath"
+	"sync"
+	"time"
+
+	"go.etcd.io/etcd/server/v3/embed"
+	"google.golang.org/grpc/grpclog"
+	v1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apiserver/pkg/quota/v1/generic"
+	"k8s.io/client-go/discovery/cached/memory"
+	"k8s.io/client-go/dynamic"
+	"k8s.io/client-go/dynamic/dynamicinformer"
+	"k8s.io/client-go/informers"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/metadata"
+	"k8s.io/client-go/metadata/metadatainformer"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/restmapper"
+	"k8s.io/client-go/tools/clientcmd"
+	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
+	"k8s.io/client-go/tools/events"
+	"k8s.io/controller-manager/pkg/informerfactory"
+	"k8s.io/klog/v2"
+	pkgcontroller "k8s.io/kubernetes/pkg/controller"
+	"k8s.io/kubernetes/pkg/controller/garbagecollector"
+	"k8s.io/kubernetes/pkg/controller/resourceclaim"
+	resourcequotacontroller "k8s.io/kubernetes/pkg/controller/resourcequota"
+	"k8s.io/kubernetes/pkg/controller/serviceaccount"
+	quotainstall "k8s.io/kubernetes/pkg/quota/v1/install"
+	"k8s.io/kubernetes/pkg/scheduler"
+	"k8s.io/kubernetes/pkg/scheduler/profile"
+)
+
+var metav1GetOptions = metav1.GetOptions{}
+
+// Options configure a Cluster.
+type Options struct {
+	// Dir holds all state (etcd data, certificates, kubeconfigs, node
+	// directories, logs). Empty: a new temporary directory, removed by Stop.
+	Dir string
+	// Logf receives progress lines (test logger or stdout). Nil: discarded.
+	Logf func(format string, args ...any)
+	// Verbose sends the control plane's own logs to stderr instead of
+	// Dir/control-plane.log.
+	Verbose bool
+}
+
+// Cluster is a running in-process control plane.
+type Cluster struct {
+	// Dir holds the cluster's state.
+	Dir string
+	// CA signs every serving certificate of this cluster.
+	CA *CA
+	// Host is the apiserver URL (https://127.0.0.1:<port>).
+	Host string
+	// AdminConfig is a rest.Config with cluster-admin rights.
+	AdminConfig *rest.Config
+	// Client is a typed admin client.
+	Client kubernetes.Interface
+	// Dynamic is an untyped admin client (for applying YAML).
+	Dynamic dynamic.Interface
+	// Mapper maps kinds to resources, refreshed on cache misses.
+	Mapper *restmapper.DeferredDiscoveryRESTMapper
+	// Kubeconfig is the path of an admin kubeconfig for kubectl.
+	Kubeconfig string
+
+	logf      func(format string, args ...any)
+	ownDir    bool
+	cancel    context.CancelFunc
+	etcd      *embed.Etcd
+	apiserver *apiserver
+	logFile   *os.File
+
+	mu     sync.Mutex
+	nodes  map[string]*Node
+	driver *Driver
+	stops  []func()
+	wg     sync.WaitGroup
+}
+
+// Start brings up etcd, kube-apiserver, kube-scheduler, the resourceclaim and
+// serviceaccount controllers, and writes an admin kubeconfig.
+func Start(ctx context.Context, opts Options) (c *Cluster, err error) {
+	c = &Cluster{Dir: opts.Dir, logf: opts.Logf, nodes: map[string]*Node{}}
+	if c.logf == nil {
+		c.logf = func(string, ...any) {}
+	}
+	if c.Dir == "" {
+		c.Dir, err = os.MkdirTemp("", "e2e-")
+		if err != nil {
+			return nil, err
+		}
+		c.ownDir = true
+	}
+	if err := os.MkdirAll(c.Dir, 0o755); err != nil {
+		return nil, err
+	}
+	ctx, c.cancel = context.WithCancel(ctx)
+	defer func() {
+		if err != nil {
+			c.Stop()
+		}
+	}()
+	if !opts.Verbose {
+		c.logFile, err = os.Create(filepath.Join(c.Dir, "control-plane.log"))
+		if err != nil {
+			return nil, err
+		}
+		quietKlog()
+		klog.SetOutput(c.logFile)
+		grpclog.SetLoggerV2(grpclog.NewLoggerV2(c.logFile, c.logFile, c.logFile))
+	}
+
+	started := time.Now()
+	c.CA, err = NewCA()
+	if err != nil {
+		return nil, err
+	}
+	var etcdURL string
+	c.etcd, etcdURL, err = startEtcd(filepath.Join(c.Dir, "etcd"))
+	if err != nil {
+		return nil, err
+	}
+	apiDir := filepath.Join(c.Dir, "apiserver")
+	if err := os.MkdirAll(apiDir, 0o700); err != nil {
+		return nil, err
+	}
+	c.apiserver, err = startAPIServer(ctx, apiDir, etcdURL, c.CA)
+	if err != nil {
+		return nil, err
+	}
+	c.Host = c.apiserver.host
+	c.AdminConfig = c.TokenConfig(adminToken)
+	if err := c.apiserver.waitHealthy(ctx, c.AdminConfig); err != nil {
+		return nil, err
+	}
+	if c.Client, err = kubernetes.NewForConfig(c.AdminConfig); err != nil {
+		return nil, err
+	}
+	if c.Dynamic, err = dynamic.NewForConfig(c.AdminConfig); err != nil {
+		return nil, err
+	}
+	c.Mapper = restmapper.NewDeferredDiscoveryRESTMapper(memory.NewMemCacheClient(c.Client.Discovery()))
+	c.Kubeconfig = filepath.Join(c.Dir, "kubeconfig")
+	if err := c.WriteKubeconfig(c.Kubeconfig, "e2e-admin", adminToken); err != nil {
+		return nil, err
+	}
+	c.logf("control plane: apiserver %s up in %s", c.Host, time.Since(started).Round(time.Millisecond))
+
+	if err := c.startControllers(ctx); err != nil {
+		return nil, err
+	}
+	if err := c.startScheduler(ctx); err != nil {
+		return nil, err
+	}
+	c.logf("control plane: scheduler and controllers running (%s)", time.Since(started).Round(time.Millisecond))
+	return c, nil
+}
+
+// quietKlog stops klog copying errors to stderr: the control plane logs
+// plenty of expected errors while starting and stopping.
+func quietKlog() {
+	fs := flag.NewFlagSet("klog", flag.ContinueOnError)
+	klog.InitFlags(fs)
+	for k, v := range map[string]string{"logtostderr": "false", "alsologtostderr": "false", "stderrthreshold": "FATAL", "one_output": "true"} {
+		_ = fs.Set(k, v)
+	}
+}
+
+// TokenConfig is a rest.Config for the given bearer token, trusting the cluster CA.
+func (c *Cluster) TokenConfig(token string) *rest.Config {
+	return &rest.Config{
+		Host:            c.Host,
+		BearerToken:     token,
+		TLSClientConfig: rest.TLSClientConfig{CAData: c.CA.CertPEM},
+		QPS:             1000,
+		Burst:           2000,
+	}
+}
+
+// WriteKubeconfig writes a kubeconfig for a bearer token.
+func (c *Cluster) WriteKubeconfig(path, user, token string) error {
+	cfg := clientcmdapi.NewConfig()
+	cfg.Clusters["e2e"] = &clientcmdapi.Cluster{Server: c.Host, CertificateAuthorityData: c.CA.CertPEM}
+	cfg.AuthInfos[user] = &clientcmdapi.AuthInfo{Token: token}
+	cfg.Contexts["e2e"] = &clientcmdapi.Context{Cluster: "e2e", AuthInfo: user, Namespace: "default"}
+	cfg.CurrentContext = "e2e"
+	return clientcmd.WriteToFile(*cfg, path)
+}
+
+func (c *Cluster) startControllers(ctx context.Context) error {
+	factory := informers.NewSharedInformerFactory(c.Client, 0)
+	logger := klog.FromContext(ctx)
+	claims, err := resourceclaim.NewController(
+		klog.LoggerWithName(logger, "resourceclaim-controller"),
+		c.Client,
+		factory.Core().V1().Pods(),
+		factory.Scheduling().V1beta1().PodGroups(),
+		factory.Resource().V1().ResourceClaims(),
+		factory.Resource().V1().ResourceClaimTemplates(),
+	)
+	if err != nil {
+		return fmt.Errorf("resourceclaim controller: %w", err)
+	}
+	// Pods need their namespace's "default" service account (the
+	// ServiceAccount admission plugin insists), which this controller creates.
+	sa, err := serviceaccount.NewServiceAccountsController(
+		klog.LoggerWithName(logger, "serviceaccount-controller"),
+		factory.Core().V1().ServiceAccounts(),
+		factory.Core().V1().Namespaces(),
+		c.Client,
+		serviceaccount.DefaultServiceAccountsControllerOptions(),
+	)
+	if err != nil {
+		return fmt.Errorf("serviceaccount controller: %w", err)
+	}
+	// The garbage collector removes generated claims whose pod is gone.
+	metadataClient, err := metadata.NewForConfig(c.AdminConfig)
+	if err != nil {
+		return err
+	}
+	metadataFactory := metadatainformer.NewSharedInformerFactory(metadataClient, 0)
+	gcMapper := restmapper.NewDeferredDiscoveryRESTMapper(memory.NewMemCacheClient(c.Client.Discovery()))
+	started := make(chan struct{})
+	close(started)
+	gc, err := garbagecollector.NewGarbageCollector(ctx, c.Client, metadataClient, gcMapper,
+		garbagecollector.DefaultIgnoredResources(),
+		informerfactory.NewInformerFactory(factory, metadataFactory), started)
+	if err != nil {
+		return fmt.Errorf("garbage collector: %w", err)
+	}
+	// ResourceQuota admission refuses pods in a namespace with a quota
+	// until this controller has computed the quota's status.
+	objectOrMetadata := informerfactory.NewInformerFactory(factory, metadataFactory)
+	quotaConfig, err := quotainstall.NewQuotaConfigurationForControllers(generic.ListerFuncForResourceFunc(factory.ForResource), factory)
+	if err != nil {
+		return err
+	}
+	discoverNamespaced := c.Client.Discovery().ServerPreferredNamespacedResources
+	quota, err := resourcequotacontroller.NewController(ctx, &resourcequotacontroller.ControllerOptions{
+		QuotaClient:               c.Client.CoreV1(),
+		ResourceQuotaInformer:     factory.Core().V1().ResourceQuotas(),
+		ResyncPeriod:              pkgcontroller.StaticResyncPeriodFunc(30 * time.Second),
+		InformerFactory:           objectOrMetadata,
+		ReplenishmentResyncPeriod: pkgcontroller.StaticResyncPeriodFunc(12 * time.Hour),
+		DiscoveryFunc:             discoverNamespaced,
+		IgnoredResourcesFunc:      quotaConfig.IgnoredResources,
+		InformersStarted:          started,
+		Registry:                  generic.NewRegistry(quotaConfig.Evaluators()),
+		UpdateFilter:              quotainstall.DefaultUpdateFilter(),
+	})
+	if err != nil {
+		return fmt.Errorf("resourcequota controller: %w", err)
+	}
+	factory.Start(ctx.Done())
+	metadataFactory.Start(ctx.Done())
+	c.wg.Add(6)
+	go func() { defer c.wg.Done(); quota.Run(ctx, 2) }()
+	go func() { defer c.wg.Done(); quota.Sync(ctx, discoverNamespaced, 30*time.Second) }()
+	go func() { defer c.wg.Done(); claims.Run(ctx, 10) }()
+	go func() { defer c.wg.Done(); sa.Run(ctx, 2) }()
+	go func() { defer c.wg.Done(); gc.Run(ctx, 5, 30*time.Second) }()
+	go func() { defer c.wg.Done(); gc.Sync(ctx, c.Client.Discovery(), 30*time.Second) }()
+	return nil
+}
+
+func (c *Cluster) startScheduler(ctx context.Context) error {
+	factory := scheduler.NewInformerFactory(c.Client, 0, nil)
+	dynFactory := dynamicinformer.NewFilteredDynamicSharedInformerFactory(c.Dynamic, 0, v1.NamespaceAll, nil)
+	broadcaster := events.NewBroadcaster(&events.EventSinkImpl{Interface: c.Client.EventsV1()})
+	sched, err := scheduler.New(ctx, c.Client, factory, dynFactory,
+		profile.NewRecorderFactory(broadcaster),
+		scheduler.WithKubeConfig(c.AdminConfig),
+	)
+	if err != nil {
+		return fmt.Errorf("kube-scheduler: %w", err)
+	}
+	broadcaster.StartRecordingToSink(ctx.Done())
+	factory.Start(ctx.Done())
+	dynFactory.Start(ctx.Done())
+	factory.WaitForCacheSync(ctx.Done())
+	dynFactory.WaitForCacheSync(ctx.Done())
+	if err := sched.WaitForHandlersSync(ctx); err != nil {
+		return fmt.Errorf("kube-scheduler handlers: %w", err)
+	}
+	c.wg.Add(1)
+	go func() { defer c.wg.Done(); sched.Run(ctx) }()
+	return nil
+}
+
+// Stop stops the nodes (and their plugin processes), the control plane and
+// etcd, and removes Dir if Start created it.
+func (c *Cluster) Stop() {
+	c.mu.Lock()
+	nodes := c.nodes
+	c.nodes = map[string]*Node{}
+	c.mu.Unlock()
+	for _, n := range nodes {
+		n.Stop()
+	}
+	c.mu.Lock()
+	stops := c.stops
+	c.stops = nil
+	c.mu.Unlock()
+	for _, stop := range stops {
+		stop()
+	}
+	if c.cancel != nil {
+		c.cancel()
+	}
+	if c.apiserver != nil {
+		select {
+		case <-c.apiserver.errCh:
+		case <-time.After(30 * time.Second):
+		}
+	}
+	done := make(chan struct{})
+	go func() { c.wg.Wait(); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(10 * time.Second):
+	}
+	if c.etcd != nil {
+		c.etcd.Close()
+	}
+	if c.logFile != nil {
+		klog.Flush()
+		klog.SetOutput(os.Stderr)
+		klog.LogToStderr(true)
+		c.logFile.Close()
+	}
+	if c.ownDir && os.Getenv("E2E_KEEP_DIR") == "" {
+		os.RemoveAll(c.Dir)
+	}
+}

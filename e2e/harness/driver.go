@@ -1,0 +1,366 @@
+package harness
+
+import (
+	"context"
+	"crypto/tls"
+	"crypto/x509"
+	"encoding/base64"
+	"errors"
+	"fmt"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"time"
+
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/util/wait"
+)
+
+// DriverNamespace is where the driver's namespaced objects go (the Helm
+// release namespace).
+const DriverNamespace = "gpu-dra"
+
+// ChartPath is the Helm chart, relative to the repository root.
+const ChartPath = "deploy/helm/gpu-dra-driver"
+
+// Kinds of the rendered chart that the harness does not apply: the
+// workloads are what the harness runs itself, as processes.
+var skippedKinds = map[string]bool{
+	"DaemonSet": true, "Deployment": true, "Job": true, "Pod": true,
+	"ReplicaSet": true, "StatefulSet": true, "Service": true,
+}
+
+// InstallOptions select how the driver is installed.
+type InstallOptions struct {
+	// Webhook starts gpu-dra-webhook and registers it.
+	Webhook bool
+	// HelmSet are extra `--set` values for rendering the chart.
+	HelmSet []string
+}
+
+// Driver is the cluster-side install of our driver.
+type Driver struct {
+	// FromChart says the objects came from the rendered Helm chart (false:
+	// the harness's built-in minimal RBAC and DeviceClasses).
+	FromChart bool
+	// Identity is the node plugin's service account.
+	Identity Identity
+	// Objects are what was applied.
+	Objects []*unstructured.Unstructured
+	// Webhook is the running webhook, if requested.
+	Webhook *WebhookProcess
+	// Notes say what was left out and why (missing chart, binary...).
+	Notes []string
+}
+
+// Driver returns the installed driver, or nil.
+func (c *Cluster) Driver() *Driver {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.driver
+}
+
+func (c *Cluster) pluginIdentity() *Identity {
+	if d := c.Driver(); d != nil {
+		id := d.Identity
+		return &id
+	}
+	return &Identity{Namespace: DriverNamespace, ServiceAccount: "gpu-dra-kubelet-plugin"}
+}
+
+// InstallDriver applies the driver's cluster objects (RBAC, admission
+// policy, DeviceClasses, webhook registration) from the rendered Helm chart,
+// or a built-in minimal set while the chart has not landed, and optionally
+// starts the webhook.
+func (c *Cluster) InstallDriver(ctx context.Context, opts InstallOptions) (*Driver, error) {
+	if err := c.ensureNamespace(ctx, DriverNamespace); err != nil {
+		return nil, err
+	}
+	d := &Driver{Identity: Identity{Namespace: DriverNamespace, ServiceAccount: "gpu-dra-kubelet-plugin"}}
+	objs, err := renderChart(opts.HelmSet)
+	switch {
+	case err == nil:
+		d.FromChart = true
+	case errors.Is(err, ErrMissing):
+		d.Notes = append(d.Notes, "chart not applied: "+err.Error()+"; using built-in RBAC and DeviceClasses")
+		objs, err = ParseYAML([]byte(builtinObjects))
+		if err != nil {
+			return nil, err
+		}
+	default:
+		return nil, err
+	}
+	var webhookConfigs, first, rest []*unstructured.Unstructured
+	for _, o := range objs {
+		switch kind := o.GetKind(); {
+		case kind == "DaemonSet":
+			if sa, ok, _ := unstructured.NestedString(o.Object, "spec", "template", "spec", "serviceAccountName"); ok && sa != "" {
+				d.Identity.ServiceAccount = sa
+			}
+		case skippedKinds[kind]:
+		case kind == "ValidatingWebhookConfiguration" || kind == "MutatingWebhookConfiguration":
+			webhookConfigs = append(webhookConfigs, o)
+		case kind == "Namespace" || kind == "ServiceAccount" || kind == "CustomResourceDefinition" ||
+			strings.HasPrefix(kind, "ClusterRole") || strings.HasPrefix(kind, "Role"):
+			first = append(first, o)
+		default:
+			rest = append(rest, o)
+		}
+	}
+	if err := c.Apply(ctx, first, DriverNamespace); err != nil {
+		return nil, err
+	}
+	if err := c.Apply(ctx, rest, DriverNamespace); err != nil {
+		return nil, err
+	}
+	d.Objects = append(first, rest...)
+
+	if opts.Webhook {
+		wh, err := c.StartWebhook(ctx)
+		if err != nil {
+			return nil, err
+		}
+		d.Webhook = wh
+		if len(webhookConfigs) == 0 {
+			d.Notes = append(d.Notes, "the chart has no webhook configuration; using the built-in one")
+			webhookConfigs, err = ParseYAML([]byte(builtinWebhookConfig))
+			if err != nil {
+				return nil, err
+			}
+		}
+		for _, o := range webhookConfigs {
+			if err := pointWebhooksAt(o, wh.URL, c.CA.CertPEM); err != nil {
+				return nil, err
+			}
+		}
+		if err := c.Apply(ctx, webhookConfigs, DriverNamespace); err != nil {
+			return nil, err
+		}
+		d.Objects = append(d.Objects, webhookConfigs...)
+	} else if len(webhookConfigs) > 0 {
+		d.Notes = append(d.Notes, "webhook configuration not applied (webhook not started)")
+	}
+	c.mu.Lock()
+	c.driver = d
+	c.mu.Unlock()
+	return d, nil
+}
+
+// renderChart runs `helm template` on the chart with the release in DriverNamespace.
+func renderChart(set []string) ([]*unstructured.Unstructured, error) {
+	chart, err := RepoPath(ChartPath)
+	if err != nil {
+		return nil, err
+	}
+	helm, err := Tool("helm")
+	if err != nil {
+		return nil, err
+	}
+	args := []string{"template", "gpu-dra", chart, "--namespace", DriverNamespace, "--kube-version", KubernetesVersion}
+	for _, s := range set {
+		args = append(args, "--set", s)
+	}
+	cmd := exec.Command(helm, args...)
+	var stderr strings.Builder
+	cmd.Stderr = &stderr
+	out, err := cmd.Output()
+	if err != nil {
+		return nil, fmt.Errorf("helm template %s: %v: %s", chart, err, stderr.String())
+	}
+	return ParseYAML(out)
+}
+
+// pointWebhooksAt rewrites every webhook's clientConfig to the local URL.
+func pointWebhooksAt(o *unstructured.Unstructured, url string, caPEM []byte) error {
+	hooks, _, err := unstructured.NestedSlice(o.Object, "webhooks")
+	if err != nil {
+		return err
+	}
+	for i := range hooks {
+		h, ok := hooks[i].(map[string]any)
+		if !ok {
+			continue
+		}
+		path := "/validate"
+		if svc, ok, _ := unstructured.NestedString(h, "clientConfig", "service", "path"); ok && svc != "" {
+			path = svc
+		}
+		h["clientConfig"] = map[string]any{
+			"url":      url + path,
+			"caBundle": base64.StdEncoding.EncodeToString(caPEM),
+		}
+	}
+	return unstructured.SetNestedSlice(o.Object, hooks, "webhooks")
+}
+
+// WebhookProcess is a running gpu-dra-webhook.
+type WebhookProcess struct {
+	// URL is https://127.0.0.1:<port> (no path).
+	URL string
+	// LogPath receives its output.
+	LogPath string
+	cmd     *exec.Cmd
+	done    chan struct{}
+}
+
+// StartWebhook starts gpu-dra-webhook with a certificate from the cluster
+// CA and waits until it answers /readyz.
+func (c *Cluster) StartWebhook(ctx context.Context) (*WebhookProcess, error) {
+	bin, err := Binary("gpu-dra-webhook")
+	if err != nil {
+		return nil, err
+	}
+	dir := filepath.Join(c.Dir, "webhook")
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return nil, err
+	}
+	certFile, keyFile, err := c.CA.IssueServing(dir, "webhook", "gpu-dra-webhook", "gpu-dra-webhook."+DriverNamespace+".svc")
+	if err != nil {
+		return nil, err
+	}
+	port, err := freePort()
+	if err != nil {
+		return nil, err
+	}
+	w := &WebhookProcess{URL: fmt.Sprintf("https://127.0.0.1:%d", port), LogPath: filepath.Join(dir, "webhook.log"), done: make(chan struct{})}
+	log, err := os.Create(w.LogPath)
+	if err != nil {
+		return nil, err
+	}
+	w.cmd = exec.Command(bin,
+		fmt.Sprintf("--bind-address=127.0.0.1:%d", port),
+		"--tls-cert-file="+certFile, "--tls-key-file="+keyFile,
+		"--log-level=info")
+	w.cmd.Stdout, w.cmd.Stderr = log, log
+	if err := w.cmd.Start(); err != nil {
+		log.Close()
+		return nil, err
+	}
+	go func() { _ = w.cmd.Wait(); log.Close(); close(w.done) }()
+	c.mu.Lock()
+	c.stops = append(c.stops, w.Stop)
+	c.mu.Unlock()
+
+	pool := x509.NewCertPool()
+	pool.AppendCertsFromPEM(c.CA.CertPEM)
+	client := &http.Client{Timeout: 2 * time.Second, Transport: &http.Transport{TLSClientConfig: &tls.Config{RootCAs: pool}}}
+	err = wait.PollUntilContextTimeout(ctx, 100*time.Millisecond, 30*time.Second, true, func(ctx context.Context) (bool, error) {
+		select {
+		case <-w.done:
+			return false, fmt.Errorf("gpu-dra-webhook exited")
+		default:
+		}
+		resp, err := client.Get(w.URL + "/readyz")
+		if err != nil {
+			return false, nil
+		}
+		resp.Body.Close()
+		return resp.StatusCode == http.StatusOK, nil
+	})
+	if err != nil {
+		logText, _ := os.ReadFile(w.LogPath)
+		return nil, fmt.Errorf("gpu-dra-webhook not ready: %w; log:\n%s", err, logText)
+	}
+	return w, nil
+}
+
+// Stop terminates the webhook.
+func (w *WebhookProcess) Stop() {
+	_ = w.cmd.Process.Signal(os.Interrupt)
+	select {
+	case <-w.done:
+	case <-time.After(5 * time.Second):
+		_ = w.cmd.Process.Kill()
+		<-w.done
+	}
+}
+
+// builtinObjects stand in for the chart until it lands: the plugin's
+// service account and the least rights it needs, and the two DeviceClasses
+// with the NVIDIA driver's selectors.
+const builtinObjects = `
+apiVersion: v1
+kind: ServiceAccount
+metadata:
+  name: gpu-dra-kubelet-plugin
+  namespace: ` + DriverNamespace + `
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: ClusterRole
+metadata:
+  name: gpu-dra-kubelet-plugin
+rules:
+- apiGroups: ["resource.k8s.io"]
+  resources: ["resourceslices"]
+  verbs: ["get", "list", "watch", "create", "update", "patch", "delete", "deletecollection"]
+- apiGroups: ["resource.k8s.io"]
+  resources: ["resourceclaims"]
+  verbs: ["get", "list", "watch"]
+- apiGroups: ["resource.k8s.io"]
+  resources: ["resourceclaims/status"]
+  verbs: ["update", "patch"]
+- apiGroups: [""]
+  resources: ["nodes"]
+  verbs: ["get", "list", "watch"]
+- apiGroups: ["", "events.k8s.io"]
+  resources: ["events"]
+  verbs: ["create", "patch"]
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: ClusterRoleBinding
+metadata:
+  name: gpu-dra-kubelet-plugin
+roleRef:
+  apiGroup: rbac.authorization.k8s.io
+  kind: ClusterRole
+  name: gpu-dra-kubelet-plugin
+subjects:
+- kind: ServiceAccount
+  name: gpu-dra-kubelet-plugin
+  namespace: ` + DriverNamespace + `
+---
+apiVersion: resource.k8s.io/v1
+kind: DeviceClass
+metadata:
+  name: gpu.nvidia.com
+spec:
+  selectors:
+  - cel:
+      expression: "device.driver == 'gpu.nvidia.com' && device.attributes['gpu.nvidia.com'].type == 'gpu'"
+---
+apiVersion: resource.k8s.io/v1
+kind: DeviceClass
+metadata:
+  name: mig.nvidia.com
+spec:
+  selectors:
+  - cel:
+      expression: "device.driver == 'gpu.nvidia.com' && device.attributes['gpu.nvidia.com'].type == 'mig'"
+`
+
+// builtinWebhookConfig registers the webhook for what carries opaque
+// configs: claims, claim templates and DeviceClasses.
+const builtinWebhookConfig = `
+apiVersion: admissionregistration.k8s.io/v1
+kind: ValidatingWebhookConfiguration
+metadata:
+  name: gpu-dra-webhook
+webhooks:
+- name: validate.gpu.nvidia.com
+  admissionReviewVersions: ["v1"]
+  sideEffects: None
+  failurePolicy: Fail
+  timeoutSeconds: 10
+  clientConfig:
+    service: {name: gpu-dra-webhook, namespace: ` + DriverNamespace + `, path: /validate}
+  rules:
+  - apiGroups: ["resource.k8s.io"]
+    apiVersions: ["v1", "v1beta1", "v1beta2"]
+    operations: ["CREATE", "UPDATE"]
+    resources: ["resourceclaims", "resourceclaimtemplates", "deviceclasses"]
+`
+
+// KubernetesVersion is the release the harness runs (e2e/go.mod pins it).
+const KubernetesVersion = "v1.37.1"

@@ -1,0 +1,459 @@
+package harness
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"os"
+	"path/filepath"
+	"sync"
+	"syscall"
+	"time"
+
+	v1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/labels"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/apimachinery/pkg/util/sets"
+	"k8s.io/client-go/informers"
+	corelisters "k8s.io/client-go/listers/core/v1"
+	"k8s.io/client-go/tools/cache"
+	"k8s.io/client-go/tools/record"
+	"k8s.io/client-go/util/workqueue"
+	"k8s.io/klog/v2"
+	pluginwatcherapi "k8s.io/kubelet/pkg/apis/pluginregistration/v1"
+	podutil "k8s.io/kubernetes/pkg/api/v1/pod"
+	"k8s.io/kubernetes/pkg/kubelet/cm/dra"
+	draplugin "k8s.io/kubernetes/pkg/kubelet/cm/dra/plugin"
+	kubeletconfig "k8s.io/kubernetes/pkg/kubelet/config"
+	"k8s.io/kubernetes/pkg/kubelet/pluginmanager"
+)
+
+// CDIAnnotation is the pod annotation where a simulated node records, per
+// container, the CDI device IDs the kubelet's DRA manager would hand to the
+// container runtime: a JSON object {"<container>": ["vendor/class=name", ...]}.
+const CDIAnnotation = "e2e.gpu-dra/cdi-devices"
+
+// NodeOptions describe one simulated node.
+type NodeOptions struct {
+	// Name of the Node object.
+	Name string
+	// Labels added to the Node object (kubernetes.io/hostname is always set).
+	Labels map[string]string
+}
+
+// Node is a simulated node: a Node object kept Ready, the kubelet's plugin
+// manager watching RegistrarDir, the kubelet's DRA manager (checkpoint in
+// StateDir) and a pod loop doing what the kubelet does for DRA up to the
+// container runtime.
+type Node struct {
+	// Name of the Node object.
+	Name string
+	// Dir holds everything of this node.
+	Dir string
+	// RegistrarDir is what the kubelet's plugin watcher watches (the node's
+	// /var/lib/kubelet/plugins_registry).
+	RegistrarDir string
+	// PluginsDir is the node's /var/lib/kubelet/plugins.
+	PluginsDir string
+	// CDIRoot is the node's /var/run/cdi.
+	CDIRoot string
+	// StateDir holds the DRA manager's checkpoint.
+	StateDir string
+
+	// Plugin is our node plugin process, once started (see StartPlugin).
+	Plugin *PluginProcess
+
+	cluster *Cluster
+	dra     *dra.Manager
+	pods    corelisters.PodLister
+	queue   workqueue.TypedRateLimitingInterface[string]
+	cancel  context.CancelFunc
+	wg      sync.WaitGroup
+	logger  klog.Logger
+}
+
+// AddNode creates a Node object and starts the node's kubelet pieces.
+func (c *Cluster) AddNode(ctx context.Context, opts NodeOptions) (*Node, error) {
+	// Socket paths must stay under 108 bytes, so node directories are short.
+	dir := filepath.Join(c.Dir, "n", opts.Name)
+	n := &Node{
+		Name:         opts.Name,
+		Dir:          dir,
+		RegistrarDir: filepath.Join(dir, "reg"),
+		PluginsDir:   filepath.Join(dir, "plugins"),
+		CDIRoot:      filepath.Join(dir, "cdi"),
+		StateDir:     filepath.Join(dir, "dra-state"),
+		cluster:      c,
+		logger:       klog.LoggerWithValues(klog.Background(), "node", opts.Name),
+	}
+	for _, d := range []string{n.RegistrarDir, n.PluginsDir, n.CDIRoot, n.StateDir} {
+		if err := os.MkdirAll(d, 0o750); err != nil {
+			return nil, err
+		}
+	}
+	if err := n.register(ctx, opts); err != nil {
+		return nil, err
+	}
+
+	ctx, n.cancel = context.WithCancel(klog.NewContext(context.WithoutCancel(ctx), n.logger))
+	factory := informers.NewSharedInformerFactoryWithOptions(c.Client, 0,
+		informers.WithTweakListOptions(func(o *metav1.ListOptions) {
+			o.FieldSelector = "spec.nodeName=" + n.Name
+		}))
+	podInformer := factory.Core().V1().Pods()
+	n.pods = podInformer.Lister()
+	n.queue = workqueue.NewTypedRateLimitingQueueWithConfig(
+		workqueue.NewTypedItemExponentialFailureRateLimiter[string](50*time.Millisecond, 5*time.Second),
+		workqueue.TypedRateLimitingQueueConfig[string]{Name: "pods-" + n.Name})
+	enqueue := func(obj any) {
+		if key, err := cache.DeletionHandlingMetaNamespaceKeyFunc(obj); err == nil {
+			n.queue.Add(key)
+		}
+	}
+	if _, err := podInformer.Informer().AddEventHandler(cache.ResourceEventHandlerFuncs{
+		AddFunc:    enqueue,
+		UpdateFunc: func(_, obj any) { enqueue(obj) },
+		DeleteFunc: enqueue,
+	}); err != nil {
+		return nil, err
+	}
+	factory.Start(ctx.Done())
+	factory.WaitForCacheSync(ctx.Done())
+
+	var err error
+	n.dra, err = dra.NewManager(n.logger, c.Client, n.StateDir)
+	if err != nil {
+		return nil, fmt.Errorf("node %s: DRA manager: %w", n.Name, err)
+	}
+	sourcesReady := kubeletconfig.NewSourcesReady(func(sets.Set[string]) bool {
+		return podInformer.Informer().HasSynced()
+	})
+	getNode := func(ctx context.Context) (*v1.Node, error) {
+		return c.Client.CoreV1().Nodes().Get(ctx, n.Name, metav1.GetOptions{})
+	}
+	if err := n.dra.Start(ctx, n.activePods, getNode, sourcesReady); err != nil {
+		return nil, fmt.Errorf("node %s: start DRA manager: %w", n.Name, err)
+	}
+	plugins := pluginmanager.NewPluginManager(n.RegistrarDir, &record.FakeRecorder{})
+	plugins.AddHandler(pluginwatcherapi.DRAPlugin, n.dra.GetWatcherHandler())
+	n.wg.Add(1)
+	go func() { defer n.wg.Done(); plugins.Run(ctx, sourcesReady, ctx.Done()) }()
+
+	for range 4 {
+		n.wg.Add(1)
+		go func() {
+			defer n.wg.Done()
+			for n.processNext(ctx) {
+			}
+		}()
+	}
+	n.wg.Add(1)
+	go func() { defer n.wg.Done(); n.heartbeat(ctx) }()
+	go func() { <-ctx.Done(); n.queue.ShutDown() }()
+
+	c.mu.Lock()
+	c.nodes[n.Name] = n
+	c.mu.Unlock()
+	return n, nil
+}
+
+// Node returns a node added with AddNode.
+func (c *Cluster) Node(name string) *Node {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.nodes[name]
+}
+
+// register creates (or refreshes) the Node object, Ready, without the
+// not-ready taint that the TaintNodesByCondition admission plugin adds at
+// creation (the node lifecycle controller, which would lift it, is not run).
+func (n *Node) register(ctx context.Context, opts NodeOptions) error {
+	labels := map[string]string{
+		"kubernetes.io/hostname": opts.Name,
+		"kubernetes.io/os":       "linux",
+		"kubernetes.io/arch":     "amd64",
+	}
+	for k, v := range opts.Labels {
+		labels[k] = v
+	}
+	capacity := v1.ResourceList{
+		v1.ResourceCPU:    resource.MustParse("64"),
+		v1.ResourceMemory: resource.MustParse("512Gi"),
+		v1.ResourcePods:   resource.MustParse("250"),
+	}
+	node := &v1.Node{
+		ObjectMeta: metav1.ObjectMeta{Name: opts.Name, Labels: labels},
+	}
+	nodes := n.cluster.Client.CoreV1().Nodes()
+	created, err := nodes.Create(ctx, node, metav1.CreateOptions{})
+	if apierrors.IsAlreadyExists(err) {
+		created, err = nodes.Get(ctx, opts.Name, metav1.GetOptions{})
+	}
+	if err != nil {
+		return fmt.Errorf("create node %s: %w", opts.Name, err)
+	}
+	created.Spec.Taints = nil
+	created.Labels = labels
+	updated, err := nodes.Update(ctx, created, metav1.UpdateOptions{})
+	if err != nil {
+		return fmt.Errorf("untaint node %s: %w", opts.Name, err)
+	}
+	now := metav1.Now()
+	updated.Status = v1.NodeStatus{
+		Capacity:    capacity,
+		Allocatable: capacity,
+		Phase:       v1.NodeRunning,
+		Conditions: []v1.NodeCondition{{
+			Type: v1.NodeReady, Status: v1.ConditionTrue, Reason: "KubeletReady",
+			Message: "simulated kubelet is posting ready status", LastHeartbeatTime: now, LastTransitionTime: now,
+		}},
+		Addresses: []v1.NodeAddress{{Type: v1.NodeInternalIP, Address: "127.0.0.1"}, {Type: v1.NodeHostName, Address: opts.Name}},
+		NodeInfo: v1.NodeSystemInfo{
+			KubeletVersion: "v1.37.1", OperatingSystem: "linux", Architecture: "amd64",
+			ContainerRuntimeVersion: "simulated://0",
+		},
+	}
+	if _, err := nodes.UpdateStatus(ctx, updated, metav1.UpdateOptions{}); err != nil {
+		return fmt.Errorf("node %s status: %w", opts.Name, err)
+	}
+	return nil
+}
+
+// heartbeat keeps the Ready condition fresh like the kubelet's node status loop.
+func (n *Node) heartbeat(ctx context.Context) {
+	t := time.NewTicker(40 * time.Second)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		node, err := n.cluster.Client.CoreV1().Nodes().Get(ctx, n.Name, metav1.GetOptions{})
+		if err != nil {
+			continue
+		}
+		for i := range node.Status.Conditions {
+			if node.Status.Conditions[i].Type == v1.NodeReady {
+				node.Status.Conditions[i].LastHeartbeatTime = metav1.Now()
+			}
+		}
+		_, _ = n.cluster.Client.CoreV1().Nodes().UpdateStatus(ctx, node, metav1.UpdateOptions{})
+	}
+}
+
+// activePods is what the DRA manager's reconcile loop treats as still using
+// its claims: every pod bound here that has not finished.
+func (n *Node) activePods() []*v1.Pod {
+	pods, err := n.pods.List(everything)
+	if err != nil {
+		return nil
+	}
+	active := pods[:0:0]
+	for _, p := range pods {
+		if p.Status.Phase != v1.PodSucceeded && p.Status.Phase != v1.PodFailed {
+			active = append(active, p)
+		}
+	}
+	return active
+}
+
+func (n *Node) processNext(ctx context.Context) bool {
+	key, quit := n.queue.Get()
+	if quit {
+		return false
+	}
+	defer n.queue.Done(key)
+	if err := n.syncPod(ctx, key); err != nil {
+		n.logger.V(2).Info("pod sync failed, retrying", "pod", key, "err", err)
+		n.queue.AddRateLimited(key)
+		return true
+	}
+	n.queue.Forget(key)
+	return true
+}
+
+// syncPod does the DRA part of the kubelet's pod lifecycle.
+func (n *Node) syncPod(ctx context.Context, key string) error {
+	ns, name, err := cache.SplitMetaNamespaceKey(key)
+	if err != nil {
+		return nil
+	}
+	pod, err := n.pods.Pods(ns).Get(name)
+	if apierrors.IsNotFound(err) {
+		// Gone: the DRA manager's reconcile loop unprepares whatever is left.
+		return nil
+	}
+	if err != nil {
+		return err
+	}
+	pods := n.cluster.Client.CoreV1().Pods(ns)
+	if pod.DeletionTimestamp != nil {
+		// As the kubelet: containers stopped, the pod in a terminal phase
+		// (which lets the resourceclaim controller release and delete
+		// generated claims), then unprepare, then the final delete.
+		if !podutil.IsPodPhaseTerminal(pod.Status.Phase) {
+			if err := n.setTerminated(ctx, pod); err != nil {
+				return err
+			}
+		}
+		if err := n.dra.UnprepareResources(ctx, pod); err != nil {
+			return err
+		}
+		uid := pod.UID
+		err := pods.Delete(ctx, name, metav1.DeleteOptions{
+			GracePeriodSeconds: new(int64),
+			Preconditions:      &metav1.Preconditions{UID: &uid},
+		})
+		if err != nil && !apierrors.IsNotFound(err) && !apierrors.IsConflict(err) {
+			return err
+		}
+		return nil
+	}
+	if pod.Status.Phase != v1.PodPending && pod.Status.Phase != "" {
+		return nil
+	}
+	if err := n.dra.PrepareResources(ctx, pod); err != nil {
+		n.setWaiting(ctx, pod, err)
+		return err
+	}
+	devices := map[string][]string{}
+	for i := range pod.Spec.Containers {
+		ctr := &pod.Spec.Containers[i]
+		info, err := n.dra.GetResources(pod, ctr)
+		if err != nil {
+			return err
+		}
+		ids := []string{}
+		for _, d := range info.CDIDevices {
+			ids = append(ids, d.Name)
+		}
+		devices[ctr.Name] = ids
+	}
+	encoded, err := json.Marshal(devices)
+	if err != nil {
+		return err
+	}
+	patch, err := json.Marshal(map[string]any{"metadata": map[string]any{
+		"annotations": map[string]string{CDIAnnotation: string(encoded)},
+	}})
+	if err != nil {
+		return err
+	}
+	running, err := pods.Patch(ctx, name, types.MergePatchType, patch, metav1.PatchOptions{})
+	if err != nil {
+		return err
+	}
+	now := metav1.Now()
+	running.Status.Phase = v1.PodRunning
+	running.Status.HostIP = "127.0.0.1"
+	running.Status.HostIPs = []v1.HostIP{{IP: "127.0.0.1"}}
+	running.Status.StartTime = &now
+	running.Status.Conditions = []v1.PodCondition{}
+	for _, t := range []v1.PodConditionType{v1.PodScheduled, v1.PodInitialized, v1.PodReadyToStartContainers, v1.ContainersReady, v1.PodReady} {
+		running.Status.Conditions = append(running.Status.Conditions, v1.PodCondition{Type: t, Status: v1.ConditionTrue, LastTransitionTime: now})
+	}
+	running.Status.ContainerStatuses = nil
+	for _, ctr := range pod.Spec.Containers {
+		running.Status.ContainerStatuses = append(running.Status.ContainerStatuses, v1.ContainerStatus{
+			Name: ctr.Name, Image: ctr.Image, ImageID: ctr.Image, Ready: true, Started: new(true),
+			ContainerID: "simulated://" + string(pod.UID) + "/" + ctr.Name,
+			State:       v1.ContainerState{Running: &v1.ContainerStateRunning{StartedAt: now}},
+		})
+	}
+	if _, err := pods.UpdateStatus(ctx, running, metav1.UpdateOptions{}); err != nil {
+		return err
+	}
+	return nil
+}
+
+// setTerminated records the containers as exited and the pod as Succeeded.
+func (n *Node) setTerminated(ctx context.Context, pod *v1.Pod) error {
+	p := pod.DeepCopy()
+	now := metav1.Now()
+	p.Status.Phase = v1.PodSucceeded
+	for i := range p.Status.Conditions {
+		if t := p.Status.Conditions[i].Type; t == v1.PodReady || t == v1.ContainersReady {
+			p.Status.Conditions[i].Status = v1.ConditionFalse
+			p.Status.Conditions[i].Reason = "PodCompleted"
+			p.Status.Conditions[i].LastTransitionTime = now
+		}
+	}
+	for i := range p.Status.ContainerStatuses {
+		st := &p.Status.ContainerStatuses[i]
+		started := now
+		if st.State.Running != nil {
+			started = st.State.Running.StartedAt
+		}
+		st.Ready = false
+		st.Started = new(false)
+		st.State = v1.ContainerState{Terminated: &v1.ContainerStateTerminated{
+			ExitCode: 0, Reason: "Completed", StartedAt: started, FinishedAt: now, ContainerID: st.ContainerID,
+		}}
+	}
+	_, err := n.cluster.Client.CoreV1().Pods(pod.Namespace).UpdateStatus(ctx, p, metav1.UpdateOptions{})
+	if apierrors.IsNotFound(err) {
+		return nil
+	}
+	return err
+}
+
+// setWaiting reports a failed prepare the way the kubelet does: the
+// containers stay waiting in ContainerCreating with the error as message.
+func (n *Node) setWaiting(ctx context.Context, pod *v1.Pod, cause error) {
+	p := pod.DeepCopy()
+	p.Status.ContainerStatuses = nil
+	for _, ctr := range pod.Spec.Containers {
+		p.Status.ContainerStatuses = append(p.Status.ContainerStatuses, v1.ContainerStatus{
+			Name: ctr.Name, Image: ctr.Image,
+			State: v1.ContainerState{Waiting: &v1.ContainerStateWaiting{Reason: "ContainerCreating", Message: cause.Error()}},
+		})
+	}
+	_, _ = n.cluster.Client.CoreV1().Pods(pod.Namespace).UpdateStatus(ctx, p, metav1.UpdateOptions{})
+}
+
+// DriverRegistered says whether the kubelet's DRA manager on this node has a
+// registered, connected plugin for the driver (registration went through the
+// kubelet's plugin watcher).
+func (n *Node) DriverRegistered(driver string) bool {
+	pm, ok := n.dra.GetWatcherHandler().(*draplugin.DRAPluginManager)
+	if !ok {
+		return false
+	}
+	_, err := pm.GetPlugin(driver)
+	return err == nil
+}
+
+// Stop stops the node's plugin process and kubelet pieces; the Node object stays.
+func (n *Node) Stop() {
+	if n.Plugin != nil {
+		n.Plugin.Stop()
+	}
+	// MPS control daemons outlive a plugin restart by design; when the node
+	// goes, they go too (they run binaries of this node's simulated host).
+	for _, p := range Processes(n.SimRoot()) {
+		_ = syscall.Kill(p.Pid, syscall.SIGKILL)
+	}
+	if n.cancel != nil {
+		n.cancel()
+	}
+	n.wg.Wait()
+}
+
+// CDIDevices returns the CDI device IDs recorded on a pod, per container.
+func CDIDevices(pod *v1.Pod) (map[string][]string, error) {
+	raw, ok := pod.Annotations[CDIAnnotation]
+	if !ok {
+		return nil, fmt.Errorf("pod %s/%s has no %s annotation", pod.Namespace, pod.Name, CDIAnnotation)
+	}
+	out := map[string][]string{}
+	if err := json.Unmarshal([]byte(raw), &out); err != nil {
+		return nil, fmt.Errorf("pod %s/%s annotation %s: %w", pod.Namespace, pod.Name, CDIAnnotation, err)
+	}
+	return out, nil
+}
+
+var everything = labels.Everything()

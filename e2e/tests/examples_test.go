@@ -1,0 +1,312 @@
+package tests
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"path/filepath"
+	"regexp"
+	"sort"
+	"strings"
+	"testing"
+	"time"
+
+	v1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+
+	"github.com/gpu-dra/e2e/harness"
+)
+
+// Kinds whose pods need a controller the harness does not run.
+var workloadKinds = map[string]bool{"Deployment": true, "Job": true, "DaemonSet": true, "StatefulSet": true, "ReplicaSet": true}
+
+// Every scenario folder in examples/ (but invalid/): applied to a fresh
+// namespace, every pod reaches Running with CDI IDs that resolve to spec
+// files with the GPU device nodes; each claim's devices are published; the
+// spec files go away when the pods do.
+func TestExamples(t *testing.T) {
+	requirePlugins(t)
+	root, err := harness.RepoPath("examples")
+	if err != nil {
+		t.Skipf("SKIP until examples land: %v", err)
+	}
+	dirs, err := os.ReadDir(root)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ran := 0
+	for _, d := range dirs {
+		if !d.IsDir() || d.Name() == "invalid" {
+			continue
+		}
+		files := yamlFiles(t, filepath.Join(root, d.Name()))
+		if len(files) == 0 {
+			continue
+		}
+		ran++
+		t.Run(d.Name(), func(t *testing.T) { runExample(t, d.Name(), files) })
+	}
+	if ran == 0 {
+		t.Skipf("SKIP until examples land: no scenario folder with manifests in %s", root)
+	}
+}
+
+func yamlFiles(t *testing.T, dir string) []string {
+	t.Helper()
+	var out []string
+	entries, err := os.ReadDir(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, e := range entries {
+		if ext := filepath.Ext(e.Name()); !e.IsDir() && (ext == ".yaml" || ext == ".yml") {
+			out = append(out, filepath.Join(dir, e.Name()))
+		}
+	}
+	sort.Strings(out)
+	return out
+}
+
+func runExample(t *testing.T, name string, files []string) {
+	ctx := context.Background()
+	ns := newNamespace(ctx, t, "ex-"+name)
+	var objs []*unstructured.Unstructured
+	for _, f := range files {
+		data, err := os.ReadFile(f)
+		if err != nil {
+			t.Fatal(err)
+		}
+		parsed, err := harness.ParseYAML(data)
+		if err != nil {
+			t.Fatalf("%s: %v", f, err)
+		}
+		objs = append(objs, parsed...)
+	}
+	// Namespaced objects go to the test's namespace whatever they say, so
+	// scenarios do not collide.
+	var pods []string
+	var expanded []*unstructured.Unstructured
+	for _, o := range objs {
+		if o.GetNamespace() != "" {
+			o.SetNamespace(ns)
+		}
+		if workloadKinds[o.GetKind()] {
+			// No workload controllers run here: their pod template becomes
+			// bare pods, one per replica, as the controller would create.
+			for _, p := range podsFromTemplate(t, o) {
+				expanded = append(expanded, p)
+				pods = append(pods, p.GetName())
+			}
+			continue
+		}
+		expanded = append(expanded, o)
+		if o.GetKind() == "Pod" {
+			pods = append(pods, o.GetName())
+		}
+	}
+	objs = expanded
+	if err := cluster.Apply(ctx, objs, ns); err != nil {
+		t.Fatal(err)
+	}
+	if len(pods) == 0 {
+		t.Logf("no pods in this scenario; objects applied")
+		return
+	}
+	var running []*v1.Pod
+	for _, p := range pods {
+		pod, err := cluster.WaitPodRunning(ctx, ns, p, 90*time.Second)
+		if err != nil {
+			t.Fatal(err)
+		}
+		running = append(running, pod)
+	}
+	claimUIDs := map[string]string{} // uid -> node
+	for _, pod := range running {
+		resolved := podDevices(t, pod)
+		for _, ctr := range pod.Spec.Containers {
+			if !usesDevices(pod, ctr) {
+				continue
+			}
+			if len(resolved[ctr.Name]) == 0 {
+				t.Errorf("pod %s container %s asks for devices but got no CDI device", pod.Name, ctr.Name)
+			}
+			for _, r := range resolved[ctr.Name] {
+				checkGPUEdits(t, r)
+				if strings.Contains(r.ID, "-mig-") {
+					checkMIGEdits(t, r)
+				}
+			}
+			t.Logf("pod %s on %s container %s: %v", pod.Name, pod.Spec.NodeName, ctr.Name, ids(resolved[ctr.Name]))
+		}
+		for _, st := range pod.Status.ResourceClaimStatuses {
+			if st.ResourceClaimName == nil {
+				continue
+			}
+			claim, err := cluster.Client.ResourceV1().ResourceClaims(ns).Get(ctx, *st.ResourceClaimName, metav1.GetOptions{})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if claim.Status.Allocation == nil {
+				t.Fatalf("claim %s of running pod %s is not allocated", claim.Name, pod.Name)
+			}
+			for _, res := range claim.Status.Allocation.Devices.Results {
+				if res.Driver == harness.DefaultDriver {
+					sliceDevice(ctx, t, res.Pool, res.Device)
+				}
+			}
+			claimUIDs[string(claim.UID)] = pod.Spec.NodeName
+		}
+	}
+	for _, pod := range running {
+		deletePod(ctx, t, pod)
+	}
+	for uid, node := range claimUIDs {
+		if !eventually(ctx, 10*time.Second, func() bool { return len(claimSpecFiles(t, node, uid)) == 0 }) {
+			t.Errorf("claim %s: CDI spec files left on %s after its pods are gone: %v", uid, node, claimSpecFiles(t, node, uid))
+		}
+	}
+}
+
+func usesDevices(pod *v1.Pod, ctr v1.Container) bool {
+	if len(ctr.Resources.Claims) > 0 {
+		return true
+	}
+	for name := range ctr.Resources.Limits {
+		if strings.Contains(string(name), "nvidia.com/") {
+			return true
+		}
+	}
+	return false
+}
+
+var capNode = regexp.MustCompile(`^/dev/nvidia-caps/nvidia-cap[0-9]+$`)
+
+// checkMIGEdits: a MIG device needs its GPU- and compute-instance
+// capability nodes.
+func checkMIGEdits(t *testing.T, r harness.ResolvedDevice) {
+	t.Helper()
+	caps := 0
+	for _, n := range r.DeviceNodes() {
+		if capNode.MatchString(n.Path) {
+			caps++
+		}
+	}
+	if caps < 2 {
+		t.Errorf("MIG CDI device %s: %d nvidia-caps nodes, want the gi and ci access nodes", r.ID, caps)
+	}
+}
+
+func ids(rs []harness.ResolvedDevice) []string {
+	var out []string
+	for _, r := range rs {
+		out = append(out, r.ID)
+	}
+	return out
+}
+
+// Every config in examples/invalid/ is refused at create by the webhook with
+// each message its <name>.expected.txt lists (one per line); where the
+// examples' README says a problem is only a warning at admission, the
+// messages must come back as warnings instead.
+func TestInvalidExamplesRefused(t *testing.T) {
+	requireWebhook(t)
+	root, err := harness.RepoPath("examples/invalid")
+	if err != nil {
+		t.Skipf("SKIP until examples/invalid lands: %v", err)
+	}
+	files := yamlFiles(t, root)
+	if len(files) == 0 {
+		t.Skipf("SKIP until examples/invalid has manifests")
+	}
+	ctx := context.Background()
+	ns := newNamespace(ctx, t, "invalid")
+	for _, f := range files {
+		t.Run(strings.TrimSuffix(filepath.Base(f), filepath.Ext(f)), func(t *testing.T) {
+			data, err := os.ReadFile(f)
+			if err != nil {
+				t.Fatal(err)
+			}
+			want := expectedMessages(t, f)
+			objs, err := harness.ParseYAML(data)
+			if err != nil {
+				t.Fatal(err)
+			}
+			var refusals, warnings []string
+			for _, o := range objs {
+				if o.GetNamespace() != "" {
+					o.SetNamespace(ns)
+				}
+				warns, err := cluster.CreateWithWarnings(ctx, o, ns)
+				warnings = append(warnings, warns...)
+				if err == nil {
+					continue
+				}
+				if !strings.Contains(err.Error(), "admission webhook") {
+					t.Errorf("%s %s refused, but not by the webhook: %v", o.GetKind(), o.GetName(), err)
+				}
+				refusals = append(refusals, err.Error())
+			}
+			got := strings.Join(refusals, "\n")
+			if len(refusals) == 0 {
+				got = strings.Join(warnings, "\n")
+				t.Logf("admitted with warnings: %v", warnings)
+			}
+			if got == "" {
+				t.Fatalf("%s: neither refused nor warned about", filepath.Base(f))
+			}
+			for _, w := range want {
+				if !strings.Contains(got, w) {
+					t.Errorf("response %q lacks expected message %q", got, w)
+				}
+			}
+		})
+	}
+}
+
+// expectedMessages reads <name>.expected.txt next to an invalid example:
+// one expected message per line.
+func expectedMessages(t *testing.T, yamlPath string) []string {
+	t.Helper()
+	data, err := os.ReadFile(strings.TrimSuffix(yamlPath, filepath.Ext(yamlPath)) + ".expected.txt")
+	if err != nil {
+		t.Fatalf("expected messages: %v", err)
+	}
+	var out []string
+	for _, line := range strings.Split(string(data), "\n") {
+		if line = strings.TrimSpace(line); line != "" {
+			out = append(out, line)
+		}
+	}
+	return out
+}
+
+// podsFromTemplate turns a workload's pod template into bare Pods, one per
+// replica (default 1).
+func podsFromTemplate(t *testing.T, o *unstructured.Unstructured) []*unstructured.Unstructured {
+	t.Helper()
+	tmpl, ok, err := unstructured.NestedMap(o.Object, "spec", "template")
+	if err != nil || !ok {
+		t.Fatalf("%s %s: no spec.template", o.GetKind(), o.GetName())
+	}
+	replicas, ok, _ := unstructured.NestedInt64(o.Object, "spec", "replicas")
+	if !ok {
+		replicas = 1
+	}
+	var out []*unstructured.Unstructured
+	for i := range replicas {
+		p := &unstructured.Unstructured{Object: map[string]any{"apiVersion": "v1", "kind": "Pod"}}
+		if md, ok := tmpl["metadata"].(map[string]any); ok {
+			p.Object["metadata"] = runtimeDeepCopy(md)
+		}
+		p.Object["spec"] = runtimeDeepCopy(tmpl["spec"].(map[string]any))
+		p.SetName(fmt.Sprintf("%s-%d", o.GetName(), i))
+		p.SetNamespace(o.GetNamespace())
+		out = append(out, p)
+	}
+	return out
+}
+
+func runtimeDeepCopy(m map[string]any) map[string]any {
+	return (&unstructured.Unstructured{Object: m}).DeepCopy().Object
+}

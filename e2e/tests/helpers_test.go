@@ -1,0 +1,267 @@
+package tests
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"regexp"
+	"strings"
+	"testing"
+	"time"
+
+	v1 "k8s.io/api/core/v1"
+	resourceapi "k8s.io/api/resource/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/util/wait"
+
+	"github.com/gpu-dra/e2e/harness"
+)
+
+// nodeSlices lists our driver's ResourceSlices of one node.
+func nodeSlices(ctx context.Context, node string) ([]resourceapi.ResourceSlice, error) {
+	list, err := cluster.Client.ResourceV1().ResourceSlices().List(ctx, metav1.ListOptions{
+		FieldSelector: "spec.nodeName=" + node + ",spec.driver=" + harness.DefaultDriver,
+	})
+	if err != nil {
+		return nil, err
+	}
+	return list.Items, nil
+}
+
+// sliceDevice finds a published device by pool and name.
+func sliceDevice(ctx context.Context, t *testing.T, pool, name string) resourceapi.Device {
+	t.Helper()
+	list, err := cluster.Client.ResourceV1().ResourceSlices().List(ctx, metav1.ListOptions{FieldSelector: "spec.driver=" + harness.DefaultDriver})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, s := range list.Items {
+		if s.Spec.Pool.Name != pool {
+			continue
+		}
+		for _, d := range s.Spec.Devices {
+			if d.Name == name {
+				return d
+			}
+		}
+	}
+	t.Fatalf("device %s/%s not in any slice", pool, name)
+	return resourceapi.Device{}
+}
+
+func attrString(d resourceapi.Device, name string) string {
+	if a, ok := d.Attributes[resourceapi.QualifiedName(name)]; ok && a.StringValue != nil {
+		return *a.StringValue
+	}
+	if a, ok := d.Attributes[resourceapi.QualifiedName(harness.DefaultDriver+"/"+name)]; ok && a.StringValue != nil {
+		return *a.StringValue
+	}
+	return ""
+}
+
+var nsCleaner = regexp.MustCompile(`[^a-z0-9-]+`)
+
+// newNamespace creates a fresh namespace for a test.
+func newNamespace(ctx context.Context, t *testing.T, prefix string) string {
+	t.Helper()
+	name := nsCleaner.ReplaceAllString(strings.ToLower(prefix), "-")
+	if len(name) > 40 {
+		name = name[:40]
+	}
+	name = fmt.Sprintf("%s-%d", strings.Trim(name, "-"), time.Now().UnixNano()%100000)
+	if err := cluster.CreateNamespace(ctx, name); err != nil {
+		t.Fatal(err)
+	}
+	return name
+}
+
+// opaque builds an opaque driver config for a claim.
+func opaque(t *testing.T, params map[string]any) *resourceapi.OpaqueDeviceConfiguration {
+	t.Helper()
+	raw, err := json.Marshal(params)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return &resourceapi.OpaqueDeviceConfiguration{Driver: harness.DefaultDriver, Parameters: runtime.RawExtension{Raw: raw}}
+}
+
+// gpuClaim is a claim for count whole GPUs with an optional GpuConfig.
+func gpuClaim(t *testing.T, ns, name string, count int64, config map[string]any) *resourceapi.ResourceClaim {
+	claim := &resourceapi.ResourceClaim{
+		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns},
+		Spec: resourceapi.ResourceClaimSpec{Devices: resourceapi.DeviceClaim{
+			Requests: []resourceapi.DeviceRequest{{Name: "gpu", Exactly: &resourceapi.ExactDeviceRequest{
+				DeviceClassName: "gpu.nvidia.com", AllocationMode: resourceapi.DeviceAllocationModeExactCount, Count: count,
+			}}},
+		}},
+	}
+	if config != nil {
+		claim.Spec.Devices.Config = []resourceapi.DeviceClaimConfiguration{{
+			Requests:            []string{"gpu"},
+			DeviceConfiguration: resourceapi.DeviceConfiguration{Opaque: opaque(t, config)},
+		}}
+	}
+	return claim
+}
+
+// claimPod is a pod on a node using one claim in its one container.
+func claimPod(ns, name, node, claim string) *v1.Pod {
+	return &v1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns},
+		Spec: v1.PodSpec{
+			NodeSelector: map[string]string{"kubernetes.io/hostname": node},
+			Containers: []v1.Container{{
+				Name: "ctr", Image: "cuda-sample",
+				Resources: v1.ResourceRequirements{Claims: []v1.ResourceClaim{{Name: "gpu"}}},
+			}},
+			ResourceClaims: []v1.PodResourceClaim{{Name: "gpu", ResourceClaimName: &claim}},
+		},
+	}
+}
+
+// notInBuild is how our plugin refuses a config whose feature (sharing) has
+// not landed in the build under test.
+const notInBuild = "not enabled in this build"
+
+// runClaimPod creates the claim and the pod and waits until it runs.
+func runClaimPod(ctx context.Context, t *testing.T, claim *resourceapi.ResourceClaim, pod *v1.Pod) (*v1.Pod, *resourceapi.ResourceClaim) {
+	t.Helper()
+	if _, err := cluster.Client.ResourceV1().ResourceClaims(claim.Namespace).Create(ctx, claim, metav1.CreateOptions{}); err != nil {
+		t.Fatalf("create claim: %v", err)
+	}
+	if _, err := cluster.Client.CoreV1().Pods(pod.Namespace).Create(ctx, pod, metav1.CreateOptions{}); err != nil {
+		t.Fatalf("create pod: %v", err)
+	}
+	running, err := cluster.WaitPodRunning(ctx, pod.Namespace, pod.Name, waitFor(ctx, pod))
+	if err != nil {
+		if strings.Contains(err.Error(), notInBuild) {
+			t.Skipf("SKIP until the plugin build supports it: %v", err)
+		}
+		t.Fatal(err)
+	}
+	got, err := cluster.Client.ResourceV1().ResourceClaims(claim.Namespace).Get(ctx, claim.Name, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return running, got
+}
+
+// deletePod deletes a pod and waits until the node finished it.
+func deletePod(ctx context.Context, t *testing.T, pod *v1.Pod) {
+	t.Helper()
+	if err := cluster.Client.CoreV1().Pods(pod.Namespace).Delete(ctx, pod.Name, metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if err := cluster.WaitPodGone(ctx, pod.Namespace, pod.Name, 60*time.Second); err != nil {
+		t.Fatalf("pod %s/%s not gone: %v", pod.Namespace, pod.Name, err)
+	}
+}
+
+// podDevices resolves every CDI ID recorded on a running pod against its
+// node's CDI root, per container.
+func podDevices(t *testing.T, pod *v1.Pod) map[string][]harness.ResolvedDevice {
+	t.Helper()
+	ids, err := harness.CDIDevices(pod)
+	if err != nil {
+		t.Fatal(err)
+	}
+	node := cluster.Node(pod.Spec.NodeName)
+	if node == nil {
+		t.Fatalf("pod %s on unknown node %q", pod.Name, pod.Spec.NodeName)
+	}
+	out := map[string][]harness.ResolvedDevice{}
+	for ctr, list := range ids {
+		for _, id := range list {
+			r, err := harness.ResolveCDI(node.CDIRoot, id)
+			if err != nil {
+				t.Fatalf("pod %s container %s: %v", pod.Name, ctr, err)
+			}
+			out[ctr] = append(out[ctr], r)
+		}
+	}
+	return out
+}
+
+// checkGPUEdits asserts a resolved device gives a container what a CUDA
+// program needs: the control and UVM nodes, and at least one GPU node.
+func checkGPUEdits(t *testing.T, r harness.ResolvedDevice) {
+	t.Helper()
+	paths := map[string]bool{}
+	gpuNode := false
+	for _, n := range r.DeviceNodes() {
+		paths[n.Path] = true
+		if regexp.MustCompile(`^/dev/nvidia[0-9]+$`).MatchString(n.Path) {
+			gpuNode = true
+		}
+	}
+	for _, want := range []string{"/dev/nvidiactl", "/dev/nvidia-uvm"} {
+		if !paths[want] {
+			t.Errorf("CDI device %s: no device node %s (has %v)", r.ID, want, keys(paths))
+		}
+	}
+	if !gpuNode {
+		t.Errorf("CDI device %s: no /dev/nvidiaN device node (has %v)", r.ID, keys(paths))
+	}
+}
+
+// claimSpecFiles lists the CDI spec files of a node that mention a claim UID.
+func claimSpecFiles(t *testing.T, node string, claimUID string) []string {
+	t.Helper()
+	specs, err := harness.ReadCDISpecs(cluster.Node(node).CDIRoot)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var out []string
+	for _, s := range specs {
+		if strings.Contains(s.Path, claimUID) {
+			out = append(out, s.Path)
+			continue
+		}
+		for _, d := range s.Devices {
+			if strings.Contains(d.Name, claimUID) {
+				out = append(out, s.Path)
+				break
+			}
+		}
+	}
+	return out
+}
+
+// eventually polls cond for up to timeout.
+func eventually(ctx context.Context, timeout time.Duration, cond func() bool) bool {
+	return wait.PollUntilContextTimeout(ctx, 100*time.Millisecond, timeout, true, func(context.Context) (bool, error) {
+		return cond(), nil
+	}) == nil
+}
+
+func keys[V any](m map[string]V) []string {
+	out := make([]string, 0, len(m))
+	for k := range m {
+		out = append(out, k)
+	}
+	return out
+}
+
+func envValue(env []string, key string) (string, bool) {
+	for _, kv := range env {
+		if k, v, ok := strings.Cut(kv, "="); ok && k == key {
+			return v, true
+		}
+	}
+	return "", false
+}
+
+// waitFor is how long runClaimPod waits: 90 s, cut short once the pod's
+// prepare error says the feature is not in this build.
+func waitFor(ctx context.Context, pod *v1.Pod) time.Duration {
+	deadline := time.Now().Add(90 * time.Second)
+	for time.Now().Before(deadline) {
+		p, err := cluster.Client.CoreV1().Pods(pod.Namespace).Get(ctx, pod.Name, metav1.GetOptions{})
+		if err == nil && (p.Status.Phase == v1.PodRunning || strings.Contains(harness.PodProblem(p), notInBuild)) {
+			return 10 * time.Second
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	return 10 * time.Second
+}
