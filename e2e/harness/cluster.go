@@ -88,11 +88,12 @@ type Cluster struct {
 	apiserver *apiserver
 	logFile   *os.File
 
-	mu     sync.Mutex
-	nodes  map[string]*Node
-	driver *Driver
-	stops  []func()
-	wg     sync.WaitGroup
+	mu      sync.Mutex
+	nodes   map[string]*Node
+	driver  *Driver
+	nodeSeq int
+	stops   []func()
+	wg      sync.WaitGroup
 }
 
 // Start brings up etcd, kube-apiserver, kube-scheduler, the resourceclaim and

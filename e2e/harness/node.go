@@ -77,8 +77,12 @@ type Node struct {
 
 // AddNode creates a Node object and starts the node's kubelet pieces.
 func (c *Cluster) AddNode(ctx context.Context, opts NodeOptions) (*Node, error) {
-	// Socket paths must stay under 108 bytes, so node directories are short.
-	dir := filepath.Join(c.Dir, "n", opts.Name)
+	// Socket paths (registration, DRA, MPS control pipes) must stay under
+	// 108 bytes, so node directories are short: n<index>.
+	c.mu.Lock()
+	c.nodeSeq++
+	dir := filepath.Join(c.Dir, fmt.Sprintf("n%d", c.nodeSeq))
+	c.mu.Unlock()
 	n := &Node{
 		Name:         opts.Name,
 		Dir:          dir,
