@@ -2,7 +2,6 @@ package harness
 
 import (
 	"context"
-	"encoding/json"
 	"fmt"
 	"os"
 	"os/exec"
@@ -15,7 +14,6 @@ import (
 	v1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/util/wait"
 )
 
@@ -275,31 +273,4 @@ func (c *Cluster) ensureNamespace(ctx context.Context, ns string) error {
 // CreateNamespace creates a namespace and waits for its default service account.
 func (c *Cluster) CreateNamespace(ctx context.Context, ns string) error {
 	return c.ensureNamespace(ctx, ns)
-}
-
-// ApplyDiscoveredSlices runs `gpu-kubelet-plugin discover` on the node's
-// simulated host and applies the ResourceSlices it prints, as admin. It is
-// a stopgap for a plugin build that registers but does not publish yet, so
-// the prepare path can be tested; the suite says loudly when it uses it.
-func (n *Node) ApplyDiscoveredSlices(ctx context.Context) error {
-	bin, err := Binary("gpu-kubelet-plugin")
-	if err != nil {
-		return err
-	}
-	out, err := exec.Command(bin, "discover", "--output", "json", "--node-name", n.Name,
-		"--driver-root", n.SimRoot(), "--dev-root", n.SimRoot(), "--sysfs-root", filepath.Join(n.SimRoot(), "sys")).Output()
-	if err != nil {
-		return fmt.Errorf("discover on %s: %w", n.Name, err)
-	}
-	var doc struct {
-		ResourceSlices []map[string]any `json:"resourceSlices"`
-	}
-	if err := json.Unmarshal(out, &doc); err != nil {
-		return fmt.Errorf("discover output on %s: %w", n.Name, err)
-	}
-	var objs []*unstructured.Unstructured
-	for _, s := range doc.ResourceSlices {
-		objs = append(objs, &unstructured.Unstructured{Object: s})
-	}
-	return n.cluster.Apply(ctx, objs, "")
 }

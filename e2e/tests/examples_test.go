@@ -29,7 +29,7 @@ func TestExamples(t *testing.T) {
 	requirePlugins(t)
 	root, err := harness.RepoPath("examples")
 	if err != nil {
-		t.Skipf("SKIP until examples land: %v", err)
+		t.Fatalf("no examples: %v", err)
 	}
 	dirs, err := os.ReadDir(root)
 	if err != nil {
@@ -48,7 +48,7 @@ func TestExamples(t *testing.T) {
 		t.Run(d.Name(), func(t *testing.T) { runExample(t, d.Name(), files) })
 	}
 	if ran == 0 {
-		t.Skipf("SKIP until examples land: no scenario folder with manifests in %s", root)
+		t.Fatalf("no examples: no scenario folder with manifests in %s", root)
 	}
 }
 
@@ -213,11 +213,11 @@ func TestInvalidExamplesRefused(t *testing.T) {
 	requireWebhook(t)
 	root, err := harness.RepoPath("examples/invalid")
 	if err != nil {
-		t.Skipf("SKIP until examples/invalid lands: %v", err)
+		t.Fatalf("no examples/invalid: %v", err)
 	}
 	files := yamlFiles(t, root)
 	if len(files) == 0 {
-		t.Skipf("SKIP until examples/invalid has manifests")
+		t.Fatalf("examples/invalid has no manifests")
 	}
 	ctx := context.Background()
 	ns := newNamespace(ctx, t, "invalid")

@@ -136,7 +136,7 @@ func runClaimPod(ctx context.Context, t *testing.T, claim *resourceapi.ResourceC
 	running, err := cluster.WaitPodRunning(ctx, pod.Namespace, pod.Name, waitFor(ctx, pod))
 	if err != nil {
 		if strings.Contains(err.Error(), notInBuild) {
-			t.Skipf("SKIP until the plugin build supports it: %v", err)
+			t.Fatalf("sharing refused by the plugin: %v", err)
 		}
 		t.Fatal(err)
 	}

@@ -90,18 +90,6 @@ func run(m *testing.M) int {
 	}
 	if slicesErr != nil {
 		logf("%v", slicesErr)
-		// Stopgap while the plugin registers but does not publish: apply
-		// what its `discover` would publish, so the prepare path is tested.
-		// TestSlicesPublished still fails on slicesErr.
-		if os.Getenv("E2E_STOPGAP_SLICES") != "0" {
-			for _, name := range []string{nodeA100, nodeT4} {
-				if err := c.Node(name).ApplyDiscoveredSlices(ctx); err != nil {
-					logf("stopgap slices on %s: %v", name, err)
-				} else {
-					logf("STOPGAP: applied the slices `discover` prints for %s as admin (set E2E_STOPGAP_SLICES=0 to disable)", name)
-				}
-			}
-		}
 	}
 	return m.Run()
 }
@@ -143,17 +131,16 @@ func requireRegistered(t *testing.T) {
 		return
 	}
 	if errors.Is(pluginErr, harness.ErrMissing) {
-		t.Skipf("SKIP until the node plugin lands: %v", pluginErr)
+		t.Fatalf("node plugin not running: %v", pluginErr)
 	}
 	t.Fatal(pluginErr)
 }
 
-// requirePlugins is requireRegistered plus slices (published, or the
-// stopgap's).
+// requirePlugins is requireRegistered plus the plugins' own ResourceSlices.
 func requirePlugins(t *testing.T) {
 	t.Helper()
 	requireRegistered(t)
-	if slicesErr != nil && os.Getenv("E2E_STOPGAP_SLICES") == "0" {
+	if slicesErr != nil {
 		t.Fatal(slicesErr)
 	}
 }
@@ -162,7 +149,7 @@ func requirePlugins(t *testing.T) {
 func requireWebhook(t *testing.T) {
 	t.Helper()
 	if webhookErr != nil {
-		t.Skipf("SKIP until the webhook lands: %v", webhookErr)
+		t.Fatalf("webhook not running: %v", webhookErr)
 	}
 }
 
@@ -170,6 +157,6 @@ func requireWebhook(t *testing.T) {
 func requireChart(t *testing.T) {
 	t.Helper()
 	if !driver.FromChart {
-		t.Skipf("SKIP until the Helm chart lands (and `make e2e-tools` built helm): %v", driver.Notes)
+		t.Fatalf("Helm chart not rendered (`make e2e-tools` builds helm): %v", driver.Notes)
 	}
 }

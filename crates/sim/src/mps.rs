@@ -668,9 +668,8 @@ fn client(env: &MpsEnv, stdin: &mut dyn BufRead, out: &mut dyn Write) -> i32 {
 
 /// Binds a listening socket at a staging name, sets its mode, then renames it to `path`.
 fn bind_in_place(path: &Path, mode: u32) -> std::io::Result<UnixListener> {
-    let mut staging = path.as_os_str().to_owned();
-    staging.push(".staging");
-    let staging = std::path::PathBuf::from(staging);
+    // A name no longer than the final one: socket paths are limited to 108 bytes.
+    let staging = path.with_file_name(".s");
     let _ = fs::remove_file(&staging);
     let listener = UnixListener::bind(&staging)?;
     let placed = fs::set_permissions(&staging, fs::Permissions::from_mode(mode))
