@@ -16,6 +16,26 @@ use gpu_kubelet_plugin::client::connect_dra;
 use gpu_kubelet_plugin::failpoint::STEPS;
 use gpu_kubelet_plugin::testing::{a100_inventory, allocated_claim, simulate_host};
 
+/// A running plugin; killed and reaped when dropped, so a failed assertion leaves no process.
+struct Plugin(Child);
+
+impl Plugin {
+    fn kill(&mut self) -> std::io::Result<()> {
+        self.0.kill()
+    }
+
+    fn wait(&mut self) -> std::io::Result<std::process::ExitStatus> {
+        self.0.wait()
+    }
+}
+
+impl Drop for Plugin {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 const DRIVER: &str = "gpu.nvidia.com";
 const NODE: &str = "node-a";
 const RUNS: usize = 2;
@@ -35,45 +55,47 @@ impl Layout {
         self.plugin_dir().join("dra.sock")
     }
 
-    fn start(&self, failpoints: &str) -> Child {
+    fn start(&self, failpoints: &str) -> Plugin {
         let _ = std::fs::remove_file(self.plugin_dir().join("failpoint.reached"));
         let _ = std::fs::remove_file(self.socket());
-        Command::new(env!("CARGO_BIN_EXE_gpu-kubelet-plugin"))
-            .arg("run")
-            .args([
-                "--node-name",
-                NODE,
-                "--http-address",
-                "",
-                "--cleanup-interval",
-                "3600",
-            ])
-            .arg("--plugin-dir")
-            .arg(self.plugin_dir())
-            .arg("--registrar-dir")
-            .arg(self.root.join("registry"))
-            .arg("--cdi-root")
-            .arg(self.cdi_dir())
-            .arg("--driver-root")
-            .arg(self.root.join("host"))
-            .arg("--dev-root")
-            .arg(self.root.join("host"))
-            .arg("--inventory-fixture")
-            .arg(self.root.join("inventory.json"))
-            .arg("--claim-source-file")
-            .arg(self.root.join("claims.json"))
-            .env("GPU_DRA_FAILPOINTS", failpoints)
-            .env("LOG_LEVEL", "info")
-            .stdout(Stdio::null())
-            .stderr(Stdio::from(
-                std::fs::OpenOptions::new()
-                    .create(true)
-                    .append(true)
-                    .open(self.root.join("plugin.log"))
-                    .expect("log file"),
-            ))
-            .spawn()
-            .expect("plugin starts")
+        Plugin(
+            Command::new(env!("CARGO_BIN_EXE_gpu-kubelet-plugin"))
+                .arg("run")
+                .args([
+                    "--node-name",
+                    NODE,
+                    "--http-address",
+                    "",
+                    "--cleanup-interval",
+                    "3600",
+                ])
+                .arg("--plugin-dir")
+                .arg(self.plugin_dir())
+                .arg("--registrar-dir")
+                .arg(self.root.join("registry"))
+                .arg("--cdi-root")
+                .arg(self.cdi_dir())
+                .arg("--driver-root")
+                .arg(self.root.join("host"))
+                .arg("--dev-root")
+                .arg(self.root.join("host"))
+                .arg("--inventory-fixture")
+                .arg(self.root.join("inventory.json"))
+                .arg("--claim-source-file")
+                .arg(self.root.join("claims.json"))
+                .env("GPU_DRA_FAILPOINTS", failpoints)
+                .env("LOG_LEVEL", "info")
+                .stdout(Stdio::null())
+                .stderr(Stdio::from(
+                    std::fs::OpenOptions::new()
+                        .create(true)
+                        .append(true)
+                        .open(self.root.join("plugin.log"))
+                        .expect("log file"),
+                ))
+                .spawn()
+                .expect("plugin starts"),
+        )
     }
 }
 

@@ -19,6 +19,26 @@ use gpu_kubelet_plugin::testing::allocated_claim;
 use nvidia_ml::state::ComputeMode;
 use nvidia_ml::testing::SimHost;
 
+/// A running plugin; killed and reaped when dropped, so a failed assertion leaves no process.
+struct Plugin(Child);
+
+impl Plugin {
+    fn kill(&mut self) -> std::io::Result<()> {
+        self.0.kill()
+    }
+
+    fn wait(&mut self) -> std::io::Result<std::process::ExitStatus> {
+        self.0.wait()
+    }
+}
+
+impl Drop for Plugin {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 const DRIVER: &str = "gpu.nvidia.com";
 const NODE: &str = "node-a";
 const UID: &str = "uid-m";
@@ -41,46 +61,48 @@ impl Layout {
         self.plugin_dir().join("mps").join(format!("{UID}-c0/pipe"))
     }
 
-    fn start(&self, failpoints: &str) -> Child {
+    fn start(&self, failpoints: &str) -> Plugin {
         let _ = std::fs::remove_file(self.plugin_dir().join("failpoint.reached"));
         let _ = std::fs::remove_file(self.socket());
         let host = self.host.root();
-        Command::new(env!("CARGO_BIN_EXE_gpu-kubelet-plugin"))
-            .arg("run")
-            .args([
-                "--node-name",
-                NODE,
-                "--http-address",
-                "",
-                "--cleanup-interval",
-                "3600",
-            ])
-            .arg("--plugin-dir")
-            .arg(self.plugin_dir())
-            .arg("--registrar-dir")
-            .arg(self.root.path().join("registry"))
-            .arg("--cdi-root")
-            .arg(self.root.path().join("cdi"))
-            .arg("--driver-root")
-            .arg(host)
-            .arg("--dev-root")
-            .arg(host)
-            .arg("--sysfs-root")
-            .arg(self.host.sysfs_root())
-            .arg("--claim-source-file")
-            .arg(self.root.path().join("claims.json"))
-            .env("GPU_DRA_FAILPOINTS", failpoints)
-            .env("LOG_LEVEL", "warn")
-            .stdout(Stdio::null())
-            .stderr(Stdio::from(
-                std::fs::OpenOptions::new()
-                    .create(true)
-                    .append(true)
-                    .open(self.root.path().join("plugin.log"))
-                    .unwrap(),
-            ))
-            .spawn()
-            .unwrap()
+        Plugin(
+            Command::new(env!("CARGO_BIN_EXE_gpu-kubelet-plugin"))
+                .arg("run")
+                .args([
+                    "--node-name",
+                    NODE,
+                    "--http-address",
+                    "",
+                    "--cleanup-interval",
+                    "3600",
+                ])
+                .arg("--plugin-dir")
+                .arg(self.plugin_dir())
+                .arg("--registrar-dir")
+                .arg(self.root.path().join("registry"))
+                .arg("--cdi-root")
+                .arg(self.root.path().join("cdi"))
+                .arg("--driver-root")
+                .arg(host)
+                .arg("--dev-root")
+                .arg(host)
+                .arg("--sysfs-root")
+                .arg(self.host.sysfs_root())
+                .arg("--claim-source-file")
+                .arg(self.root.path().join("claims.json"))
+                .env("GPU_DRA_FAILPOINTS", failpoints)
+                .env("LOG_LEVEL", "warn")
+                .stdout(Stdio::null())
+                .stderr(Stdio::from(
+                    std::fs::OpenOptions::new()
+                        .create(true)
+                        .append(true)
+                        .open(self.root.path().join("plugin.log"))
+                        .unwrap(),
+                ))
+                .spawn()
+                .unwrap(),
+        )
     }
 
     fn log(&self) -> String {
