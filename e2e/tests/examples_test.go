@@ -2,7 +2,6 @@ package tests
 
 import (
 	"context"
-	"fmt"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -19,7 +18,6 @@ import (
 )
 
 // Kinds whose pods need a controller the harness does not run.
-var workloadKinds = map[string]bool{"Deployment": true, "Job": true, "DaemonSet": true, "StatefulSet": true, "ReplicaSet": true}
 
 // Every scenario folder in examples/ (but invalid/): applied to a fresh
 // namespace, every pod reaches Running with CDI IDs that resolve to spec
@@ -91,10 +89,14 @@ func runExample(t *testing.T, name string, files []string) {
 		if o.GetNamespace() != "" {
 			o.SetNamespace(ns)
 		}
-		if workloadKinds[o.GetKind()] {
+		if harness.WorkloadKinds[o.GetKind()] {
 			// No workload controllers run here: their pod template becomes
 			// bare pods, one per replica, as the controller would create.
-			for _, p := range podsFromTemplate(t, o) {
+			workloadPods, err := harness.PodsFromWorkload(o)
+			if err != nil {
+				t.Fatal(err)
+			}
+			for _, p := range workloadPods {
 				expanded = append(expanded, p)
 				pods = append(pods, p.GetName())
 			}
@@ -279,34 +281,4 @@ func expectedMessages(t *testing.T, yamlPath string) []string {
 		}
 	}
 	return out
-}
-
-// podsFromTemplate turns a workload's pod template into bare Pods, one per
-// replica (default 1).
-func podsFromTemplate(t *testing.T, o *unstructured.Unstructured) []*unstructured.Unstructured {
-	t.Helper()
-	tmpl, ok, err := unstructured.NestedMap(o.Object, "spec", "template")
-	if err != nil || !ok {
-		t.Fatalf("%s %s: no spec.template", o.GetKind(), o.GetName())
-	}
-	replicas, ok, _ := unstructured.NestedInt64(o.Object, "spec", "replicas")
-	if !ok {
-		replicas = 1
-	}
-	var out []*unstructured.Unstructured
-	for i := range replicas {
-		p := &unstructured.Unstructured{Object: map[string]any{"apiVersion": "v1", "kind": "Pod"}}
-		if md, ok := tmpl["metadata"].(map[string]any); ok {
-			p.Object["metadata"] = runtimeDeepCopy(md)
-		}
-		p.Object["spec"] = runtimeDeepCopy(tmpl["spec"].(map[string]any))
-		p.SetName(fmt.Sprintf("%s-%d", o.GetName(), i))
-		p.SetNamespace(o.GetNamespace())
-		out = append(out, p)
-	}
-	return out
-}
-
-func runtimeDeepCopy(m map[string]any) map[string]any {
-	return (&unstructured.Unstructured{Object: m}).DeepCopy().Object
 }

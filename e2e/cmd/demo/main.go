@@ -217,15 +217,30 @@ func runTour(ctx context.Context, c *harness.Cluster, requested string) error {
 			objs = append(objs, parsed...)
 		}
 		var pods []string
+		var expanded []*unstructured.Unstructured
 		for _, o := range objs {
 			if o.GetNamespace() != "" {
 				o.SetNamespace(ns)
 			}
+			if harness.WorkloadKinds[o.GetKind()] {
+				workloadPods, err := harness.PodsFromWorkload(o)
+				if err != nil {
+					return err
+				}
+				say("   apply %s %s as %d bare pod(s): no workload controllers run here", o.GetKind(), o.GetName(), len(workloadPods))
+				for _, p := range workloadPods {
+					expanded = append(expanded, p)
+					pods = append(pods, p.GetName())
+				}
+				continue
+			}
+			expanded = append(expanded, o)
 			if o.GetKind() == "Pod" {
 				pods = append(pods, o.GetName())
 			}
 			say("   apply %s %s", o.GetKind(), o.GetName())
 		}
+		objs = expanded
 		if err := c.Apply(ctx, objs, ns); err != nil {
 			say("   refused: %v", err)
 			continue
