@@ -64,15 +64,6 @@ const BINARIES: &[&str] = &[
     "nvidia-cuda-mps-control",
     "nvidia-cuda-mps-server",
 ];
-/// Library folders searched under the driver root, in order.
-pub const LIBRARY_DIRS: &[&str] = &[
-    "/usr/lib64",
-    "/usr/lib/x86_64-linux-gnu",
-    "/usr/lib",
-    "/lib64",
-    "/lib/x86_64-linux-gnu",
-    "/lib",
-];
 /// IPC sockets mounted when present.
 const IPC_SOCKETS: &[&str] = &[
     "/run/nvidia-persistenced/socket",
@@ -105,7 +96,8 @@ impl CdiHost {
         let mut mounts = Vec::new();
         let mut lib_dirs = Vec::new();
         let mut symlinks = Vec::new();
-        for dir in LIBRARY_DIRS {
+        // The folders NVML itself is looked up in, as container paths.
+        for dir in gpu_dra_device::nvml::LIBRARY_DIRS.map(|d| format!("/{d}")) {
             let Ok(entries) = std::fs::read_dir(format!("{droot}{dir}")) else {
                 continue;
             };
@@ -133,8 +125,8 @@ impl CdiHost {
                     symlinks.push((name.clone(), format!("{dir}/libcuda.so.1")));
                 }
                 mounts.push(Mount::read_only(format!("{droot}{path}"), path));
-                if !lib_dirs.contains(&dir.to_string()) {
-                    lib_dirs.push(dir.to_string());
+                if !lib_dirs.contains(&dir) {
+                    lib_dirs.push(dir.clone());
                 }
             }
         }

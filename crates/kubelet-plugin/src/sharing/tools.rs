@@ -27,19 +27,6 @@ pub const MPS_CONTROL: &str = "nvidia-cuda-mps-control";
 /// Directories under the driver root searched for tools, in NVIDIA's order.
 pub const TOOL_DIRS: [&str; 5] = ["usr/bin", "usr/sbin", "bin", "sbin", "opt/bin"];
 
-/// Directories under the driver root searched for `libnvidia-ml.so.1` (the node binary's
-/// `--nvml-lib` default uses the same list).
-pub const LIB_DIRS: [&str; 6] = [
-    "usr/lib64",
-    "usr/lib/x86_64-linux-gnu",
-    "usr/lib",
-    "lib64",
-    "lib/x86_64-linux-gnu",
-    "lib",
-];
-
-const NVML_SONAME: &str = "libnvidia-ml.so.1";
-
 /// The driver installation the tools come from.
 #[derive(Debug, Clone)]
 pub struct DriverRoot {
@@ -51,12 +38,9 @@ impl DriverRoot {
     /// A driver root; `nvml_lib` overrides the library search (the `--nvml-lib` flag).
     pub fn new(root: impl Into<PathBuf>, nvml_lib: Option<PathBuf>) -> Self {
         let root = root.into();
-        let nvml_lib = nvml_lib.or_else(|| {
-            LIB_DIRS
-                .iter()
-                .map(|d| root.join(d).join(NVML_SONAME))
-                .find(|p| p.exists())
-        });
+        // The same search as the NVML inventory backend, so tools preload the library the
+        // plugin itself loaded.
+        let nvml_lib = nvml_lib.or_else(|| gpu_dra_device::nvml::find_library(&root));
         Self { root, nvml_lib }
     }
 
