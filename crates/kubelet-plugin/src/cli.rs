@@ -9,11 +9,11 @@ use std::time::Duration;
 use anyhow::Context;
 use gpu_dra_device::GpuInventory;
 use gpu_dra_device::fixture::FixtureInventory;
-use gpu_dra_device::nvml::{NvmlInventory, NvmlOptions};
 use tracing::{info, warn};
 
 use crate::cdi_io::CdiHost;
 use crate::claims::{ClaimSource, FileClaims, KubeClaims};
+use crate::discover::HostArgs;
 use crate::driver::{Driver, DriverParts, DriverSettings};
 use crate::failpoint::Failpoints;
 use crate::metrics::Metrics;
@@ -68,18 +68,9 @@ pub struct RunArgs {
     /// Folder where CDI specs are written.
     #[arg(long, env = "CDI_ROOT", default_value = "/var/run/cdi")]
     pub cdi_root: PathBuf,
-    /// Root of the driver installation (libraries, binaries, firmware).
-    #[arg(long, env = "NVIDIA_DRIVER_ROOT", default_value = "/")]
-    pub driver_root: PathBuf,
-    /// Root of /dev/nvidia* and /proc/driver/nvidia/capabilities.
-    #[arg(long, env = "NVIDIA_DEV_ROOT", default_value = "/")]
-    pub dev_root: PathBuf,
-    /// sysfs mount.
-    #[arg(long, env = "SYSFS_ROOT", default_value = "/sys")]
-    pub sysfs_root: PathBuf,
-    /// Explicit NVML library path.
-    #[arg(long, env = "NVML_LIB")]
-    pub nvml_lib: Option<PathBuf>,
+    /// The host's driver, device nodes and sysfs.
+    #[command(flatten)]
+    pub host: HostArgs,
     /// Address of /metrics, /healthz, /readyz; empty = off.
     #[arg(long, env = "HTTP_ADDRESS", default_value = "0.0.0.0:8080")]
     pub http_address: String,
@@ -125,12 +116,9 @@ pub fn inventory_from_args(args: &RunArgs) -> anyhow::Result<Arc<dyn GpuInventor
     if let Some(path) = &args.inventory_fixture {
         return Ok(Arc::new(FixtureInventory::from_json_file(path)?));
     }
-    let lib_path = crate::discover::nvml_library(&args.driver_root, args.nvml_lib.as_deref())?;
+    let (lib_path, backend) = args.host.nvml_inventory()?;
     info!(library = %lib_path.display(), "using NVML");
-    Ok(Arc::new(NvmlInventory::new(NvmlOptions {
-        lib_path,
-        sysfs_root: args.sysfs_root.clone(),
-    })))
+    Ok(Arc::new(backend))
 }
 
 async fn kube_client(args: &RunArgs) -> anyhow::Result<kube::Client> {
@@ -187,8 +175,8 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     .map_err(anyhow::Error::msg)?;
     let cdi = CdiHost::discover(
         args.cdi_root.clone(),
-        &args.driver_root,
-        &args.dev_root,
+        &args.host.driver_root,
+        &args.host.dev_root,
         &inventory.driver_version,
         args.cdi_hook_path.as_deref(),
     );
@@ -198,7 +186,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     // then the driver rolls back half-prepared claims through the same manager.
     let sharing = SharingManager::new(
         SharingOptions::new(
-            DriverRoot::new(&args.driver_root, args.nvml_lib.clone()),
+            DriverRoot::new(&args.host.driver_root, args.host.nvml_lib.clone()),
             &args.plugin_dir,
         ),
         Arc::new(FileStore::new(args.plugin_dir.join("sharing.json"))),

@@ -22,14 +22,14 @@ pub enum OutputFormat {
     Json,
 }
 
-/// Flags of `discover`.
+/// Where the driver, device nodes and sysfs of the host are: flags shared by `run` and
+/// `discover`, so both read one host the same way.
 #[derive(Debug, Clone, clap::Args)]
-pub struct DiscoverArgs {
-    /// Root of the NVIDIA driver installation (libraries, binaries).
+pub struct HostArgs {
+    /// Root of the NVIDIA driver installation (libraries, binaries, firmware).
     #[arg(long, env = "NVIDIA_DRIVER_ROOT", default_value = "/")]
     pub driver_root: PathBuf,
-    /// Root under which dev/nvidia* and proc/driver/nvidia live (not read by discovery; accepted
-    /// so `discover` takes the same environment as `run`).
+    /// Root under which dev/nvidia* and proc/driver/nvidia/capabilities live.
     #[arg(long, env = "NVIDIA_DEV_ROOT", default_value = "/")]
     pub dev_root: PathBuf,
     /// Root of sysfs (PCIe root and NUMA node).
@@ -38,6 +38,27 @@ pub struct DiscoverArgs {
     /// Explicit NVML library; default: first libnvidia-ml.so.1 under the driver root's lib dirs.
     #[arg(long, env = "NVML_LIB")]
     pub nvml_lib: Option<PathBuf>,
+}
+
+impl HostArgs {
+    /// The NVML backend for this host and the library it loads.
+    pub fn nvml_inventory(&self) -> anyhow::Result<(PathBuf, NvmlInventory)> {
+        let lib_path = nvml_library(&self.driver_root, self.nvml_lib.as_deref())?;
+        let backend = NvmlInventory::new(NvmlOptions {
+            lib_path: lib_path.clone(),
+            sysfs_root: self.sysfs_root.clone(),
+        });
+        Ok((lib_path, backend))
+    }
+}
+
+/// Flags of `discover`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct DiscoverArgs {
+    /// The host to discover (`--dev-root` is accepted so `discover` takes the same environment
+    /// as `run`; discovery does not read it).
+    #[command(flatten)]
+    pub host: HostArgs,
     /// Node name used for the pool and slice names; default: this host's name.
     #[arg(long, env = "NODE_NAME")]
     pub node_name: Option<String>,
@@ -136,11 +157,7 @@ pub fn render(report: &DiscoverReport, format: OutputFormat) -> anyhow::Result<S
 
 /// Runs `discover`: NVML discovery, rendering, printing to stdout.
 pub fn run(args: DiscoverArgs) -> anyhow::Result<()> {
-    let library = nvml_library(&args.driver_root, args.nvml_lib.as_deref())?;
-    let backend = NvmlInventory::new(NvmlOptions {
-        lib_path: library.clone(),
-        sysfs_root: args.sysfs_root.clone(),
-    });
+    let (library, backend) = args.host.nvml_inventory()?;
     let report = report(&args, &library, &backend)?;
     let text = render(&report, args.output)?;
     let mut out = std::io::stdout().lock();
@@ -180,7 +197,7 @@ mod tests {
     fn flags_parse_with_defaults() {
         let cli = Cli::try_parse_from(["x", "--node-name", "n1", "--output", "json"]).unwrap();
         assert_eq!(cli.args.driver_name, "gpu.nvidia.com");
-        assert_eq!(cli.args.sysfs_root, PathBuf::from("/sys"));
+        assert_eq!(cli.args.host.sysfs_root, PathBuf::from("/sys"));
         assert_eq!(cli.args.output, OutputFormat::Json);
         assert!(Cli::try_parse_from(["x", "--output", "xml"]).is_err());
     }
