@@ -28,6 +28,16 @@ pub enum ObjectKind {
 }
 
 impl ObjectKind {
+    /// The kind spelled `kind`, if it is one of ours.
+    pub fn from_kind(kind: &str) -> Option<Self> {
+        match kind {
+            "ResourceClaim" => Some(Self::ResourceClaim),
+            "ResourceClaimTemplate" => Some(Self::ResourceClaimTemplate),
+            "DeviceClass" => Some(Self::DeviceClass),
+            _ => None,
+        }
+    }
+
     /// The `kind` spelling.
     pub fn as_str(self) -> &'static str {
         match self {
@@ -67,12 +77,7 @@ pub fn object_kind(obj: &Value) -> Option<ObjectKind> {
             return None;
         }
     }
-    match obj.get("kind")?.as_str()? {
-        "ResourceClaim" => Some(ObjectKind::ResourceClaim),
-        "ResourceClaimTemplate" => Some(ObjectKind::ResourceClaimTemplate),
-        "DeviceClass" => Some(ObjectKind::DeviceClass),
-        _ => None,
-    }
+    ObjectKind::from_kind(obj.get("kind")?.as_str()?)
 }
 
 /// `ResourceClaim default/x`, `ResourceClaimTemplate ns/t`, `DeviceClass gpu.nvidia.com`:

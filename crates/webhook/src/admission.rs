@@ -11,6 +11,7 @@
 //! - a body that is not an AdmissionReview is a [`BadReview`] (the server answers 400), never
 //!   a panic and never a silent allow.
 
+use gpu_dra_api::objects::ObjectKind;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
@@ -49,41 +50,20 @@ pub enum BadReview {
     MissingUid,
 }
 
-/// The kind of object a review was about, as a bounded metrics label.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum ObjectKind {
-    /// `resource.k8s.io` ResourceClaim.
-    ResourceClaim,
-    /// `resource.k8s.io` ResourceClaimTemplate.
-    ResourceClaimTemplate,
-    /// `resource.k8s.io` DeviceClass.
-    DeviceClass,
-    /// Anything else (allowed without inspection).
-    Other,
+/// The kind of object a review was about: one of ours (the api crate's kinds, served in
+/// `resource.k8s.io` at a version we know) or `None`, allowed without inspection.
+pub type ReviewedKind = Option<ObjectKind>;
+
+/// The bounded metrics label of a [`ReviewedKind`].
+pub fn kind_label(kind: ReviewedKind) -> &'static str {
+    kind.map_or("other", ObjectKind::as_str)
 }
 
-impl ObjectKind {
-    /// The label value used in metrics.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::ResourceClaim => "ResourceClaim",
-            Self::ResourceClaimTemplate => "ResourceClaimTemplate",
-            Self::DeviceClass => "DeviceClass",
-            Self::Other => "other",
-        }
+fn classify(gvk: &GroupVersionKind) -> ReviewedKind {
+    if gvk.group != RESOURCE_GROUP || !RESOURCE_VERSIONS.contains(&gvk.version.as_str()) {
+        return None;
     }
-
-    fn classify(gvk: &GroupVersionKind) -> Self {
-        if gvk.group != RESOURCE_GROUP || !RESOURCE_VERSIONS.contains(&gvk.version.as_str()) {
-            return Self::Other;
-        }
-        match gvk.kind.as_str() {
-            "ResourceClaim" => Self::ResourceClaim,
-            "ResourceClaimTemplate" => Self::ResourceClaimTemplate,
-            "DeviceClass" => Self::DeviceClass,
-            _ => Self::Other,
-        }
-    }
+    ObjectKind::from_kind(&gvk.kind)
 }
 
 /// What the webhook decided, as a bounded metrics label.
@@ -114,7 +94,7 @@ pub struct Decision {
     /// The AdmissionReview response, serialized.
     pub body: Vec<u8>,
     /// The kind of the object under review.
-    pub kind: ObjectKind,
+    pub kind: ReviewedKind,
     /// The decision.
     pub outcome: Outcome,
     /// The request operation (`CREATE`, `UPDATE`, ...), for logs and metrics.
@@ -269,14 +249,13 @@ pub fn review(body: &[u8], check: impl FnOnce(&Value) -> Findings) -> Result<Dec
     if request.uid.is_empty() {
         return Err(BadReview::MissingUid);
     }
-    let kind = ObjectKind::classify(&request.kind);
+    let kind = classify(&request.kind);
     let operation = Operation::parse(&request.operation);
 
     // Status updates (`resourceclaims/status`) are written by the scheduler and the kubelet
     // and carry no user config change worth re-validating.
-    let inspect = kind != ObjectKind::Other
-        && operation != Operation::Other
-        && request.sub_resource.is_empty();
+    let inspect =
+        kind.is_some() && operation != Operation::Other && request.sub_resource.is_empty();
     let object = match request.object {
         Some(mut object) if inspect && object.is_object() => {
             fill_type_meta(&mut object, &request.kind);
@@ -460,7 +439,11 @@ mod tests {
         .unwrap();
         assert_eq!(
             (d.kind, d.outcome, d.operation),
-            (ObjectKind::DeviceClass, Outcome::Allowed, Operation::Update)
+            (
+                Some(ObjectKind::DeviceClass),
+                Outcome::Allowed,
+                Operation::Update
+            )
         );
         let r = response(&d);
         assert_eq!(r["allowed"], true);

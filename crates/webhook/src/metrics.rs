@@ -9,7 +9,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
-use crate::admission::{ObjectKind, Operation, Outcome};
+use crate::admission::{Operation, Outcome, ReviewedKind, kind_label};
 
 /// Labels of the request counter.
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -81,10 +81,10 @@ impl Metrics {
     }
 
     /// Counts one answered review and its duration.
-    pub fn observe(&self, kind: ObjectKind, operation: Operation, outcome: Outcome, secs: f64) {
+    pub fn observe(&self, kind: ReviewedKind, operation: Operation, outcome: Outcome, secs: f64) {
         self.requests
             .get_or_create(&RequestLabels {
-                kind: kind.as_str(),
+                kind: kind_label(kind),
                 operation: operation.as_str(),
                 result: outcome.as_str(),
             })
@@ -121,7 +121,7 @@ mod tests {
     fn counts_show_up_in_the_exposition() {
         let m = Metrics::new();
         m.observe(
-            ObjectKind::ResourceClaim,
+            Some(gpu_dra_api::objects::ObjectKind::ResourceClaim),
             Operation::Create,
             Outcome::Denied,
             0.0001,

@@ -130,7 +130,7 @@ impl App {
                 );
                 if decision.outcome != Outcome::Skipped {
                     debug!(
-                        kind = decision.kind.as_str(),
+                        kind = admission::kind_label(decision.kind),
                         operation = decision.operation.as_str(),
                         result = decision.outcome.as_str(),
                         problems = decision.problems,
