@@ -3,6 +3,7 @@
 //! Not used by the plugin itself; public so integration tests and `examples/` share them.
 
 use std::path::Path;
+use std::process::{Child, ExitStatus};
 
 use gpu_dra_device::{ComputeCapability, Gpu, Inventory, MigDevice, MigMode, Placement};
 use k8s_openapi::api::resource::v1::ResourceClaim;
@@ -145,4 +146,28 @@ pub fn allocated_claim(
         "status": {"allocation": {"devices": {"results": results, "config": config}}}
     }))
     .unwrap_or_default()
+}
+
+/// A child process (a plugin under test) that is killed and reaped when dropped, so a
+/// failed assertion leaves no process behind.
+#[derive(Debug)]
+pub struct ChildGuard(pub Child);
+
+impl ChildGuard {
+    /// Sends SIGKILL.
+    pub fn kill(&mut self) -> std::io::Result<()> {
+        self.0.kill()
+    }
+
+    /// Waits for the process to exit.
+    pub fn wait(&mut self) -> std::io::Result<ExitStatus> {
+        self.0.wait()
+    }
+}
+
+impl Drop for ChildGuard {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
 }

@@ -7,34 +7,15 @@
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use gpu_dra_core::checkpoint::{Checkpoint, PrepareState};
 use gpu_dra_proto::dra::v1;
 use gpu_kubelet_plugin::client::connect_dra;
 use gpu_kubelet_plugin::failpoint::STEPS;
+use gpu_kubelet_plugin::testing::ChildGuard as Plugin;
 use gpu_kubelet_plugin::testing::{a100_inventory, allocated_claim, simulate_host};
-
-/// A running plugin; killed and reaped when dropped, so a failed assertion leaves no process.
-struct Plugin(Child);
-
-impl Plugin {
-    fn kill(&mut self) -> std::io::Result<()> {
-        self.0.kill()
-    }
-
-    fn wait(&mut self) -> std::io::Result<std::process::ExitStatus> {
-        self.0.wait()
-    }
-}
-
-impl Drop for Plugin {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
 
 const DRIVER: &str = "gpu.nvidia.com";
 const NODE: &str = "node-a";

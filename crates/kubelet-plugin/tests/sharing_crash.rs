@@ -8,36 +8,17 @@
 #![allow(clippy::unwrap_used)]
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use gpu_dra_proto::dra::v1;
 use gpu_kubelet_plugin::client::connect_dra;
 use gpu_kubelet_plugin::failpoint::STEPS;
 use gpu_kubelet_plugin::sharing::mps;
+use gpu_kubelet_plugin::testing::ChildGuard as Plugin;
 use gpu_kubelet_plugin::testing::allocated_claim;
 use nvidia_ml::state::ComputeMode;
 use nvidia_ml::testing::SimHost;
-
-/// A running plugin; killed and reaped when dropped, so a failed assertion leaves no process.
-struct Plugin(Child);
-
-impl Plugin {
-    fn kill(&mut self) -> std::io::Result<()> {
-        self.0.kill()
-    }
-
-    fn wait(&mut self) -> std::io::Result<std::process::ExitStatus> {
-        self.0.wait()
-    }
-}
-
-impl Drop for Plugin {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
 
 const DRIVER: &str = "gpu.nvidia.com";
 const NODE: &str = "node-a";
