@@ -4,7 +4,7 @@
 FROM rust:1.95-bookworm AS build
 WORKDIR /src
 COPY . .
-RUN cargo build --release --locked -p gpu-kubelet-plugin -p gpu-dra-webhook -p gpu-dra \
+RUN cargo build --release --locked -p gpu-dra-kubelet-plugin -p gpu-dra-webhook -p gpu-dra-cli \
  && mkdir -p /out \
  && cp target/release/gpu-kubelet-plugin target/release/gpu-dra-webhook target/release/gpu-dra /out/
 

@@ -71,9 +71,9 @@ bench: ## benchmarks: print figures (medians, percentiles, ratios)
 	$(CARGO) run --release --locked -p gpu-dra-api --example bench_validate
 	$(CARGO) run --release --locked -p gpu-dra-sim --example bench_sim
 	$(CARGO) run --release --locked -p gpu-dra-core --example bench_discover
-	$(CARGO) run --release --locked -p gpu-kubelet-plugin --example bench_prepare
+	$(CARGO) run --release --locked -p gpu-dra-kubelet-plugin --example bench_prepare
 	$(CARGO) build --release --locked -p gpu-dra-sim --lib --bins
-	$(CARGO) run --release --locked -p gpu-kubelet-plugin --example bench_mps
+	$(CARGO) run --release --locked -p gpu-dra-kubelet-plugin --example bench_mps
 	$(CARGO) build --release --locked -p gpu-dra-webhook --bin gpu-dra-webhook
 	$(CARGO) run --release --locked -p gpu-dra-webhook --example bench_admission
 

@@ -190,6 +190,51 @@ impl Quantity {
         }
     }
 
+    /// A whole number of units (bytes for memory) written in `format`; with
+    /// [`Format::BinarySi`] it displays as the API server returns such a capacity (`40Gi`).
+    pub fn from_u64(value: u64, format: Format) -> Self {
+        let mut mantissa = Big(vec![
+            (value & u64::from(u32::MAX)) as u32,
+            (value >> 32) as u32,
+        ]);
+        mantissa.trim();
+        Quantity {
+            negative: false,
+            mantissa,
+            scale: 0,
+            binary: 0,
+            format,
+        }
+    }
+
+    /// The value as a whole number of units, or `None` when it is negative, fractional or
+    /// larger than `u64` (`1.5Ki` gives 1536, `0.5` gives `None`).
+    pub fn to_u64_exact(&self) -> Option<u64> {
+        if self.negative {
+            return None;
+        }
+        let mut n = self.mantissa.clone();
+        for _ in 0..self.binary {
+            n.mul_add(1024, 0);
+        }
+        if self.scale >= 0 {
+            for _ in 0..self.scale {
+                n.mul_add(10, 0);
+                n.to_u64()?;
+            }
+            return n.to_u64();
+        }
+        for _ in 0..self.scale.unsigned_abs() {
+            if n.is_zero() {
+                break;
+            }
+            if n.div_rem(10) != 0 {
+                return None;
+            }
+        }
+        n.to_u64()
+    }
+
     /// True for values below zero.
     pub fn is_negative(&self) -> bool {
         self.negative
@@ -248,11 +293,11 @@ impl std::str::FromStr for Quantity {
     }
 }
 
-/// Canonical form, close to Kubernetes' own: binary quantities that are a whole multiple of
-/// 1024 keep the largest binary suffix that divides them exactly (`1024Mi` -> `1Gi`);
-/// everything else is an integer mantissa with the largest decimal suffix that keeps it whole
-/// (`1500` -> `1500`, `1000` -> `1k`, `0.5` -> `500m`). Values below `1n` or above the `E`
-/// range are written with an exponent (`1e-12`).
+/// Canonical form, as Kubernetes writes it: binary quantities that are whole numbers of at
+/// least 1024 keep the largest binary suffix that divides them exactly (`1024Mi` -> `1Gi`,
+/// `1.5Ki` -> `1536`, `2000` stays `2000`); everything else is an integer mantissa with the
+/// largest decimal suffix that keeps it whole (`1500` -> `1500`, `1000` -> `1k`, `0.5` ->
+/// `500m`). Values below `1n` or above the `E` range are written with an exponent (`1e-12`).
 impl fmt::Display for Quantity {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         if self.is_zero() {
@@ -281,17 +326,19 @@ impl fmt::Display for Quantity {
             for _ in 0..scale {
                 whole.mul_add(10, 0);
             }
-            let mut suffix = 0;
-            while suffix < BINARY.len() {
-                let mut t = whole.clone();
-                if t.div_rem(1024) != 0 {
-                    break;
+            // Below 1024 Kubernetes switches to decimal SI (`1000` -> `1k`).
+            if whole.at_least(1024) {
+                let mut suffix = 0;
+                while suffix < BINARY.len() {
+                    let mut t = whole.clone();
+                    if t.div_rem(1024) != 0 {
+                        break;
+                    }
+                    whole = t;
+                    suffix += 1;
                 }
-                whole = t;
-                suffix += 1;
-            }
-            if suffix > 0 {
-                return write!(f, "{}{}", whole, BINARY[suffix - 1]);
+                let name = if suffix == 0 { "" } else { BINARY[suffix - 1] };
+                return write!(f, "{whole}{name}");
             }
         }
         let mut exp3 = scale.div_euclid(3) * 3;
@@ -363,6 +410,10 @@ impl Big {
         }
     }
 
+    fn at_least(&self, n: u32) -> bool {
+        self.0.len() > 1 || self.0.first().is_some_and(|&limb| limb >= n)
+    }
+
     fn to_u64(&self) -> Option<u64> {
         match self.0.as_slice() {
             [] => Some(0),
@@ -397,6 +448,39 @@ impl fmt::Display for Big {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn whole_byte_counts_display_as_the_api_server_returns_them() {
+        let table: &[(u64, &str)] = &[
+            (0, "0"),
+            (14, "14"),
+            (1000, "1k"),
+            (1023, "1023"),
+            (1024, "1Ki"),
+            (1536, "1536"),
+            (2000, "2000"),
+            (40 << 30, "40Gi"),
+            (4864 << 20, "4864Mi"),
+            (u64::MAX, "18446744073709551615"),
+        ];
+        for &(value, text) in table {
+            let q = Quantity::from_u64(value, Format::BinarySi);
+            assert_eq!(q.to_string(), text, "{value}");
+            assert_eq!(Quantity::parse(text).unwrap().to_u64_exact(), Some(value));
+        }
+        for text in ["0.5", "-1", "1.5", "1e-3", "18446744073709551616", "20E"] {
+            assert_eq!(
+                Quantity::parse(text).unwrap().to_u64_exact(),
+                None,
+                "{text}"
+            );
+        }
+        assert_eq!(Quantity::parse("1.5Ki").unwrap().to_u64_exact(), Some(1536));
+        assert_eq!(
+            Quantity::parse("2M").unwrap().to_u64_exact(),
+            Some(2_000_000)
+        );
+    }
 
     #[test]
     fn parses_and_converts_exactly() {

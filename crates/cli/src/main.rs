@@ -6,9 +6,9 @@ use clap::Parser;
 
 fn main() -> ExitCode {
     // clap exits with status 2 on usage errors.
-    let cli = gpu_dra::Cli::parse();
+    let cli = gpu_dra_cli::Cli::parse();
     let mut stderr = std::io::stderr().lock();
-    match gpu_dra::run(
+    match gpu_dra_cli::run(
         &cli,
         &mut std::io::stdin().lock(),
         &mut std::io::stdout().lock(),

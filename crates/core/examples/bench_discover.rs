@@ -12,8 +12,8 @@ use std::time::{Duration, Instant};
 
 use gpu_dra_core::slices::{self, SliceParams};
 use gpu_dra_device::GpuInventory;
-use gpu_dra_device::nvml::{NvmlInventory, NvmlOptions};
-use nvidia_ml::testing::SimHost;
+use gpu_dra_nvml::{NvmlInventory, NvmlOptions};
+use gpu_dra_sim::testing::SimHost;
 
 const RUNS: usize = 300;
 

@@ -20,6 +20,7 @@
 
 use std::collections::BTreeMap;
 
+use gpu_dra_api::quantity::Format;
 use gpu_dra_device::{DeviceRef, Gpu, Inventory, MigDevice};
 use k8s_openapi::api::resource::v1::{
     Device, DeviceAttribute, DeviceCapacity, ResourcePool, ResourceSlice, ResourceSliceSpec,
@@ -373,11 +374,17 @@ impl DeviceBuilder<'_> {
         self.capacity.insert(
             key.to_string(),
             DeviceCapacity {
-                value: Quantity(canonical_quantity(value)),
+                value: capacity_quantity(value),
                 request_policy: None,
             },
         );
     }
+}
+
+/// A capacity of `value` units in the canonical form the API server returns for it (binary
+/// SI: `40Gi`, `4864Mi`, `14`), written by the api crate's one quantity implementation.
+pub fn capacity_quantity(value: u64) -> Quantity {
+    Quantity(gpu_dra_api::quantity::Quantity::from_u64(value, Format::BinarySi).to_string())
 }
 
 /// Normalises a loose version the way the NVIDIA driver does (Masterminds semver, lenient): an
@@ -428,52 +435,6 @@ pub fn semver_normalize(raw: &str) -> Option<String> {
         out.push_str(build);
     }
     Some(out)
-}
-
-const BINARY_SUFFIXES: [&str; 7] = ["", "Ki", "Mi", "Gi", "Ti", "Pi", "Ei"];
-const DECIMAL_SUFFIXES: [&str; 7] = ["", "k", "M", "G", "T", "P", "E"];
-
-/// The canonical Kubernetes form of an integer quantity in the binary-SI format (what the API
-/// server returns for it): values below 1024 in decimal SI (`14`, `1k`), larger ones with the
-/// largest exact binary suffix (`40Gi`, `4864Mi`, `1536`).
-pub fn canonical_quantity(value: u64) -> String {
-    if value < 1024 {
-        let (mut n, mut i) = (value, 0);
-        while n != 0 && n % 1000 == 0 && i < 6 {
-            n /= 1000;
-            i += 1;
-        }
-        return format!("{n}{}", DECIMAL_SUFFIXES[i]);
-    }
-    let (mut n, mut i) = (value, 0);
-    while n % 1024 == 0 && i < 6 {
-        n /= 1024;
-        i += 1;
-    }
-    format!("{n}{}", BINARY_SUFFIXES[i])
-}
-
-/// Parses an integer quantity with an optional binary (`Ki`..`Ei`) or decimal (`k`..`E`) suffix.
-/// `None` for anything else (fractions, exponents, negative values), which callers treat as
-/// "different from what we would write".
-pub fn parse_quantity(text: &str) -> Option<u128> {
-    let text = text.trim();
-    let digits_end = text
-        .find(|c: char| !c.is_ascii_digit())
-        .unwrap_or(text.len());
-    let (digits, suffix) = text.split_at(digits_end);
-    if digits.is_empty() {
-        return None;
-    }
-    let n: u128 = digits.parse().ok()?;
-    let mult: u128 = if let Some(i) = BINARY_SUFFIXES.iter().position(|s| *s == suffix) {
-        1u128 << (10 * i)
-    } else if let Some(i) = DECIMAL_SUFFIXES.iter().position(|s| *s == suffix) {
-        10u128.pow(3 * i as u32)
-    } else {
-        return None;
-    };
-    n.checked_mul(mult)
 }
 
 #[cfg(test)]
@@ -775,26 +736,16 @@ mod tests {
     }
 
     #[test]
-    fn quantities_are_canonical_and_parse_back() {
+    fn capacities_are_written_as_the_api_server_returns_them() {
         for (v, s) in [
-            (0, "0"),
             (14, "14"),
             (1000, "1k"),
-            (1023, "1023"),
-            (1024, "1Ki"),
-            (1536, "1536"),
             (4864 * MIB, "4864Mi"),
             (40960 * MIB, "40Gi"),
             (143771 * MIB, "143771Mi"),
         ] {
-            assert_eq!(canonical_quantity(v), s);
-            assert_eq!(parse_quantity(s), Some(u128::from(v)));
+            assert_eq!(capacity_quantity(v).0, s);
         }
-        assert_eq!(parse_quantity("42949672960"), Some(40960 * u128::from(MIB)));
-        assert_eq!(parse_quantity("1.5Gi"), None);
-        assert_eq!(parse_quantity("Gi"), None);
-        assert_eq!(parse_quantity("5Qi"), None);
-        assert_eq!(parse_quantity("2M"), Some(2_000_000));
     }
 }
 

@@ -8,8 +8,8 @@ use std::path::PathBuf;
 
 use gpu_dra_core::slices::{self, SliceParams};
 use gpu_dra_device::GpuInventory;
-use gpu_dra_device::nvml::{NvmlInventory, NvmlOptions};
-use nvidia_ml::testing::SimHost;
+use gpu_dra_nvml::{NvmlInventory, NvmlOptions};
+use gpu_dra_sim::testing::SimHost;
 
 const PROFILES: [&str; 6] = ["t4", "rtx4090", "p4", "dgx-a100-40gb", "dgx-h100", "h200"];
 

@@ -4,7 +4,6 @@
 //! at runtime ([`FixtureInventory::set`]) so tests can exercise rediscovery, and a failure can
 //! be injected ([`FixtureInventory::fail`]) to exercise error paths.
 
-use std::path::Path;
 use std::sync::Mutex;
 
 use crate::{DeviceError, GpuInventory, Inventory};
@@ -26,21 +25,13 @@ impl FixtureInventory {
     /// Parses an inventory from JSON (the camelCase form `discover --output json` prints under
     /// `inventory`).
     pub fn from_json(json: &str) -> Result<Self, DeviceError> {
-        let inventory = serde_json::from_str(json).map_err(|e| DeviceError::Fixture {
-            path: "<inline>".into(),
-            reason: e.to_string(),
-        })?;
-        Ok(Self::new(inventory))
+        Self::from_json_named(json, "<inline>")
     }
 
-    /// Reads an inventory from a JSON file.
-    pub fn from_json_file(path: &Path) -> Result<Self, DeviceError> {
-        let text = std::fs::read_to_string(path).map_err(|e| DeviceError::Fixture {
-            path: path.display().to_string(),
-            reason: e.to_string(),
-        })?;
-        let inventory = serde_json::from_str(&text).map_err(|e| DeviceError::Fixture {
-            path: path.display().to_string(),
+    /// Parses an inventory from JSON read from `source` (a file name, for the error message).
+    pub fn from_json_named(json: &str, source: &str) -> Result<Self, DeviceError> {
+        let inventory = serde_json::from_str(json).map_err(|e| DeviceError::Fixture {
+            path: source.into(),
             reason: e.to_string(),
         })?;
         Ok(Self::new(inventory))
@@ -105,18 +96,14 @@ mod tests {
                 .unwrap(),
             inv()
         );
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("inv.json");
-        std::fs::write(&path, &json).unwrap();
         assert_eq!(
-            FixtureInventory::from_json_file(&path)
+            FixtureInventory::from_json_named(&json, "inv.json")
                 .unwrap()
                 .discover()
                 .unwrap(),
             inv()
         );
-        std::fs::write(&path, "{").unwrap();
-        let err = FixtureInventory::from_json_file(&path).unwrap_err();
+        let err = FixtureInventory::from_json_named("{", "inv.json").unwrap_err();
         assert!(err.to_string().contains("inv.json"), "{err}");
     }
 }

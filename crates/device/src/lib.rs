@@ -1,13 +1,14 @@
-//! GPU inventory: the model, the `GpuInventory` seam and its backends.
+//! GPU inventory: the model, the `GpuInventory` seam and the in-memory fixture backend.
 //!
 //! The model (`model`) is plain data shared by every consumer. Backends implement
-//! [`GpuInventory`]; the node binary picks one at startup and nothing else knows which.
+//! [`GpuInventory`]; the node binary picks one at startup and nothing else knows which. This
+//! crate does no I/O and links no NVML: the NVML backend lives in `gpu-dra-nvml`, so the pure
+//! crates that depend on the model (`gpu-dra-core`) stay free of hardware code (Cargo enforces
+//! it; a test in `gpu-dra-core` checks its dependency tree).
 
 pub mod fixture;
 pub mod model;
 pub mod names;
-pub mod nvml;
-pub mod sysfs;
 
 pub use model::{ComputeCapability, DeviceRef, Gpu, Inventory, MigDevice, MigMode, Placement};
 

@@ -11,7 +11,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use gpu_kubelet_plugin::sharing::{
+use gpu_dra_kubelet_plugin::sharing::{
     DeviceKey, DriverRoot, FileStore, MpsRequest, SharedDevice, SharingGroup, SharingManager,
     SharingMetrics, SharingOptions, SharingRequest, TimeSliceInterval,
 };

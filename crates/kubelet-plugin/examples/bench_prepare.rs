@@ -16,16 +16,16 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use gpu_dra_kubelet_plugin::cdi_io::CdiHost;
+use gpu_dra_kubelet_plugin::claims::MemoryClaims;
+use gpu_dra_kubelet_plugin::client::connect_dra;
+use gpu_dra_kubelet_plugin::driver::{Driver, DriverParts, DriverSettings};
+use gpu_dra_kubelet_plugin::failpoint::Failpoints;
+use gpu_dra_kubelet_plugin::grpc::{DraService, bind_socket, incoming};
+use gpu_dra_kubelet_plugin::metrics::Metrics;
+use gpu_dra_kubelet_plugin::sharing::ExclusiveOnly;
+use gpu_dra_kubelet_plugin::testing::{a100_inventory, allocated_claim, simulate_host};
 use gpu_dra_proto::dra::v1;
-use gpu_kubelet_plugin::cdi_io::CdiHost;
-use gpu_kubelet_plugin::claims::MemoryClaims;
-use gpu_kubelet_plugin::client::connect_dra;
-use gpu_kubelet_plugin::driver::{Driver, DriverParts, DriverSettings};
-use gpu_kubelet_plugin::failpoint::Failpoints;
-use gpu_kubelet_plugin::grpc::{DraService, bind_socket, incoming};
-use gpu_kubelet_plugin::metrics::Metrics;
-use gpu_kubelet_plugin::sharing::ExclusiveOnly;
-use gpu_kubelet_plugin::testing::{a100_inventory, allocated_claim, simulate_host};
 
 const DRIVER: &str = "gpu.nvidia.com";
 const NODE: &str = "bench-node";
@@ -226,7 +226,7 @@ async fn main() -> anyhow::Result<()> {
     let mut floor = Vec::new();
     for i in 0..100 {
         let t = Instant::now();
-        gpu_kubelet_plugin::fsutil::write_atomic(
+        gpu_dra_kubelet_plugin::fsutil::write_atomic(
             &dir.path().join("floor.json"),
             format!("{i}").as_bytes(),
             0o600,

@@ -97,7 +97,7 @@ impl CdiHost {
         let mut lib_dirs = Vec::new();
         let mut symlinks = Vec::new();
         // The folders NVML itself is looked up in, as container paths.
-        for dir in gpu_dra_device::nvml::LIBRARY_DIRS.map(|d| format!("/{d}")) {
+        for dir in gpu_dra_nvml::LIBRARY_DIRS.map(|d| format!("/{d}")) {
             let Ok(entries) = std::fs::read_dir(format!("{droot}{dir}")) else {
                 continue;
             };

@@ -9,6 +9,7 @@ use std::time::Duration;
 use anyhow::Context;
 use gpu_dra_device::GpuInventory;
 use gpu_dra_device::fixture::FixtureInventory;
+use gpu_dra_telemetry::LogArgs;
 use tracing::{info, warn};
 
 use crate::cdi_io::CdiHost;
@@ -18,26 +19,6 @@ use crate::driver::{Driver, DriverParts, DriverSettings};
 use crate::failpoint::Failpoints;
 use crate::metrics::Metrics;
 use crate::sharing::{DriverRoot, FileStore, SharingManager, SharingOptions};
-
-/// Log output format.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum LogFormat {
-    /// Human-readable lines.
-    Text,
-    /// One JSON object per line.
-    Json,
-}
-
-/// Logging flags shared by the subcommands.
-#[derive(Debug, Clone, clap::Args)]
-pub struct LogArgs {
-    /// Log format.
-    #[arg(long, env = "LOG_FORMAT", value_enum, default_value = "text")]
-    pub log_format: LogFormat,
-    /// Log filter (tracing EnvFilter syntax).
-    #[arg(long, env = "LOG_LEVEL", default_value = "info")]
-    pub log_level: String,
-}
 
 /// Flags of `run`.
 #[derive(Debug, Clone, clap::Args)]
@@ -94,27 +75,16 @@ pub struct RunArgs {
     pub log: LogArgs,
 }
 
-/// Sets up tracing to stderr in the chosen format.
-pub fn init_logging(args: &LogArgs) {
-    let filter = tracing_subscriber::EnvFilter::try_new(&args.log_level)
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
-    let _ = match args.log_format {
-        LogFormat::Text => builder.try_init(),
-        LogFormat::Json => builder.json().flatten_event(true).try_init(),
-    };
-}
-
 /// THE place where the inventory backend is chosen from the flags.
 ///
 /// `--inventory-fixture` (hidden, tests) gives a fixture; otherwise NVML, loaded from
 /// `--nvml-lib` or the first `libnvidia-ml.so.1` under `--driver-root`.
 pub fn inventory_from_args(args: &RunArgs) -> anyhow::Result<Arc<dyn GpuInventory>> {
     if let Some(path) = &args.inventory_fixture {
-        return Ok(Arc::new(FixtureInventory::from_json_file(path)?));
+        let json = std::fs::read_to_string(path)
+            .with_context(|| format!("cannot read inventory fixture {}", path.display()))?;
+        let source = path.display().to_string();
+        return Ok(Arc::new(FixtureInventory::from_json_named(&json, &source)?));
     }
     let (lib_path, backend) = args.host.nvml_inventory()?;
     info!(library = %lib_path.display(), "using NVML");

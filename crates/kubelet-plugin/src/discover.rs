@@ -8,8 +8,8 @@ use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 use gpu_dra_core::slices::{self, SliceParams};
-use gpu_dra_device::nvml::{self, NvmlInventory, NvmlOptions};
 use gpu_dra_device::{GpuInventory, Inventory};
+use gpu_dra_nvml::{self as nvml, NvmlInventory, NvmlOptions};
 use k8s_openapi::api::resource::v1::ResourceSlice;
 use serde::Serialize;
 

@@ -11,11 +11,11 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use gpu_dra_core::checkpoint::{Checkpoint, PrepareState};
+use gpu_dra_kubelet_plugin::client::connect_dra;
+use gpu_dra_kubelet_plugin::failpoint::STEPS;
+use gpu_dra_kubelet_plugin::testing::ChildGuard as Plugin;
+use gpu_dra_kubelet_plugin::testing::{a100_inventory, allocated_claim, simulate_host};
 use gpu_dra_proto::dra::v1;
-use gpu_kubelet_plugin::client::connect_dra;
-use gpu_kubelet_plugin::failpoint::STEPS;
-use gpu_kubelet_plugin::testing::ChildGuard as Plugin;
-use gpu_kubelet_plugin::testing::{a100_inventory, allocated_claim, simulate_host};
 
 const DRIVER: &str = "gpu.nvidia.com";
 const NODE: &str = "node-a";

@@ -2,7 +2,7 @@
 
 use std::process::Command;
 
-use nvidia_ml::testing::SimHost;
+use gpu_dra_sim::testing::SimHost;
 use serde_json::Value;
 
 fn discover(host: &SimHost, format: &str) -> String {

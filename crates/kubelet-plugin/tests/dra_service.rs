@@ -3,16 +3,16 @@
 
 use std::sync::Arc;
 
+use gpu_dra_kubelet_plugin::cdi_io::CdiHost;
+use gpu_dra_kubelet_plugin::claims::MemoryClaims;
+use gpu_dra_kubelet_plugin::client::connect_dra;
+use gpu_dra_kubelet_plugin::driver::{Driver, DriverParts, DriverSettings};
+use gpu_dra_kubelet_plugin::failpoint::Failpoints;
+use gpu_dra_kubelet_plugin::grpc::{DraService, bind_socket, incoming};
+use gpu_dra_kubelet_plugin::metrics::Metrics;
+use gpu_dra_kubelet_plugin::sharing::ExclusiveOnly;
+use gpu_dra_kubelet_plugin::testing::{a100_inventory, allocated_claim, simulate_host};
 use gpu_dra_proto::dra::{v1, v1beta1};
-use gpu_kubelet_plugin::cdi_io::CdiHost;
-use gpu_kubelet_plugin::claims::MemoryClaims;
-use gpu_kubelet_plugin::client::connect_dra;
-use gpu_kubelet_plugin::driver::{Driver, DriverParts, DriverSettings};
-use gpu_kubelet_plugin::failpoint::Failpoints;
-use gpu_kubelet_plugin::grpc::{DraService, bind_socket, incoming};
-use gpu_kubelet_plugin::metrics::Metrics;
-use gpu_kubelet_plugin::sharing::ExclusiveOnly;
-use gpu_kubelet_plugin::testing::{a100_inventory, allocated_claim, simulate_host};
 use hyper_util::rt::TokioIo;
 use tokio::net::UnixStream;
 

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use gpu_dra_device::fixture::FixtureInventory;
 use gpu_dra_device::{ComputeCapability, Gpu, Inventory};
-use gpu_kubelet_plugin::publish::{self, PublishStatus, PublisherConfig};
+use gpu_dra_kubelet_plugin::publish::{self, PublishStatus, PublisherConfig};
 use http::{Request, Response, StatusCode};
 use http_body_util::combinators::BoxBody;
 use http_body_util::{BodyExt, Full, StreamBody};
@@ -264,7 +264,7 @@ fn device_count(slices: &[Value]) -> usize {
 async fn publisher_publishes_restores_and_republishes() {
     let _ = tracing_subscriber::fmt()
         .with_test_writer()
-        .with_env_filter("gpu_kubelet_plugin=debug")
+        .with_env_filter("gpu_dra_kubelet_plugin=debug")
         .try_init();
     let fake = Fake::new();
     let handler = fake.clone();

@@ -8,8 +8,8 @@
 use std::path::Path;
 use std::sync::Arc;
 
+use gpu_dra_kubelet_plugin::grpc::{Registration, bind_socket, incoming};
 use gpu_dra_proto::pluginregistration as reg;
-use gpu_kubelet_plugin::grpc::{Registration, bind_socket, incoming};
 use prost::Message;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::UnixStream;

@@ -10,13 +10,13 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use gpu_kubelet_plugin::sharing::state::MpsPhase;
-use gpu_kubelet_plugin::sharing::{
+use gpu_dra_kubelet_plugin::sharing::state::MpsPhase;
+use gpu_dra_kubelet_plugin::sharing::{
     DeviceKey, DriverRoot, FileStore, MpsRequest, SharedDevice, SharingGroup, SharingManager,
     SharingMetrics, SharingOptions, SharingRequest, SharingStore, TimeSliceInterval, daemon_id,
 };
-use nvidia_ml::state::ComputeMode;
-use nvidia_ml::testing::SimHost;
+use gpu_dra_sim::state::ComputeMode;
+use gpu_dra_sim::testing::SimHost;
 
 const CLAIM_A: &str = "0b6e2c46-6e0e-4c1c-9a55-3f6f5e9d1a7b";
 const CLAIM_B: &str = "5f1c7d2a-8b3e-4f6a-9c0d-1e2f3a4b5c6d";
@@ -144,11 +144,11 @@ fn environ(pid: u32) -> String {
 }
 
 fn alive(pid: u32) -> bool {
-    gpu_kubelet_plugin::sharing::mps::pid_alive(pid)
+    gpu_dra_kubelet_plugin::sharing::mps::pid_alive(pid)
 }
 
 fn kill9(pid: u32) {
-    gpu_kubelet_plugin::sharing::mps::kill(pid);
+    gpu_dra_kubelet_plugin::sharing::mps::kill(pid);
 }
 
 async fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
@@ -583,7 +583,7 @@ async fn daemons_are_readopted_after_a_plugin_restart_or_restarted_if_dead() {
 #[tokio::test]
 async fn the_executor_applies_a_plan_group_with_edits_and_releases_without_state() {
     use gpu_dra_core::plan::{DeviceNodesNeed, DevicePlan, Sharing, SharingGroup as PlanGroup};
-    use gpu_kubelet_plugin::sharing::SharingExecutor;
+    use gpu_dra_kubelet_plugin::sharing::SharingExecutor;
 
     let node = Node::new(PROFILE);
     let m = node.manager();

@@ -11,14 +11,14 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use gpu_dra_kubelet_plugin::client::connect_dra;
+use gpu_dra_kubelet_plugin::failpoint::STEPS;
+use gpu_dra_kubelet_plugin::sharing::mps;
+use gpu_dra_kubelet_plugin::testing::ChildGuard as Plugin;
+use gpu_dra_kubelet_plugin::testing::allocated_claim;
 use gpu_dra_proto::dra::v1;
-use gpu_kubelet_plugin::client::connect_dra;
-use gpu_kubelet_plugin::failpoint::STEPS;
-use gpu_kubelet_plugin::sharing::mps;
-use gpu_kubelet_plugin::testing::ChildGuard as Plugin;
-use gpu_kubelet_plugin::testing::allocated_claim;
-use nvidia_ml::state::ComputeMode;
-use nvidia_ml::testing::SimHost;
+use gpu_dra_sim::state::ComputeMode;
+use gpu_dra_sim::testing::SimHost;
 
 const DRIVER: &str = "gpu.nvidia.com";
 const NODE: &str = "node-a";

@@ -11,7 +11,7 @@ use std::io::Write;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use nvidia_ml::testing::SimHost;
+use gpu_dra_sim::testing::SimHost;
 use nvml_wrapper::Nvml;
 
 fn stats(mut v: Vec<Duration>) -> (Duration, Duration) {

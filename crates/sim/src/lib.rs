@@ -1,7 +1,7 @@
 //! GPU simulator below NVML.
 //!
 //! This crate builds three things from one source tree:
-//! - a `cdylib` (`libnvidia_ml.so`, installed as `libnvidia-ml.so.1`) exporting the subset of
+//! - a `cdylib` (`libgpu_dra_sim.so`, installed as `libnvidia-ml.so.1`) exporting the subset of
 //!   the NVML C API the driver calls, with the exact ABI of `nvml.h` ([`ffi`]);
 //! - stand-ins for `nvidia-smi` and `nvidia-cuda-mps-control` that speak the real tools'
 //!   command-line and stdin protocols ([`smi`], [`mps`]);

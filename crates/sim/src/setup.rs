@@ -32,14 +32,14 @@ pub const NVML_LIB: &str = "usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1";
 /// Tool directory under the root.
 pub const BIN_DIR: &str = "usr/bin";
 /// File name of the cdylib as cargo builds it.
-pub const CDYLIB_NAME: &str = "libnvidia_ml.so";
+pub const CDYLIB_NAME: &str = "libgpu_dra_sim.so";
 /// The stand-in tools installed by setup.
 pub const TOOLS: &[&str] = &["nvidia-smi", "nvidia-cuda-mps-control"];
 
 /// Where the build artefacts to install come from.
 #[derive(Debug, Clone)]
 pub struct Artefacts {
-    /// The cdylib (`libnvidia_ml.so`).
+    /// The cdylib (`libgpu_dra_sim.so`).
     pub cdylib: PathBuf,
     /// Directory holding the `nvidia-smi` and `nvidia-cuda-mps-control` executables.
     pub bin_dir: PathBuf,

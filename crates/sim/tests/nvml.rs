@@ -8,8 +8,8 @@
 use std::ffi::{CStr, c_char, c_uint};
 use std::mem::{offset_of, size_of};
 
-use nvidia_ml::ffi;
-use nvidia_ml::testing::SimHost;
+use gpu_dra_sim::ffi;
+use gpu_dra_sim::testing::SimHost;
 use nvml_wrapper::Nvml;
 use nvml_wrapper::enum_wrappers::device::{Brand, ComputeMode};
 use nvml_wrapper::enums::device::DeviceArchitecture;
@@ -881,12 +881,12 @@ fn compute_mode_set_through_nvml_is_persisted() {
     );
     assert_eq!(
         host.state().gpus[2].compute_mode,
-        nvidia_ml::state::ComputeMode::ExclusiveProcess
+        gpu_dra_sim::state::ComputeMode::ExclusiveProcess
     );
     // Another writer (here: the test, through the state file) is seen on the next call.
     host.state_file()
         .update(|s| {
-            s.gpus[2].compute_mode = nvidia_ml::state::ComputeMode::Prohibited;
+            s.gpus[2].compute_mode = gpu_dra_sim::state::ComputeMode::Prohibited;
             Ok::<(), ()>(())
         })
         .expect("update")

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use nvidia_ml::testing::SimHost;
+use gpu_dra_sim::testing::SimHost;
 use nvml_wrapper::Nvml;
 use nvml_wrapper::enum_wrappers::device::ComputeMode;
 

@@ -21,9 +21,9 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use anyhow::Context;
-use clap::{Parser, ValueEnum};
+use clap::Parser;
+use gpu_dra_telemetry::LogArgs;
 use tokio::net::TcpListener;
-use tracing_subscriber::EnvFilter;
 
 use crate::metrics::Metrics;
 use crate::server::App;
@@ -45,33 +45,9 @@ pub struct Args {
     /// Opaque configs addressed to this driver are validated; others are left alone.
     #[arg(long, env = "DRIVER_NAME", default_value = "gpu.nvidia.com")]
     pub driver_name: String,
-    /// Log line format.
-    #[arg(long, env = "LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
-    pub log_format: LogFormat,
-    /// Log filter, in tracing EnvFilter syntax (e.g. `info,gpu_dra_webhook=debug`).
-    #[arg(long, env = "LOG_LEVEL", default_value = "info")]
-    pub log_level: String,
-}
-
-/// Log line format.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum LogFormat {
-    /// Human-readable lines.
-    Text,
-    /// One JSON object per line (for the cluster's log pipeline).
-    Json,
-}
-
-/// Installs the global tracing subscriber.
-pub fn init_tracing(format: LogFormat, level: &str) -> anyhow::Result<()> {
-    let filter = EnvFilter::try_new(level)
-        .with_context(|| format!("--log-level {level:?} is not a valid tracing filter"))?;
-    let builder = tracing_subscriber::fmt().with_env_filter(filter);
-    let result = match format {
-        LogFormat::Text => builder.try_init(),
-        LogFormat::Json => builder.json().flatten_event(true).try_init(),
-    };
-    result.map_err(|e| anyhow::anyhow!("installing the log subscriber: {e}"))
+    /// Logging.
+    #[command(flatten)]
+    pub log: LogArgs,
 }
 
 /// Runs the webhook until SIGTERM or SIGINT.
@@ -168,15 +144,10 @@ mod tests {
             assert_eq!(a.driver_name, "gpu.nvidia.com");
         }
         if unset("LOG_FORMAT") {
-            assert_eq!(a.log_format, LogFormat::Text);
+            assert_eq!(a.log.log_format, gpu_dra_telemetry::LogFormat::Text);
         }
         if unset("LOG_LEVEL") {
-            assert_eq!(a.log_level, "info");
+            assert_eq!(a.log.log_level, "info");
         }
-        let err = init_tracing(LogFormat::Json, "info,=bad[").unwrap_err();
-        assert!(
-            err.to_string().contains("not a valid tracing filter"),
-            "{err}"
-        );
     }
 }

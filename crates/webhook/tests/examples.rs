@@ -238,12 +238,12 @@ fn gpu_dra_validate_agrees() {
             let text = std::fs::read_to_string(&file).expect("example is readable UTF-8");
             let mut out = Vec::new();
             let outcome =
-                gpu_dra::validate_text("f", &text, DRIVER, &mut out).expect("in-memory output");
+                gpu_dra_cli::validate_text("f", &text, DRIVER, &mut out).expect("in-memory output");
             let out = String::from_utf8(out).expect("UTF-8 report");
             if invalid {
                 assert_eq!(
                     outcome,
-                    gpu_dra::Outcome::Invalid,
+                    gpu_dra_cli::Outcome::Invalid,
                     "{}: {out}",
                     file.display()
                 );
@@ -259,7 +259,7 @@ fn gpu_dra_validate_agrees() {
             } else {
                 assert_eq!(
                     outcome,
-                    gpu_dra::Outcome::Valid,
+                    gpu_dra_cli::Outcome::Valid,
                     "{}: {out}",
                     file.display()
                 );

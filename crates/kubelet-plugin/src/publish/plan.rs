@@ -17,7 +17,6 @@
 use gpu_dra_core::slices::{self, Rendered, SliceParams};
 use gpu_dra_device::Inventory;
 use k8s_openapi::api::resource::v1::{ResourceSlice, ResourceSliceSpec};
-use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 
 /// One write against the API server.
@@ -202,10 +201,11 @@ fn normalize(spec: &ResourceSliceSpec) -> ResourceSliceSpec {
     for d in &mut devices {
         if let Some(caps) = d.capacity.as_mut() {
             for c in caps.values_mut() {
-                if let Some(v) =
-                    slices::parse_quantity(&c.value.0).and_then(|v| u64::try_from(v).ok())
-                {
-                    c.value = Quantity(slices::canonical_quantity(v));
+                let exact = gpu_dra_api::quantity::Quantity::parse(&c.value.0)
+                    .ok()
+                    .and_then(|q| q.to_u64_exact());
+                if let Some(v) = exact {
+                    c.value = slices::capacity_quantity(v);
                 }
             }
         }
@@ -224,6 +224,7 @@ fn normalize(spec: &ResourceSliceSpec) -> ResourceSliceSpec {
 mod tests {
     use super::*;
     use gpu_dra_device::{ComputeCapability, Gpu};
+    use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 
     fn owner() -> OwnerReference {
         OwnerReference {

@@ -40,7 +40,7 @@ impl DriverRoot {
         let root = root.into();
         // The same search as the NVML inventory backend, so tools preload the library the
         // plugin itself loaded.
-        let nvml_lib = nvml_lib.or_else(|| gpu_dra_device::nvml::find_library(&root));
+        let nvml_lib = nvml_lib.or_else(|| gpu_dra_nvml::find_library(&root));
         Self { root, nvml_lib }
     }
 

@@ -5,9 +5,9 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
-use nvidia_ml::profile::{self, Profile};
-use nvidia_ml::setup::{self, Artefacts};
-use nvidia_ml::state::StateFile;
+use gpu_dra_sim::profile::{self, Profile};
+use gpu_dra_sim::setup::{self, Artefacts};
+use gpu_dra_sim::state::StateFile;
 
 #[derive(Parser)]
 #[command(
@@ -29,7 +29,7 @@ enum Cmd {
         /// Directory to create the host in.
         #[arg(long, env = "GPU_SIM_ROOT")]
         root: PathBuf,
-        /// Directory holding libnvidia_ml.so (or deps/libnvidia_ml.so) and the tools;
+        /// Directory holding libgpu_dra_sim.so (or deps/libgpu_dra_sim.so) and the tools;
         /// default: the directory of this executable.
         #[arg(long, env = "GPU_SIM_ARTEFACTS")]
         artefacts: Option<PathBuf>,

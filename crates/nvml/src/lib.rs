@@ -1,4 +1,9 @@
-//! The NVML backend: discovers GPUs and MIG devices through `libnvidia-ml.so.1`.
+//! The NVML backend of the [`GpuInventory`] seam: discovers GPUs and MIG devices through
+//! `libnvidia-ml.so.1`, and reads the PCIe topology from sysfs.
+//!
+//! This crate holds all of the driver's hardware I/O (library loading, raw NVML calls, sysfs
+//! reads), so that the pure crates (`gpu-dra-device`, `gpu-dra-core`) never link NVML: the node
+//! binary injects this backend at startup.
 //!
 //! Invariants:
 //! - Only the NVML entry points the simulator implements are called (see the project
@@ -13,6 +18,8 @@
 //! through the raw bindings here, and this is the only module of the crate allowed `unsafe`.
 #![allow(unsafe_code)]
 
+pub mod sysfs;
+
 use std::collections::HashMap;
 use std::ffi::c_uint;
 use std::path::{Path, PathBuf};
@@ -24,8 +31,10 @@ use nvml_wrapper_sys::bindings::{
     nvmlReturn_enum_NVML_SUCCESS, nvmlReturn_t,
 };
 
-use crate::model::{ComputeCapability, Gpu, Inventory, MigDevice, MigMode, Placement};
-use crate::{DeviceError, GpuInventory, names, sysfs};
+use gpu_dra_device::{
+    ComputeCapability, DeviceError, Gpu, GpuInventory, Inventory, MigDevice, MigMode, Placement,
+    names,
+};
 
 /// Where the NVML backend finds its library and sysfs.
 #[derive(Debug, Clone, PartialEq, Eq)]

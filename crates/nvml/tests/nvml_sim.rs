@@ -3,9 +3,9 @@
 //! The simulator is a real `libnvidia-ml.so` implementing the NVML C ABI, so this exercises the
 //! production code path (library loading, nvml-wrapper, the raw GPU-instance calls, sysfs).
 
-use gpu_dra_device::nvml::{NvmlInventory, NvmlOptions, find_library};
 use gpu_dra_device::{ComputeCapability, Gpu, GpuInventory, Inventory, MigMode, Placement};
-use nvidia_ml::testing::SimHost;
+use gpu_dra_nvml::{NvmlInventory, NvmlOptions, find_library};
+use gpu_dra_sim::testing::SimHost;
 
 const MIB: u64 = 1 << 20;
 
@@ -189,7 +189,7 @@ fn dgx_a100_40gb_has_4_whole_gpus_and_16_mig_devices() {
     for (i, (gpu, placed)) in inv.gpus.iter().zip(DGX_A100).enumerate() {
         check_gpu(
             gpu,
-            i as u32,
+            u32::try_from(i).expect("GPU index fits u32"),
             placed,
             ("NVIDIA A100-SXM4-40GB", "Nvidia", "Ampere", (8, 0), 40960),
         );
@@ -330,7 +330,7 @@ fn dgx_h100_is_mig_capable_with_mig_off() {
     for (i, (gpu, p)) in inv.gpus.iter().zip(placed).enumerate() {
         check_gpu(
             gpu,
-            i as u32,
+            u32::try_from(i).expect("GPU index fits u32"),
             p,
             ("NVIDIA H100 80GB HBM3", "Nvidia", "Hopper", (9, 0), 81559),
         );
