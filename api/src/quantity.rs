@@ -210,9 +210,15 @@ impl Quantity {
     /// The value as a whole number of units, or `None` when it is negative, fractional or
     /// larger than `u64` (`1.5Ki` gives 1536, `0.5` gives `None`).
     pub fn to_u64_exact(&self) -> Option<u64> {
-        if self.negative {
-            return None;
+        match self.whole_units() {
+            Some((n, false)) if !self.negative => Some(n),
+            _ => None,
         }
+    }
+
+    /// The magnitude truncated to whole units, and whether a fraction was dropped; `None` when
+    /// it does not fit `u64`.
+    fn whole_units(&self) -> Option<(u64, bool)> {
         let mut n = self.mantissa.clone();
         for _ in 0..self.binary {
             n.mul_add(1024, 0);
@@ -222,17 +228,16 @@ impl Quantity {
                 n.mul_add(10, 0);
                 n.to_u64()?;
             }
-            return n.to_u64();
+            return Some((n.to_u64()?, false));
         }
+        let mut inexact = false;
         for _ in 0..self.scale.unsigned_abs() {
             if n.is_zero() {
                 break;
             }
-            if n.div_rem(10) != 0 {
-                return None;
-            }
+            inexact |= n.div_rem(10) != 0;
         }
-        n.to_u64()
+        Some((n.to_u64()?, inexact))
     }
 
     /// True for values below zero.
@@ -257,31 +262,10 @@ impl Quantity {
             return Err(QuantityError::Negative(self.to_string()));
         }
         let overflow = || QuantityError::Overflow(self.to_string());
-        let mut n = self.mantissa.clone();
-        for _ in 0..self.binary {
-            n.mul_add(1024, 0);
-        }
-        if self.scale >= 0 {
-            for _ in 0..self.scale {
-                n.mul_add(10, 0);
-                if n.to_u64().is_none() {
-                    return Err(overflow());
-                }
-            }
-            return n.to_u64().ok_or_else(overflow);
-        }
-        let mut inexact = false;
-        for _ in 0..self.scale.unsigned_abs() {
-            if n.is_zero() {
-                break;
-            }
-            inexact |= n.div_rem(10) != 0;
-        }
-        let floor = n.to_u64().ok_or_else(overflow)?;
-        if inexact {
-            floor.checked_add(1).ok_or_else(overflow)
-        } else {
-            Ok(floor)
+        match self.whole_units() {
+            Some((floor, true)) => floor.checked_add(1).ok_or_else(overflow),
+            Some((whole, false)) => Ok(whole),
+            None => Err(overflow()),
         }
     }
 }
