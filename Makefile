@@ -82,4 +82,4 @@ $(HELM):
 
 chart-check: $(HELM) ## lint and render the Helm chart with several value sets, check what it renders
 	$(HELM) lint --strict --kube-version 1.34.0 deploy/helm/gpu-dra-driver
-	HELM=$(HELM) CHART_CHECK=1 $(CARGO) test --locked -p gpu-dra-webhook --test chart
+	HELM=$(HELM) CHART_CHECK=1 $(CARGO) test --locked -p gpu-dra-repo-tests --test chart

@@ -478,48 +478,15 @@ impl ConfigDecoder for ApiDecoder {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use gpu_dra_device::{ComputeCapability, Gpu, MigDevice, MigMode, Placement};
+    use gpu_dra_device::testing::{self, a100, mig_1g5gb};
     use serde_json::json;
 
-    pub(crate) fn inventory() -> Inventory {
-        let gpu = |minor: u32, migs: Vec<MigDevice>| Gpu {
-            index: minor,
-            minor,
-            uuid: format!("GPU-{minor}"),
-            product_name: "NVIDIA A100-SXM4-40GB".into(),
-            brand: "Nvidia".into(),
-            architecture: "Ampere".into(),
-            cuda_compute_capability: ComputeCapability { major: 8, minor: 0 },
-            memory_bytes: 40 << 30,
-            pci_bus_id: format!("0000:{minor:02x}:00.0"),
-            pcie_root: None,
-            numa_node: None,
-            mig: Some(MigMode {
-                current: !migs.is_empty(),
-                pending: !migs.is_empty(),
-            }),
-            mig_devices: migs,
-        };
-        let mig = |start: u32, gi: u32| MigDevice {
-            uuid: format!("MIG-{start}"),
-            gi_id: gi,
-            ci_id: 0,
-            profile: "1g.5gb".into(),
-            gi_profile_id: 19,
-            placement: Placement { start, size: 1 },
-            memory_bytes: 5 << 30,
-            multiprocessors: 14,
-            copy_engines: 1,
-            decoders: 0,
-            encoders: 0,
-            jpeg_engines: 0,
-            ofa_engines: 0,
-        };
-        Inventory {
-            driver_version: "580.95.05".into(),
-            cuda_driver_version: "13.0".into(),
-            gpus: vec![gpu(0, vec![]), gpu(1, vec![mig(0, 7), mig(1, 8)])],
-        }
+    /// GPU 0 whole, GPU 1 with MIG on and two `1g.5gb` devices (GPU instances 7 and 8).
+    fn inventory() -> Inventory {
+        testing::inventory([
+            a100(0).build(),
+            a100(1).mig(mig_1g5gb(0)).mig(mig_1g5gb(1)).build(),
+        ])
     }
 
     fn dev(index: usize, request: &str, device: &str) -> AllocatedDevice {
@@ -636,7 +603,10 @@ mod tests {
         assert_eq!(p.devices.len(), 2);
         assert_eq!(p.devices[0].nodes.mig, Some(MigIds { gi: 7, ci: 0 }));
         assert_eq!(p.devices[1].nodes.mig, Some(MigIds { gi: 8, ci: 0 }));
-        assert_eq!(p.devices[1].gpu_uuid, "GPU-1");
+        assert_eq!(
+            p.devices[1].gpu_uuid,
+            "GPU-00000001-1111-2222-3333-444444444444"
+        );
         assert_eq!(p.groups.len(), 1);
         assert_eq!(p.groups[0].sharing, None);
     }

@@ -440,56 +440,9 @@ pub fn semver_normalize(raw: &str) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use gpu_dra_device::{ComputeCapability, MigMode, Placement};
+    use gpu_dra_device::testing::{MigBuilder, a100, inventory};
 
     const MIB: u64 = 1 << 20;
-
-    fn gpu(minor: u32) -> Gpu {
-        Gpu {
-            index: minor,
-            minor,
-            uuid: format!("GPU-{minor:08x}-1111-2222-3333-444444444444"),
-            product_name: "NVIDIA A100-SXM4-40GB".into(),
-            brand: "Nvidia".into(),
-            architecture: "Ampere".into(),
-            cuda_compute_capability: ComputeCapability { major: 8, minor: 0 },
-            memory_bytes: 40960 * MIB,
-            pci_bus_id: format!("0000:{:02x}:00.0", 7 + minor),
-            pcie_root: Some("pci0000:00".into()),
-            numa_node: Some(0),
-            mig: Some(MigMode {
-                current: false,
-                pending: false,
-            }),
-            mig_devices: vec![],
-        }
-    }
-
-    fn mig(profile: &str, id: u32, start: u32, size: u32) -> MigDevice {
-        MigDevice {
-            uuid: format!("MIG-{id:08x}-aaaa-5bbb-8ccc-{start:012x}"),
-            gi_id: start + 1,
-            ci_id: 0,
-            profile: profile.into(),
-            gi_profile_id: id,
-            placement: Placement { start, size },
-            memory_bytes: 4864 * MIB,
-            multiprocessors: 14,
-            copy_engines: 1,
-            decoders: 0,
-            encoders: 0,
-            jpeg_engines: 0,
-            ofa_engines: 0,
-        }
-    }
-
-    fn inventory(gpus: Vec<Gpu>) -> Inventory {
-        Inventory {
-            driver_version: "580.95.05".into(),
-            cuda_driver_version: "13.0".into(),
-            gpus,
-        }
-    }
 
     fn params() -> SliceParams<'static> {
         SliceParams {
@@ -511,7 +464,7 @@ mod tests {
 
     #[test]
     fn whole_gpu_has_the_nvidia_attributes_and_memory() {
-        let (devices, warnings) = render_devices(&inventory(vec![gpu(0)]));
+        let (devices, warnings) = render_devices(&inventory([a100(0).build()]));
         assert!(warnings.is_empty(), "{warnings:?}");
         let d = &devices[0];
         assert_eq!(d.name, "gpu-0");
@@ -543,19 +496,19 @@ mod tests {
 
     #[test]
     fn mig_gpu_is_published_as_mig_devices_with_parent_attributes() {
-        let mut g = gpu(2);
-        g.mig = Some(MigMode {
-            current: true,
-            pending: true,
-        });
-        g.pcie_root = None;
-        g.numa_node = None;
-        g.mig_devices = vec![mig("1g.5gb", 19, 0, 1), mig("3g.20gb", 9, 4, 4)];
-        g.mig_devices[1].multiprocessors = 42;
-        g.mig_devices[1].copy_engines = 3;
-        g.mig_devices[1].decoders = 2;
-        g.mig_devices[1].memory_bytes = 19968 * MIB;
-        let (devices, _) = render_devices(&inventory(vec![g, gpu(3)]));
+        let g = a100(2)
+            .pcie_root(None)
+            .numa_node(None)
+            .mig(MigBuilder::new("1g.5gb", 19, 0, 1))
+            .mig(
+                MigBuilder::new("3g.20gb", 9, 4, 4)
+                    .multiprocessors(42)
+                    .copy_engines(3)
+                    .decoders(2)
+                    .memory_bytes(19968 * MIB),
+            )
+            .build();
+        let (devices, _) = render_devices(&inventory([g, a100(3).build()]));
         let names: Vec<&str> = devices.iter().map(|d| d.name.as_str()).collect();
         assert_eq!(
             names,
@@ -603,13 +556,8 @@ mod tests {
 
     #[test]
     fn every_device_stays_within_the_entry_limit() {
-        let mut g = gpu(0);
-        g.mig = Some(MigMode {
-            current: true,
-            pending: true,
-        });
-        g.mig_devices = vec![mig("7g.40gb", 0, 0, 8)];
-        let (devices, warnings) = render_devices(&inventory(vec![g]));
+        let g = a100(0).mig(MigBuilder::new("7g.40gb", 0, 0, 8)).build();
+        let (devices, warnings) = render_devices(&inventory([g]));
         assert!(warnings.is_empty());
         let d = &devices[0];
         let n = d.attributes.as_ref().unwrap().len() + d.capacity.as_ref().unwrap().len();
@@ -639,9 +587,8 @@ mod tests {
 
     #[test]
     fn overlong_strings_and_bad_versions_are_left_out_with_a_warning() {
-        let mut g = gpu(0);
-        g.product_name = "X".repeat(65);
-        let mut inv = inventory(vec![g]);
+        let g = a100(0).product_name(&"X".repeat(65)).build();
+        let mut inv = inventory([g]);
         inv.driver_version = "not-a-version".into();
         let (devices, warnings) = render_devices(&inv);
         let d = &devices[0];
@@ -651,16 +598,15 @@ mod tests {
         assert_eq!(fields, ["productName", "driverVersion"]);
         assert!(warnings[0].to_string().contains("gpu-0"));
         // Exactly 64 bytes is accepted.
-        let mut g = gpu(0);
-        g.product_name = "Y".repeat(64);
-        let (devices, warnings) = render_devices(&inventory(vec![g]));
+        let g = a100(0).product_name(&"Y".repeat(64)).build();
+        let (devices, warnings) = render_devices(&inventory([g]));
         assert!(warnings.is_empty());
         assert_eq!(attr_str(&devices[0], "productName").map(str::len), Some(64));
     }
 
     #[test]
     fn slices_are_split_at_128_devices_with_one_generation_and_count() {
-        let gpus: Vec<Gpu> = (0..300).map(gpu).collect();
+        let gpus = (0..300).map(|minor| a100(minor).build());
         let r = render_slices(&inventory(gpus), &params());
         assert_eq!(r.slices.len(), 3);
         let sizes: Vec<usize> = r
@@ -688,7 +634,7 @@ mod tests {
 
     #[test]
     fn an_empty_inventory_still_has_one_empty_slice() {
-        let r = render_slices(&inventory(vec![]), &params());
+        let r = render_slices(&inventory([]), &params());
         assert_eq!(r.slices.len(), 1);
         assert_eq!(r.slices[0].spec.pool.resource_slice_count, 1);
         assert_eq!(r.slices[0].spec.devices.as_deref(), Some(&[][..]));
@@ -696,7 +642,7 @@ mod tests {
 
     #[test]
     fn rendering_is_deterministic() {
-        let inv = inventory((0..8).map(gpu).collect());
+        let inv = inventory((0..8).map(|minor| a100(minor).build()));
         assert_eq!(
             render_slices(&inv, &params()),
             render_slices(&inv, &params())
@@ -753,10 +699,10 @@ mod tests {
 mod limits {
     //! Property: whatever the inventory, the slices respect the API limits.
     use super::*;
-    use gpu_dra_device::{ComputeCapability, MigMode, Placement};
+    use gpu_dra_device::testing::{MigBuilder, h100, inventory};
     use proptest::prelude::*;
 
-    fn arb_mig() -> impl Strategy<Value = MigDevice> {
+    fn arb_mig() -> impl Strategy<Value = MigBuilder> {
         (
             "[0-9]c?\\.?[0-9]g\\.[0-9]{1,3}gb(\\+me)?",
             0u32..30,
@@ -764,20 +710,17 @@ mod limits {
             1u32..9,
             any::<u32>(),
         )
-            .prop_map(|(profile, id, start, size, n)| MigDevice {
-                uuid: format!("MIG-{n:08x}-0000-5000-8000-000000000000"),
-                gi_id: id,
-                ci_id: 0,
-                profile,
-                gi_profile_id: id,
-                placement: Placement { start, size },
-                memory_bytes: u64::from(n) << 10,
-                multiprocessors: n % 200,
-                copy_engines: n % 8,
-                decoders: n % 7,
-                encoders: 0,
-                jpeg_engines: n % 3,
-                ofa_engines: n % 2,
+            .prop_map(|(profile, id, start, size, n)| {
+                MigBuilder::new(&profile, id, start, size)
+                    .uuid(&format!("MIG-{n:08x}-0000-5000-8000-000000000000"))
+                    .gi_id(id)
+                    .memory_bytes(u64::from(n) << 10)
+                    .multiprocessors(n % 200)
+                    .copy_engines(n % 8)
+                    .decoders(n % 7)
+                    .encoders(0)
+                    .jpeg_engines(n % 3)
+                    .ofa_engines(n % 2)
             })
     }
 
@@ -789,23 +732,16 @@ mod limits {
             proptest::collection::vec(arb_mig(), 0..8),
             proptest::option::of(-1i64..8),
         )
-            .prop_map(|(minor, name, mig_on, migs, numa)| Gpu {
-                index: minor,
-                minor,
-                uuid: format!("GPU-{minor:08x}-0000-0000-0000-000000000000"),
-                product_name: name,
-                brand: "Nvidia".into(),
-                architecture: "Hopper".into(),
-                cuda_compute_capability: ComputeCapability { major: 9, minor: 0 },
-                memory_bytes: u64::from(minor) << 30,
-                pci_bus_id: format!("0000:{:02x}:00.0", minor % 256),
-                pcie_root: Some("pci0000:00".into()),
-                numa_node: numa,
-                mig: Some(MigMode {
-                    current: mig_on,
-                    pending: mig_on,
-                }),
-                mig_devices: migs,
+            .prop_map(|(minor, name, mig_on, migs, numa)| {
+                // MIG devices listed while MIG is off too: the renderer must cope.
+                h100(minor)
+                    .product_name(&name)
+                    .memory_bytes(u64::from(minor) << 30)
+                    .pci_bus_id(&format!("0000:{:02x}:00.0", minor % 256))
+                    .numa_node(numa)
+                    .migs(migs)
+                    .mig_enabled(mig_on)
+                    .build()
             })
     }
 
@@ -817,7 +753,7 @@ mod limits {
             driver in "[0-9]{1,3}\\.[0-9]{1,2}(\\.[0-9]{1,2})?",
             generation in 1i64..1000,
         ) {
-            let inventory = Inventory { driver_version: driver, cuda_driver_version: "13.0".into(), gpus };
+            let inventory = Inventory { driver_version: driver, ..inventory(gpus) };
             let expected = inventory.devices().count();
             let r = render_slices(&inventory, &SliceParams { node_name: "n", driver_name: "gpu.nvidia.com", generation });
             let count = r.slices.len() as i64;

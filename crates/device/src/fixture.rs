@@ -67,11 +67,7 @@ mod tests {
     use super::*;
 
     fn inv() -> Inventory {
-        Inventory {
-            driver_version: "580.95.05".into(),
-            cuda_driver_version: "13.0".into(),
-            gpus: vec![],
-        }
+        crate::testing::inventory([])
     }
 
     #[test]

@@ -9,6 +9,8 @@
 pub mod fixture;
 pub mod model;
 pub mod names;
+#[cfg(any(test, feature = "testing"))]
+pub mod testing;
 
 pub use model::{ComputeCapability, DeviceRef, Gpu, Inventory, MigDevice, MigMode, Placement};
 

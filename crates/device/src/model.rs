@@ -202,66 +202,18 @@ impl Inventory {
 
 #[cfg(test)]
 mod tests {
-    use super::*;
-
-    fn gpu(minor: u32, mig: Option<MigMode>, migs: Vec<MigDevice>) -> Gpu {
-        Gpu {
-            index: minor,
-            minor,
-            uuid: format!("GPU-{minor:08}-0000-0000-0000-000000000000"),
-            product_name: "NVIDIA A100-SXM4-40GB".into(),
-            brand: "Nvidia".into(),
-            architecture: "Ampere".into(),
-            cuda_compute_capability: ComputeCapability { major: 8, minor: 0 },
-            memory_bytes: 40960 << 20,
-            pci_bus_id: format!("0000:{:02x}:00.0", minor + 7),
-            pcie_root: Some("pci0000:00".into()),
-            numa_node: Some(0),
-            mig,
-            mig_devices: migs,
-        }
-    }
-
-    fn mig(profile: &str, id: u32, start: u32) -> MigDevice {
-        MigDevice {
-            uuid: format!("MIG-{id:08}-0000-0000-0000-{start:012}"),
-            gi_id: start + 1,
-            ci_id: 0,
-            profile: profile.into(),
-            gi_profile_id: id,
-            placement: Placement { start, size: 1 },
-            memory_bytes: 4864 << 20,
-            multiprocessors: 14,
-            copy_engines: 1,
-            decoders: 0,
-            encoders: 0,
-            jpeg_engines: 0,
-            ofa_engines: 0,
-        }
-    }
+    use crate::testing::{MigBuilder, a100, inventory, mig_1g5gb, t4};
 
     #[test]
     fn mig_enabled_gpu_is_published_as_its_mig_devices_only() {
-        let on = Some(MigMode {
-            current: true,
-            pending: true,
-        });
-        let inv = Inventory {
-            driver_version: "580.95.05".into(),
-            cuda_driver_version: "13.0".into(),
-            gpus: vec![
-                gpu(
-                    0,
-                    on,
-                    vec![
-                        mig("1g.5gb", 19, 0),
-                        mig("1g.5gb", 19, 1),
-                        mig("1g.5gb+me", 20, 2),
-                    ],
-                ),
-                gpu(1, None, vec![]),
-            ],
-        };
+        let inv = inventory([
+            a100(0)
+                .mig(mig_1g5gb(0))
+                .mig(mig_1g5gb(1))
+                .mig(MigBuilder::new("1g.5gb+me", 20, 2, 1))
+                .build(),
+            t4(1).build(),
+        ]);
         let names: Vec<String> = inv.devices().map(|d| d.name()).collect();
         assert_eq!(
             names,

@@ -2,12 +2,11 @@
 //! answered on its pipe with its limits applied; plus unprepare, and time-slicing for
 //! comparison. Prints medians and percentiles; the target is an MPS prepare p50 <= 300 ms.
 //!
-//! Run with `make bench` (release). It uses the simulator's `gpu-sim` from the same target
-//! directory, building it first when missing.
+//! Run with `make bench` (release). The simulated host comes from `gpu_dra_sim::testing`,
+//! which builds the simulator into the same target directory first.
 
 #![allow(clippy::print_stdout, clippy::unwrap_used)]
 
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -15,26 +14,10 @@ use gpu_dra_kubelet_plugin::sharing::{
     DeviceKey, DriverRoot, FileStore, MpsRequest, SharedDevice, SharingGroup, SharingManager,
     SharingMetrics, SharingOptions, SharingRequest, TimeSliceInterval,
 };
+use gpu_dra_sim::testing::SimHost;
 
 const ITERATIONS: usize = 40;
 const PROFILE: &str = "dgx-a100-40gb";
-
-fn gpu_sim() -> PathBuf {
-    // <target>/<profile>/examples/bench_mps -> <target>/<profile>/gpu-sim
-    let exe = std::env::current_exe().unwrap();
-    let dir = exe.parent().unwrap().parent().unwrap().to_path_buf();
-    let tool = dir.join("gpu-sim");
-    if !tool.exists() {
-        let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-        let mut cmd = std::process::Command::new(cargo);
-        cmd.args(["build", "--quiet", "-p", "gpu-dra-sim", "--lib", "--bins"]);
-        if dir.file_name().is_some_and(|n| n == "release") {
-            cmd.arg("--release");
-        }
-        assert!(cmd.status().unwrap().success(), "building the simulator");
-    }
-    tool
-}
 
 fn percentile(sorted: &[Duration], p: f64) -> Duration {
     let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
@@ -66,22 +49,15 @@ fn device(index: usize, uuid: &str) -> SharedDevice {
 
 #[tokio::main]
 async fn main() {
-    let host = tempfile::tempdir().unwrap();
-    let status = std::process::Command::new(gpu_sim())
-        .args(["setup", "--profile", PROFILE, "--root"])
-        .arg(host.path())
-        .stdout(std::process::Stdio::null())
-        .status()
-        .unwrap();
-    assert!(status.success(), "gpu-sim setup failed");
+    let host = SimHost::new(PROFILE);
     let plugin_dir = tempfile::tempdir().unwrap();
-    let opts = SharingOptions::new(DriverRoot::new(host.path(), None), plugin_dir.path());
+    let opts = SharingOptions::new(DriverRoot::new(host.root(), None), plugin_dir.path());
     let store = Arc::new(FileStore::new(plugin_dir.path().join("sharing.json")));
     let m = SharingManager::new(opts, store, SharingMetrics::default()).unwrap();
 
     // Whole GPUs of the profile (GPUs 4-7 have MIG disabled).
     let state: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(host.path().join("etc/gpu-sim/state.json")).unwrap())
+        serde_json::from_slice(&std::fs::read(host.root().join("etc/gpu-sim/state.json")).unwrap())
             .unwrap();
     let uuids: Vec<String> = state
         .pointer("/profile/gpus")

@@ -16,15 +16,11 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use gpu_dra_kubelet_plugin::cdi_io::CdiHost;
+use gpu_dra_device::testing::a100_inventory;
 use gpu_dra_kubelet_plugin::claims::MemoryClaims;
 use gpu_dra_kubelet_plugin::client::connect_dra;
-use gpu_dra_kubelet_plugin::driver::{Driver, DriverParts, DriverSettings};
-use gpu_dra_kubelet_plugin::failpoint::Failpoints;
 use gpu_dra_kubelet_plugin::grpc::{DraService, bind_socket, incoming};
-use gpu_dra_kubelet_plugin::metrics::Metrics;
-use gpu_dra_kubelet_plugin::sharing::ExclusiveOnly;
-use gpu_dra_kubelet_plugin::testing::{a100_inventory, allocated_claim, simulate_host};
+use gpu_dra_kubelet_plugin::testing::{DriverBuilder, allocated_claim, simulate_host};
 use gpu_dra_proto::dra::v1;
 
 const DRIVER: &str = "gpu.nvidia.com";
@@ -65,27 +61,12 @@ async fn start(
     simulate_host(&root.join("host"), &inventory)?;
     let devices: Vec<String> = inventory.devices().map(|d| d.name()).collect();
     let claims = Arc::new(MemoryClaims::default());
-    let cdi = CdiHost::discover(
-        root.join("cdi"),
-        &root.join("host"),
-        &root.join("host"),
-        &inventory.driver_version,
-        None,
+    let driver = Arc::new(
+        DriverBuilder::new(root, inventory)
+            .node_name(NODE)
+            .claims(claims.clone())
+            .build()?,
     );
-    let driver = Arc::new(Driver::new(DriverParts {
-        settings: DriverSettings {
-            driver_name: DRIVER.into(),
-            node_name: NODE.into(),
-            checkpoint_path: root.join("plugin/checkpoint.json"),
-        },
-        inventory: Arc::new(inventory),
-        claims: claims.clone(),
-        sharing: Arc::new(ExclusiveOnly),
-        decoder: Arc::new(gpu_dra_core::plan::ApiDecoder),
-        cdi: Arc::new(cdi),
-        failpoints: Failpoints::default(),
-        metrics: Arc::new(Metrics::default()),
-    })?);
     let socket = root.join("plugin/dra.sock");
     let listener = bind_socket(&socket)?;
     let service = DraService::new(driver);

@@ -179,18 +179,7 @@ mod tests {
     }
 
     fn inv() -> Inventory {
-        serde_json::from_value(serde_json::json!({
-            "driverVersion": "580.95.05",
-            "cudaDriverVersion": "13.0",
-            "gpus": [{
-                "index": 0, "minor": 0, "uuid": "GPU-00000000-1111-2222-3333-444444444444",
-                "productName": "Tesla T4", "brand": "Nvidia", "architecture": "Turing",
-                "cudaComputeCapability": {"major": 7, "minor": 5}, "memoryBytes": 16106127360u64,
-                "pciBusId": "0000:3b:00.0", "pcieRoot": "pci0000:3a", "numaNode": 0,
-                "mig": null, "migDevices": []
-            }]
-        }))
-        .unwrap()
+        gpu_dra_device::testing::t4_inventory(1)
     }
 
     #[test]

@@ -615,8 +615,8 @@ impl Driver {
 mod tests {
     use super::*;
     use crate::claims::MemoryClaims;
-    use crate::sharing::ExclusiveOnly;
-    use crate::testing::{a100_inventory, allocated_claim, simulate_host};
+    use crate::testing::{DriverBuilder, allocated_claim, simulate_host};
+    use gpu_dra_device::testing::a100_inventory;
     use serde_json::json;
 
     const DRIVER: &str = "gpu.nvidia.com";
@@ -629,29 +629,12 @@ mod tests {
     }
 
     fn driver_in(dir: &Path, claims: Arc<MemoryClaims>) -> Driver {
-        let inventory = a100_inventory(4, 1);
-        let cdi = CdiHost::discover(
-            dir.join("cdi"),
-            &dir.join("host"),
-            &dir.join("host"),
-            &inventory.driver_version,
-            None,
-        );
-        Driver::new(DriverParts {
-            settings: DriverSettings {
-                driver_name: DRIVER.into(),
-                node_name: NODE.into(),
-                checkpoint_path: dir.join("checkpoint.json"),
-            },
-            inventory: Arc::new(inventory),
-            claims,
-            sharing: Arc::new(ExclusiveOnly),
-            decoder: Arc::new(gpu_dra_core::plan::ApiDecoder),
-            cdi: Arc::new(cdi),
-            failpoints: Failpoints::default(),
-            metrics: Arc::new(Metrics::default()),
-        })
-        .expect("driver")
+        DriverBuilder::new(dir, a100_inventory(4, 1))
+            .node_name(NODE)
+            .claims(claims)
+            .checkpoint_path(dir.join("checkpoint.json"))
+            .build()
+            .expect("driver")
     }
 
     use std::path::Path;

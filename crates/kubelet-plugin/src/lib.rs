@@ -21,4 +21,5 @@ pub mod http;
 pub mod metrics;
 pub mod publish;
 pub mod sharing;
+#[cfg(any(test, feature = "testing"))]
 pub mod testing;

@@ -1,73 +1,34 @@
-//! Builders for tests and benchmarks: simulated host folders, fixture inventories and claims.
+//! Builders for tests and benchmarks: simulated host folders, claims, a [`Driver`] wired for
+//! tests, and the real plugin binary started as a child process.
 //!
-//! Not used by the plugin itself; public so integration tests and `examples/` share them.
+//! The one home of these fixtures, so unit tests, `tests/` and `examples/` build the driver and
+//! launch the plugin the same way. Compiled for this crate's unit tests and behind the
+//! `testing` feature, which only `[dev-dependencies]` enable: the plugin binary never
+//! contains it. Inventories themselves come from `gpu_dra_device::testing`.
+//!
+//! Both [`DriverBuilder`] and [`PluginCommand`] lay everything out under one root folder
+//! (`host/` the simulated host, `cdi/`, `plugin/` with the checkpoint and socket), so a test
+//! that restarts the driver or the process on the same root finds its previous state.
 
-use std::path::Path;
-use std::process::{Child, ExitStatus};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::Arc;
 
-use gpu_dra_device::{ComputeCapability, Gpu, Inventory, MigDevice, MigMode, Placement};
+use gpu_dra_device::Inventory;
 use k8s_openapi::api::resource::v1::ResourceClaim;
 use serde_json::json;
 
-/// Driver version of the fixture inventories.
-pub const DRIVER_VERSION: &str = "580.95.05";
+use crate::cdi_io::CdiHost;
+use crate::claims::{ClaimSource, MemoryClaims};
+use crate::driver::{Driver, DriverError, DriverParts, DriverSettings};
+use crate::failpoint::Failpoints;
+use crate::metrics::Metrics;
+use crate::sharing::ExclusiveOnly;
 
-/// An A100-40GB-like node: `gpus` GPUs; the first `mig_gpus` have MIG on with seven
-/// `1g.5gb` devices each.
-pub fn a100_inventory(gpus: u32, mig_gpus: u32) -> Inventory {
-    let gpus = (0..gpus)
-        .map(|minor| {
-            let mig_on = minor < mig_gpus;
-            let mig_devices = if mig_on {
-                (0..7)
-                    .map(|slot| MigDevice {
-                        uuid: format!("MIG-{minor:04}{slot:04}-0000-4000-8000-000000000000"),
-                        gi_id: 7 + slot,
-                        ci_id: 0,
-                        profile: "1g.5gb".into(),
-                        gi_profile_id: 19,
-                        placement: Placement {
-                            start: slot,
-                            size: 1,
-                        },
-                        memory_bytes: 4864 << 20,
-                        multiprocessors: 14,
-                        copy_engines: 1,
-                        decoders: 0,
-                        encoders: 0,
-                        jpeg_engines: 0,
-                        ofa_engines: 0,
-                    })
-                    .collect()
-            } else {
-                Vec::new()
-            };
-            Gpu {
-                index: minor,
-                minor,
-                uuid: format!("GPU-{minor:08}-0000-4000-8000-000000000000"),
-                product_name: "NVIDIA A100-SXM4-40GB".into(),
-                brand: "Nvidia".into(),
-                architecture: "Ampere".into(),
-                cuda_compute_capability: ComputeCapability { major: 8, minor: 0 },
-                memory_bytes: 40960 << 20,
-                pci_bus_id: format!("0000:{:02x}:00.0", minor + 7),
-                pcie_root: Some("pci0000:00".into()),
-                numa_node: Some(0),
-                mig: Some(MigMode {
-                    current: mig_on,
-                    pending: mig_on,
-                }),
-                mig_devices,
-            }
-        })
-        .collect();
-    Inventory {
-        driver_version: DRIVER_VERSION.into(),
-        cuda_driver_version: "13.0".into(),
-        gpus,
-    }
-}
+/// DRA driver name the fixtures use.
+pub const DRIVER_NAME: &str = "gpu.nvidia.com";
+/// Node (and pool) name the fixtures use unless told otherwise.
+pub const NODE_NAME: &str = "node-a";
 
 /// Creates, under `root`, the device nodes, MIG capability files and a few driver files the
 /// inventory implies, laid out like a real host (regular files stand in for device nodes).
@@ -169,5 +130,206 @@ impl Drop for ChildGuard {
     fn drop(&mut self) {
         let _ = self.0.kill();
         let _ = self.0.wait();
+    }
+}
+
+/// Builds a [`Driver`] for tests: exclusive sharing only, the api crate's config decoder, no
+/// failpoints, CDI specs for the simulated host under `<root>/host`.
+#[must_use]
+pub struct DriverBuilder {
+    root: PathBuf,
+    inventory: Inventory,
+    claims: Arc<dyn ClaimSource>,
+    node_name: String,
+    checkpoint_path: PathBuf,
+    metrics: Arc<Metrics>,
+}
+
+impl DriverBuilder {
+    /// A driver for `inventory` on node [`NODE_NAME`], with claims in memory (empty), CDI specs
+    /// in `<root>/cdi` and the checkpoint in `<root>/plugin/checkpoint.json`. Call
+    /// [`simulate_host`] on `<root>/host` first for specs that point at existing files.
+    pub fn new(root: &Path, inventory: Inventory) -> Self {
+        DriverBuilder {
+            root: root.to_path_buf(),
+            inventory,
+            claims: Arc::new(MemoryClaims::default()),
+            node_name: NODE_NAME.into(),
+            checkpoint_path: root.join("plugin/checkpoint.json"),
+            metrics: Arc::new(Metrics::default()),
+        }
+    }
+
+    /// Sets the node (and pool) name.
+    pub fn node_name(mut self, name: &str) -> Self {
+        self.node_name = name.into();
+        self
+    }
+
+    /// Sets where claims come from (keep a handle to a [`MemoryClaims`] to add claims later).
+    pub fn claims(mut self, claims: Arc<dyn ClaimSource>) -> Self {
+        self.claims = claims;
+        self
+    }
+
+    /// Sets the checkpoint file.
+    pub fn checkpoint_path(mut self, path: PathBuf) -> Self {
+        self.checkpoint_path = path;
+        self
+    }
+
+    /// Sets the metrics (keep a handle to read them).
+    pub fn metrics(mut self, metrics: Arc<Metrics>) -> Self {
+        self.metrics = metrics;
+        self
+    }
+
+    /// Builds the driver, loading the checkpoint if one exists.
+    pub fn build(self) -> Result<Driver, DriverError> {
+        let host = self.root.join("host");
+        let cdi = CdiHost::discover(
+            self.root.join("cdi"),
+            &host,
+            &host,
+            &self.inventory.driver_version,
+            None,
+        );
+        Driver::new(DriverParts {
+            settings: DriverSettings {
+                driver_name: DRIVER_NAME.into(),
+                node_name: self.node_name,
+                checkpoint_path: self.checkpoint_path,
+            },
+            inventory: Arc::new(self.inventory),
+            claims: self.claims,
+            sharing: Arc::new(ExclusiveOnly),
+            decoder: Arc::new(gpu_dra_core::plan::ApiDecoder),
+            cdi: Arc::new(cdi),
+            failpoints: Failpoints::default(),
+            metrics: self.metrics,
+        })
+    }
+}
+
+/// Command line of the real plugin binary (`run`) for process-level tests, every path under
+/// one root: `plugin/` (socket, checkpoint), `registry/`, `cdi/`, claims from
+/// `claims.json`, stderr appended to `plugin.log`, the host in `host/` unless told otherwise.
+///
+/// The binary's path is an argument because only the test or example target knows it
+/// (`env!("CARGO_BIN_EXE_gpu-kubelet-plugin")`).
+#[derive(Debug, Clone)]
+#[must_use]
+pub struct PluginCommand {
+    bin: PathBuf,
+    root: PathBuf,
+    node_name: String,
+    host: PathBuf,
+    sysfs_root: Option<PathBuf>,
+    inventory_fixture: Option<PathBuf>,
+    failpoints: String,
+    log_level: String,
+}
+
+impl PluginCommand {
+    /// The plugin `bin` with everything under `root`, on node [`NODE_NAME`], no failpoints,
+    /// log level `info`.
+    pub fn new(bin: impl AsRef<Path>, root: &Path) -> Self {
+        PluginCommand {
+            bin: bin.as_ref().to_path_buf(),
+            root: root.to_path_buf(),
+            node_name: NODE_NAME.into(),
+            host: root.join("host"),
+            sysfs_root: None,
+            inventory_fixture: None,
+            failpoints: String::new(),
+            log_level: "info".into(),
+        }
+    }
+
+    /// Sets the node name.
+    pub fn node_name(mut self, name: &str) -> Self {
+        self.node_name = name.into();
+        self
+    }
+
+    /// Uses `host` as driver root and dev root (e.g. a simulator's root).
+    pub fn host_root(mut self, host: &Path) -> Self {
+        self.host = host.to_path_buf();
+        self
+    }
+
+    /// Reads PCI topology from `sysfs` instead of `/sys`.
+    pub fn sysfs_root(mut self, sysfs: &Path) -> Self {
+        self.sysfs_root = Some(sysfs.to_path_buf());
+        self
+    }
+
+    /// Reads the inventory from a JSON file instead of NVML.
+    pub fn inventory_fixture(mut self, file: &Path) -> Self {
+        self.inventory_fixture = Some(file.to_path_buf());
+        self
+    }
+
+    /// Sets `GPU_DRA_FAILPOINTS` (empty: none, whatever the test's own environment says).
+    pub fn failpoints(mut self, failpoints: &str) -> Self {
+        self.failpoints = failpoints.into();
+        self
+    }
+
+    /// Sets `LOG_LEVEL`.
+    pub fn log_level(mut self, level: &str) -> Self {
+        self.log_level = level.into();
+        self
+    }
+
+    /// The plugin folder (`<root>/plugin`).
+    pub fn plugin_dir(&self) -> PathBuf {
+        self.root.join("plugin")
+    }
+
+    /// The file the plugin's log goes to (`<root>/plugin.log`).
+    pub fn log_file(&self) -> PathBuf {
+        self.root.join("plugin.log")
+    }
+
+    /// The command, ready to spawn; opens the log file.
+    pub fn command(&self) -> std::io::Result<Command> {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.log_file())?;
+        let mut cmd = Command::new(&self.bin);
+        cmd.arg("run")
+            .args(["--node-name", &self.node_name])
+            .args(["--http-address", ""])
+            .args(["--cleanup-interval", "3600"])
+            .arg("--plugin-dir")
+            .arg(self.plugin_dir())
+            .arg("--registrar-dir")
+            .arg(self.root.join("registry"))
+            .arg("--cdi-root")
+            .arg(self.root.join("cdi"))
+            .arg("--driver-root")
+            .arg(&self.host)
+            .arg("--dev-root")
+            .arg(&self.host)
+            .arg("--claim-source-file")
+            .arg(self.root.join("claims.json"));
+        if let Some(sysfs) = &self.sysfs_root {
+            cmd.arg("--sysfs-root").arg(sysfs);
+        }
+        if let Some(file) = &self.inventory_fixture {
+            cmd.arg("--inventory-fixture").arg(file);
+        }
+        cmd.env("GPU_DRA_FAILPOINTS", &self.failpoints)
+            .env("LOG_LEVEL", &self.log_level)
+            .stdout(Stdio::null())
+            .stderr(Stdio::from(log));
+        Ok(cmd)
+    }
+
+    /// Starts the plugin; it is killed when the guard is dropped.
+    pub fn spawn(&self) -> std::io::Result<ChildGuard> {
+        self.command()?.spawn().map(ChildGuard)
     }
 }

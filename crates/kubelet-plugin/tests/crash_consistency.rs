@@ -7,14 +7,14 @@
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use gpu_dra_core::checkpoint::{Checkpoint, PrepareState};
+use gpu_dra_device::testing::a100_inventory;
 use gpu_dra_kubelet_plugin::client::connect_dra;
 use gpu_dra_kubelet_plugin::failpoint::STEPS;
 use gpu_dra_kubelet_plugin::testing::ChildGuard as Plugin;
-use gpu_dra_kubelet_plugin::testing::{a100_inventory, allocated_claim, simulate_host};
+use gpu_dra_kubelet_plugin::testing::{PluginCommand, allocated_claim, simulate_host};
 use gpu_dra_proto::dra::v1;
 
 const DRIVER: &str = "gpu.nvidia.com";
@@ -39,44 +39,13 @@ impl Layout {
     fn start(&self, failpoints: &str) -> Plugin {
         let _ = std::fs::remove_file(self.plugin_dir().join("failpoint.reached"));
         let _ = std::fs::remove_file(self.socket());
-        Plugin(
-            Command::new(env!("CARGO_BIN_EXE_gpu-kubelet-plugin"))
-                .arg("run")
-                .args([
-                    "--node-name",
-                    NODE,
-                    "--http-address",
-                    "",
-                    "--cleanup-interval",
-                    "3600",
-                ])
-                .arg("--plugin-dir")
-                .arg(self.plugin_dir())
-                .arg("--registrar-dir")
-                .arg(self.root.join("registry"))
-                .arg("--cdi-root")
-                .arg(self.cdi_dir())
-                .arg("--driver-root")
-                .arg(self.root.join("host"))
-                .arg("--dev-root")
-                .arg(self.root.join("host"))
-                .arg("--inventory-fixture")
-                .arg(self.root.join("inventory.json"))
-                .arg("--claim-source-file")
-                .arg(self.root.join("claims.json"))
-                .env("GPU_DRA_FAILPOINTS", failpoints)
-                .env("LOG_LEVEL", "info")
-                .stdout(Stdio::null())
-                .stderr(Stdio::from(
-                    std::fs::OpenOptions::new()
-                        .create(true)
-                        .append(true)
-                        .open(self.root.join("plugin.log"))
-                        .expect("log file"),
-                ))
-                .spawn()
-                .expect("plugin starts"),
-        )
+        PluginCommand::new(env!("CARGO_BIN_EXE_gpu-kubelet-plugin"), &self.root)
+            .node_name(NODE)
+            .inventory_fixture(&self.root.join("inventory.json"))
+            .failpoints(failpoints)
+            .log_level("info")
+            .spawn()
+            .expect("plugin starts")
     }
 }
 

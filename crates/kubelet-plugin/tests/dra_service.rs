@@ -3,15 +3,12 @@
 
 use std::sync::Arc;
 
-use gpu_dra_kubelet_plugin::cdi_io::CdiHost;
+use gpu_dra_device::testing::a100_inventory;
 use gpu_dra_kubelet_plugin::claims::MemoryClaims;
 use gpu_dra_kubelet_plugin::client::connect_dra;
-use gpu_dra_kubelet_plugin::driver::{Driver, DriverParts, DriverSettings};
-use gpu_dra_kubelet_plugin::failpoint::Failpoints;
 use gpu_dra_kubelet_plugin::grpc::{DraService, bind_socket, incoming};
 use gpu_dra_kubelet_plugin::metrics::Metrics;
-use gpu_dra_kubelet_plugin::sharing::ExclusiveOnly;
-use gpu_dra_kubelet_plugin::testing::{a100_inventory, allocated_claim, simulate_host};
+use gpu_dra_kubelet_plugin::testing::{DriverBuilder, allocated_claim, simulate_host};
 use gpu_dra_proto::dra::{v1, v1beta1};
 use hyper_util::rt::TokioIo;
 use tokio::net::UnixStream;
@@ -34,30 +31,14 @@ async fn v1_and_v1beta1_prepare_and_unprepare_over_the_socket() {
             &[],
         ));
     }
-    let cdi = CdiHost::discover(
-        root.join("cdi"),
-        &root.join("host"),
-        &root.join("host"),
-        &inventory.driver_version,
-        None,
-    );
     let metrics = Arc::new(Metrics::default());
     let driver = Arc::new(
-        Driver::new(DriverParts {
-            settings: DriverSettings {
-                driver_name: "gpu.nvidia.com".into(),
-                node_name: "n1".into(),
-                checkpoint_path: root.join("plugin/checkpoint.json"),
-            },
-            inventory: Arc::new(inventory),
-            claims,
-            sharing: Arc::new(ExclusiveOnly),
-            decoder: Arc::new(gpu_dra_core::plan::ApiDecoder),
-            cdi: Arc::new(cdi),
-            failpoints: Failpoints::default(),
-            metrics: metrics.clone(),
-        })
-        .expect("driver"),
+        DriverBuilder::new(root, inventory)
+            .node_name("n1")
+            .claims(claims)
+            .metrics(metrics.clone())
+            .build()
+            .expect("driver"),
     );
     let socket = root.join("plugin/dra.sock");
     let listener = bind_socket(&socket).expect("bind");

@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use gpu_dra_device::fixture::FixtureInventory;
-use gpu_dra_device::{ComputeCapability, Gpu, Inventory};
+use gpu_dra_device::testing::h100_inventory as inventory;
 use gpu_dra_kubelet_plugin::publish::{self, PublishStatus, PublisherConfig};
 use http::{Request, Response, StatusCode};
 use http_body_util::combinators::BoxBody;
@@ -202,32 +202,6 @@ impl Fake {
             },
             &obj,
         )
-    }
-}
-
-fn gpu(minor: u32) -> Gpu {
-    Gpu {
-        index: minor,
-        minor,
-        uuid: format!("GPU-{minor:08x}-1111-2222-3333-444444444444"),
-        product_name: "NVIDIA H100 80GB HBM3".into(),
-        brand: "Nvidia".into(),
-        architecture: "Hopper".into(),
-        cuda_compute_capability: ComputeCapability { major: 9, minor: 0 },
-        memory_bytes: 81559 << 20,
-        pci_bus_id: format!("0000:{:02x}:00.0", minor % 256),
-        pcie_root: Some("pci0000:00".into()),
-        numa_node: Some(0),
-        mig: None,
-        mig_devices: vec![],
-    }
-}
-
-fn inventory(n: u32) -> Inventory {
-    Inventory {
-        driver_version: "580.95.05".into(),
-        cuda_driver_version: "13.0".into(),
-        gpus: (0..n).map(gpu).collect(),
     }
 }
 

@@ -15,7 +15,7 @@ use gpu_dra_kubelet_plugin::client::connect_dra;
 use gpu_dra_kubelet_plugin::failpoint::STEPS;
 use gpu_dra_kubelet_plugin::sharing::mps;
 use gpu_dra_kubelet_plugin::testing::ChildGuard as Plugin;
-use gpu_dra_kubelet_plugin::testing::allocated_claim;
+use gpu_dra_kubelet_plugin::testing::{PluginCommand, allocated_claim};
 use gpu_dra_proto::dra::v1;
 use gpu_dra_sim::state::ComputeMode;
 use gpu_dra_sim::testing::SimHost;
@@ -45,45 +45,14 @@ impl Layout {
     fn start(&self, failpoints: &str) -> Plugin {
         let _ = std::fs::remove_file(self.plugin_dir().join("failpoint.reached"));
         let _ = std::fs::remove_file(self.socket());
-        let host = self.host.root();
-        Plugin(
-            Command::new(env!("CARGO_BIN_EXE_gpu-kubelet-plugin"))
-                .arg("run")
-                .args([
-                    "--node-name",
-                    NODE,
-                    "--http-address",
-                    "",
-                    "--cleanup-interval",
-                    "3600",
-                ])
-                .arg("--plugin-dir")
-                .arg(self.plugin_dir())
-                .arg("--registrar-dir")
-                .arg(self.root.path().join("registry"))
-                .arg("--cdi-root")
-                .arg(self.root.path().join("cdi"))
-                .arg("--driver-root")
-                .arg(host)
-                .arg("--dev-root")
-                .arg(host)
-                .arg("--sysfs-root")
-                .arg(self.host.sysfs_root())
-                .arg("--claim-source-file")
-                .arg(self.root.path().join("claims.json"))
-                .env("GPU_DRA_FAILPOINTS", failpoints)
-                .env("LOG_LEVEL", "warn")
-                .stdout(Stdio::null())
-                .stderr(Stdio::from(
-                    std::fs::OpenOptions::new()
-                        .create(true)
-                        .append(true)
-                        .open(self.root.path().join("plugin.log"))
-                        .unwrap(),
-                ))
-                .spawn()
-                .unwrap(),
-        )
+        PluginCommand::new(env!("CARGO_BIN_EXE_gpu-kubelet-plugin"), self.root.path())
+            .node_name(NODE)
+            .host_root(self.host.root())
+            .sysfs_root(&self.host.sysfs_root())
+            .failpoints(failpoints)
+            .log_level("warn")
+            .spawn()
+            .unwrap()
     }
 
     fn log(&self) -> String {

@@ -22,6 +22,7 @@ pub mod profile;
 pub mod setup;
 pub mod smi;
 pub mod state;
+#[cfg(feature = "testing")]
 pub mod testing;
 
 pub use profile::Profile;

@@ -1,5 +1,8 @@
 //! Test support for other crates: a simulated host in a temporary directory.
 //!
+//! Behind the `testing` feature, which crates enable from `[dev-dependencies]` only, so the
+//! simulator's library and tools carry no test harness.
+//!
 //! `SimHost::new("dgx-a100-40gb")` makes sure the simulator library and tools are built
 //! (once per process: `$CARGO build -p gpu-dra-sim`, env `CARGO` being set by `cargo test`),
 //! then runs the same setup as `gpu-sim setup` into a fresh temp dir. The directory is

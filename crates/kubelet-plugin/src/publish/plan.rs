@@ -223,7 +223,7 @@ fn normalize(spec: &ResourceSliceSpec) -> ResourceSliceSpec {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use gpu_dra_device::{ComputeCapability, Gpu};
+    use gpu_dra_device::testing::h100_inventory as inventory;
     use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 
     fn owner() -> OwnerReference {
@@ -234,32 +234,6 @@ mod tests {
             uid: "uid-1".into(),
             controller: Some(true),
             block_owner_deletion: None,
-        }
-    }
-
-    fn gpu(minor: u32) -> Gpu {
-        Gpu {
-            index: minor,
-            minor,
-            uuid: format!("GPU-{minor:08x}-1111-2222-3333-444444444444"),
-            product_name: "NVIDIA H100 80GB HBM3".into(),
-            brand: "Nvidia".into(),
-            architecture: "Hopper".into(),
-            cuda_compute_capability: ComputeCapability { major: 9, minor: 0 },
-            memory_bytes: 81559 << 20,
-            pci_bus_id: format!("0000:{:02x}:00.0", minor + 0x10),
-            pcie_root: Some("pci0000:00".into()),
-            numa_node: Some(0),
-            mig: None,
-            mig_devices: vec![],
-        }
-    }
-
-    fn inventory(n: u32) -> Inventory {
-        Inventory {
-            driver_version: "580.95.05".into(),
-            cuda_driver_version: "13.0".into(),
-            gpus: (0..n).map(gpu).collect(),
         }
     }
 
@@ -451,10 +425,7 @@ mod tests {
         caps.get_mut("memory").unwrap().value = Quantity(format!("{}", 81559u64 << 20));
         assert!(plan(&inv, &params(&o, 1), &server).ops.is_empty());
 
-        let empty = Inventory {
-            gpus: vec![],
-            ..inventory(0)
-        };
+        let empty = inventory(0);
         let mut server = vec![];
         publish(&mut server, &empty, &params(&o, 0));
         server[0].spec.devices = None;
