@@ -19,6 +19,94 @@ pub mod dra {
     pub mod v1beta1 {
         include!("gen/k8s.io.kubelet.pkg.apis.dra.v1beta1.rs");
     }
+
+    /// v1beta1 <-> v1, so that a server implements the DRA service once, for v1, and answers
+    /// v1beta1 calls by converting the request up and the answer down (upstream's Go
+    /// kubelet-plugin helper serves v1beta1 the same way).
+    ///
+    /// The two versions differ only in `Device.share_id` (field 5, v1 only). Conversions go
+    /// only in the directions a server needs: requests v1beta1 -> v1 (nothing to invent) and
+    /// answers v1 -> v1beta1 (the share ID is dropped: a v1beta1 kubelet has no field for
+    /// it, and it ignores the unknown field on the wire anyway).
+    mod convert {
+        use super::{v1, v1beta1};
+
+        impl From<v1beta1::Claim> for v1::Claim {
+            fn from(c: v1beta1::Claim) -> Self {
+                v1::Claim {
+                    namespace: c.namespace,
+                    uid: c.uid,
+                    name: c.name,
+                }
+            }
+        }
+
+        impl From<v1beta1::NodePrepareResourcesRequest> for v1::NodePrepareResourcesRequest {
+            fn from(r: v1beta1::NodePrepareResourcesRequest) -> Self {
+                v1::NodePrepareResourcesRequest {
+                    claims: r.claims.into_iter().map(Into::into).collect(),
+                }
+            }
+        }
+
+        impl From<v1beta1::NodeUnprepareResourcesRequest> for v1::NodeUnprepareResourcesRequest {
+            fn from(r: v1beta1::NodeUnprepareResourcesRequest) -> Self {
+                v1::NodeUnprepareResourcesRequest {
+                    claims: r.claims.into_iter().map(Into::into).collect(),
+                }
+            }
+        }
+
+        impl From<v1::Device> for v1beta1::Device {
+            fn from(d: v1::Device) -> Self {
+                v1beta1::Device {
+                    request_names: d.request_names,
+                    pool_name: d.pool_name,
+                    device_name: d.device_name,
+                    cdi_device_ids: d.cdi_device_ids,
+                }
+            }
+        }
+
+        impl From<v1::NodePrepareResourceResponse> for v1beta1::NodePrepareResourceResponse {
+            fn from(r: v1::NodePrepareResourceResponse) -> Self {
+                v1beta1::NodePrepareResourceResponse {
+                    devices: r.devices.into_iter().map(Into::into).collect(),
+                    error: r.error,
+                }
+            }
+        }
+
+        impl From<v1::NodePrepareResourcesResponse> for v1beta1::NodePrepareResourcesResponse {
+            fn from(r: v1::NodePrepareResourcesResponse) -> Self {
+                v1beta1::NodePrepareResourcesResponse {
+                    claims: r
+                        .claims
+                        .into_iter()
+                        .map(|(uid, c)| (uid, c.into()))
+                        .collect(),
+                }
+            }
+        }
+
+        impl From<v1::NodeUnprepareResourceResponse> for v1beta1::NodeUnprepareResourceResponse {
+            fn from(r: v1::NodeUnprepareResourceResponse) -> Self {
+                v1beta1::NodeUnprepareResourceResponse { error: r.error }
+            }
+        }
+
+        impl From<v1::NodeUnprepareResourcesResponse> for v1beta1::NodeUnprepareResourcesResponse {
+            fn from(r: v1::NodeUnprepareResourcesResponse) -> Self {
+                v1beta1::NodeUnprepareResourcesResponse {
+                    claims: r
+                        .claims
+                        .into_iter()
+                        .map(|(uid, c)| (uid, c.into()))
+                        .collect(),
+                }
+            }
+        }
+    }
 }
 
 /// `pluginregistration` (v1): the `Registration` service the kubelet's plugin watcher calls.
@@ -67,6 +155,105 @@ mod tests {
         let old = dra::v1beta1::Device::decode(bytes.as_slice()).expect("decodes");
         assert_eq!(old.device_name, "gpu-0");
         assert_eq!(old.cdi_device_ids, device.cdi_device_ids);
+    }
+
+    #[test]
+    fn v1beta1_requests_convert_to_v1_claim_for_claim() {
+        use dra::{v1, v1beta1};
+        let beta = |ns: &str, uid: &str, name: &str| v1beta1::Claim {
+            namespace: ns.into(),
+            uid: uid.into(),
+            name: name.into(),
+        };
+        let claims = vec![beta("ns", "uid-a", "a"), beta("other", "uid-b", "b")];
+        let want: Vec<v1::Claim> = claims
+            .iter()
+            .map(|c| v1::Claim {
+                namespace: c.namespace.clone(),
+                uid: c.uid.clone(),
+                name: c.name.clone(),
+            })
+            .collect();
+        let prepare = v1::NodePrepareResourcesRequest::from(v1beta1::NodePrepareResourcesRequest {
+            claims: claims.clone(),
+        });
+        assert_eq!(prepare.claims, want);
+        let unprepare =
+            v1::NodeUnprepareResourcesRequest::from(v1beta1::NodeUnprepareResourcesRequest {
+                claims,
+            });
+        assert_eq!(unprepare.claims, want);
+    }
+
+    #[test]
+    fn v1_answers_convert_to_v1beta1_without_share_id() {
+        use dra::{v1, v1beta1};
+        let device = |name: &str, share: Option<&str>| v1::Device {
+            request_names: vec!["gpu".into()],
+            pool_name: "node-a".into(),
+            device_name: name.into(),
+            cdi_device_ids: vec![format!("k8s.gpu.nvidia.com/claim=u-{name}")],
+            share_id: share.map(Into::into),
+        };
+        let answer = v1::NodePrepareResourcesResponse {
+            claims: [
+                (
+                    "uid-a".to_owned(),
+                    v1::NodePrepareResourceResponse {
+                        devices: vec![device("gpu-0", Some("s-1")), device("gpu-1", None)],
+                        error: String::new(),
+                    },
+                ),
+                (
+                    "uid-b".to_owned(),
+                    v1::NodePrepareResourceResponse {
+                        devices: Vec::new(),
+                        error: "claim not found".into(),
+                    },
+                ),
+            ]
+            .into(),
+        };
+        let beta = v1beta1::NodePrepareResourcesResponse::from(answer.clone());
+        assert_eq!(beta.claims.len(), 2);
+        for (uid, want) in &answer.claims {
+            let got = &beta.claims[uid];
+            assert_eq!(got.error, want.error, "{uid}");
+            // Field for field, except share_id; the wire form agrees with the decoder's view.
+            let got_devices: Vec<_> = got.devices.iter().map(Message::encode_to_vec).collect();
+            let want_devices: Vec<_> = want
+                .devices
+                .iter()
+                .map(|d| {
+                    v1::Device {
+                        share_id: None,
+                        ..d.clone()
+                    }
+                    .encode_to_vec()
+                })
+                .collect();
+            assert_eq!(got_devices, want_devices, "{uid}");
+        }
+
+        let un = v1::NodeUnprepareResourcesResponse {
+            claims: [
+                (
+                    "uid-a".to_owned(),
+                    v1::NodeUnprepareResourceResponse::default(),
+                ),
+                (
+                    "uid-b".to_owned(),
+                    v1::NodeUnprepareResourceResponse {
+                        error: "busy".into(),
+                    },
+                ),
+            ]
+            .into(),
+        };
+        let beta = v1beta1::NodeUnprepareResourcesResponse::from(un);
+        assert_eq!(beta.claims["uid-a"].error, "");
+        assert_eq!(beta.claims["uid-b"].error, "busy");
+        assert_eq!(beta.claims.len(), 2);
     }
 
     #[test]

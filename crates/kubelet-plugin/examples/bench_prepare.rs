@@ -207,7 +207,7 @@ async fn main() -> anyhow::Result<()> {
     let mut floor = Vec::new();
     for i in 0..100 {
         let t = Instant::now();
-        gpu_dra_kubelet_plugin::fsutil::write_atomic(
+        gpu_dra_fsutil::write_atomic(
             &dir.path().join("floor.json"),
             format!("{i}").as_bytes(),
             0o600,

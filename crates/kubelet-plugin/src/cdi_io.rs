@@ -2,15 +2,13 @@
 //!
 //! Invariants: a spec is written only when every device node it names exists (a missing
 //! node fails the prepare, so no incomplete spec is ever cached by a runtime); specs are
-//! written atomically (see [`crate::fsutil`]); only files named like our claim specs are ever
+//! written atomically (see `gpu_dra_fsutil`); only files named like our claim specs are ever
 //! removed from the CDI root.
 
 use std::path::{Path, PathBuf};
 
 use gpu_dra_core::cdi::{self, ContainerEdits, Mount, SpecDevice};
 use gpu_dra_core::plan::DeviceNodesNeed;
-
-use crate::fsutil;
 
 /// Errors writing CDI specs.
 #[derive(Debug, thiserror::Error)]
@@ -244,19 +242,19 @@ impl CdiHost {
         let path = self.spec_path(claim_uid);
         let bytes = serde_json::to_vec_pretty(spec).unwrap_or_default();
         std::fs::create_dir_all(&self.cdi_root)
-            .and_then(|()| fsutil::write_atomic(&path, &bytes, 0o644))
+            .and_then(|()| gpu_dra_fsutil::write_atomic(&path, &bytes, 0o644))
             .map_err(|source| CdiError::Io { path, source })
     }
 
     /// Removes a claim's spec (blocking I/O); missing is fine.
     pub fn remove(&self, claim_uid: &str) -> Result<(), CdiError> {
         let path = self.spec_path(claim_uid);
-        fsutil::remove_durable(&path).map_err(|source| CdiError::Io { path, source })
+        gpu_dra_fsutil::remove_durable(&path).map_err(|source| CdiError::Io { path, source })
     }
 
     /// Removes temp files of spec writes interrupted by a crash; returns how many.
     pub fn remove_stale_temps(&self) -> usize {
-        fsutil::remove_stale_temps(
+        gpu_dra_fsutil::remove_stale_temps(
             &self.cdi_root,
             &format!("{}-{}_", cdi::CDI_VENDOR, cdi::CDI_CLASS),
         )

@@ -28,7 +28,6 @@ use tracing::{info, warn};
 use crate::cdi_io::{CdiError, CdiHost};
 use crate::claims::{ClaimSource, ClaimSourceError};
 use crate::failpoint::{Failpoints, Fired};
-use crate::fsutil;
 use crate::metrics::Metrics;
 use crate::sharing::SharingExecutor;
 
@@ -259,7 +258,7 @@ impl Driver {
             (st.doc.to_json(), st.changes)
         };
         let path = self.settings.checkpoint_path.clone();
-        blocking(move || fsutil::write_atomic(&path, &bytes, 0o600))
+        blocking(move || gpu_dra_fsutil::write_atomic(&path, &bytes, 0o600))
             .await?
             .map_err(|source| DriverError::Checkpoint {
                 path: self.settings.checkpoint_path.display().to_string(),
@@ -569,7 +568,7 @@ impl Driver {
                 .parent()
                 .zip(self.settings.checkpoint_path.file_name())
                 .map_or(0, |(dir, name)| {
-                    fsutil::remove_stale_temps(dir, &name.to_string_lossy())
+                    gpu_dra_fsutil::remove_stale_temps(dir, &name.to_string_lossy())
                 });
         if temps > 0 {
             info!(files = temps, "removed temp files of interrupted writes");

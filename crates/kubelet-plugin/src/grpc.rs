@@ -1,6 +1,10 @@
 //! gRPC servers on unix sockets: plugin registration (for the kubelet's plugin watcher) and
 //! the DRA service in versions v1 and v1beta1.
 //!
+//! The DRA service is implemented once, for v1; v1beta1 calls are converted to v1, served by
+//! that code, and the answers converted back (as upstream's Go kubelet-plugin helper does),
+//! so the two versions cannot drift apart.
+//!
 //! Invariants: sockets are created fresh (a stale file from a previous run is removed first),
 //! the socket file is mode 0600 and its folder 0700 when we create it; every accepted
 //! connection goes through [`AuthorityFix`] because grpc-go clients send a socket path as
@@ -126,7 +130,7 @@ impl reg::registration_server::Registration for Registration {
     }
 }
 
-/// The DRA service (both versions share the driver).
+/// The DRA service, both versions: v1 is implemented, v1beta1 converts to and from it.
 #[derive(Clone)]
 pub struct DraService {
     driver: Arc<Driver>,
@@ -175,7 +179,7 @@ impl DraService {
     }
 }
 
-fn v1_claims(claims: Vec<v1::Claim>) -> Vec<ClaimRef> {
+fn claim_refs(claims: Vec<v1::Claim>) -> Vec<ClaimRef> {
     claims
         .into_iter()
         .map(|c| ClaimRef {
@@ -186,24 +190,14 @@ fn v1_claims(claims: Vec<v1::Claim>) -> Vec<ClaimRef> {
         .collect()
 }
 
-fn v1beta1_claims(claims: Vec<v1beta1::Claim>) -> Vec<ClaimRef> {
-    claims
-        .into_iter()
-        .map(|c| ClaimRef {
-            namespace: c.namespace,
-            name: c.name,
-            uid: c.uid,
-        })
-        .collect()
-}
-
+/// The DRA service proper: v1 is the one implementation.
 #[tonic::async_trait]
 impl v1::dra_plugin_server::DraPlugin for DraService {
     async fn node_prepare_resources(
         &self,
         request: Request<v1::NodePrepareResourcesRequest>,
     ) -> Result<Response<v1::NodePrepareResourcesResponse>, Status> {
-        let results = self.prepare(v1_claims(request.into_inner().claims)).await;
+        let results = self.prepare(claim_refs(request.into_inner().claims)).await;
         Ok(Response::new(v1::NodePrepareResourcesResponse {
             claims: results
                 .into_iter()
@@ -228,7 +222,9 @@ impl v1::dra_plugin_server::DraPlugin for DraService {
         &self,
         request: Request<v1::NodeUnprepareResourcesRequest>,
     ) -> Result<Response<v1::NodeUnprepareResourcesResponse>, Status> {
-        let results = self.unprepare(v1_claims(request.into_inner().claims)).await;
+        let results = self
+            .unprepare(claim_refs(request.into_inner().claims))
+            .await;
         Ok(Response::new(v1::NodeUnprepareResourcesResponse {
             claims: results
                 .into_iter()
@@ -238,56 +234,30 @@ impl v1::dra_plugin_server::DraPlugin for DraService {
     }
 }
 
+/// v1beta1 is served by the v1 implementation: the request is converted up, the answer down
+/// (dropping `share_id`, which v1beta1 lacks); see the conversions in `gpu_dra_proto::dra`.
 #[tonic::async_trait]
 impl v1beta1::dra_plugin_server::DraPlugin for DraService {
     async fn node_prepare_resources(
         &self,
         request: Request<v1beta1::NodePrepareResourcesRequest>,
     ) -> Result<Response<v1beta1::NodePrepareResourcesResponse>, Status> {
-        let results = self
-            .prepare(v1beta1_claims(request.into_inner().claims))
-            .await;
-        Ok(Response::new(v1beta1::NodePrepareResourcesResponse {
-            claims: results
-                .into_iter()
-                .map(|(uid, r)| {
-                    let resp = match r {
-                        Ok(devices) => v1beta1::NodePrepareResourceResponse {
-                            devices: devices
-                                .into_iter()
-                                .map(|d| v1beta1::Device {
-                                    request_names: d.request_names,
-                                    pool_name: d.pool_name,
-                                    device_name: d.device_name,
-                                    cdi_device_ids: d.cdi_device_ids,
-                                })
-                                .collect(),
-                            error: String::new(),
-                        },
-                        Err(error) => v1beta1::NodePrepareResourceResponse {
-                            devices: Vec::new(),
-                            error,
-                        },
-                    };
-                    (uid, resp)
-                })
-                .collect(),
-        }))
+        let answer =
+            v1::dra_plugin_server::DraPlugin::node_prepare_resources(self, request.map(Into::into))
+                .await?;
+        Ok(answer.map(Into::into))
     }
 
     async fn node_unprepare_resources(
         &self,
         request: Request<v1beta1::NodeUnprepareResourcesRequest>,
     ) -> Result<Response<v1beta1::NodeUnprepareResourcesResponse>, Status> {
-        let results = self
-            .unprepare(v1beta1_claims(request.into_inner().claims))
-            .await;
-        Ok(Response::new(v1beta1::NodeUnprepareResourcesResponse {
-            claims: results
-                .into_iter()
-                .map(|(uid, error)| (uid, v1beta1::NodeUnprepareResourceResponse { error }))
-                .collect(),
-        }))
+        let answer = v1::dra_plugin_server::DraPlugin::node_unprepare_resources(
+            self,
+            request.map(Into::into),
+        )
+        .await?;
+        Ok(answer.map(Into::into))
     }
 }
 

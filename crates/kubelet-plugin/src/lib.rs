@@ -4,8 +4,8 @@
 //! Layout: [`cli`] (flags, `run`), [`discover`] (the `discover` subcommand), [`publish`] (ResourceSlice publisher), [`grpc`] (sockets, services), [`authority`] (grpc-go
 //! `:authority` fix), [`driver`] (prepare/unprepare state machine), [`claims`] (where claims
 //! come from), [`cdi_io`] (CDI on the host), [`sharing`] (time-slicing and MPS),
-//! [`failpoint`] (fault injection), [`metrics`] and [`http`] (operations), [`fsutil`]
-//! (crash-safe writes). Pure planning, CDI and checkpoint models live in `gpu-dra-core`.
+//! [`failpoint`] (fault injection), [`metrics`] and [`http`] (operations). Crash-safe writes
+//! come from `gpu-dra-fsutil`. Pure planning, CDI and checkpoint models live in `gpu-dra-core`.
 
 pub mod authority;
 pub mod cdi_io;
@@ -15,7 +15,6 @@ pub mod client;
 pub mod discover;
 pub mod driver;
 pub mod failpoint;
-pub mod fsutil;
 pub mod grpc;
 pub mod http;
 pub mod metrics;

@@ -1,6 +1,7 @@
 //! The DRA service over a real unix socket, both API versions: answers carry every claim of
 //! the request, per-claim errors stay per claim, v1beta1 returns the same devices as v1.
 
+use std::path::Path;
 use std::sync::Arc;
 
 use gpu_dra_device::testing::a100_inventory;
@@ -11,25 +12,17 @@ use gpu_dra_kubelet_plugin::metrics::Metrics;
 use gpu_dra_kubelet_plugin::testing::{DriverBuilder, allocated_claim, simulate_host};
 use gpu_dra_proto::dra::{v1, v1beta1};
 use hyper_util::rt::TokioIo;
+use k8s_openapi::api::resource::v1::ResourceClaim;
 use tokio::net::UnixStream;
 
-#[tokio::test]
-async fn v1_and_v1beta1_prepare_and_unprepare_over_the_socket() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let root = dir.path();
+/// A driver on a simulated two-GPU host with `claims` allocated, served over a unix socket
+/// under `root` in both versions; returns the socket path and the metrics.
+fn serve_driver(root: &Path, allocated: Vec<ResourceClaim>) -> (std::path::PathBuf, Arc<Metrics>) {
     let inventory = a100_inventory(2, 0);
     simulate_host(&root.join("host"), &inventory).expect("host");
     let claims = Arc::new(MemoryClaims::default());
-    for (name, uid, dev) in [("a", "uid-a", "gpu-0"), ("b", "uid-b", "gpu-1")] {
-        claims.insert(allocated_claim(
-            "ns",
-            name,
-            uid,
-            "gpu.nvidia.com",
-            "n1",
-            &[("gpu/big", dev)],
-            &[],
-        ));
+    for claim in allocated {
+        claims.insert(claim);
     }
     let metrics = Arc::new(Metrics::default());
     let driver = Arc::new(
@@ -49,6 +42,42 @@ async fn v1_and_v1beta1_prepare_and_unprepare_over_the_socket() {
             .add_service(v1beta1::dra_plugin_server::DraPluginServer::new(service))
             .serve_with_incoming(incoming(listener)),
     );
+    (socket, metrics)
+}
+
+/// A v1beta1 client on `socket` (the plugin's own client speaks v1 only).
+async fn connect_v1beta1(
+    socket: std::path::PathBuf,
+) -> v1beta1::dra_plugin_client::DraPluginClient<tonic::transport::Channel> {
+    let channel = tonic::transport::Endpoint::from_static("http://localhost")
+        .connect_with_connector(tower::service_fn(move |_: http::Uri| {
+            let sock = socket.clone();
+            async move { Ok::<_, std::io::Error>(TokioIo::new(UnixStream::connect(sock).await?)) }
+        }))
+        .await
+        .expect("connect v1beta1");
+    v1beta1::dra_plugin_client::DraPluginClient::new(channel)
+}
+
+#[tokio::test]
+async fn v1_and_v1beta1_prepare_and_unprepare_over_the_socket() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let root = dir.path();
+    let allocated = [("a", "uid-a", "gpu-0"), ("b", "uid-b", "gpu-1")]
+        .into_iter()
+        .map(|(name, uid, dev)| {
+            allocated_claim(
+                "ns",
+                name,
+                uid,
+                "gpu.nvidia.com",
+                "n1",
+                &[("gpu/big", dev)],
+                &[],
+            )
+        })
+        .collect();
+    let (socket, metrics) = serve_driver(root, allocated);
 
     let mut v1c = connect_dra(socket.clone()).await.expect("connect");
     let claim = |name: &str, uid: &str| v1::Claim {
@@ -78,15 +107,7 @@ async fn v1_and_v1beta1_prepare_and_unprepare_over_the_socket() {
     );
     assert!(answer.claims["uid-gone"].error.contains("not found"));
 
-    let sock = socket.clone();
-    let channel = tonic::transport::Endpoint::from_static("http://localhost")
-        .connect_with_connector(tower::service_fn(move |_: http::Uri| {
-            let sock = sock.clone();
-            async move { Ok::<_, std::io::Error>(TokioIo::new(UnixStream::connect(sock).await?)) }
-        }))
-        .await
-        .expect("connect v1beta1");
-    let mut beta = v1beta1::dra_plugin_client::DraPluginClient::new(channel);
+    let mut beta = connect_v1beta1(socket.clone()).await;
     let b = beta
         .node_prepare_resources(v1beta1::NodePrepareResourcesRequest {
             claims: vec![v1beta1::Claim {
@@ -129,4 +150,129 @@ async fn v1_and_v1beta1_prepare_and_unprepare_over_the_socket() {
             .exists()
     );
     assert!(metrics.render().contains("gpu_dra_prepared_devices 1"));
+}
+
+/// v1beta1 is served by the v1 code: the same claims give the same answers in both versions,
+/// minus `share_id`, for prepare (including a per-claim error) and unprepare.
+#[tokio::test]
+async fn v1beta1_answers_are_the_v1_answers_without_share_id() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let root = dir.path();
+    let mut shared = allocated_claim(
+        "ns",
+        "s",
+        "uid-s",
+        "gpu.nvidia.com",
+        "n1",
+        &[("gpu", "gpu-0")],
+        &[],
+    );
+    if let Some(result) = shared
+        .status
+        .as_mut()
+        .and_then(|s| s.allocation.as_mut())
+        .and_then(|a| a.devices.as_mut())
+        .and_then(|d| d.results.as_mut())
+        .and_then(|r| r.first_mut())
+    {
+        result.share_id = Some("share-1".into());
+    }
+    let (socket, _metrics) = serve_driver(root, vec![shared]);
+    let mut v1c = connect_dra(socket.clone()).await.expect("connect");
+    let mut beta = connect_v1beta1(socket).await;
+    let v1_claims = || {
+        ["uid-s", "uid-gone"]
+            .map(|uid| v1::Claim {
+                namespace: "ns".into(),
+                uid: uid.into(),
+                name: uid.trim_start_matches("uid-").into(),
+            })
+            .to_vec()
+    };
+    let beta_claims = || {
+        ["uid-s", "uid-gone"]
+            .map(|uid| v1beta1::Claim {
+                namespace: "ns".into(),
+                uid: uid.into(),
+                name: uid.trim_start_matches("uid-").into(),
+            })
+            .to_vec()
+    };
+
+    // Prepare is idempotent, so asking twice must give the same devices.
+    let one = v1c
+        .node_prepare_resources(v1::NodePrepareResourcesRequest {
+            claims: v1_claims(),
+        })
+        .await
+        .expect("v1 prepare")
+        .into_inner();
+    let two = beta
+        .node_prepare_resources(v1beta1::NodePrepareResourcesRequest {
+            claims: beta_claims(),
+        })
+        .await
+        .expect("v1beta1 prepare")
+        .into_inner();
+    assert_eq!(
+        one.claims["uid-s"].devices[0].share_id.as_deref(),
+        Some("share-1")
+    );
+    assert!(one.claims["uid-gone"].error.contains("not found"));
+    assert_eq!(one.claims.len(), two.claims.len());
+    for (uid, want) in &one.claims {
+        let got = &two.claims[uid];
+        assert_eq!(got.error, want.error, "{uid}");
+        let want: Vec<_> = want
+            .devices
+            .iter()
+            .map(|d| {
+                (
+                    &d.request_names,
+                    &d.pool_name,
+                    &d.device_name,
+                    &d.cdi_device_ids,
+                )
+            })
+            .collect();
+        let got: Vec<_> = got
+            .devices
+            .iter()
+            .map(|d| {
+                (
+                    &d.request_names,
+                    &d.pool_name,
+                    &d.device_name,
+                    &d.cdi_device_ids,
+                )
+            })
+            .collect();
+        assert_eq!(got, want, "{uid}");
+    }
+    assert!(!two.claims["uid-s"].devices.is_empty());
+
+    // Unprepare twice (also idempotent): same per-claim answers, and the spec is gone.
+    let un_beta = beta
+        .node_unprepare_resources(v1beta1::NodeUnprepareResourcesRequest {
+            claims: beta_claims(),
+        })
+        .await
+        .expect("v1beta1 unprepare")
+        .into_inner();
+    let un_v1 = v1c
+        .node_unprepare_resources(v1::NodeUnprepareResourcesRequest {
+            claims: v1_claims(),
+        })
+        .await
+        .expect("v1 unprepare")
+        .into_inner();
+    assert_eq!(un_beta.claims.len(), 2);
+    for (uid, want) in &un_v1.claims {
+        assert_eq!(un_beta.claims[uid].error, want.error, "{uid}");
+    }
+    assert!(
+        !root
+            .join("cdi/k8s.gpu.nvidia.com-claim_uid-s.json")
+            .exists()
+    );
 }

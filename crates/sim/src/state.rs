@@ -4,12 +4,14 @@
 //! compute mode, time-slice policy, MIG mode and the GPU/compute instances. Every process
 //! that touches the fleet (the NVML library, the `nvidia-smi` stand-in, tests) goes through
 //! [`StateFile`]: reads take a shared `flock` on a sibling lock file, updates an exclusive
-//! one and replace the file atomically (write temp, fsync, rename, fsync dir), so a reader
-//! never sees a torn file and concurrent updates never lose each other.
+//! one and replace the file atomically with `gpu_dra_fsutil::write_atomic` (write temp, fsync,
+//! rename, fsync dir), so a reader never sees a torn file and concurrent updates never lose
+//! each other. The lock is on a separate file because the rename replaces the state file's
+//! inode: a lock on the data file itself would be lost with every write.
 
 use std::fs::{File, OpenOptions};
-use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
@@ -572,24 +574,22 @@ impl StateFile {
         Ok(out)
     }
 
+    /// Replaces the file with `state`; the caller holds the exclusive lock. The lock is on
+    /// the sibling lock file, not on the state file, so replacing the state file by a rename
+    /// keeps every other process's lock meaningful.
     fn write_atomic(&self, state: &State) -> Result<(), SimError> {
-        let dir = self.path.parent().unwrap_or(Path::new("."));
-        let tmp = dir.join(format!(".state.json.{}.tmp", std::process::id()));
         let mut text = serde_json::to_vec_pretty(state).map_err(|e| SimError::InvalidState {
             path: self.path.clone(),
             message: e.to_string(),
         })?;
         text.push(b'\n');
-        let mut f = File::create(&tmp).map_err(self.io(&tmp))?;
-        f.write_all(&text).map_err(self.io(&tmp))?;
-        f.sync_all().map_err(self.io(&tmp))?;
-        drop(f);
-        std::fs::rename(&tmp, &self.path).map_err(self.io(&self.path))?;
-        if let Ok(d) = File::open(dir) {
-            // Best effort: the rename is already visible to every process.
-            let _ = d.sync_all();
+        if let (Some(dir), Some(name)) = (self.path.parent(), self.path.file_name()) {
+            // Every writer holds the exclusive lock, so no temp of this file is in flight:
+            // any there is left by a process killed mid-write, whatever its age.
+            gpu_dra_fsutil::remove_temps_older_than(dir, &name.to_string_lossy(), Duration::ZERO);
         }
-        Ok(())
+        // 0o666 less the umask: the mode `File::create` gave the file before.
+        gpu_dra_fsutil::write_atomic(&self.path, &text, 0o666).map_err(self.io(&self.path))
     }
 }
 

@@ -11,7 +11,6 @@
 //! its own checkpoint (implement the trait over it) or use [`FileStore`].
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -114,7 +113,8 @@ pub trait SharingStore: Send + Sync {
     fn save(&self, state: &SharingState) -> Result<(), SharingError>;
 }
 
-/// A JSON file, written crash-safely (temp file, fsync, rename, fsync the directory).
+/// A JSON file, written crash-safely with `gpu_dra_fsutil::write_atomic` (temp file, fsync,
+/// rename, fsync the directory).
 #[derive(Debug, Clone)]
 pub struct FileStore {
     path: PathBuf,
@@ -133,7 +133,12 @@ impl FileStore {
 }
 
 impl SharingStore for FileStore {
+    /// Also removes temp files that a save interrupted by a crash left behind (only stale
+    /// ones: see `gpu_dra_fsutil::remove_stale_temps`); the plugin loads once, at start.
     fn load(&self) -> Result<SharingState, SharingError> {
+        if let (Some(dir), Some(name)) = (self.path.parent(), self.path.file_name()) {
+            gpu_dra_fsutil::remove_stale_temps(dir, &name.to_string_lossy());
+        }
         let bytes = match std::fs::read(&self.path) {
             Ok(b) => b,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
@@ -170,15 +175,9 @@ impl SharingStore for FileStore {
             path: self.path.clone(),
             reason: e.to_string(),
         })?;
-        let tmp = self.path.with_extension("json.tmp");
-        let write = || -> std::io::Result<()> {
-            let mut f = std::fs::File::create(&tmp)?;
-            f.write_all(&bytes)?;
-            f.sync_all()?;
-            std::fs::rename(&tmp, &self.path)?;
-            std::fs::File::open(dir)?.sync_all()
-        };
-        write().map_err(|e| SharingError::io("write", &self.path, e))
+        // 0o644: what the file got before from `File::create` under the usual umask.
+        gpu_dra_fsutil::write_atomic(&self.path, &bytes, 0o644)
+            .map_err(|e| SharingError::io("write", &self.path, e))
     }
 }
 
@@ -236,7 +235,11 @@ mod tests {
         assert_eq!(back.version, STATE_VERSION);
         assert_eq!(back.time_slicing, s.time_slicing);
         assert_eq!(back.mps, s.mps);
-        assert!(!dir.path().join("sub/sharing.json.tmp").exists());
+        let files: Vec<_> = std::fs::read_dir(dir.path().join("sub"))
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(files, ["sharing.json"], "no temp file left");
     }
 
     #[test]

@@ -1,0 +1,358 @@
+//! Crash-safe file writes on the node, the one implementation used by the node plugin
+//! (checkpoint, CDI specs, sharing state) and the GPU simulator (its state file).
+//!
+//! [`write_atomic`] writes a temp file in the target's directory, fsyncs it, renames it over
+//! the target and fsyncs the directory. After a crash at any point the target is either the
+//! old complete file or the new complete file, never a torn one.
+//!
+//! # Temp names
+//!
+//! A temp file is named `.<target>.tmp-<pid>-<seq>-<noise>`: the process id, a process-wide
+//! counter and 64 bits hashed from the clock with a per-process random key. It is created
+//! with `O_EXCL` and a new name is drawn if one exists. The PID alone is not enough: in a
+//! container it is usually 1, so two plugin instances on one node (a rolling upgrade) would
+//! otherwise write through the same temp file, and two threads of one process would too.
+//! The leading dot and the suffix keep readers away: the kubelet and the container runtime
+//! only read `*.json`/`*.yaml` specs, and our own readers only the target name.
+//!
+//! # Stale temps
+//!
+//! A process that dies mid-write leaves its temp file behind. [`remove_stale_temps`]
+//! recognises temps by the leading dot, the target prefix and the `.tmp-` marker (names of
+//! older versions, `.<target>.tmp-<pid>`, included) and removes those not modified for
+//! [`STALE_AFTER`]. Age is the only test that is sound across PID namespaces: another
+//! instance's PID means nothing in ours (its writer may be PID 1 like us, or a PID that does
+//! not exist here while it is alive), so "is the writer alive" cannot be answered. A live
+//! write touches its temp file last when it writes the content and then only fsyncs and
+//! renames, which takes milliseconds; a temp untouched for a minute belongs to a dead
+//! process. Should a write ever stall longer than that, removing its temp makes its rename
+//! fail with `NotFound`: the write reports an error and the target keeps its old complete
+//! content, so even then nothing is torn or lost. Young leftovers are removed by a later
+//! call. A caller that knows no write can be in flight (one holding a lock that every
+//! writer takes) may use [`remove_temps_older_than`] with a zero age.
+//!
+//! # Errors
+//!
+//! Functions return [`std::io::Error`], as `std::fs` does, rather than an error enum of this
+//! crate: every caller already wraps I/O errors with the path and the operation in its own
+//! error type, and a wrapper here would only add a layer without adding information.
+
+use std::collections::hash_map::RandomState;
+use std::ffi::{OsStr, OsString};
+use std::fs::{self, File, OpenOptions};
+use std::hash::BuildHasher;
+use std::io::{self, Write};
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+/// Marks a temp file of [`write_atomic`]: `.<target>` + this + a unique suffix.
+pub const TEMP_MARKER: &str = ".tmp-";
+
+/// Age after which [`remove_stale_temps`] considers a temp file abandoned (see the module
+/// documentation for why this is safe).
+pub const STALE_AFTER: Duration = Duration::from_secs(60);
+
+/// How many names [`write_atomic`] tries before giving up on `AlreadyExists`; each try
+/// draws a new counter value, so a second collision needs another writer racing on exactly
+/// the same name again.
+const NAME_ATTEMPTS: u32 = 16;
+
+/// Process-wide counter: temp names of one process never repeat.
+static SEQUENCE: AtomicU64 = AtomicU64::new(0);
+
+/// Atomically replaces `path` with `bytes`; a new file gets mode `mode` (less the umask).
+///
+/// The parent directory must exist. On error the target is unchanged (old content, or still
+/// missing) and the temp file is removed.
+pub fn write_atomic(path: &Path, bytes: &[u8], mode: u32) -> io::Result<()> {
+    write_atomic_with(path, mode, |file| file.write_all(bytes))
+}
+
+/// [`write_atomic`] with the content written by `fill`, which may fail midway.
+fn write_atomic_with(
+    path: &Path,
+    mode: u32,
+    fill: impl FnOnce(&mut File) -> io::Result<()>,
+) -> io::Result<()> {
+    let dir = parent(path);
+    let name = path.file_name().ok_or_else(|| {
+        io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("{} has no file name", path.display()),
+        )
+    })?;
+    let (tmp, mut file) = create_temp(dir, name, mode)?;
+    let written = fill(&mut file).and_then(|()| file.sync_all());
+    drop(file);
+    if let Err(e) = written.and_then(|()| fs::rename(&tmp, path)) {
+        let _ = fs::remove_file(&tmp);
+        return Err(e);
+    }
+    File::open(dir)?.sync_all()
+}
+
+/// Creates a new temp file for `target` in `dir` with `O_EXCL`, drawing a new name when one
+/// is taken.
+fn create_temp(dir: &Path, target: &OsStr, mode: u32) -> io::Result<(PathBuf, File)> {
+    let mut attempt = 1;
+    loop {
+        let tmp = dir.join(temp_name(target));
+        match OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(mode)
+            .open(&tmp)
+        {
+            Ok(file) => return Ok((tmp, file)),
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists && attempt < NAME_ATTEMPTS => {
+                attempt += 1;
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// `.<target>.tmp-<pid>-<seq>-<noise>`.
+fn temp_name(target: &OsStr) -> OsString {
+    let seq = SEQUENCE.fetch_add(1, Ordering::Relaxed);
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    // `RandomState` keys come from the OS once per thread, so equal PIDs, counters and
+    // clocks in two containers still give different names.
+    let noise = RandomState::new().hash_one((nanos, seq));
+    let mut name = OsString::from(".");
+    name.push(target);
+    name.push(format!(
+        "{TEMP_MARKER}{}-{seq}-{noise:016x}",
+        std::process::id()
+    ));
+    name
+}
+
+fn parent(path: &Path) -> &Path {
+    match path.parent() {
+        Some(dir) if !dir.as_os_str().is_empty() => dir,
+        _ => Path::new("."),
+    }
+}
+
+/// Removes `path` and syncs its directory; a missing file is not an error.
+pub fn remove_durable(path: &Path) -> io::Result<()> {
+    match fs::remove_file(path) {
+        Ok(()) => {}
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(e),
+    }
+    File::open(parent(path))?.sync_all()
+}
+
+/// Removes temp files that [`write_atomic`] left in `dir` for targets whose names start with
+/// `prefix` and that were not modified for [`STALE_AFTER`], so a write in flight (of this
+/// or another process) keeps its temp. Returns how many were removed.
+pub fn remove_stale_temps(dir: &Path, prefix: &str) -> usize {
+    remove_temps_older_than(dir, prefix, STALE_AFTER)
+}
+
+/// [`remove_stale_temps`] with the age chosen by the caller. A zero age removes every temp
+/// of `prefix`: only for callers that hold a lock every writer of those targets takes.
+pub fn remove_temps_older_than(dir: &Path, prefix: &str, age: Duration) -> usize {
+    let Ok(entries) = fs::read_dir(dir) else {
+        return 0;
+    };
+    let now = SystemTime::now();
+    let mut removed = 0;
+    for entry in entries.filter_map(Result::ok) {
+        if !is_temp_of(&entry.file_name().to_string_lossy(), prefix) {
+            continue;
+        }
+        // `DirEntry::metadata` does not follow symlinks: only our own plain files go.
+        let Ok(meta) = entry.metadata() else {
+            continue;
+        };
+        // A modification time in the future (clock stepped back) counts as fresh.
+        let old = age.is_zero()
+            || meta
+                .modified()
+                .ok()
+                .and_then(|m| now.duration_since(m).ok())
+                .is_some_and(|a| a >= age);
+        if meta.is_file() && old && fs::remove_file(entry.path()).is_ok() {
+            removed += 1;
+        }
+    }
+    removed
+}
+
+fn is_temp_of(name: &str, prefix: &str) -> bool {
+    name.strip_prefix('.')
+        .is_some_and(|n| n.starts_with(prefix) && n.contains(TEMP_MARKER))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    fn names(dir: &Path) -> Vec<String> {
+        let mut names: Vec<String> = fs::read_dir(dir)
+            .expect("ls")
+            .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        names
+    }
+
+    /// A file at `dir/name` last modified `ago` ago.
+    fn temp_aged(dir: &Path, name: &str, ago: Duration) {
+        let file = File::create(dir.join(name)).expect("create");
+        file.set_modified(SystemTime::now() - ago).expect("mtime");
+    }
+
+    #[test]
+    fn write_replaces_and_leaves_no_temp_file() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("a.json");
+        write_atomic(&path, b"one", 0o600).expect("write");
+        write_atomic(&path, b"two", 0o600).expect("rewrite");
+        assert_eq!(fs::read(&path).expect("read"), b"two");
+        let mode = fs::metadata(&path).expect("stat").permissions().mode();
+        assert_eq!(mode & 0o777, 0o600);
+        assert_eq!(names(dir.path()), ["a.json"]);
+        remove_durable(&path).expect("remove");
+        remove_durable(&path).expect("remove again is fine");
+        assert!(!path.exists());
+    }
+
+    #[test]
+    fn temp_names_are_unique_and_marked() {
+        let a = temp_name(OsStr::new("a.json"))
+            .to_string_lossy()
+            .into_owned();
+        let b = temp_name(OsStr::new("a.json"))
+            .to_string_lossy()
+            .into_owned();
+        assert_ne!(a, b);
+        let pid = std::process::id();
+        assert!(a.starts_with(&format!(".a.json.tmp-{pid}-")), "{a}");
+        assert!(is_temp_of(&a, "a.json"));
+        assert!(!is_temp_of(&a, "b.json"));
+        // Never a name a spec reader picks up.
+        assert!(!a.ends_with(".json") && !a.ends_with(".yaml"), "{a}");
+    }
+
+    #[test]
+    fn concurrent_writers_never_collide_and_leave_a_complete_file() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("state.json");
+        // Large enough that a torn or interleaved file would be caught by the readers.
+        let content = |writer: u8, round: u8| vec![b'a' + writer; 64 * 1024 + usize::from(round)];
+        write_atomic(&path, &content(0, 0), 0o600).expect("first");
+        let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let reader = {
+            let (path, done) = (path.clone(), done.clone());
+            std::thread::spawn(move || {
+                while !done.load(Ordering::Relaxed) {
+                    let bytes = fs::read(&path).expect("the target always exists");
+                    assert!(bytes.len() >= 64 * 1024, "torn: {} bytes", bytes.len());
+                    assert!(bytes.iter().all(|b| *b == bytes[0]), "mixed content");
+                }
+            })
+        };
+        let writers: Vec<_> = (0..4u8)
+            .map(|w| {
+                let path = path.clone();
+                std::thread::spawn(move || {
+                    for round in 0..25u8 {
+                        write_atomic(&path, &content(w, round), 0o600).expect("write");
+                    }
+                })
+            })
+            .collect();
+        for w in writers {
+            w.join().expect("writer");
+        }
+        done.store(true, Ordering::Relaxed);
+        reader.join().expect("reader");
+        let last = fs::read(&path).expect("read");
+        assert!(
+            (0..4u8).any(|w| last == content(w, 24)),
+            "one writer's last content"
+        );
+        assert_eq!(names(dir.path()), ["state.json"], "no temp left");
+    }
+
+    #[test]
+    fn a_write_failing_midway_leaves_no_temp_and_the_old_content() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("a.json");
+        write_atomic(&path, b"old", 0o600).expect("write");
+
+        // The content cannot be produced completely.
+        let err = write_atomic_with(&path, 0o600, |file| {
+            file.write_all(b"half")?;
+            Err(io::Error::other("serializer failed"))
+        })
+        .expect_err("fails");
+        assert_eq!(err.to_string(), "serializer failed");
+        assert_eq!(fs::read(&path).expect("read"), b"old");
+        assert_eq!(names(dir.path()), ["a.json"]);
+
+        // The rename fails: the target is a non-empty directory.
+        let blocked = dir.path().join("blocked");
+        fs::create_dir_all(blocked.join("inside")).expect("dir");
+        write_atomic(&blocked, b"new", 0o600).expect_err("rename onto a directory");
+        assert_eq!(names(dir.path()), ["a.json", "blocked"]);
+    }
+
+    #[test]
+    fn a_temp_removed_under_a_live_write_fails_the_write_not_the_target() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("a.json");
+        write_atomic(&path, b"old", 0o600).expect("write");
+        let err = write_atomic_with(&path, 0o600, |file| {
+            file.write_all(b"new")?;
+            assert_eq!(
+                remove_temps_older_than(dir.path(), "a.json", Duration::ZERO),
+                1
+            );
+            Ok(())
+        })
+        .expect_err("the rename finds no temp");
+        assert_eq!(err.kind(), io::ErrorKind::NotFound);
+        assert_eq!(fs::read(&path).expect("read"), b"old");
+    }
+
+    #[test]
+    fn stale_temps_are_removed_and_fresh_ones_of_others_kept() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let d = dir.path();
+        let old = STALE_AFTER * 2;
+        let fresh = Duration::from_secs(1);
+        temp_aged(d, "a.json", old); // the target itself
+        temp_aged(d, ".a.json.tmp-1-0-00000000deadbeef", old); // a dead writer
+        temp_aged(d, ".a.json.tmp-1", old); // an older version's name
+        temp_aged(d, ".a.json.tmp-1-7-00000000cafef00d", fresh); // a live writer, same PID
+        temp_aged(d, ".a.json.tmp-77-0-0000000012345678", fresh); // a live writer elsewhere
+        temp_aged(d, ".other.json.tmp-1-0-0000000000000001", old); // another prefix
+        temp_aged(d, "a.json.tmp-1-0-0000000000000002", old); // no leading dot: not ours
+        fs::create_dir(d.join(".a.json.tmp-9-0-0000000000000003")).expect("dir"); // not a file
+        assert_eq!(remove_stale_temps(d, "a.json"), 2);
+        assert_eq!(
+            names(d),
+            [
+                ".a.json.tmp-1-7-00000000cafef00d",
+                ".a.json.tmp-77-0-0000000012345678",
+                ".a.json.tmp-9-0-0000000000000003",
+                ".other.json.tmp-1-0-0000000000000001",
+                "a.json",
+                "a.json.tmp-1-0-0000000000000002",
+            ]
+        );
+        assert_eq!(remove_stale_temps(d, "a.json"), 0, "fresh ones stay");
+        assert_eq!(remove_temps_older_than(d, "a.json", Duration::ZERO), 2);
+        assert_eq!(remove_stale_temps(&d.join("missing"), "a.json"), 0);
+    }
+}
