@@ -19,17 +19,20 @@
 //!
 //! A process that dies mid-write leaves its temp file behind. [`remove_stale_temps`]
 //! recognises temps by the leading dot, the target prefix and the `.tmp-` marker (names of
-//! older versions, `.<target>.tmp-<pid>`, included) and removes those not modified for
-//! [`STALE_AFTER`]. Age is the only test that is sound across PID namespaces: another
-//! instance's PID means nothing in ours (its writer may be PID 1 like us, or a PID that does
-//! not exist here while it is alive), so "is the writer alive" cannot be answered. A live
-//! write touches its temp file last when it writes the content and then only fsyncs and
-//! renames, which takes milliseconds; a temp untouched for a minute belongs to a dead
-//! process. Should a write ever stall longer than that, removing its temp makes its rename
-//! fail with `NotFound`: the write reports an error and the target keeps its old complete
-//! content, so even then nothing is torn or lost. Young leftovers are removed by a later
-//! call. A caller that knows no write can be in flight (one holding a lock that every
-//! writer takes) may use [`remove_temps_older_than`] with a zero age.
+//! older versions, `.<target>.tmp-<pid>`, included) and removes those that no live writer
+//! holds. A writer holds an exclusive `flock` on its temp file from just after creating it
+//! until the rename is done; the kernel drops the lock when the writer's process dies, even
+//! on SIGKILL. So a temp whose lock can be taken belongs to a dead process (or to a write
+//! that already finished) and goes at once: a plugin restarted right after a crash finds a
+//! clean directory. The lock works across PID namespaces (two plugin instances of a rolling
+//! upgrade, in different pods), where a PID or an age could not tell a live writer from a
+//! dead one.
+//!
+//! One window remains: between the writer's `O_EXCL` create and its lock, a cleaner may lock
+//! and remove the fresh temp. The writer notices (after locking, the path no longer names
+//! the inode it holds) and starts over with a new name, so the write still succeeds. A
+//! temp removed under a live write for any other reason makes its rename fail with
+//! `NotFound`: the write reports an error and the target keeps its old complete content.
 //!
 //! # Errors
 //!
@@ -42,17 +45,13 @@ use std::ffi::{OsStr, OsString};
 use std::fs::{self, File, OpenOptions};
 use std::hash::BuildHasher;
 use std::io::{self, Write};
-use std::os::unix::fs::OpenOptionsExt;
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{SystemTime, UNIX_EPOCH};
 
 /// Marks a temp file of [`write_atomic`]: `.<target>` + this + a unique suffix.
 pub const TEMP_MARKER: &str = ".tmp-";
-
-/// Age after which [`remove_stale_temps`] considers a temp file abandoned (see the module
-/// documentation for why this is safe).
-pub const STALE_AFTER: Duration = Duration::from_secs(60);
 
 /// How many names [`write_atomic`] tries before giving up on `AlreadyExists`; each try
 /// draws a new counter value, so a second collision needs another writer racing on exactly
@@ -93,24 +92,48 @@ fn write_atomic_with(
     File::open(dir)?.sync_all()
 }
 
-/// Creates a new temp file for `target` in `dir` with `O_EXCL`, drawing a new name when one
-/// is taken.
+/// Creates a new temp file for `target` in `dir` with `O_EXCL` and takes its writer lock,
+/// drawing a new name when one is taken or when a cleaner removed the file before the lock.
 fn create_temp(dir: &Path, target: &OsStr, mode: u32) -> io::Result<(PathBuf, File)> {
     let mut attempt = 1;
     loop {
         let tmp = dir.join(temp_name(target));
-        match OpenOptions::new()
+        let retry = match OpenOptions::new()
             .write(true)
             .create_new(true)
             .mode(mode)
             .open(&tmp)
         {
-            Ok(file) => return Ok((tmp, file)),
-            Err(e) if e.kind() == io::ErrorKind::AlreadyExists && attempt < NAME_ATTEMPTS => {
-                attempt += 1;
+            Ok(file) => {
+                file.lock()?;
+                if still_named(&file, &tmp)? {
+                    return Ok((tmp, file));
+                }
+                io::Error::new(
+                    io::ErrorKind::NotFound,
+                    format!(
+                        "temp file {} was removed before it was locked",
+                        tmp.display()
+                    ),
+                )
             }
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => e,
             Err(e) => return Err(e),
+        };
+        if attempt >= NAME_ATTEMPTS {
+            return Err(retry);
         }
+        attempt += 1;
+    }
+}
+
+/// True when `path` still names the inode `file` has open.
+fn still_named(file: &File, path: &Path) -> io::Result<bool> {
+    let held = file.metadata()?;
+    match fs::symlink_metadata(path) {
+        Ok(named) => Ok(named.dev() == held.dev() && named.ino() == held.ino()),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(false),
+        Err(e) => Err(e),
     }
 }
 
@@ -150,36 +173,32 @@ pub fn remove_durable(path: &Path) -> io::Result<()> {
 }
 
 /// Removes temp files that [`write_atomic`] left in `dir` for targets whose names start with
-/// `prefix` and that were not modified for [`STALE_AFTER`], so a write in flight (of this
-/// or another process) keeps its temp. Returns how many were removed.
+/// `prefix` and that no live writer holds (see the module documentation), so a write in
+/// flight, of this or another process, keeps its temp. Returns how many were removed.
 pub fn remove_stale_temps(dir: &Path, prefix: &str) -> usize {
-    remove_temps_older_than(dir, prefix, STALE_AFTER)
-}
-
-/// [`remove_stale_temps`] with the age chosen by the caller. A zero age removes every temp
-/// of `prefix`: only for callers that hold a lock every writer of those targets takes.
-pub fn remove_temps_older_than(dir: &Path, prefix: &str, age: Duration) -> usize {
     let Ok(entries) = fs::read_dir(dir) else {
         return 0;
     };
-    let now = SystemTime::now();
     let mut removed = 0;
     for entry in entries.filter_map(Result::ok) {
         if !is_temp_of(&entry.file_name().to_string_lossy(), prefix) {
             continue;
         }
-        // `DirEntry::metadata` does not follow symlinks: only our own plain files go.
-        let Ok(meta) = entry.metadata() else {
+        // `DirEntry::file_type` does not follow symlinks: only our own plain files go.
+        if !entry.file_type().is_ok_and(|t| t.is_file()) {
+            continue;
+        }
+        let path = entry.path();
+        let Ok(file) = OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(&path)
+        else {
             continue;
         };
-        // A modification time in the future (clock stepped back) counts as fresh.
-        let old = age.is_zero()
-            || meta
-                .modified()
-                .ok()
-                .and_then(|m| now.duration_since(m).ok())
-                .is_some_and(|a| a >= age);
-        if meta.is_file() && old && fs::remove_file(entry.path()).is_ok() {
+        // Held by a live writer: leave it. Our lock is released when `file` drops, after
+        // the removal, so a writer that locks next sees its name gone and starts over.
+        if file.try_lock().is_ok() && fs::remove_file(&path).is_ok() {
             removed += 1;
         }
     }
@@ -203,12 +222,6 @@ mod tests {
             .collect();
         names.sort();
         names
-    }
-
-    /// A file at `dir/name` last modified `ago` ago.
-    fn temp_aged(dir: &Path, name: &str, ago: Duration) {
-        let file = File::create(dir.join(name)).expect("create");
-        file.set_modified(SystemTime::now() - ago).expect("mtime");
     }
 
     #[test]
@@ -308,42 +321,60 @@ mod tests {
     }
 
     #[test]
-    fn a_temp_removed_under_a_live_write_fails_the_write_not_the_target() {
+    fn a_live_writer_keeps_its_temp_and_a_dead_one_loses_it() {
         let dir = tempfile::tempdir().expect("tempdir");
         let path = dir.path().join("a.json");
         write_atomic(&path, b"old", 0o600).expect("write");
-        let err = write_atomic_with(&path, 0o600, |file| {
+        // During a write the temp is locked: a cleaner leaves it alone and the write lands.
+        write_atomic_with(&path, 0o600, |file| {
             file.write_all(b"new")?;
-            assert_eq!(
-                remove_temps_older_than(dir.path(), "a.json", Duration::ZERO),
-                1
-            );
+            assert_eq!(remove_stale_temps(dir.path(), "a.json"), 0, "live writer");
             Ok(())
         })
-        .expect_err("the rename finds no temp");
-        assert_eq!(err.kind(), io::ErrorKind::NotFound);
-        assert_eq!(fs::read(&path).expect("read"), b"old");
+        .expect("write survives a cleaner");
+        assert_eq!(fs::read(&path).expect("read"), b"new");
+        // A temp nobody holds (its writer died: the kernel dropped the lock) goes at once.
+        fs::write(dir.path().join(".a.json.tmp-1-0-00000000deadbeef"), "x").expect("temp");
+        assert_eq!(remove_stale_temps(dir.path(), "a.json"), 1);
+        assert_eq!(names(dir.path()), ["a.json"]);
     }
 
     #[test]
-    fn stale_temps_are_removed_and_fresh_ones_of_others_kept() {
+    fn a_temp_removed_before_its_lock_is_replaced_by_a_new_one() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let tmp = dir.path().join(".a.json.tmp-x");
+        let file = File::create(&tmp).expect("create");
+        assert!(still_named(&file, &tmp).expect("stat"));
+        fs::remove_file(&tmp).expect("a cleaner removes it");
+        assert!(!still_named(&file, &tmp).expect("stat"));
+        File::create(&tmp).expect("another file under the name");
+        assert!(!still_named(&file, &tmp).expect("stat"), "other inode");
+    }
+
+    #[test]
+    fn stale_temps_are_removed_and_held_ones_kept() {
         let dir = tempfile::tempdir().expect("tempdir");
         let d = dir.path();
-        let old = STALE_AFTER * 2;
-        let fresh = Duration::from_secs(1);
-        temp_aged(d, "a.json", old); // the target itself
-        temp_aged(d, ".a.json.tmp-1-0-00000000deadbeef", old); // a dead writer
-        temp_aged(d, ".a.json.tmp-1", old); // an older version's name
-        temp_aged(d, ".a.json.tmp-1-7-00000000cafef00d", fresh); // a live writer, same PID
-        temp_aged(d, ".a.json.tmp-77-0-0000000012345678", fresh); // a live writer elsewhere
-        temp_aged(d, ".other.json.tmp-1-0-0000000000000001", old); // another prefix
-        temp_aged(d, "a.json.tmp-1-0-0000000000000002", old); // no leading dot: not ours
+        for name in [
+            "a.json",                               // the target itself
+            ".a.json.tmp-1-0-00000000deadbeef",     // a dead writer
+            ".a.json.tmp-1",                        // an older version's name
+            ".a.json.tmp-77-0-0000000012345678",    // a live writer elsewhere (locked below)
+            ".other.json.tmp-1-0-0000000000000001", // another prefix
+            "a.json.tmp-1-0-0000000000000002",      // no leading dot: not ours
+        ] {
+            fs::write(d.join(name), "x").expect("file");
+        }
+        let live = File::open(d.join(".a.json.tmp-77-0-0000000012345678")).expect("open");
+        live.lock().expect("the live writer's lock");
         fs::create_dir(d.join(".a.json.tmp-9-0-0000000000000003")).expect("dir"); // not a file
+        std::os::unix::fs::symlink(d.join("a.json"), d.join(".a.json.tmp-5-0-0000000000000004"))
+            .expect("symlink"); // not a plain file
         assert_eq!(remove_stale_temps(d, "a.json"), 2);
         assert_eq!(
             names(d),
             [
-                ".a.json.tmp-1-7-00000000cafef00d",
+                ".a.json.tmp-5-0-0000000000000004",
                 ".a.json.tmp-77-0-0000000012345678",
                 ".a.json.tmp-9-0-0000000000000003",
                 ".other.json.tmp-1-0-0000000000000001",
@@ -351,8 +382,9 @@ mod tests {
                 "a.json.tmp-1-0-0000000000000002",
             ]
         );
-        assert_eq!(remove_stale_temps(d, "a.json"), 0, "fresh ones stay");
-        assert_eq!(remove_temps_older_than(d, "a.json", Duration::ZERO), 2);
+        assert_eq!(remove_stale_temps(d, "a.json"), 0, "the held one stays");
+        drop(live);
+        assert_eq!(remove_stale_temps(d, "a.json"), 1, "its writer is gone");
         assert_eq!(remove_stale_temps(&d.join("missing"), "a.json"), 0);
     }
 }

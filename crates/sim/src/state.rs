@@ -11,7 +11,6 @@
 
 use std::fs::{File, OpenOptions};
 use std::path::{Path, PathBuf};
-use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
@@ -584,9 +583,8 @@ impl StateFile {
         })?;
         text.push(b'\n');
         if let (Some(dir), Some(name)) = (self.path.parent(), self.path.file_name()) {
-            // Every writer holds the exclusive lock, so no temp of this file is in flight:
-            // any there is left by a process killed mid-write, whatever its age.
-            gpu_dra_fsutil::remove_temps_older_than(dir, &name.to_string_lossy(), Duration::ZERO);
+            // Temps of processes killed mid-write go (no writer holds them any more).
+            gpu_dra_fsutil::remove_stale_temps(dir, &name.to_string_lossy());
         }
         // 0o666 less the umask: the mode `File::create` gave the file before.
         gpu_dra_fsutil::write_atomic(&self.path, &text, 0o666).map_err(self.io(&self.path))
