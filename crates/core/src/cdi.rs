@@ -35,6 +35,13 @@ pub fn spec_file_name(claim_uid: &str) -> String {
     format!("{CDI_VENDOR}-{CDI_CLASS}_{claim_uid}.json")
 }
 
+/// Spec file name NVIDIA's driver gives a claim: `k8s.gpu.nvidia.com-claim_<claimUID>.yaml`
+/// (CDI's transient spec name, written as YAML). It defines the same CDI device names as
+/// ours, so the two must never exist for one claim at the same time.
+pub fn nvidia_spec_file_name(claim_uid: &str) -> String {
+    format!("{CDI_VENDOR}-{CDI_CLASS}_{claim_uid}.yaml")
+}
+
 /// Claim UID of a spec file name written by [`spec_file_name`], if it is one.
 pub fn claim_uid_of_spec_file(file_name: &str) -> Option<&str> {
     file_name

@@ -8,15 +8,41 @@
 //!   NVIDIA's upgrades into "checkpoint is corrupted" crash loops; atomic writes (temp file,
 //!   fsync, rename) already rule out torn files;
 //! - a claim is `PrepareStarted` from before the first side effect until all side effects are
-//!   done, then `PrepareCompleted`; a `PrepareStarted` entry found later is rolled back.
+//!   done, then `PrepareCompleted`; a `PrepareStarted` entry found later is rolled back;
+//! - a claim records the boot ID of the node it was prepared in (`bootId`, optional: older
+//!   documents lack it). Side effects outside the plugin directory (CDI specs on a tmpfs, GPU
+//!   settings, MPS daemons) do not survive a reboot, so an entry of another boot is prepared
+//!   again, with the same answer, instead of being answered from here;
+//! - the file is [`FILE_NAME`] in the plugin directory. [`LEGACY_FILE_NAME`]
+//!   (`checkpoint.json`) is what this plugin used before and also what NVIDIA's driver uses
+//!   in the same directory: [`is_own_format`] tells them apart (ours has an integer
+//!   `version`), the plugin migrates its own and imports NVIDIA's
+//!   (see [`crate::nvidia_checkpoint`]). Claims imported once are listed in
+//!   `importedFromNvidia` so that NVIDIA's file, which is left untouched for a rollback, does
+//!   not bring them back after they were unprepared.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 /// Format version this code writes.
 pub const CURRENT_VERSION: u32 = 1;
+
+/// The checkpoint's file name in the plugin directory.
+pub const FILE_NAME: &str = "gpu-dra-checkpoint.json";
+
+/// The name this plugin used before [`FILE_NAME`], shared with NVIDIA's driver.
+pub const LEGACY_FILE_NAME: &str = "checkpoint.json";
+
+/// Whether `bytes` is a checkpoint of this plugin (a JSON object with a positive integer
+/// `version`), as opposed to NVIDIA's driver's (string or missing `version`).
+pub fn is_own_format(bytes: &[u8]) -> bool {
+    serde_json::from_slice::<Value>(bytes)
+        .ok()
+        .and_then(|v| v.get("version").and_then(Value::as_u64))
+        .is_some_and(|v| v > 0)
+}
 
 /// Errors reading a checkpoint document.
 #[derive(Debug, thiserror::Error)]
@@ -38,6 +64,9 @@ pub struct Checkpoint {
     /// Claims by UID.
     #[serde(default)]
     pub claims: BTreeMap<String, ClaimEntry>,
+    /// UIDs of claims imported from NVIDIA's driver's checkpoint, never imported again.
+    #[serde(default, skip_serializing_if = "BTreeSet::is_empty")]
+    pub imported_from_nvidia: BTreeSet<String>,
     /// Fields of a newer format, kept as they were.
     #[serde(flatten)]
     pub extra: Map<String, Value>,
@@ -70,9 +99,35 @@ pub struct ClaimEntry {
     /// Sharing state (e.g. MPS daemon pid, pipe directory, limits), owned by the sharing module.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sharing: Option<Value>,
+    /// Boot ID of the node when the claim was prepared (`None`: unknown, e.g. written by an
+    /// older version or imported).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub boot_id: Option<String>,
+    /// Set when NVIDIA's driver prepared the claim and this plugin imported it: its side
+    /// effects (CDI spec, sharing) are NVIDIA's and are cleaned up their way.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub imported: Option<Imported>,
     /// Fields of a newer format, kept as they were.
     #[serde(flatten)]
     pub extra: Map<String, Value>,
+}
+
+/// What NVIDIA's driver did for an imported claim, as far as cleaning it up needs.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Imported {
+    /// The format it came from, e.g. `nvidia-checkpoint-v2`.
+    pub from: String,
+    /// Whole GPUs NVIDIA set time-slicing on (compute mode and interval to reset).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub time_sliced_gpus: Vec<String>,
+    /// NVIDIA MPS control daemon IDs (`<claimUID>-<hash>`): each runs as the Deployment
+    /// `mps-control-daemon-<id>` in NVIDIA's namespace, with files in `<plugin-dir>/mps/<id>`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub mps_control_daemons: Vec<String>,
+    /// Whole GPUs an NVIDIA MPS daemon of the claim put in `EXCLUSIVE_PROCESS` mode.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub mps_gpus: Vec<String>,
 }
 
 /// A prepared device of a claim, with everything the kubelet's answer needs.
@@ -174,6 +229,41 @@ mod tests {
             rewritten, original,
             "an older reader must not drop newer fields"
         );
+    }
+
+    #[test]
+    fn older_entries_without_boot_id_or_import_marks_load_and_new_fields_round_trip() {
+        let mut cp = Checkpoint::from_json(GOLDEN_V1.as_bytes()).expect("v1 reads");
+        let done = cp
+            .claims
+            .get_mut("6f9d2c1e-0000-4000-8000-000000000001")
+            .expect("entry");
+        assert_eq!(done.boot_id, None);
+        assert_eq!(done.imported, None);
+        assert!(cp.imported_from_nvidia.is_empty());
+        done.boot_id = Some("0f6c9a52-1d1e-4f7b-9b8e-2f4c1a7d5e01".into());
+        done.imported = Some(Imported {
+            from: "nvidia-checkpoint-v2".into(),
+            time_sliced_gpus: vec!["GPU-1".into()],
+            ..Imported::default()
+        });
+        cp.imported_from_nvidia.insert("uid-x".into());
+        let json: Value = serde_json::from_slice(&cp.to_json()).expect("json");
+        let entry = &json["claims"]["6f9d2c1e-0000-4000-8000-000000000001"];
+        assert_eq!(entry["bootId"], "0f6c9a52-1d1e-4f7b-9b8e-2f4c1a7d5e01");
+        assert_eq!(entry["imported"]["timeSlicedGpus"][0], "GPU-1");
+        assert_eq!(json["importedFromNvidia"][0], "uid-x");
+        assert_eq!(Checkpoint::from_json(&cp.to_json()).expect("reads"), cp);
+    }
+
+    #[test]
+    fn own_format_is_told_from_nvidias() {
+        assert!(is_own_format(GOLDEN_V1.as_bytes()));
+        assert!(is_own_format(FUTURE_V2.as_bytes()));
+        assert!(!is_own_format(br#"{"version":"v2","checksum":1,"v2":{}}"#));
+        assert!(!is_own_format(br#"{"checksum":1,"v1":{}}"#));
+        assert!(!is_own_format(b"not json"));
+        assert!(!is_own_format(br#"{"version":0}"#));
     }
 
     #[test]

@@ -3,8 +3,10 @@
 //! - [`plan`]: a ResourceClaim + the node inventory + opaque configs -> a prepare plan.
 //! - [`cdi`]: CDI spec documents for a prepared claim, built from plain inputs.
 //! - [`checkpoint`]: the node plugin's checkpoint model, versioned and tolerant of unknown fields.
+//! - [`nvidia_checkpoint`]: NVIDIA's driver's checkpoint, read into our entries for an in-place switch.
 
 pub mod cdi;
 pub mod checkpoint;
+pub mod nvidia_checkpoint;
 pub mod plan;
 pub mod slices;

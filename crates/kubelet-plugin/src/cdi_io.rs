@@ -3,7 +3,8 @@
 //! Invariants: a spec is written only when every device node it names exists (a missing
 //! node fails the prepare, so no incomplete spec is ever cached by a runtime); specs are
 //! written atomically (see `gpu_dra_fsutil`); only files named like our claim specs are ever
-//! removed from the CDI root.
+//! removed from the CDI root, and NVIDIA's spec of a claim when that claim is undone (it
+//! defines the same CDI device names as ours).
 
 use std::path::{Path, PathBuf};
 
@@ -249,6 +250,18 @@ impl CdiHost {
     /// Removes a claim's spec (blocking I/O); missing is fine.
     pub fn remove(&self, claim_uid: &str) -> Result<(), CdiError> {
         let path = self.spec_path(claim_uid);
+        gpu_dra_fsutil::remove_durable(&path).map_err(|source| CdiError::Io { path, source })
+    }
+
+    /// Path of the spec NVIDIA's driver wrote for a claim (see
+    /// [`cdi::nvidia_spec_file_name`]).
+    pub fn nvidia_spec_path(&self, claim_uid: &str) -> PathBuf {
+        self.cdi_root.join(cdi::nvidia_spec_file_name(claim_uid))
+    }
+
+    /// Removes the spec NVIDIA's driver wrote for a claim (blocking I/O); missing is fine.
+    pub fn remove_nvidia(&self, claim_uid: &str) -> Result<(), CdiError> {
+        let path = self.nvidia_spec_path(claim_uid);
         gpu_dra_fsutil::remove_durable(&path).map_err(|source| CdiError::Io { path, source })
     }
 

@@ -67,6 +67,15 @@ pub struct RunArgs {
     /// Test only: inventory from this JSON file (`Inventory`), not NVML.
     #[arg(long, env = "INVENTORY_FIXTURE", hide = true)]
     pub inventory_fixture: Option<PathBuf>,
+    /// The kernel's boot ID file; a different ID than the one a claim was prepared under
+    /// means the node rebooted (changed only by tests).
+    #[arg(
+        long,
+        env = "BOOT_ID_FILE",
+        hide = true,
+        default_value = "/proc/sys/kernel/random/boot_id"
+    )]
+    pub boot_id_file: PathBuf,
     /// Test only: failpoints, `step=error|kill|pause,...`.
     #[arg(long, env = "GPU_DRA_FAILPOINTS", hide = true, default_value = "")]
     pub failpoints: String,
@@ -117,6 +126,22 @@ async fn claim_source(
     Ok((Arc::new(KubeClaims::new(client.clone())), Some(client)))
 }
 
+/// The node's boot ID from `path`, or `None` (logged) when it cannot be read: reboots are
+/// then detected only by missing CDI specs.
+pub fn read_boot_id(path: &Path) -> Option<String> {
+    match std::fs::read_to_string(path) {
+        Ok(text) if !text.trim().is_empty() => Some(text.trim().to_owned()),
+        Ok(_) => {
+            warn!(path = %path.display(), "boot ID file is empty; reboots are detected only by missing CDI specs");
+            None
+        }
+        Err(e) => {
+            warn!(path = %path.display(), error = %e, "cannot read the boot ID; reboots are detected only by missing CDI specs");
+            None
+        }
+    }
+}
+
 /// Socket paths of a run.
 pub fn socket_paths(args: &RunArgs) -> (PathBuf, PathBuf) {
     (
@@ -151,26 +176,26 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         args.cdi_hook_path.as_deref(),
     );
     let metrics = Arc::new(Metrics::default());
-    // Sharing state is recovered before the driver reconciles: live MPS daemons of prepared
-    // claims are re-adopted (or restarted) and interrupted starts and stops are cleaned up;
-    // then the driver rolls back half-prepared claims through the same manager.
+    let boot_id = read_boot_id(&args.boot_id_file);
+    let mut sharing_options = SharingOptions::new(
+        DriverRoot::new(&args.host.driver_root, args.host.nvml_lib.clone()),
+        &args.plugin_dir,
+    );
+    sharing_options.boot_id.clone_from(&boot_id);
     let sharing = SharingManager::new(
-        SharingOptions::new(
-            DriverRoot::new(&args.host.driver_root, args.host.nvml_lib.clone()),
-            &args.plugin_dir,
-        ),
+        sharing_options,
         Arc::new(FileStore::new(args.plugin_dir.join("sharing.json"))),
         metrics.sharing.clone(),
     )
     .context("loading the sharing state")?;
-    if let Err(e) = sharing.recover().await {
-        warn!(error = %e, "sharing recovery incomplete; retried by the next unprepare or restart");
-    }
+    // The driver loads (migrates, imports) its checkpoint before sharing recovers, so that
+    // recovery knows which MPS directories NVIDIA's driver owns.
     let driver = Arc::new(Driver::new(DriverParts {
         settings: DriverSettings {
             driver_name: args.driver_name.clone(),
             node_name: args.node_name.clone(),
-            checkpoint_path: args.plugin_dir.join("checkpoint.json"),
+            checkpoint_path: args.plugin_dir.join(gpu_dra_core::checkpoint::FILE_NAME),
+            boot_id,
         },
         inventory: Arc::new(inventory),
         claims,
@@ -180,6 +205,14 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         failpoints,
         metrics: metrics.clone(),
     })?);
+    // Sharing state is recovered before the driver reconciles: live MPS daemons of prepared
+    // claims are re-adopted (or restarted), interrupted starts and stops are cleaned up, and
+    // after a reboot everything recorded is forgotten; then the driver rolls back
+    // half-prepared claims through the same manager.
+    sharing.keep_foreign_dirs(driver.imported_mps_daemons());
+    if let Err(e) = sharing.recover().await {
+        warn!(error = %e, "sharing recovery incomplete; retried by the next unprepare or restart");
+    }
     driver.reconcile().await;
 
     let ready = Arc::new(AtomicBool::new(false));

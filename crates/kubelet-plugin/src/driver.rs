@@ -12,6 +12,15 @@
 //!   exist, and a retry or the startup reconcile cleans it up;
 //! - prepare of a completed claim answers from the checkpoint (idempotent); a claim found
 //!   `PrepareStarted` is rolled back first; unprepare of an unknown claim succeeds;
+//! - except when the completed claim's side effects are gone: it was prepared in another
+//!   boot of the node (its recorded boot ID differs), or its CDI spec file is missing (e.g.
+//!   `/var/run/cdi` is a tmpfs a reboot emptied). Then the claim is rolled back and prepared
+//!   again from the API server: spec rewritten, sharing reapplied, and the answer is the same
+//!   because CDI IDs are a function of claim UID and device name. Both halves are the usual
+//!   crash-safe steps, so a crash in between leaves a state the next prepare finishes;
+//! - claims imported from NVIDIA's driver ([`crate::checkpoint_file`]) are answered and
+//!   reserved like ours; undoing one removes NVIDIA's spec file for it and resets the
+//!   time-slicing NVIDIA applied (through [`SharingExecutor::release_imported`]);
 //! - checkpoint writes use group commit: concurrent claims share one atomic write.
 
 use std::collections::HashMap;
@@ -64,6 +73,16 @@ pub enum DriverError {
     /// A CDI step failed.
     #[error(transparent)]
     Cdi(#[from] CdiError),
+    /// Reading the checkpoint at start failed, or it is not a checkpoint of ours.
+    #[error(
+        "cannot read checkpoint {path}: {reason}; fix the file, or move it away to start with no prepared claims (their devices are then not reserved and running pods keep them)"
+    )]
+    CheckpointRead {
+        /// Checkpoint path.
+        path: String,
+        /// What was wrong.
+        reason: String,
+    },
     /// Writing the checkpoint failed.
     #[error("cannot write checkpoint {path}: {source}")]
     Checkpoint {
@@ -98,8 +117,12 @@ pub struct DriverSettings {
     pub driver_name: String,
     /// Node name = pool name.
     pub node_name: String,
-    /// Checkpoint file.
+    /// Checkpoint file (`<plugin-dir>/gpu-dra-checkpoint.json`; our or NVIDIA's
+    /// `checkpoint.json` next to it is migrated or imported at start).
     pub checkpoint_path: std::path::PathBuf,
+    /// The node's current boot ID (`None`: unknown, reboots are then detected only through
+    /// missing CDI specs).
+    pub boot_id: Option<String>,
 }
 
 struct Holder {
@@ -165,22 +188,11 @@ async fn blocking<T: Send + 'static>(
 }
 
 impl Driver {
-    /// Loads the checkpoint (a missing file is an empty checkpoint) and builds the driver.
+    /// Loads the checkpoint (a missing file is an empty checkpoint; see
+    /// [`crate::checkpoint_file`] for the migration and the import of NVIDIA's) and builds the
+    /// driver.
     pub fn new(parts: DriverParts) -> Result<Self, DriverError> {
-        let path = &parts.settings.checkpoint_path;
-        let doc = match std::fs::read(path) {
-            Ok(bytes) => Checkpoint::from_json(&bytes).map_err(|e| DriverError::Checkpoint {
-                path: path.display().to_string(),
-                source: std::io::Error::new(std::io::ErrorKind::InvalidData, e.to_string()),
-            })?,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Checkpoint::new(),
-            Err(source) => {
-                return Err(DriverError::Checkpoint {
-                    path: path.display().to_string(),
-                    source,
-                });
-            }
-        };
+        let doc = crate::checkpoint_file::open(&parts.settings.checkpoint_path)?;
         let mut holders: HashMap<String, Vec<Holder>> = HashMap::new();
         for (uid, entry) in &doc.claims {
             for d in &entry.devices {
@@ -227,6 +239,38 @@ impl Driver {
     /// A copy of the checkpoint as it is in memory.
     pub fn checkpoint(&self) -> Checkpoint {
         lock(&self.state).doc.clone()
+    }
+
+    /// IDs of the MPS control daemons of claims imported from NVIDIA's driver: their
+    /// directories under `<plugin-dir>/mps` are NVIDIA's, not strays of ours.
+    pub fn imported_mps_daemons(&self) -> Vec<String> {
+        lock(&self.state)
+            .doc
+            .claims
+            .values()
+            .filter_map(|e| e.imported.as_ref())
+            .flat_map(|i| i.mps_control_daemons.iter().cloned())
+            .collect()
+    }
+
+    /// Why a completed claim's recorded answer cannot be trusted any more, if it cannot.
+    fn stale_reason(&self, uid: &str, entry: &ClaimEntry) -> Option<String> {
+        if let (Some(now), Some(then)) = (&self.settings.boot_id, &entry.boot_id)
+            && now != then
+        {
+            return Some(format!(
+                "the node rebooted since it was prepared (boot ID {then}, now {now})"
+            ));
+        }
+        let ours = self.cdi.spec_path(uid);
+        let theirs = entry
+            .imported
+            .is_some()
+            .then(|| self.cdi.nvidia_spec_path(uid));
+        if ours.exists() || theirs.is_some_and(|p| p.exists()) {
+            return None;
+        }
+        Some(format!("its CDI spec {} is missing", ours.display()))
     }
 
     fn claim_lock(&self, uid: &str) -> Arc<tokio::sync::Mutex<()>> {
@@ -327,7 +371,13 @@ impl Driver {
         let lock = self.claim_lock(&claim.uid);
         let _guard = lock.lock().await;
         match self.entry(&claim.uid) {
-            Some(e) if e.state == PrepareState::PrepareCompleted => return Ok(e.devices),
+            Some(e) if e.state == PrepareState::PrepareCompleted => {
+                let Some(reason) = self.stale_reason(&claim.uid, &e) else {
+                    return Ok(e.devices);
+                };
+                info!(claim.uid = %claim.uid, %reason, "preparing the claim again");
+                self.rollback_locked(&claim.uid).await?;
+            }
             Some(_) => self.rollback_locked(&claim.uid).await?,
             None => {}
         }
@@ -383,6 +433,8 @@ impl Driver {
             name: claim.name.clone(),
             devices: devices.clone(),
             sharing: None,
+            boot_id: self.settings.boot_id.clone(),
+            imported: None,
             extra: Default::default(),
         };
         self.persist(|cp| {
@@ -470,11 +522,19 @@ impl Driver {
         let entry = self.entry(uid);
         if let Some(e) = &entry {
             self.release_sharing(uid, e.sharing.as_ref()).await?;
+            if let Some(imported) = &e.imported {
+                self.sharing
+                    .release_imported(uid, imported)
+                    .await
+                    .map_err(DriverError::Sharing)?;
+            }
         }
         self.failpoints.hit("unprepare.after_sharing").await?;
         let cdi = self.cdi.clone();
         let owned = uid.to_owned();
-        blocking(move || cdi.remove(&owned)).await??;
+        // NVIDIA's spec of an imported claim too (also without an entry: a crash may have
+        // removed the entry's sharing but not yet the file).
+        blocking(move || cdi.remove(&owned).and_then(|()| cdi.remove_nvidia(&owned))).await??;
         self.failpoints.hit("unprepare.after_cdi_remove").await?;
         if let Some(e) = entry {
             self.persist(|cp| {
@@ -591,6 +651,11 @@ impl Driver {
             if entry.state != PrepareState::PrepareCompleted {
                 continue;
             }
+            if entry.name.is_empty() {
+                // Imported from NVIDIA's v1 layout, which records no name to look up: kept
+                // until the kubelet unprepares it.
+                continue;
+            }
             match self.claims.get(&entry.namespace, &entry.name).await {
                 Ok(Some(c)) if c.metadata.uid.as_deref() == Some(uid.as_str()) => {}
                 Ok(_) => {
@@ -631,7 +696,7 @@ mod tests {
         DriverBuilder::new(dir, a100_inventory(4, 1))
             .node_name(NODE)
             .claims(claims)
-            .checkpoint_path(dir.join("checkpoint.json"))
+            .checkpoint_path(dir.join(gpu_dra_core::checkpoint::FILE_NAME))
             .build()
             .expect("driver")
     }
@@ -668,8 +733,10 @@ mod tests {
     }
 
     fn on_disk(env: &Env) -> Checkpoint {
-        Checkpoint::from_json(&std::fs::read(env.dir.path().join("checkpoint.json")).expect("file"))
-            .expect("valid")
+        Checkpoint::from_json(
+            &std::fs::read(env.dir.path().join(gpu_dra_core::checkpoint::FILE_NAME)).expect("file"),
+        )
+        .expect("valid")
     }
 
     #[tokio::test]
@@ -897,7 +964,11 @@ mod tests {
         // Fake a crash between CDI write and completion for b, a stale spec, and a deleted a.
         let mut cp = on_disk(&env);
         cp.claims.get_mut("uid-b").expect("b").state = PrepareState::PrepareStarted;
-        std::fs::write(env.dir.path().join("checkpoint.json"), cp.to_json()).expect("write");
+        std::fs::write(
+            env.dir.path().join(gpu_dra_core::checkpoint::FILE_NAME),
+            cp.to_json(),
+        )
+        .expect("write");
         std::fs::write(spec_path(&env, "uid-stale"), "{}").expect("stale");
         env.claims.remove("ns", "a");
 
@@ -910,5 +981,341 @@ mod tests {
         // b prepares again on retry.
         restarted.prepare(&b).await.expect("b again");
         assert!(spec_path(&env, "uid-b").exists());
+    }
+
+    /// A sharing executor that applies nothing and records every call.
+    #[derive(Default)]
+    struct Recording(Mutex<Vec<String>>);
+
+    impl Recording {
+        fn calls(&self) -> Vec<String> {
+            lock(&self.0).clone()
+        }
+    }
+
+    impl SharingExecutor for Recording {
+        fn apply<'a>(
+            &'a self,
+            claim_uid: &'a str,
+            group: &'a gpu_dra_core::plan::SharingGroup,
+            _devices: &'a [(usize, &'a gpu_dra_core::plan::DevicePlan)],
+        ) -> futures::future::BoxFuture<'a, Result<crate::sharing::Applied, String>> {
+            lock(&self.0).push(format!("apply {claim_uid}"));
+            let state = group.sharing.as_ref().map(|_| json!({"group": "c0"}));
+            Box::pin(async move {
+                Ok(crate::sharing::Applied {
+                    state,
+                    edits: Default::default(),
+                })
+            })
+        }
+
+        fn release<'a>(
+            &'a self,
+            claim_uid: &'a str,
+            _state: Option<&'a Value>,
+        ) -> futures::future::BoxFuture<'a, Result<(), String>> {
+            lock(&self.0).push(format!("release {claim_uid}"));
+            Box::pin(async { Ok(()) })
+        }
+
+        fn release_imported<'a>(
+            &'a self,
+            claim_uid: &'a str,
+            imported: &'a gpu_dra_core::checkpoint::Imported,
+        ) -> futures::future::BoxFuture<'a, Result<(), String>> {
+            lock(&self.0).push(format!(
+                "release_imported {claim_uid} timesliced={} mps={}",
+                imported.time_sliced_gpus.join(","),
+                imported.mps_control_daemons.join(",")
+            ));
+            Box::pin(async { Ok(()) })
+        }
+    }
+
+    const BOOT_1: &str = "1b7a3c2e-5d4f-4a6b-9c8d-0e1f2a3b4c5d";
+    const BOOT_2: &str = "2c8b4d3f-6e5a-4b7c-8d9e-1f2a3b4c5d6e";
+
+    fn recording_driver(
+        dir: &Path,
+        claims: Arc<MemoryClaims>,
+        sharing: Arc<Recording>,
+        boot: &str,
+    ) -> Driver {
+        DriverBuilder::new(dir, a100_inventory(4, 1))
+            .node_name(NODE)
+            .claims(claims)
+            .checkpoint_path(dir.join(gpu_dra_core::checkpoint::FILE_NAME))
+            .sharing(sharing)
+            .boot_id(boot)
+            .build()
+            .expect("driver")
+    }
+
+    fn time_sliced_claim(env: &Env, name: &str, uid: &str, device: &str) -> ClaimRef {
+        let ts = json!({"apiVersion": "resource.nvidia.com/v1beta1", "kind": "GpuConfig",
+                        "sharing": {"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Long"}}});
+        env.claims.insert(allocated_claim(
+            "ns",
+            name,
+            uid,
+            DRIVER,
+            NODE,
+            &[("gpu", device)],
+            &[("FromClaim", &["gpu"], ts)],
+        ));
+        ClaimRef {
+            namespace: "ns".into(),
+            name: name.into(),
+            uid: uid.into(),
+        }
+    }
+
+    #[tokio::test]
+    async fn same_boot_and_spec_present_answers_from_the_checkpoint_without_side_effects() {
+        let env = env();
+        let sharing = Arc::new(Recording::default());
+        let driver = recording_driver(env.dir.path(), env.claims.clone(), sharing.clone(), BOOT_1);
+        let c = time_sliced_claim(&env, "a", "uid-a", "gpu-1");
+        let first = driver.prepare(&c).await.expect("prepares");
+        assert_eq!(
+            on_disk(&env).claims["uid-a"].boot_id.as_deref(),
+            Some(BOOT_1)
+        );
+        let spec = std::fs::read(spec_path(&env, "uid-a")).expect("spec");
+        std::fs::write(spec_path(&env, "uid-a"), b"marker").expect("mark");
+        env.claims.remove("ns", "a");
+
+        let restarted =
+            recording_driver(env.dir.path(), env.claims.clone(), sharing.clone(), BOOT_1);
+        assert_eq!(restarted.prepare(&c).await.expect("repeat"), first);
+        assert_eq!(sharing.calls(), ["apply uid-a"], "sharing applied once");
+        assert_eq!(
+            std::fs::read(spec_path(&env, "uid-a")).expect("spec"),
+            b"marker",
+            "the spec is not rewritten"
+        );
+        assert_ne!(spec, b"marker");
+    }
+
+    #[tokio::test]
+    async fn a_missing_spec_is_regenerated_by_the_repeat_prepare_with_the_same_answer() {
+        let env = env();
+        let sharing = Arc::new(Recording::default());
+        let driver = recording_driver(env.dir.path(), env.claims.clone(), sharing.clone(), BOOT_1);
+        let c = time_sliced_claim(&env, "a", "uid-a", "gpu-1");
+        let first = driver.prepare(&c).await.expect("prepares");
+        let spec = std::fs::read(spec_path(&env, "uid-a")).expect("spec");
+        // The CDI root is a tmpfs that was emptied.
+        std::fs::remove_dir_all(env.dir.path().join("cdi")).expect("wipe");
+
+        assert_eq!(driver.prepare(&c).await.expect("repeat"), first);
+        assert_eq!(
+            std::fs::read(spec_path(&env, "uid-a")).expect("spec back"),
+            spec
+        );
+        assert_eq!(
+            sharing.calls(),
+            ["apply uid-a", "release uid-a", "apply uid-a"],
+            "sharing undone and applied again"
+        );
+        let cp = on_disk(&env);
+        assert_eq!(cp.claims["uid-a"].state, PrepareState::PrepareCompleted);
+        assert_eq!(cp.claims["uid-a"].devices, first);
+    }
+
+    #[tokio::test]
+    async fn after_a_reboot_sharing_is_reapplied_and_the_spec_rewritten() {
+        let env = env();
+        let sharing = Arc::new(Recording::default());
+        let driver = recording_driver(env.dir.path(), env.claims.clone(), sharing.clone(), BOOT_1);
+        let c = time_sliced_claim(&env, "a", "uid-a", "gpu-1");
+        let first = driver.prepare(&c).await.expect("prepares");
+        std::fs::write(spec_path(&env, "uid-a"), b"old boot").expect("mark");
+
+        let rebooted =
+            recording_driver(env.dir.path(), env.claims.clone(), sharing.clone(), BOOT_2);
+        assert_eq!(rebooted.prepare(&c).await.expect("repeat"), first);
+        assert_eq!(
+            sharing.calls(),
+            ["apply uid-a", "release uid-a", "apply uid-a"]
+        );
+        let spec = std::fs::read(spec_path(&env, "uid-a")).expect("spec");
+        assert_ne!(spec, b"old boot", "spec rewritten");
+        assert_eq!(
+            on_disk(&env).claims["uid-a"].boot_id.as_deref(),
+            Some(BOOT_2)
+        );
+        // Now current: the next repeat is answered from the checkpoint.
+        assert_eq!(rebooted.prepare(&c).await.expect("again"), first);
+        assert_eq!(sharing.calls().len(), 3);
+    }
+
+    const NVIDIA_V2: &str = include_str!("../../core/testdata/nvidia-checkpoint-v2.json");
+    const NV_TIME_SLICED: &str = "3f0c1b7e-8a55-4d2a-9b61-0c3e5f7a9d11";
+    const NV_MPS: &str = "7c4d1e55-2a6b-4f9e-b8d1-7cae3f5b9b33";
+    const NV_STARTED: &str = "9e6f3a77-4c8d-4b1a-8e2f-9d0b5a7c1d44";
+    /// The boot NVIDIA's fixture was written in (`v2.nodeBootID`).
+    const NV_BOOT: &str = "c8a1f4de-6b2e-4f0a-9d37-5e81b2c4a6f0";
+
+    fn nvidia_node() -> (Env, Arc<Recording>, Driver) {
+        let env = env();
+        let legacy = env
+            .dir
+            .path()
+            .join(gpu_dra_core::checkpoint::LEGACY_FILE_NAME);
+        std::fs::write(&legacy, NVIDIA_V2).expect("nvidia checkpoint");
+        let cdi = env.dir.path().join("cdi");
+        std::fs::create_dir_all(&cdi).expect("cdi");
+        for uid in [NV_TIME_SLICED, NV_MPS, NV_STARTED] {
+            std::fs::write(
+                cdi.join(gpu_dra_core::cdi::nvidia_spec_file_name(uid)),
+                "cdiVersion: 0.5.0\n",
+            )
+            .expect("nvidia spec");
+        }
+        let sharing = Arc::new(Recording::default());
+        let driver = recording_driver(env.dir.path(), env.claims.clone(), sharing.clone(), NV_BOOT);
+        (env, sharing, driver)
+    }
+
+    fn nvidia_spec(env: &Env, uid: &str) -> std::path::PathBuf {
+        env.dir
+            .path()
+            .join("cdi")
+            .join(gpu_dra_core::cdi::nvidia_spec_file_name(uid))
+    }
+
+    #[tokio::test]
+    async fn claims_nvidia_prepared_are_reserved_and_answered_with_their_devices() {
+        let (env, sharing, driver) = nvidia_node();
+        assert_eq!(driver.imported_mps_daemons(), [format!("{NV_MPS}-4e1a9")]);
+        // gpu-1 is held by NVIDIA's time-sliced claim.
+        let other = add(&env, "other", "uid-other", &[("gpu", "gpu-1")]);
+        let err = driver.prepare(&other).await.expect_err("held").to_string();
+        assert!(
+            err.contains(NV_TIME_SLICED) && err.contains("team-a/train"),
+            "{err}"
+        );
+
+        let c = ClaimRef {
+            namespace: "team-a".into(),
+            name: "train".into(),
+            uid: NV_TIME_SLICED.into(),
+        };
+        let devices = driver.prepare(&c).await.expect("answered");
+        assert_eq!(
+            devices[0].cdi_device_ids,
+            [format!("k8s.gpu.nvidia.com/claim={NV_TIME_SLICED}-gpu-1")]
+        );
+        assert_eq!(devices[0].device, "gpu-1");
+        assert!(sharing.calls().is_empty(), "answered without side effects");
+        assert!(
+            !spec_path(&env, NV_TIME_SLICED).exists(),
+            "NVIDIA's spec serves it"
+        );
+    }
+
+    #[tokio::test]
+    async fn unpreparing_an_imported_claim_cleans_up_what_nvidia_left_and_it_stays_gone() {
+        let (env, sharing, driver) = nvidia_node();
+        let legacy = env
+            .dir
+            .path()
+            .join(gpu_dra_core::checkpoint::LEGACY_FILE_NAME);
+        for (ns, name, uid) in [
+            ("team-a", "train", NV_TIME_SLICED),
+            ("team-c", "mps-shared", NV_MPS),
+        ] {
+            let c = ClaimRef {
+                namespace: ns.into(),
+                name: name.into(),
+                uid: uid.into(),
+            };
+            driver.unprepare(&c).await.expect("unprepares");
+            assert!(!nvidia_spec(&env, uid).exists());
+        }
+        assert_eq!(
+            sharing.calls(),
+            [
+                format!("release {NV_TIME_SLICED}"),
+                format!(
+                    "release_imported {NV_TIME_SLICED} timesliced=GPU-00000001-1111-2222-3333-444444444444 mps="
+                ),
+                format!("release {NV_MPS}"),
+                format!("release_imported {NV_MPS} timesliced= mps={NV_MPS}-4e1a9"),
+            ]
+        );
+        assert_eq!(std::fs::read_to_string(&legacy).expect("kept"), NVIDIA_V2);
+        // gpu-1 is free for our claims now.
+        let ours = add(&env, "ours", "uid-ours", &[("gpu", "gpu-1")]);
+        driver.prepare(&ours).await.expect("gpu-1 free");
+
+        // A restart reads NVIDIA's untouched file again: nothing comes back.
+        let restarted =
+            recording_driver(env.dir.path(), env.claims.clone(), sharing.clone(), NV_BOOT);
+        let cp = restarted.checkpoint();
+        assert!(!cp.claims.contains_key(NV_TIME_SLICED) && !cp.claims.contains_key(NV_MPS));
+        assert!(cp.claims.contains_key("uid-ours"));
+    }
+
+    #[tokio::test]
+    async fn an_imported_half_prepared_claim_is_rolled_back_and_prepared_by_us() {
+        let (env, sharing, driver) = nvidia_node();
+        let c = ClaimRef {
+            namespace: "team-a".into(),
+            name: "starting".into(),
+            uid: NV_STARTED.into(),
+        };
+        env.claims.insert(allocated_claim(
+            "team-a",
+            "starting",
+            NV_STARTED,
+            DRIVER,
+            NODE,
+            &[("gpu", "gpu-3")],
+            &[],
+        ));
+        driver.reconcile().await;
+        assert!(!nvidia_spec(&env, NV_STARTED).exists());
+        assert!(!driver.checkpoint().claims.contains_key(NV_STARTED));
+        let devices = driver.prepare(&c).await.expect("prepared by us");
+        assert_eq!(
+            devices[0].cdi_device_ids,
+            [format!("k8s.gpu.nvidia.com/claim={NV_STARTED}-gpu-3")]
+        );
+        assert!(spec_path(&env, NV_STARTED).exists());
+        assert!(sharing.calls().contains(&format!("apply {NV_STARTED}")));
+    }
+
+    #[tokio::test]
+    async fn an_imported_claim_whose_spec_is_gone_is_prepared_again_by_us() {
+        let (env, _sharing, driver) = nvidia_node();
+        std::fs::remove_file(nvidia_spec(&env, NV_TIME_SLICED)).expect("wipe");
+        let ts = json!({"apiVersion": "resource.nvidia.com/v1beta1", "kind": "GpuConfig",
+                        "sharing": {"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Long"}}});
+        env.claims.insert(allocated_claim(
+            "team-a",
+            "train",
+            NV_TIME_SLICED,
+            DRIVER,
+            NODE,
+            &[("gpu", "gpu-1")],
+            &[("FromClaim", &["gpu"], ts)],
+        ));
+        let c = ClaimRef {
+            namespace: "team-a".into(),
+            name: "train".into(),
+            uid: NV_TIME_SLICED.into(),
+        };
+        let devices = driver.prepare(&c).await.expect("prepared again");
+        assert_eq!(
+            devices[0].cdi_device_ids,
+            [format!("k8s.gpu.nvidia.com/claim={NV_TIME_SLICED}-gpu-1")]
+        );
+        assert!(spec_path(&env, NV_TIME_SLICED).exists());
+        let entry = &driver.checkpoint().claims[NV_TIME_SLICED];
+        assert!(entry.imported.is_none(), "ours from now on");
+        assert_eq!(entry.boot_id.as_deref(), Some(NV_BOOT));
     }
 }

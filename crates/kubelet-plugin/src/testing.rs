@@ -23,7 +23,7 @@ use crate::claims::{ClaimSource, MemoryClaims};
 use crate::driver::{Driver, DriverError, DriverParts, DriverSettings};
 use crate::failpoint::Failpoints;
 use crate::metrics::Metrics;
-use crate::sharing::ExclusiveOnly;
+use crate::sharing::{ExclusiveOnly, SharingExecutor};
 
 /// DRA driver name the fixtures use.
 pub const DRIVER_NAME: &str = "gpu.nvidia.com";
@@ -143,21 +143,40 @@ pub struct DriverBuilder {
     node_name: String,
     checkpoint_path: PathBuf,
     metrics: Arc<Metrics>,
+    sharing: Arc<dyn SharingExecutor>,
+    boot_id: Option<String>,
 }
 
 impl DriverBuilder {
     /// A driver for `inventory` on node [`NODE_NAME`], with claims in memory (empty), CDI specs
-    /// in `<root>/cdi` and the checkpoint in `<root>/plugin/checkpoint.json`. Call
-    /// [`simulate_host`] on `<root>/host` first for specs that point at existing files.
+    /// in `<root>/cdi`, the checkpoint in `<root>/plugin/gpu-dra-checkpoint.json`, sharing
+    /// refused ([`ExclusiveOnly`]) and no boot ID. Call [`simulate_host`] on `<root>/host`
+    /// first for specs that point at existing files.
     pub fn new(root: &Path, inventory: Inventory) -> Self {
         DriverBuilder {
             root: root.to_path_buf(),
             inventory,
             claims: Arc::new(MemoryClaims::default()),
             node_name: NODE_NAME.into(),
-            checkpoint_path: root.join("plugin/checkpoint.json"),
+            checkpoint_path: root
+                .join("plugin")
+                .join(gpu_dra_core::checkpoint::FILE_NAME),
             metrics: Arc::new(Metrics::default()),
+            sharing: Arc::new(ExclusiveOnly),
+            boot_id: None,
         }
+    }
+
+    /// Sets the sharing executor (e.g. a recording fake).
+    pub fn sharing(mut self, sharing: Arc<dyn SharingExecutor>) -> Self {
+        self.sharing = sharing;
+        self
+    }
+
+    /// Sets the node's current boot ID.
+    pub fn boot_id(mut self, boot_id: &str) -> Self {
+        self.boot_id = Some(boot_id.into());
+        self
     }
 
     /// Sets the node (and pool) name.
@@ -199,10 +218,11 @@ impl DriverBuilder {
                 driver_name: DRIVER_NAME.into(),
                 node_name: self.node_name,
                 checkpoint_path: self.checkpoint_path,
+                boot_id: self.boot_id,
             },
             inventory: Arc::new(self.inventory),
             claims: self.claims,
-            sharing: Arc::new(ExclusiveOnly),
+            sharing: self.sharing,
             decoder: Arc::new(gpu_dra_core::plan::ApiDecoder),
             cdi: Arc::new(cdi),
             failpoints: Failpoints::default(),
@@ -228,6 +248,7 @@ pub struct PluginCommand {
     inventory_fixture: Option<PathBuf>,
     failpoints: String,
     log_level: String,
+    boot_id_file: Option<PathBuf>,
 }
 
 impl PluginCommand {
@@ -243,6 +264,7 @@ impl PluginCommand {
             inventory_fixture: None,
             failpoints: String::new(),
             log_level: "info".into(),
+            boot_id_file: None,
         }
     }
 
@@ -273,6 +295,12 @@ impl PluginCommand {
     /// Sets `GPU_DRA_FAILPOINTS` (empty: none, whatever the test's own environment says).
     pub fn failpoints(mut self, failpoints: &str) -> Self {
         self.failpoints = failpoints.into();
+        self
+    }
+
+    /// Reads the boot ID from `file` instead of the kernel's (to simulate a reboot).
+    pub fn boot_id_file(mut self, file: &Path) -> Self {
+        self.boot_id_file = Some(file.to_path_buf());
         self
     }
 
@@ -320,6 +348,9 @@ impl PluginCommand {
         }
         if let Some(file) = &self.inventory_fixture {
             cmd.arg("--inventory-fixture").arg(file);
+        }
+        if let Some(file) = &self.boot_id_file {
+            cmd.arg("--boot-id-file").arg(file);
         }
         cmd.env("GPU_DRA_FAILPOINTS", &self.failpoints)
             .env("LOG_LEVEL", &self.log_level)

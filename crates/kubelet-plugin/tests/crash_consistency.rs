@@ -127,9 +127,13 @@ fn specs_on_disk(layout: &Layout) -> BTreeSet<String> {
 }
 
 fn checkpoint(layout: &Layout) -> Checkpoint {
-    std::fs::read(layout.plugin_dir().join("checkpoint.json"))
-        .map(|b| Checkpoint::from_json(&b).expect("checkpoint parses"))
-        .unwrap_or_else(|_| Checkpoint::new())
+    std::fs::read(
+        layout
+            .plugin_dir()
+            .join(gpu_dra_core::checkpoint::FILE_NAME),
+    )
+    .map(|b| Checkpoint::from_json(&b).expect("checkpoint parses"))
+    .unwrap_or_else(|_| Checkpoint::new())
 }
 
 /// After a successful prepare answer: both claims completed, a spec per claim whose devices

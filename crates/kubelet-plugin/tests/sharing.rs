@@ -643,3 +643,74 @@ async fn the_executor_applies_a_plan_group_with_edits_and_releases_without_state
     m.release(CLAIM_B, None).await.unwrap();
     assert_eq!(node.timeslice(4), 0);
 }
+
+#[tokio::test]
+async fn after_a_reboot_recorded_sharing_is_forgotten_not_restarted_and_nvidia_dirs_are_kept() {
+    let node = Node::new(PROFILE);
+    let booted = |boot: &str| {
+        let mut o = node.options();
+        o.boot_id = Some(boot.to_owned());
+        SharingManager::new(o, node.store(), node.metrics.clone()).unwrap()
+    };
+    let m = booted("boot-1");
+    m.recover().await.unwrap();
+    let req = MpsRequest {
+        active_thread_percentage: Some(50),
+        ..Default::default()
+    };
+    m.prepare(CLAIM_A, &mps(vec![gpu(&node.gpu_uuid(4))], req))
+        .await
+        .unwrap();
+    m.prepare(
+        CLAIM_B,
+        &ts(vec![gpu(&node.gpu_uuid(5))], TimeSliceInterval::Long),
+    )
+    .await
+    .unwrap();
+    let pid = m.mps_pid(CLAIM_A, "0").unwrap();
+    assert_eq!(
+        node.store().load().unwrap().boot_id.as_deref(),
+        Some("boot-1")
+    );
+    // The reboot: the daemon is gone, the plugin starts in a new boot. NVIDIA's driver left
+    // an MPS directory of a claim this plugin imported.
+    m.detach();
+    drop(m);
+    kill9(pid);
+    wait_until("the daemon to die", || !alive(pid)).await;
+    let nvidia_dir = node.plugin_dir.path().join("mps/nvidia-claim-4e1a9/pipe");
+    std::fs::create_dir_all(&nvidia_dir).unwrap();
+
+    let m = booted("boot-2");
+    m.keep_foreign_dirs(vec!["nvidia-claim-4e1a9".into()]);
+    let report = m.recover().await.unwrap();
+    assert_eq!(
+        report.previous_boot,
+        [daemon_id(CLAIM_A, "0"), node.gpu_uuid(5)]
+    );
+    assert!(
+        report.restarted.is_empty() && report.adopted.is_empty(),
+        "{report:?}"
+    );
+    assert_eq!(m.mps_pid(CLAIM_A, "0"), None);
+    assert!(
+        !node.daemon_dir(CLAIM_A, "0").exists(),
+        "old daemon directory removed"
+    );
+    assert!(
+        nvidia_dir.exists(),
+        "NVIDIA's directory is not ours to remove"
+    );
+    let saved = node.store().load().unwrap();
+    assert!(saved.mps.is_empty() && saved.time_slicing.is_empty());
+    assert_eq!(saved.boot_id.as_deref(), Some("boot-2"));
+    // The next prepare applies sharing again.
+    m.prepare(
+        CLAIM_A,
+        &mps(vec![gpu(&node.gpu_uuid(4))], MpsRequest::default()),
+    )
+    .await
+    .unwrap();
+    assert!(m.mps_pid(CLAIM_A, "0").is_some_and(alive));
+    m.unprepare(CLAIM_A).await.unwrap();
+}

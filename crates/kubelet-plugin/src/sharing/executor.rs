@@ -10,8 +10,14 @@
 //!
 //! Release must succeed when repeated, and also with no state at all (a crash between
 //! applying and saving the state), which is why it works from the claim UID.
+//!
+//! Claims imported from NVIDIA's driver have sharing that NVIDIA applied:
+//! [`SharingExecutor::release_imported`] resets the time-slicing it set. NVIDIA's MPS
+//! control daemons run as Deployments in the cluster, which a node plugin cannot delete: they
+//! are reported (what to delete, which GPUs to reset) and left running.
 
 use futures::future::BoxFuture;
+use gpu_dra_core::checkpoint::Imported;
 use gpu_dra_core::plan::{DevicePlan, Sharing, SharingGroup as PlanGroup};
 use serde_json::{Value, json};
 
@@ -44,6 +50,18 @@ pub trait SharingExecutor: Send + Sync {
         claim_uid: &'a str,
         state: Option<&'a Value>,
     ) -> BoxFuture<'a, Result<(), String>>;
+
+    /// Undoes the sharing NVIDIA's driver applied for an imported claim. Must succeed when
+    /// called again. The default does nothing: an executor without driver tools cannot
+    /// reset GPUs (and refuses sharing of its own, so nothing of ours conflicts).
+    fn release_imported<'a>(
+        &'a self,
+        claim_uid: &'a str,
+        imported: &'a Imported,
+    ) -> BoxFuture<'a, Result<(), String>> {
+        let _ = (claim_uid, imported);
+        Box::pin(async { Ok(()) })
+    }
 }
 
 /// The executor of builds without sharing: exclusive groups pass, sharing is refused.
@@ -145,5 +163,17 @@ impl SharingExecutor for SharingManager {
         _state: Option<&'a Value>,
     ) -> BoxFuture<'a, Result<(), String>> {
         Box::pin(async move { self.unprepare(claim_uid).await.map_err(|e| e.to_string()) })
+    }
+
+    fn release_imported<'a>(
+        &'a self,
+        claim_uid: &'a str,
+        imported: &'a Imported,
+    ) -> BoxFuture<'a, Result<(), String>> {
+        Box::pin(async move {
+            self.release_imported(claim_uid, imported)
+                .await
+                .map_err(|e| e.to_string())
+        })
     }
 }

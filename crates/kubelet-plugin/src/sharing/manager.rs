@@ -11,6 +11,17 @@
 //! - Unprepare marks the record `Stopping` and removes it only once the daemon is gone, the
 //!   compute mode restored and the directories removed; repeating it is always safe.
 //!
+//! After a reboot (the node's boot ID differs from the one the state was saved with) nothing
+//! recorded is real any more: daemons are gone, compute modes and time-slices are back to
+//! their defaults, and a recorded pid may now be an unrelated process. Recovery then forgets
+//! every record without signalling anything and removes the daemons' directories as strays;
+//! the kubelet's next prepare of each claim applies sharing again (the driver notices the
+//! reboot through the boot ID in its own checkpoint).
+//!
+//! Directories of MPS daemons that NVIDIA's driver started for claims imported from it live
+//! in the same `<plugin-dir>/mps` folder; [`SharingManager::keep_foreign_dirs`] names them
+//! so recovery leaves them alone.
+//!
 //! Time-slice changes are serialized by one lock (they are quick `nvidia-smi` calls, and the
 //! "last claim out resets the GPU" decision must not race a new claim setting it). MPS daemons
 //! of different claims start concurrently.
@@ -54,6 +65,8 @@ pub struct SharingOptions {
     pub restart_backoff_max: Duration,
     /// How often an adopted daemon (not our child) is checked for liveness.
     pub liveness_interval: Duration,
+    /// The node's current boot ID (`None`: unknown; reboots are then not detected here).
+    pub boot_id: Option<String>,
 }
 
 impl SharingOptions {
@@ -68,6 +81,7 @@ impl SharingOptions {
             restart_backoff_initial: Duration::from_millis(200),
             restart_backoff_max: Duration::from_secs(30),
             liveness_interval: Duration::from_millis(250),
+            boot_id: None,
         }
     }
 }
@@ -102,6 +116,8 @@ pub struct RecoveryReport {
     pub cleaned: Vec<String>,
     /// GPUs whose owed time-slice reset was done.
     pub timeslice_reset: Vec<String>,
+    /// Records of a previous boot, forgotten without touching any process.
+    pub previous_boot: Vec<String>,
 }
 
 /// Applies, supervises and undoes GPU sharing. Cheap to clone.
@@ -117,6 +133,8 @@ struct Inner {
     timeslice_lock: tokio::sync::Mutex<()>,
     supervised: Mutex<HashMap<String, Supervised>>,
     metrics: SharingMetrics,
+    /// Directory names under `<plugin-dir>/mps` that belong to NVIDIA's driver.
+    foreign_dirs: Mutex<Vec<String>>,
 }
 
 struct Supervised {
@@ -162,8 +180,77 @@ impl SharingManager {
                 timeslice_lock: tokio::sync::Mutex::new(()),
                 supervised: Mutex::new(HashMap::new()),
                 metrics,
+                foreign_dirs: Mutex::new(Vec::new()),
             }),
         })
+    }
+
+    /// Names directories under `<plugin-dir>/mps` (NVIDIA MPS daemon IDs of imported claims)
+    /// that [`Self::recover`] must not remove. Call before it.
+    pub fn keep_foreign_dirs(&self, ids: Vec<String>) {
+        *lock(&self.inner.foreign_dirs) = ids;
+    }
+
+    /// Undoes what NVIDIA's driver applied for an imported claim: resets time-slicing on its
+    /// GPUs unless a claim of ours uses them now. NVIDIA's MPS daemons are Deployments this
+    /// plugin cannot delete: they are reported with what to do. Idempotent.
+    pub async fn release_imported(
+        &self,
+        claim_uid: &str,
+        imported: &gpu_dra_core::checkpoint::Imported,
+    ) -> Result<(), SharingError> {
+        for id in &imported.mps_control_daemons {
+            warn!(
+                claim.uid = %claim_uid,
+                daemon = %id,
+                gpus = %imported.mps_gpus.join(","),
+                "claim imported from NVIDIA's driver used an MPS control daemon this plugin cannot stop: delete Deployment mps-control-daemon-{id} in NVIDIA driver's namespace, then reset the GPUs with `nvidia-smi -i <uuid> -c DEFAULT`"
+            );
+        }
+        let inner = &self.inner;
+        let _guard = inner.timeslice_lock.lock().await;
+        let mut first_error = None;
+        for gpu in &imported.time_sliced_gpus {
+            let ours = {
+                let s = lock(&inner.state);
+                s.time_slicing
+                    .get(gpu)
+                    .is_some_and(|r| !r.claims.is_empty())
+                    || s.mps.values().any(|r| r.whole_gpus.contains(gpu))
+            };
+            if ours {
+                continue;
+            }
+            let r = async {
+                smi::set_compute_mode(
+                    &inner.opts.driver_root,
+                    gpu,
+                    ComputeMode::Default,
+                    inner.opts.tool_timeout,
+                )
+                .await?;
+                smi::set_timeslice(
+                    &inner.opts.driver_root,
+                    gpu,
+                    TimeSliceInterval::Default,
+                    inner.opts.tool_timeout,
+                )
+                .await
+            }
+            .await;
+            match r {
+                Ok(()) | Err(SharingError::TimeSliceNotSupported { .. }) => {
+                    info!(claim.uid = %claim_uid, gpu = %gpu, "time-slicing set by NVIDIA's driver reset");
+                }
+                Err(e) => {
+                    first_error.get_or_insert(e);
+                }
+            }
+        }
+        match first_error {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
     }
 
     /// A copy of the current state (what the checkpoint holds).
@@ -230,6 +317,28 @@ impl SharingManager {
         let inner = &self.inner;
         let mut report = RecoveryReport::default();
         let mut first_error = None;
+
+        // A reboot since the state was saved: none of it exists any more.
+        if let Some(now) = &inner.opts.boot_id {
+            let forgotten = inner.update(|s| {
+                let mut forgotten = Vec::new();
+                if s.boot_id.as_ref().is_some_and(|then| then != now) {
+                    forgotten.extend(s.mps.keys().cloned());
+                    forgotten.extend(s.time_slicing.keys().cloned());
+                    s.mps.clear();
+                    s.time_slicing.clear();
+                }
+                s.boot_id = Some(now.clone());
+                forgotten
+            })?;
+            if !forgotten.is_empty() {
+                info!(
+                    records = %forgotten.join(","),
+                    "node rebooted since the sharing state was saved; forgetting it (sharing is applied again by the next prepare of each claim)"
+                );
+            }
+            report.previous_boot = forgotten;
+        }
 
         // Time-slice resets owed by an unprepare that did not finish.
         {
@@ -303,9 +412,14 @@ impl SharingManager {
                 .values()
                 .map(|r| r.dir.clone())
                 .collect();
+            let foreign = lock(&inner.foreign_dirs).clone();
             for entry in entries.flatten() {
                 let dir = entry.path();
-                if known.contains(&dir) {
+                if known.contains(&dir)
+                    || foreign
+                        .iter()
+                        .any(|id| entry.file_name().to_string_lossy() == id.as_str())
+                {
                     continue;
                 }
                 for pid in mps::find_daemons(&dir.join("pipe")) {

@@ -34,6 +34,11 @@ pub struct SharingState {
     /// MPS control daemons by daemon id (`<claimUID>-<group>`).
     #[serde(default)]
     pub mps: BTreeMap<String, MpsRecord>,
+    /// Boot ID of the node the state describes (`None`: unknown, saved by an older version).
+    /// Nothing recorded here survives a reboot: no daemon runs, GPU settings are back to
+    /// their defaults, and a recorded pid may belong to an unrelated process.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub boot_id: Option<String>,
 }
 
 /// A GPU whose time-slice interval we set, and the claims relying on it (reference count).
