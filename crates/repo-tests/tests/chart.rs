@@ -266,35 +266,100 @@ fn default_values() {
     assert_eq!(binding["spec"]["policyName"], vap["metadata"]["name"]);
     assert_eq!(strs(&binding["spec"]["validationActions"]), ["Deny"]);
 
-    // The webhook: registered for our three resources in v1 only, with a CA bundle.
+    // The webhook: one entry per kind, in v1 only, with a CA bundle; claims and templates
+    // on CREATE only (their spec is immutable), DeviceClasses also on UPDATE; failing open.
     let vwc = find(
         &objects,
         "ValidatingWebhookConfiguration",
         "rel-gpu-dra-driver-webhook",
     );
-    let hook = &vwc["webhooks"][0];
-    assert_eq!(hook["failurePolicy"], "Fail");
-    assert_eq!(strs(&hook["admissionReviewVersions"]), ["v1"]);
-    assert_eq!(hook["clientConfig"]["service"]["path"], "/validate");
-    assert!(
-        !hook["clientConfig"]["caBundle"]
-            .as_str()
-            .unwrap()
-            .is_empty()
-    );
-    let rule = &hook["rules"][0];
-    assert_eq!(strs(&rule["apiVersions"]), ["v1"]);
+    let hooks = vwc["webhooks"].as_array().unwrap();
+    let scope: Vec<(&str, Vec<&str>, Vec<&str>)> = hooks
+        .iter()
+        .map(|h| {
+            let rule = &h["rules"][0];
+            assert_eq!(h["rules"].as_array().unwrap().len(), 1);
+            assert_eq!(strs(&rule["apiVersions"]), ["v1"]);
+            assert_eq!(strs(&rule["apiGroups"]), ["resource.k8s.io"]);
+            (
+                h["name"].as_str().unwrap(),
+                strs(&rule["resources"]),
+                strs(&rule["operations"]),
+            )
+        })
+        .collect();
     assert_eq!(
-        strs(&rule["resources"]),
-        ["resourceclaims", "resourceclaimtemplates", "deviceclasses"]
+        scope,
+        [
+            (
+                "resourceclaims.opaque-config.gpu.nvidia.com",
+                vec!["resourceclaims"],
+                vec!["CREATE"]
+            ),
+            (
+                "resourceclaimtemplates.opaque-config.gpu.nvidia.com",
+                vec!["resourceclaimtemplates"],
+                vec!["CREATE"]
+            ),
+            (
+                "deviceclasses.opaque-config.gpu.nvidia.com",
+                vec!["deviceclasses"],
+                vec!["CREATE", "UPDATE"]
+            ),
+        ]
     );
-    assert_eq!(strs(&rule["operations"]), ["CREATE", "UPDATE"]);
+    for hook in hooks {
+        assert_eq!(hook["failurePolicy"], "Ignore");
+        assert_eq!(strs(&hook["admissionReviewVersions"]), ["v1"]);
+        assert_eq!(hook["sideEffects"], "None");
+        assert_eq!(hook["clientConfig"]["service"]["path"], "/validate");
+        assert!(
+            !hook["clientConfig"]["caBundle"]
+                .as_str()
+                .unwrap()
+                .is_empty()
+        );
+    }
+    let hook = &hooks[0];
     let deploy = find(&objects, "Deployment", "rel-gpu-dra-driver-webhook");
     let webhook_pod = &deploy["spec"]["template"]["spec"];
     assert_eq!(webhook_pod["automountServiceAccountToken"], false);
+    let probe = &webhook_pod["containers"][0]["readinessProbe"]["httpGet"];
     assert_eq!(
-        webhook_pod["containers"][0]["readinessProbe"]["httpGet"]["scheme"],
-        "HTTPS"
+        (&probe["path"], &probe["scheme"]),
+        (&"/readyz".into(), &"HTTPS".into())
+    );
+
+    // Availability: two replicas spread over nodes, never fewer during a rollout, and at most
+    // one taken by a voluntary disruption.
+    assert_eq!(deploy["spec"]["replicas"], 2);
+    assert_eq!(
+        deploy["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"],
+        0
+    );
+    let pod_labels = &deploy["spec"]["template"]["metadata"]["labels"];
+    let spread = &webhook_pod["topologySpreadConstraints"][0];
+    assert_eq!(spread["topologyKey"], "kubernetes.io/hostname");
+    assert_eq!(spread["whenUnsatisfiable"], "ScheduleAnyway");
+    let selects_pods = |selector: &Value| {
+        let labels = selector["matchLabels"].as_object().unwrap();
+        !labels.is_empty() && labels.iter().all(|(k, v)| &pod_labels[k] == v)
+    };
+    assert!(selects_pods(&spread["labelSelector"]), "{spread}");
+    let pdb = find(
+        &objects,
+        "PodDisruptionBudget",
+        "rel-gpu-dra-driver-webhook",
+    );
+    assert_eq!(pdb["apiVersion"], "policy/v1");
+    assert_eq!(pdb["spec"]["maxUnavailable"], 1);
+    assert!(pdb["spec"].get("minAvailable").is_none());
+    assert!(selects_pods(&pdb["spec"]["selector"]), "{pdb}");
+    assert!(
+        kinds(&objects)
+            .iter()
+            .all(|k| !k.starts_with("NetworkPolicy/")),
+        "the NetworkPolicy is off by default"
     );
     let secret = find(&objects, "Secret", "rel-gpu-dra-driver-webhook-tls");
     assert_eq!(
@@ -315,10 +380,16 @@ fn value_combinations() {
             "deviceClasses.gpu.config.kind=GpuConfig",
             "deviceClasses.gpu.config.sharing.strategy=TimeSlicing",
             "deviceClasses.gpu.config.sharing.timeSlicingConfig.interval=Long",
-            "webhook.failurePolicy=Ignore",
+            "webhook.failurePolicy=Fail",
             "webhook.v1beta1=true",
             "webhook.v1beta2=true",
             "webhook.tls.mode=certManager",
+            "webhook.replicas=3",
+            "webhook.podDisruptionBudget.enabled=false",
+            "webhook.topologySpread.whenUnsatisfiable=DoNotSchedule",
+            "webhook.networkPolicy.enabled=true",
+            "webhook.networkPolicy.apiServerCIDRs={10.0.0.0/24,fd00::/64}",
+            "webhook.networkPolicy.extraFrom[0].namespaceSelector.matchLabels.team=monitoring",
             "kubeletPlugin.driverRoot=/run/nvidia/driver",
             "kubeletPlugin.serviceAccount.name=plugin",
         ],
@@ -340,10 +411,44 @@ fn value_combinations() {
         hook["metadata"]["annotations"]["cert-manager.io/inject-ca-from"],
         format!("{NAMESPACE}/rel-gpu-dra-driver-webhook")
     );
-    assert_eq!(hook["webhooks"][0]["failurePolicy"], "Ignore");
+    for h in hook["webhooks"].as_array().unwrap() {
+        assert_eq!(h["failurePolicy"], "Fail");
+        assert_eq!(
+            strs(&h["rules"][0]["apiVersions"]),
+            ["v1", "v1beta2", "v1beta1"]
+        );
+    }
+    let deploy = find(&objects, "Deployment", "rel-gpu-dra-driver-webhook");
+    assert_eq!(deploy["spec"]["replicas"], 3);
     assert_eq!(
-        strs(&hook["webhooks"][0]["rules"][0]["apiVersions"]),
-        ["v1", "v1beta2", "v1beta1"]
+        deploy["spec"]["template"]["spec"]["topologySpreadConstraints"][0]["whenUnsatisfiable"],
+        "DoNotSchedule"
+    );
+    assert!(
+        kinds(&objects)
+            .iter()
+            .all(|k| !k.starts_with("PodDisruptionBudget/"))
+    );
+    // Only the API server's addresses (and the extra peers) reach the webhook port.
+    let np = find(&objects, "NetworkPolicy", "rel-gpu-dra-driver-webhook");
+    assert_eq!(strs(&np["spec"]["policyTypes"]), ["Ingress"]);
+    assert_eq!(
+        np["spec"]["podSelector"]["matchLabels"],
+        serde_json::json!({"app.kubernetes.io/instance": "rel", "app.kubernetes.io/component": "webhook"})
+    );
+    let ingress = np["spec"]["ingress"].as_array().unwrap();
+    assert_eq!(ingress.len(), 1);
+    assert_eq!(
+        ingress[0]["from"],
+        serde_json::json!([
+            {"ipBlock": {"cidr": "10.0.0.0/24"}},
+            {"ipBlock": {"cidr": "fd00::/64"}},
+            {"namespaceSelector": {"matchLabels": {"team": "monitoring"}}},
+        ])
+    );
+    assert_eq!(
+        ingress[0]["ports"],
+        serde_json::json!([{"protocol": "TCP", "port": 8443}])
     );
     find(&objects, "Certificate", "rel-gpu-dra-driver-webhook");
     find(&objects, "Issuer", "rel-gpu-dra-driver-webhook-selfsigned");
@@ -420,6 +525,18 @@ fn bad_values_are_refused_by_the_schema() {
         ("kubeletPlugin.driverRoot=relative", "driverRoot"),
         ("logFormat=xml", "logFormat"),
         ("webhook.tls.mode=secret", "webhook.tls.secret.name"),
+        (
+            "webhook.networkPolicy.enabled=true",
+            "webhook.networkPolicy.apiServerCIDRs",
+        ),
+        (
+            "webhook.networkPolicy.apiServerCIDRs={10.0.0.1}",
+            "apiServerCIDRs",
+        ),
+        (
+            "webhook.topologySpread.whenUnsatisfiable=Sometimes",
+            "whenUnsatisfiable",
+        ),
     ] {
         let out = Command::new(&helm)
             .args(["template", "rel"])
@@ -611,4 +728,119 @@ fn node_restriction_policy_keeps_each_plugin_to_its_node() {
             "{user}"
         );
     }
+}
+
+#[test]
+fn webhook_is_sent_only_objects_with_configs_for_our_driver() {
+    let Some(helm) = helm() else { return };
+    let objects = render(&helm, &[]);
+    let vwc = find(
+        &objects,
+        "ValidatingWebhookConfiguration",
+        "rel-gpu-dra-driver-webhook",
+    );
+    let hook = |resource: &str| {
+        vwc["webhooks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|h| h["rules"][0]["resources"][0] == resource)
+            .unwrap_or_else(|| panic!("no webhook for {resource}"))
+            .clone()
+    };
+    // True when every matchCondition holds, as the API server decides whether to call.
+    let sent = |hook: &Value, op: &str, object: Value, old: Value| {
+        let vars =
+            serde_json::json!({"request": {"operation": op}, "object": object, "oldObject": old});
+        hook["matchConditions"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|c| eval(c["expression"].as_str().unwrap(), &vars) == cel::Value::Bool(true))
+    };
+    let cfg = |driver: &str| serde_json::json!({"requests": ["gpu"], "opaque": {"driver": driver, "parameters": {}}});
+    let ours = cfg("gpu.nvidia.com");
+    let other = cfg("example.com");
+    let requests =
+        serde_json::json!([{"name": "gpu", "exactly": {"deviceClassName": "gpu.nvidia.com"}}]);
+    let devices = |config: Option<Value>| match config {
+        Some(c) => serde_json::json!({"requests": requests, "config": c}),
+        None => serde_json::json!({"requests": requests}),
+    };
+    let null = Value::Null;
+
+    let claims = hook("resourceclaims");
+    let claim = |d: Value| serde_json::json!({"spec": {"devices": d}});
+    let mixed = serde_json::json!([other, ours]);
+    assert!(sent(
+        &claims,
+        "CREATE",
+        claim(devices(Some(mixed.clone()))),
+        null.clone()
+    ));
+    for not_ours in [
+        claim(devices(Some(serde_json::json!([other])))),
+        claim(devices(Some(serde_json::json!([{"requests": ["gpu"]}])))),
+        claim(devices(Some(serde_json::json!([])))),
+        claim(devices(None)),
+        serde_json::json!({"spec": {}}),
+    ] {
+        assert!(
+            !sent(&claims, "CREATE", not_ours.clone(), null.clone()),
+            "{not_ours}"
+        );
+    }
+
+    let templates = hook("resourceclaimtemplates");
+    let template = |d: Value| serde_json::json!({"spec": {"spec": {"devices": d}}});
+    assert!(sent(
+        &templates,
+        "CREATE",
+        template(devices(Some(mixed.clone()))),
+        null.clone()
+    ));
+    assert!(!sent(
+        &templates,
+        "CREATE",
+        template(devices(Some(serde_json::json!([other])))),
+        null.clone()
+    ));
+    assert!(!sent(
+        &templates,
+        "CREATE",
+        template(devices(None)),
+        null.clone()
+    ));
+    assert!(!sent(
+        &templates,
+        "CREATE",
+        serde_json::json!({"spec": {"spec": {}}}),
+        null.clone()
+    ));
+
+    let classes = hook("deviceclasses");
+    let class = |config: Value, label: &str| serde_json::json!({"metadata": {"labels": {"l": label}}, "spec": {"selectors": [], "config": config}});
+    let with_ours = class(serde_json::json!([ours]), "a");
+    assert!(sent(&classes, "CREATE", with_ours.clone(), null.clone()));
+    assert!(!sent(
+        &classes,
+        "CREATE",
+        class(serde_json::json!([other]), "a"),
+        null.clone()
+    ));
+    assert!(!sent(
+        &classes,
+        "CREATE",
+        serde_json::json!({"spec": {"selectors": []}}),
+        null.clone()
+    ));
+    // UPDATE: only when the spec changed; a label edit is not reviewed.
+    assert!(!sent(
+        &classes,
+        "UPDATE",
+        class(serde_json::json!([ours]), "b"),
+        with_ours.clone()
+    ));
+    let changed = class(serde_json::json!([ours, ours]), "a");
+    assert!(sent(&classes, "UPDATE", changed, with_ours.clone()));
 }

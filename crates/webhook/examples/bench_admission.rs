@@ -10,6 +10,13 @@
 //! unlike latency, barely depends on what else the machine runs). Targets: p99 <= 1 ms, RSS <=
 //! 15 MiB. Also times the review itself in-process, to show how much is HTTP and TLS.
 //!
+//! In the same run it measures a no-op server: this example re-executed as a child process
+//! that serves, through the library's own transport (`server::serve_with`: same rustls
+//! configuration, same HTTP stack and limits, same runtime size), a handler that reads the
+//! body and answers a fixed allowed review. The two are measured in alternating rounds with
+//! the same client, and the ratio of their percentiles is printed: on a loaded machine both
+//! slow down together, so the ratio says what the webhook itself adds.
+//!
 //! `make bench` builds the binary and runs this. Flags: `--rate N` (default 1000),
 //! `--seconds N` (default 10), `--http1 N` (N HTTP/1.1 connections instead of HTTP/2),
 //! `--bin PATH` (default: `gpu-dra-webhook` next to this example's directory).
@@ -24,6 +31,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
+use gpu_dra_webhook::server::{Handler, Limits};
 use http::Request;
 use http_body_util::{BodyExt, Full};
 use hyper::body::Bytes;
@@ -263,12 +271,25 @@ async fn load(
 }
 
 /// Latencies of one run, sorted.
+#[derive(Default)]
 struct Latencies {
     /// From the request leaving the generator to the full response.
     service: Vec<Duration>,
     /// From the request's scheduled time: adds the generator's own lateness (tokio timers
     /// have 1 ms resolution) and any queueing behind a stall.
     scheduled: Vec<Duration>,
+}
+
+impl Latencies {
+    fn extend(&mut self, other: Latencies) {
+        self.service.extend(other.service);
+        self.scheduled.extend(other.scheduled);
+    }
+
+    fn sort(&mut self) {
+        self.service.sort();
+        self.scheduled.sort();
+    }
 }
 
 fn pct(sorted: &[Duration], p: f64) -> Duration {
@@ -308,6 +329,57 @@ fn cpu_time(pid: u32) -> anyhow::Result<Duration> {
     Ok(Duration::from_millis(ticks * 10))
 }
 
+/// The no-op handler: reads the body, answers a fixed allowed review.
+struct Noop {
+    limits: Limits,
+}
+
+const NOOP_BODY: &[u8] =
+    br#"{"apiVersion":"admission.k8s.io/v1","kind":"AdmissionReview","response":{"uid":"req","allowed":true}}"#;
+
+impl Handler for Noop {
+    async fn call(
+        self: Arc<Self>,
+        req: Request<hyper::body::Incoming>,
+    ) -> http::Response<Full<Bytes>> {
+        let _ = req.into_body().collect().await;
+        let mut resp = http::Response::new(Full::new(Bytes::from_static(NOOP_BODY)));
+        resp.headers_mut().insert(
+            http::header::CONTENT_TYPE,
+            http::HeaderValue::from_static("application/json"),
+        );
+        resp
+    }
+
+    fn limits(&self) -> &Limits {
+        &self.limits
+    }
+}
+
+/// `--noop-server ADDR CERT KEY`: the no-op server, run as a child of the benchmark.
+fn noop_server(addr: &str, cert: &str, key: &str) -> anyhow::Result<()> {
+    let metrics = gpu_dra_webhook::metrics::Metrics::new();
+    let cert = gpu_dra_webhook::tls::ReloadingCert::load(
+        cert.as_ref(),
+        key.as_ref(),
+        metrics.cert_reloads.clone(),
+        metrics.cert_reload_failures.clone(),
+    )?;
+    let tls = Arc::new(cert).server_config()?;
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(gpu_dra_webhook::worker_threads())
+        .enable_all()
+        .build()?
+        .block_on(async {
+            let listener = tokio::net::TcpListener::bind(addr).await?;
+            let noop = Arc::new(Noop {
+                limits: Limits::default(),
+            });
+            gpu_dra_webhook::server::serve_with(listener, tls, noop, std::future::pending()).await;
+            Ok(())
+        })
+}
+
 struct KillOnDrop(Child);
 
 impl Drop for KillOnDrop {
@@ -333,7 +405,33 @@ fn in_process(bodies: &[Bytes]) -> (Duration, Duration) {
     (pct(&times, 0.5), pct(&times, 0.99))
 }
 
+fn free_addr() -> anyhow::Result<SocketAddr> {
+    let port = StdListener::bind("127.0.0.1:0")?.local_addr()?.port();
+    Ok(([127, 0, 0, 1], port).into())
+}
+
+async fn connect_when_up(
+    addr: SocketAddr,
+    ca: &rustls::pki_types::CertificateDer<'static>,
+    http1: Option<usize>,
+) -> anyhow::Result<Sender> {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        match connect(addr, ca, http1).await {
+            Ok(s) => return Ok(s),
+            Err(e) if Instant::now() > deadline => return Err(e.context("server never came up")),
+            Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
+        }
+    }
+}
+
 fn main() -> anyhow::Result<()> {
+    let args: Vec<String> = std::env::args().collect();
+    if let [_, flag, addr, cert, key] = args.as_slice()
+        && flag == "--noop-server"
+    {
+        return noop_server(addr, cert, key);
+    }
     let o = opts()?;
     let bodies = bodies();
     let check: Value = serde_json::from_slice(&bodies[0])?;
@@ -351,8 +449,18 @@ fn main() -> anyhow::Result<()> {
     let cert = rcgen::generate_simple_self_signed(vec!["localhost".to_owned()])?;
     std::fs::write(dir.path().join("tls.crt"), cert.cert.pem())?;
     std::fs::write(dir.path().join("tls.key"), cert.signing_key.serialize_pem())?;
-    let port = StdListener::bind("127.0.0.1:0")?.local_addr()?.port();
-    let addr: SocketAddr = ([127, 0, 0, 1], port).into();
+    let addr = free_addr()?;
+    let noop_addr = free_addr()?;
+    let _noop = KillOnDrop(
+        Command::new(std::env::current_exe()?)
+            .arg("--noop-server")
+            .arg(noop_addr.to_string())
+            .arg(dir.path().join("tls.crt"))
+            .arg(dir.path().join("tls.key"))
+            .stdout(Stdio::null())
+            .spawn()
+            .context("starting the no-op server")?,
+    );
     let child = KillOnDrop(
         Command::new(&o.bin)
             .arg("--bind-address")
@@ -374,36 +482,38 @@ fn main() -> anyhow::Result<()> {
         .build()?;
     rt.block_on(async {
         let ca = cert.cert.der().clone();
-        let deadline = Instant::now() + Duration::from_secs(10);
-        let sender = loop {
-            match connect(addr, &ca, o.http1).await {
-                Ok(s) => break s,
-                Err(e) if Instant::now() > deadline => {
-                    return Err(e.context("server never came up"));
-                }
-                Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
-            }
-        };
+        let sender = connect_when_up(addr, &ca, o.http1).await?;
+        let noop = connect_when_up(noop_addr, &ca, o.http1).await?;
         let (status, _) = send(&sender, 0, "GET", "/readyz", Bytes::new()).await?;
         anyhow::ensure!(status == 200, "readyz answered {status}");
         let idle_rss = proc_status_kib(pid, "VmRSS:")?;
 
-        // Warm up (connection windows, allocator arenas), then measure.
+        // Warm up (connection windows, allocator arenas), then measure in alternating rounds
+        // so that a change in machine load hits both servers alike.
         load(&sender, &bodies, o.rate, 1).await?;
-        let cpu_before = cpu_time(pid)?;
-        let lat = load(&sender, &bodies, o.rate, o.seconds).await?;
-        let cpu = cpu_time(pid)?.saturating_sub(cpu_before);
+        load(&noop, &bodies, o.rate, 1).await?;
+        let rounds = 4;
+        let secs = o.seconds.div_ceil(rounds).max(1);
+        let mut lat = Latencies::default();
+        let mut base = Latencies::default();
+        let mut cpu = Duration::ZERO;
+        for _ in 0..rounds {
+            let cpu_before = cpu_time(pid)?;
+            lat.extend(load(&sender, &bodies, o.rate, secs).await?);
+            cpu += cpu_time(pid)?.saturating_sub(cpu_before);
+            base.extend(load(&noop, &bodies, o.rate, secs).await?);
+        }
+        lat.sort();
+        base.sort();
         let rss = proc_status_kib(pid, "VmRSS:")?;
         let hwm = proc_status_kib(pid, "VmHWM:")?;
-        let p99 = pct(&lat.service, 0.99);
         let transport = match o.http1 {
             None => "HTTP/2, 1 connection".to_owned(),
             Some(n) => format!("HTTP/1.1, {n} connections"),
         };
         println!(
-            "admission over TLS ({transport}), {} req/s for {} s: {} requests, 10% denied",
+            "admission over TLS ({transport}), {} req/s, {rounds} rounds of {secs} s alternating with the no-op server: {} requests, 10% denied",
             o.rate,
-            o.seconds,
             lat.service.len()
         );
         for (what, l) in [
@@ -419,10 +529,24 @@ fn main() -> anyhow::Result<()> {
                 us(pct(l, 1.0))
             );
         }
+        let (p50, p99) = (pct(&lat.service, 0.5), pct(&lat.service, 0.99));
+        let (n50, n99) = (pct(&base.service, 0.5), pct(&base.service, 0.99));
+        println!(
+            "  no-op server (same TLS, HTTP and client) latency from send p50 {} p99 {}",
+            us(n50),
+            us(n99)
+        );
+        println!(
+            "  webhook / no-op: p50 {:.2}x (+{}), p99 {:.2}x (+{})",
+            p50.as_secs_f64() / n50.as_secs_f64(),
+            us(p50.saturating_sub(n50)),
+            p99.as_secs_f64() / n99.as_secs_f64(),
+            us(p99.saturating_sub(n99))
+        );
         println!(
             "  server CPU: {:.1} us per request ({:.1}% of one core), less sensitive to machine load than latency",
             cpu.as_secs_f64() * 1e6 / lat.service.len() as f64,
-            cpu.as_secs_f64() * 100.0 / f64::from(o.seconds)
+            cpu.as_secs_f64() * 100.0 / f64::from(rounds * secs)
         );
         println!(
             "  server memory: VmRSS {:.1} MiB (idle {:.1} MiB), VmHWM {:.1} MiB",

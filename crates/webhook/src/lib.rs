@@ -7,7 +7,8 @@
 //! - [`admission`]: pure AdmissionReview decoding and answering;
 //! - [`validation`]: the bridge to the `api` crate;
 //! - [`tls`]: the serving certificate, reloaded when its files rotate;
-//! - [`server`]: HTTPS (HTTP/1.1 and HTTP/2) routing and graceful shutdown;
+//! - [`server`]: HTTPS (HTTP/1.1 and HTTP/2) routing, limits against slow and oversized
+//!   requests, and graceful shutdown;
 //! - [`metrics`]: Prometheus metrics.
 
 pub mod admission;
@@ -26,7 +27,7 @@ use gpu_dra_telemetry::LogArgs;
 use tokio::net::TcpListener;
 
 use crate::metrics::Metrics;
-use crate::server::App;
+use crate::server::{App, Limits};
 use crate::tls::ReloadingCert;
 
 /// Command line of `gpu-dra-webhook`; every flag has an environment twin (the chart sets those).
@@ -45,6 +46,13 @@ pub struct Args {
     /// Opaque configs addressed to this driver are validated; others are left alone.
     #[arg(long, env = "DRIVER_NAME", default_value = "gpu.nvidia.com")]
     pub driver_name: String,
+    /// Deadline of each phase of a request: TLS handshake, first request on a connection,
+    /// HTTP/1.1 headers, body. Slower clients are disconnected.
+    #[arg(long, env = "READ_TIMEOUT_SECONDS", default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..=60))]
+    pub read_timeout_seconds: u64,
+    /// Open connections at most; more are closed when accepted.
+    #[arg(long, env = "MAX_CONNECTIONS", default_value_t = 128, value_parser = clap::value_parser!(u64).range(1..=100_000))]
+    pub max_connections: u64,
     /// Logging.
     #[command(flatten)]
     pub log: LogArgs,
@@ -64,7 +72,12 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     let listener = TcpListener::bind(args.bind_address)
         .await
         .with_context(|| format!("binding {}", args.bind_address))?;
-    let app = Arc::new(App::new(args.driver_name, metrics));
+    let limits = Limits {
+        read_timeout: std::time::Duration::from_secs(args.read_timeout_seconds),
+        max_connections: usize::try_from(args.max_connections).unwrap_or(usize::MAX),
+        ..Limits::default()
+    };
+    let app = Arc::new(App::with_limits(args.driver_name, metrics, limits));
     server::serve(listener, tls, app, shutdown_signal()).await;
     Ok(())
 }
@@ -118,6 +131,8 @@ mod tests {
                 ("tls_cert_file", "TLS_CERT_FILE"),
                 ("tls_key_file", "TLS_KEY_FILE"),
                 ("driver_name", "DRIVER_NAME"),
+                ("read_timeout_seconds", "READ_TIMEOUT_SECONDS"),
+                ("max_connections", "MAX_CONNECTIONS"),
                 ("log_format", "LOG_FORMAT"),
                 ("log_level", "LOG_LEVEL"),
             ]
@@ -142,6 +157,16 @@ mod tests {
         }
         if unset("DRIVER_NAME") {
             assert_eq!(a.driver_name, "gpu.nvidia.com");
+        }
+        let limits = Limits::default();
+        if unset("READ_TIMEOUT_SECONDS") {
+            assert_eq!(
+                std::time::Duration::from_secs(a.read_timeout_seconds),
+                limits.read_timeout
+            );
+        }
+        if unset("MAX_CONNECTIONS") {
+            assert_eq!(a.max_connections, limits.max_connections as u64);
         }
         if unset("LOG_FORMAT") {
             assert_eq!(a.log.log_format, gpu_dra_telemetry::LogFormat::Text);

@@ -112,3 +112,28 @@ async fn an_oversized_body_is_refused() {
     assert_eq!(status, 413, "{body}");
     server.stop().await;
 }
+
+async fn readyz(app: &gpu_dra_webhook::server::App) -> u16 {
+    let req = http::Request::get("/readyz")
+        .body(http_body_util::Empty::<hyper::body::Bytes>::new())
+        .expect("a valid request");
+    app.handle(req).await.status().as_u16()
+}
+
+#[tokio::test]
+async fn ready_only_while_serving_with_a_certificate() {
+    // Built but not serving (the certificate is loaded only on the way to `serve`): not ready.
+    let idle = gpu_dra_webhook::server::App::new("gpu.nvidia.com".into(), Default::default());
+    assert_eq!(readyz(&idle).await, 503);
+
+    let dir = tempfile::tempdir().unwrap();
+    let a = common::pair();
+    common::install(dir.path(), &a);
+    let server = common::start(dir.path()).await;
+    let app = std::sync::Arc::clone(&server.app);
+    let (mut c, _) = common::connect(server.addr, &[&a.der], b"h2").await;
+    assert_eq!(c.send("GET", "/readyz", vec![]).await.0, 200);
+    assert_eq!(readyz(&app).await, 200);
+    server.stop().await;
+    assert_eq!(readyz(&app).await, 503, "not ready once shutdown began");
+}

@@ -48,6 +48,7 @@ pub fn install(dir: &Path, p: &Pair) {
 /// A running in-process server.
 pub struct Running {
     pub addr: SocketAddr,
+    pub app: Arc<App>,
     stop: Option<oneshot::Sender<()>>,
     task: JoinHandle<()>,
 }
@@ -80,11 +81,12 @@ pub async fn start(dir: &Path) -> Running {
     let addr = listener.local_addr().unwrap();
     let app = Arc::new(App::new("gpu.nvidia.com".into(), metrics));
     let (tx, rx) = oneshot::channel();
-    let task = tokio::spawn(server::serve(listener, tls, app, async {
+    let task = tokio::spawn(server::serve(listener, tls, Arc::clone(&app), async {
         let _ = rx.await;
     }));
     Running {
         addr,
+        app,
         stop: Some(tx),
         task,
     }
@@ -96,12 +98,12 @@ pub enum Client {
     H2(hyper::client::conn::http2::SendRequest<Full<Bytes>>),
 }
 
-/// Connects to `addr` trusting `trusted`; returns the client and the served leaf certificate.
-pub async fn connect(
+/// A TLS stream to `addr` trusting `trusted`, offering `alpn`.
+pub async fn tls(
     addr: SocketAddr,
     trusted: &[&CertificateDer<'static>],
     alpn: &[u8],
-) -> (Client, CertificateDer<'static>) {
+) -> std::io::Result<tokio_rustls::client::TlsStream<TcpStream>> {
     let mut roots = rustls::RootCertStore::empty();
     for c in trusted {
         roots.add((*c).clone()).unwrap();
@@ -113,11 +115,20 @@ pub async fn connect(
         .with_root_certificates(roots)
         .with_no_client_auth();
     config.alpn_protocols = vec![alpn.to_vec()];
-    let tcp = TcpStream::connect(addr).await.unwrap();
-    let tls = TlsConnector::from(Arc::new(config))
+    let tcp = TcpStream::connect(addr).await?;
+    tcp.set_nodelay(true)?;
+    TlsConnector::from(Arc::new(config))
         .connect(ServerName::try_from("localhost").unwrap(), tcp)
         .await
-        .unwrap();
+}
+
+/// Connects to `addr` trusting `trusted`; returns the client and the served leaf certificate.
+pub async fn connect(
+    addr: SocketAddr,
+    trusted: &[&CertificateDer<'static>],
+    alpn: &[u8],
+) -> (Client, CertificateDer<'static>) {
+    let tls = tls(addr, trusted, alpn).await.unwrap();
     let (_, session) = tls.get_ref();
     let leaf = session.peer_certificates().unwrap()[0].clone();
     let negotiated = session.alpn_protocol().map(<[u8]>::to_vec);
@@ -140,6 +151,16 @@ pub async fn connect(
 impl Client {
     /// Sends one request and returns the status and body text.
     pub async fn send(&mut self, method: &str, path: &str, body: Vec<u8>) -> (u16, String) {
+        self.try_send(method, path, body).await.unwrap()
+    }
+
+    /// Like [`Client::send`], with the connection's errors returned.
+    pub async fn try_send(
+        &mut self,
+        method: &str,
+        path: &str,
+        body: Vec<u8>,
+    ) -> Result<(u16, String), hyper::Error> {
         let req = Request::builder()
             .method(method)
             .uri(format!("https://localhost{path}"))
@@ -148,16 +169,16 @@ impl Client {
             .unwrap();
         let resp: Response<hyper::body::Incoming> = match self {
             Client::H1(s) => {
-                s.ready().await.unwrap();
-                s.send_request(req).await.unwrap()
+                s.ready().await?;
+                s.send_request(req).await?
             }
             Client::H2(s) => {
-                s.ready().await.unwrap();
-                s.send_request(req).await.unwrap()
+                s.ready().await?;
+                s.send_request(req).await?
             }
         };
         let status = resp.status().as_u16();
-        let bytes = resp.into_body().collect().await.unwrap().to_bytes();
-        (status, String::from_utf8(bytes.to_vec()).unwrap())
+        let bytes = resp.into_body().collect().await?.to_bytes();
+        Ok((status, String::from_utf8_lossy(&bytes).into_owned()))
     }
 }
