@@ -535,6 +535,10 @@ func (n *Node) Stop() {
 		n.cancel()
 	}
 	n.wg.Wait()
+	if n.runtime != nil {
+		// A pod sync that was under way may have started containers since.
+		n.runtime.stop()
+	}
 }
 
 // CDIDevices returns the CDI device IDs recorded on a pod, per container.
