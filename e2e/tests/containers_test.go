@@ -12,6 +12,7 @@ import (
 
 	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/gpu-dra/e2e/harness"
@@ -131,14 +132,18 @@ func allocatedDevices(ctx context.Context, t *testing.T, pod *v1.Pod, ctr v1.Con
 }
 
 // checkMPSControl asks, from inside the container, the MPS control daemon
-// of its claim for the default active thread percentage, through the pipe
-// directory and CUDA_MPS_PIPE_DIRECTORY its CDI devices give it (the way a
-// CUDA client finds the daemon): the daemon must answer with the claim's
-// defaultActiveThreadPercentage.
+// of its claim for its defaults, through the pipe directory and
+// CUDA_MPS_PIPE_DIRECTORY its CDI devices give it (the way a CUDA client
+// finds the daemon): the active thread percentage must be the claim's
+// defaultActiveThreadPercentage and, for a one-device claim, the pinned
+// memory limit of device 0 its defaultPerDevicePinnedMemoryLimit["0"] or
+// else defaultPinnedDeviceMemoryLimit, as the tool prints them ("50.0", "4G").
 func checkMPSControl(ctx context.Context, t *testing.T, pod *v1.Pod, ctr v1.Container) {
 	t.Helper()
-	want := ""
+	wantPct, wantMem := "", ""
+	devices := 0
 	for _, use := range containerClaims(ctx, t, pod, ctr) {
+		devices += len(use.claim.Status.Allocation.Devices.Results)
 		for _, cfg := range use.claim.Status.Allocation.Devices.Config {
 			if cfg.Opaque == nil || cfg.Opaque.Driver != harness.DefaultDriver {
 				continue
@@ -146,30 +151,57 @@ func checkMPSControl(ctx context.Context, t *testing.T, pod *v1.Pod, ctr v1.Cont
 			var params struct {
 				Sharing struct {
 					MPSConfig struct {
-						DefaultActiveThreadPercentage *int `json:"defaultActiveThreadPercentage"`
+						DefaultActiveThreadPercentage     *int              `json:"defaultActiveThreadPercentage"`
+						DefaultPinnedDeviceMemoryLimit    string            `json:"defaultPinnedDeviceMemoryLimit"`
+						DefaultPerDevicePinnedMemoryLimit map[string]string `json:"defaultPerDevicePinnedMemoryLimit"`
 					} `json:"mpsConfig"`
 				} `json:"sharing"`
 			}
 			if err := json.Unmarshal(cfg.Opaque.Parameters.Raw, &params); err != nil {
 				t.Fatalf("claim %s opaque config: %v", use.claim.Name, err)
 			}
-			if p := params.Sharing.MPSConfig.DefaultActiveThreadPercentage; p != nil {
-				want = fmt.Sprintf("%d.0", *p)
+			mps := params.Sharing.MPSConfig
+			if mps.DefaultActiveThreadPercentage != nil {
+				wantPct = fmt.Sprintf("%d.0", *mps.DefaultActiveThreadPercentage)
+			}
+			limit := mps.DefaultPinnedDeviceMemoryLimit
+			if l, ok := mps.DefaultPerDevicePinnedMemoryLimit["0"]; ok {
+				limit = l
+			}
+			if limit != "" {
+				q, err := resource.ParseQuantity(limit)
+				if err != nil {
+					t.Fatalf("claim %s: memory limit %q: %v", use.claim.Name, limit, err)
+				}
+				if mib := q.Value() >> 20; mib%1024 == 0 {
+					wantMem = fmt.Sprintf("%dG", mib/1024)
+				} else {
+					wantMem = fmt.Sprintf("%dM", mib)
+				}
 			}
 		}
 	}
-	res, err := cluster.Node(pod.Spec.NodeName).Exec(ctx, pod, ctr.Name, "sh", "-c",
-		"echo get_default_active_thread_percentage | nvidia-cuda-mps-control")
-	if err != nil {
-		t.Fatal(err)
+	ask := func(command string) string {
+		res, err := cluster.Node(pod.Spec.NodeName).Exec(ctx, pod, ctr.Name, "sh", "-c", "echo "+command+" | nvidia-cuda-mps-control")
+		if err != nil {
+			t.Fatal(err)
+		}
+		if res.ExitCode != 0 {
+			t.Errorf("pod %s container %s: nvidia-cuda-mps-control (%s) exited %d: %s%s", pod.Name, ctr.Name, command, res.ExitCode, res.Stdout, res.Stderr)
+		}
+		return strings.TrimSpace(res.Stdout)
 	}
-	got := strings.TrimSpace(res.Stdout)
-	t.Logf("pod %s container %s: MPS control daemon says active thread percentage %q", pod.Name, ctr.Name, got)
-	if res.ExitCode != 0 {
-		t.Errorf("pod %s container %s: nvidia-cuda-mps-control exited %d: %s%s", pod.Name, ctr.Name, res.ExitCode, res.Stdout, res.Stderr)
+	pct := ask("get_default_active_thread_percentage")
+	t.Logf("pod %s container %s: MPS control daemon says active thread percentage %q", pod.Name, ctr.Name, pct)
+	if wantPct != "" && pct != wantPct {
+		t.Errorf("pod %s container %s: the MPS daemon's active thread percentage is %q, the claim asks %s", pod.Name, ctr.Name, pct, wantPct)
 	}
-	if want != "" && got != want {
-		t.Errorf("pod %s container %s: the MPS daemon's active thread percentage is %q, the claim asks %s", pod.Name, ctr.Name, got, want)
+	if devices == 1 && wantMem != "" {
+		mem := ask("get_default_device_pinned_mem_limit 0")
+		t.Logf("pod %s container %s: MPS control daemon says pinned memory limit of device 0 %q", pod.Name, ctr.Name, mem)
+		if mem != wantMem {
+			t.Errorf("pod %s container %s: the MPS daemon's pinned memory limit of device 0 is %q, the claim asks %s", pod.Name, ctr.Name, mem, wantMem)
+		}
 	}
 }
 
