@@ -8,7 +8,7 @@ TOOLS := $(CURDIR)/.tools
 HELM_VERSION ?= v3.22.0
 HELM := $(TOOLS)/bin/helm
 
-.PHONY: help build release unit test lint fmt fuzz bench generate chart-check e2e e2e-build e2e-bins e2e-tools e2e-kubectl demo bench-e2e
+.PHONY: help build release unit test lint fmt fuzz bench generate chart-check e2e e2e-build e2e-bins e2e-tools e2e-runtime e2e-image e2e-kubectl demo bench-e2e
 
 help: ## list targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | sort
@@ -33,7 +33,9 @@ test: unit chart-check e2e ## everything CI checks: lint, Rust tests, the Helm c
 
 # --- e2e: a real control plane in one Go process (e2e/), simulated GPU nodes ---
 E2E_TIMEOUT ?= 45m
-E2E_ENV = E2E_REPO_ROOT=$(CURDIR) E2E_BIN_DIR=$(CURDIR)/target/debug
+# The root filesystem every e2e container runs on (no registry is reachable to pull images).
+TEST_IMAGE := $(TOOLS)/test-image
+E2E_ENV = E2E_REPO_ROOT=$(CURDIR) E2E_BIN_DIR=$(CURDIR)/target/debug E2E_TEST_IMAGE=$(TEST_IMAGE)/rootfs
 
 e2e-tools: $(HELM) ## helm from the Go module proxy into .tools/bin (renders the chart for e2e and demo)
 
@@ -46,10 +48,18 @@ e2e-build: ## compile the e2e harness, demo, benchmark and tests without running
 e2e-bins: ## the binaries e2e runs: node plugin, webhook, simulator
 	$(CARGO) build --workspace --locked
 
-e2e: e2e-bins e2e-tools ## end-to-end tests against the in-process control plane
+e2e-runtime: ## runc and a static busybox (Debian packages), installed when missing: e2e runs containers
+	@if ! command -v runc >/dev/null || ! busybox --list >/dev/null 2>&1 || ldd "$$(command -v busybox)" >/dev/null 2>&1; then \
+		apt-get update && apt-get install -y --no-install-recommends runc busybox-static; \
+	fi
+
+e2e-image: e2e-bins e2e-runtime ## the e2e test image: busybox, glibc for the simulator's tools, an ld cache
+	bash e2e/testimage/build.sh $(TEST_IMAGE) target/debug/nvidia-smi target/debug/libnvidia_ml.so
+
+e2e: e2e-bins e2e-tools e2e-image ## end-to-end tests against the in-process control plane
 	cd e2e && $(E2E_ENV) $(GO) test -count=1 -timeout $(E2E_TIMEOUT) ./...
 
-demo: e2e-bins e2e-tools ## local cluster with an A100 and a T4 node, a short tour, then up for kubectl until Ctrl-C
+demo: e2e-bins e2e-tools e2e-image ## local cluster with an A100 and a T4 node, a short tour, then up for kubectl until Ctrl-C
 	cd e2e && $(E2E_ENV) $(GO) run ./cmd/demo
 
 bench-e2e: e2e-bins ## scale benchmark: 100 nodes x 8 GPUs, 800 one-GPU pods (not in CI)

@@ -6,13 +6,18 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"runtime/debug"
+	"strings"
 	"time"
 
 	"github.com/spf13/pflag"
 	utilerrors "k8s.io/apimachinery/pkg/util/errors"
 	"k8s.io/apimachinery/pkg/util/wait"
+	apimachineryversion "k8s.io/apimachinery/pkg/version"
+	genericapiserver "k8s.io/apiserver/pkg/server"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
+	basecompatibility "k8s.io/component-base/compatibility"
 	"k8s.io/kubernetes/cmd/kube-apiserver/app"
 	"k8s.io/kubernetes/cmd/kube-apiserver/app/options"
 )
@@ -94,6 +99,13 @@ func startAPIServer(ctx context.Context, dir, etcdURL string, ca *CA) (*apiserve
 	if err != nil {
 		return nil, fmt.Errorf("kube-apiserver config: %w", err)
 	}
+	if v := ModuleKubernetesVersion(); v != "" {
+		// /version is answered by each server of the chain (aggregator
+		// first); all of them report the Kubernetes release built in.
+		for _, g := range []*genericapiserver.Config{cfg.KubeAPIs.ControlPlane.Generic, &cfg.ApiExtensions.GenericConfig.Config, &cfg.Aggregator.GenericConfig.Config} {
+			g.EffectiveVersion = releaseVersion{EffectiveVersion: g.EffectiveVersion, gitVersion: v}
+		}
+	}
 	cc, err := cfg.Complete()
 	if err != nil {
 		return nil, err
@@ -143,4 +155,52 @@ func (a *apiserver) waitHealthy(ctx context.Context, cfg *rest.Config) error {
 		return fmt.Errorf("kube-apiserver not ready: %w (last: %s)", err, last)
 	}
 	return nil
+}
+
+// ModuleKubernetesVersion is the version of k8s.io/kubernetes built in:
+// from the binary's build info, else (test binaries carry no module list)
+// from the require line in e2e/go.mod; "" if neither says.
+func ModuleKubernetesVersion() string {
+	const module = "k8s.io/kubernetes"
+	if info, ok := debug.ReadBuildInfo(); ok {
+		for _, d := range info.Deps {
+			if d.Path == module && d.Replace != nil {
+				return d.Replace.Version
+			}
+			if d.Path == module {
+				return d.Version
+			}
+		}
+	}
+	path, err := RepoPath("e2e/go.mod")
+	if err != nil {
+		return ""
+	}
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return ""
+	}
+	for _, line := range strings.Split(string(data), "\n") {
+		fields := strings.Fields(strings.TrimPrefix(strings.TrimSpace(line), "require "))
+		if len(fields) >= 2 && fields[0] == module {
+			return fields[1]
+		}
+	}
+	return ""
+}
+
+// releaseVersion reports a release's git version from /version. A
+// kube-apiserver built from Go modules, without the release build's
+// -ldflags, reports "v0.0.0-master+$Format:%H$", which kubectl and client
+// libraries refuse to parse.
+type releaseVersion struct {
+	basecompatibility.EffectiveVersion
+	gitVersion string
+}
+
+// Info is the wrapped version's, with the release's git version.
+func (v releaseVersion) Info() *apimachineryversion.Info {
+	info := v.EffectiveVersion.Info()
+	info.GitVersion = v.gitVersion
+	return info
 }

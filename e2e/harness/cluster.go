@@ -4,10 +4,11 @@
 // own plugin watcher and DRA manager.
 //
 // Invariants: everything a Cluster starts lives under Cluster.Dir and stops
-// with Cluster.Stop; nothing listens on anything but 127.0.0.1; nothing here
-// fakes a Kubernetes component between the API and the container runtime
-// (no container runs: a simulated node marks a pod Running once the kubelet's
-// DRA manager has prepared its claims and recorded the CDI device IDs).
+// with Cluster.Stop (containers included); nothing listens on anything but
+// 127.0.0.1; nothing here fakes a Kubernetes component between the API and
+// the container runtime: the kubelet's DRA manager prepares the claims, and
+// the containers run with runc after the CDI library applied their CDI
+// devices (see runtime.go).
 package harness
 
 import (

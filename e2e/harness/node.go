@@ -42,12 +42,16 @@ type NodeOptions struct {
 	Name string
 	// Labels added to the Node object (kubernetes.io/hostname is always set).
 	Labels map[string]string
+	// NoContainers: pods are marked Running once their claims are prepared
+	// and no container runs (for the scale benchmark: hundreds of pods on a
+	// few cores). Otherwise every container runs with runc (see runtime.go).
+	NoContainers bool
 }
 
 // Node is a simulated node: a Node object kept Ready, the kubelet's plugin
 // manager watching RegistrarDir, the kubelet's DRA manager (checkpoint in
-// StateDir) and a pod loop doing what the kubelet does for DRA up to the
-// container runtime.
+// StateDir), a pod loop doing what the kubelet does for DRA, and a container
+// runtime (runc, with the CDI library applying the claims' CDI devices).
 type Node struct {
 	// Name of the Node object.
 	Name string
@@ -67,6 +71,7 @@ type Node struct {
 	Plugin *PluginProcess
 
 	cluster *Cluster
+	runtime *runtime // nil with NodeOptions.NoContainers
 	dra     *dra.Manager
 	pods    corelisters.PodLister
 	queue   workqueue.TypedRateLimitingInterface[string]
@@ -112,6 +117,12 @@ func (c *Cluster) AddNode(ctx context.Context, opts NodeOptions) (*Node, error) 
 	n.queue = workqueue.NewTypedRateLimitingQueueWithConfig(
 		workqueue.NewTypedItemExponentialFailureRateLimiter[string](50*time.Millisecond, 5*time.Second),
 		workqueue.TypedRateLimitingQueueConfig[string]{Name: "pods-" + n.Name})
+	if !opts.NoContainers {
+		var err error
+		if n.runtime, err = newRuntime(n, n.queue.Add); err != nil {
+			return nil, fmt.Errorf("node %s: container runtime: %w", n.Name, err)
+		}
+	}
 	enqueue := func(obj any) {
 		if key, err := cache.DeletionHandlingMetaNamespaceKeyFunc(obj); err == nil {
 			n.queue.Add(key)
@@ -216,7 +227,7 @@ func (n *Node) register(ctx context.Context, opts NodeOptions) error {
 		}},
 		Addresses: []v1.NodeAddress{{Type: v1.NodeInternalIP, Address: "127.0.0.1"}, {Type: v1.NodeHostName, Address: opts.Name}},
 		NodeInfo: v1.NodeSystemInfo{
-			KubeletVersion: "v1.37.1", OperatingSystem: "linux", Architecture: "amd64",
+			KubeletVersion: KubernetesVersion, OperatingSystem: "linux", Architecture: "amd64",
 			ContainerRuntimeVersion: "simulated://0",
 		},
 	}
@@ -280,7 +291,9 @@ func (n *Node) processNext(ctx context.Context) bool {
 	return true
 }
 
-// syncPod does the DRA part of the kubelet's pod lifecycle.
+// syncPod does the kubelet's part of the pod lifecycle: prepare the pod's
+// claims, start its containers with their CDI devices, report their state;
+// on deletion stop the containers, then unprepare.
 func (n *Node) syncPod(ctx context.Context, key string) error {
 	ns, name, err := cache.SplitMetaNamespaceKey(key)
 	if err != nil {
@@ -288,7 +301,11 @@ func (n *Node) syncPod(ctx context.Context, key string) error {
 	}
 	pod, err := n.pods.Pods(ns).Get(name)
 	if apierrors.IsNotFound(err) {
-		// Gone: the DRA manager's reconcile loop unprepares whatever is left.
+		// Gone (force-deleted): its containers go; the DRA manager's
+		// reconcile loop unprepares whatever is left.
+		if n.runtime != nil {
+			n.runtime.killKey(key)
+		}
 		return nil
 	}
 	if err != nil {
@@ -299,6 +316,9 @@ func (n *Node) syncPod(ctx context.Context, key string) error {
 		// As the kubelet: containers stopped, the pod in a terminal phase
 		// (which lets the resourceclaim controller release and delete
 		// generated claims), then unprepare, then the final delete.
+		if n.runtime != nil {
+			n.runtime.killPod(pod.UID)
+		}
 		if !podutil.IsPodPhaseTerminal(pod.Status.Phase) {
 			if err := n.setTerminated(ctx, pod); err != nil {
 				return err
@@ -317,19 +337,41 @@ func (n *Node) syncPod(ctx context.Context, key string) error {
 		}
 		return nil
 	}
-	if pod.Status.Phase != v1.PodPending && pod.Status.Phase != "" {
+	if podutil.IsPodPhaseTerminal(pod.Status.Phase) {
 		return nil
 	}
+	started := n.runtime != nil && n.runtime.has(pod.UID)
+	if pod.Status.Phase == v1.PodRunning && !started {
+		return nil // NoContainers: nothing more to report
+	}
+	if !started {
+		if pod, err = n.prepare(ctx, pod); err != nil {
+			return err
+		}
+	}
+	if n.runtime == nil {
+		return n.setRunning(ctx, pod)
+	}
+	phase, statuses := n.runtime.podStatus(pod)
+	if statusSignature(phase, statuses) == statusSignature(pod.Status.Phase, pod.Status.ContainerStatuses) {
+		return nil
+	}
+	return n.setStatus(ctx, pod, phase, statuses)
+}
+
+// prepare prepares the pod's claims, records each container's CDI device
+// IDs on the pod (CDIAnnotation) and starts the containers with them.
+func (n *Node) prepare(ctx context.Context, pod *v1.Pod) (*v1.Pod, error) {
 	if err := n.dra.PrepareResources(ctx, pod); err != nil {
 		n.setWaiting(ctx, pod, err)
-		return err
+		return nil, err
 	}
 	devices := map[string][]string{}
 	for i := range pod.Spec.Containers {
 		ctr := &pod.Spec.Containers[i]
 		info, err := n.dra.GetResources(pod, ctr)
 		if err != nil {
-			return err
+			return nil, err
 		}
 		ids := []string{}
 		for _, d := range info.CDIDevices {
@@ -339,18 +381,64 @@ func (n *Node) syncPod(ctx context.Context, key string) error {
 	}
 	encoded, err := json.Marshal(devices)
 	if err != nil {
-		return err
+		return nil, err
 	}
 	patch, err := json.Marshal(map[string]any{"metadata": map[string]any{
 		"annotations": map[string]string{CDIAnnotation: string(encoded)},
 	}})
 	if err != nil {
-		return err
+		return nil, err
 	}
-	running, err := pods.Patch(ctx, name, types.MergePatchType, patch, metav1.PatchOptions{})
+	patched, err := n.cluster.Client.CoreV1().Pods(pod.Namespace).Patch(ctx, pod.Name, types.MergePatchType, patch, metav1.PatchOptions{})
 	if err != nil {
-		return err
+		return nil, err
 	}
+	if n.runtime != nil {
+		n.runtime.startPod(patched, devices)
+	}
+	return patched, nil
+}
+
+// setStatus writes the pod phase and container statuses from the runtime.
+func (n *Node) setStatus(ctx context.Context, pod *v1.Pod, phase v1.PodPhase, statuses []v1.ContainerStatus) error {
+	p := pod.DeepCopy()
+	now := metav1.Now()
+	p.Status.Phase = phase
+	p.Status.HostIP = "127.0.0.1"
+	p.Status.HostIPs = []v1.HostIP{{IP: "127.0.0.1"}}
+	if p.Status.StartTime == nil {
+		p.Status.StartTime = &now
+	}
+	ready := v1.ConditionTrue
+	reason := ""
+	for _, st := range statuses {
+		if !st.Ready {
+			ready = v1.ConditionFalse
+			reason = "ContainersNotReady"
+		}
+	}
+	if podutil.IsPodPhaseTerminal(phase) {
+		reason = "PodCompleted"
+	}
+	p.Status.Conditions = []v1.PodCondition{}
+	for _, t := range []v1.PodConditionType{v1.PodScheduled, v1.PodInitialized, v1.PodReadyToStartContainers, v1.ContainersReady, v1.PodReady} {
+		cond := v1.PodCondition{Type: t, Status: v1.ConditionTrue, LastTransitionTime: now}
+		if t == v1.ContainersReady || t == v1.PodReady {
+			cond.Status, cond.Reason = ready, reason
+		}
+		p.Status.Conditions = append(p.Status.Conditions, cond)
+	}
+	p.Status.ContainerStatuses = statuses
+	_, err := n.cluster.Client.CoreV1().Pods(pod.Namespace).UpdateStatus(ctx, p, metav1.UpdateOptions{})
+	if apierrors.IsNotFound(err) {
+		return nil
+	}
+	return err
+}
+
+// setRunning marks a pod Running without containers (NoContainers).
+func (n *Node) setRunning(ctx context.Context, pod *v1.Pod) error {
+	running := pod.DeepCopy()
 	now := metav1.Now()
 	running.Status.Phase = v1.PodRunning
 	running.Status.HostIP = "127.0.0.1"
@@ -368,10 +456,8 @@ func (n *Node) syncPod(ctx context.Context, key string) error {
 			State:       v1.ContainerState{Running: &v1.ContainerStateRunning{StartedAt: now}},
 		})
 	}
-	if _, err := pods.UpdateStatus(ctx, running, metav1.UpdateOptions{}); err != nil {
-		return err
-	}
-	return nil
+	_, err := n.cluster.Client.CoreV1().Pods(pod.Namespace).UpdateStatus(ctx, running, metav1.UpdateOptions{})
+	return err
 }
 
 // setTerminated records the containers as exited and the pod as Succeeded.
@@ -431,8 +517,12 @@ func (n *Node) DriverRegistered(driver string) bool {
 	return err == nil
 }
 
-// Stop stops the node's plugin process and kubelet pieces; the Node object stays.
+// Stop stops the node's containers, plugin process and kubelet pieces; the
+// Node object stays.
 func (n *Node) Stop() {
+	if n.runtime != nil {
+		n.runtime.stop()
+	}
 	if n.Plugin != nil {
 		n.Plugin.Stop()
 	}
@@ -445,6 +535,10 @@ func (n *Node) Stop() {
 		n.cancel()
 	}
 	n.wg.Wait()
+	if n.runtime != nil {
+		// A pod sync that was under way may have started containers since.
+		n.runtime.stop()
+	}
 }
 
 // CDIDevices returns the CDI device IDs recorded on a pod, per container.

@@ -62,9 +62,13 @@ func (n *Node) SimRoot() string { return filepath.Join(n.Dir, "sim") }
 // it and a Unix socket path must fit in 108 bytes.
 func (n *Node) PluginDir(driver string) string { return filepath.Join(n.Dir, "p") }
 
-// SetupSim runs `gpu-sim setup --profile <profile> --root <node>/sim` once.
+// SetupSim runs `gpu-sim setup --profile <profile> --root <node>/sim` once
+// (and, on a node that runs containers, makes its device nodes; see devnodes.go).
 func (n *Node) SetupSim(profile string) error {
 	if isFile(filepath.Join(n.SimRoot(), "etc", "gpu-sim", "state.json")) {
+		if n.runtime != nil {
+			return makeDeviceNodes(n.SimRoot())
+		}
 		return nil
 	}
 	sim, err := Binary("gpu-sim")
@@ -74,6 +78,9 @@ func (n *Node) SetupSim(profile string) error {
 	out, err := exec.Command(sim, "setup", "--profile", profile, "--root", n.SimRoot()).CombinedOutput()
 	if err != nil {
 		return fmt.Errorf("gpu-sim setup --profile %s: %v: %s", profile, err, out)
+	}
+	if n.runtime != nil {
+		return makeDeviceNodes(n.SimRoot())
 	}
 	return nil
 }

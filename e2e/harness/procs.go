@@ -85,3 +85,36 @@ func (n *Node) SimStateRaw() string {
 	data, _ := os.ReadFile(filepath.Join(n.SimRoot(), "etc", "gpu-sim", "state.json"))
 	return string(data)
 }
+
+// ContainerProcesses are the processes whose root directory lies under dir:
+// what is left of the containers of nodes in dir (each container's root is
+// its bundle's rootfs there).
+func ContainerProcesses(dir string) []int {
+	entries, err := os.ReadDir("/proc")
+	if err != nil {
+		return nil
+	}
+	var out []int
+	for _, e := range entries {
+		pid, err := strconv.Atoi(e.Name())
+		if err != nil {
+			continue
+		}
+		root, err := os.Readlink(filepath.Join("/proc", e.Name(), "root"))
+		if err == nil && strings.HasPrefix(root, dir+string(filepath.Separator)) {
+			out = append(out, pid)
+		}
+	}
+	return out
+}
+
+// Nodes are the nodes added to the cluster (and not yet stopped with it).
+func (c *Cluster) Nodes() []*Node {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	out := make([]*Node, 0, len(c.nodes))
+	for _, n := range c.nodes {
+		out = append(out, n)
+	}
+	return out
+}

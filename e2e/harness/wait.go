@@ -22,10 +22,13 @@ func (c *Cluster) WaitPodRunning(ctx context.Context, ns, name string, timeout t
 			return false, nil
 		}
 		pod = p
+		if p.Status.Phase == v1.PodSucceeded || p.Status.Phase == v1.PodFailed {
+			return false, fmt.Errorf("pod ended (%s)", p.Status.Phase)
+		}
 		return p.Status.Phase == v1.PodRunning, nil
 	})
 	if err != nil {
-		return pod, fmt.Errorf("pod %s/%s not running after %s: %s", ns, name, timeout, PodProblem(pod))
+		return pod, fmt.Errorf("pod %s/%s not running after %s (%v): %s", ns, name, timeout, err, PodProblem(pod))
 	}
 	return pod, nil
 }
@@ -44,6 +47,9 @@ func PodProblem(pod *v1.Pod) string {
 	for _, s := range pod.Status.ContainerStatuses {
 		if s.State.Waiting != nil && s.State.Waiting.Message != "" {
 			msg += fmt.Sprintf("; container %s waiting: %s", s.Name, s.State.Waiting.Message)
+		}
+		if t := s.State.Terminated; t != nil {
+			msg += fmt.Sprintf("; container %s terminated: exit %d %s %s", s.Name, t.ExitCode, t.Reason, t.Message)
 		}
 	}
 	return msg

@@ -21,8 +21,10 @@ import (
 
 // Every scenario folder in examples/ (but invalid/): applied to a fresh
 // namespace, every pod reaches Running with CDI IDs that resolve to spec
-// files with the GPU device nodes; each claim's devices are published; the
-// spec files go away when the pods do.
+// files with the GPU device nodes; each claim's devices are published;
+// inside each running container nvidia-smi -L lists exactly the devices
+// allocated to it (and a container without devices sees none); the spec
+// files go away when the pods do.
 func TestExamples(t *testing.T) {
 	requirePlugins(t)
 	root, err := harness.RepoPath("examples")
@@ -140,6 +142,23 @@ func runExample(t *testing.T, name string, files []string) {
 				}
 			}
 			t.Logf("pod %s on %s container %s: %v", pod.Name, pod.Spec.NodeName, ctr.Name, ids(resolved[ctr.Name]))
+			// Inside the running container.
+			checkContainerSees(ctx, t, pod, ctr)
+			checkDriverLibrary(ctx, t, pod, ctr.Name, resolved[ctr.Name])
+			if strings.Contains(strings.Join(ctr.Command, " "), "ls -l /dev/nvidia") {
+				// The example's own command listed what it got.
+				checkContainerLog(ctx, t, pod, ctr.Name, "/dev/nvidiactl")
+			}
+			if dir := mpsPipeDir(resolved[ctr.Name]); dir != "" {
+				// The examples' MPS clients print their pipe directory.
+				checkContainerLog(ctx, t, pod, ctr.Name, dir)
+				checkMPSControl(ctx, t, pod, ctr)
+			}
+		}
+		for _, ctr := range pod.Spec.Containers {
+			if !usesDevices(pod, ctr) {
+				checkNoGPU(ctx, t, pod, ctr.Name)
+			}
 		}
 		for _, st := range pod.Status.ResourceClaimStatuses {
 			if st.ResourceClaimName == nil {

@@ -91,7 +91,33 @@ func run(m *testing.M) int {
 	if slicesErr != nil {
 		logf("%v", slicesErr)
 	}
-	return m.Run()
+	code := m.Run()
+	if err := checkContainersCleanedUp(c); err != nil {
+		logf("%v", err)
+		code = 1
+	}
+	return code
+}
+
+// checkContainersCleanedUp stops every node and fails the run if runc still
+// keeps a container of it or a container process is left.
+func checkContainersCleanedUp(c *harness.Cluster) error {
+	var left []string
+	for _, n := range c.Nodes() {
+		n.Stop()
+		ids, err := n.RuncList()
+		if err != nil {
+			return fmt.Errorf("runc list on %s: %w", n.Name, err)
+		}
+		left = append(left, ids...)
+		for _, pid := range harness.ContainerProcesses(n.Dir) {
+			left = append(left, fmt.Sprintf("process %d", pid))
+		}
+	}
+	if len(left) > 0 {
+		return fmt.Errorf("containers left after the nodes stopped: %v", left)
+	}
+	return nil
 }
 
 // waitPluginsReady waits until every node's plugin registered through the

@@ -45,6 +45,8 @@ pub mod ret {
     pub const INVALID_ARGUMENT: NvmlReturn = 2;
     /// The requested operation is not available on target device.
     pub const NOT_SUPPORTED: NvmlReturn = 3;
+    /// The current user does not have permission for operation.
+    pub const NO_PERMISSION: NvmlReturn = 4;
     /// A query to find an object was unsuccessful.
     pub const NOT_FOUND: NvmlReturn = 6;
     /// An input argument is not large enough.
@@ -325,6 +327,7 @@ struct Stamp {
     size: u64,
     mtime: i64,
     mtime_ns: i64,
+    dev_dirs: [(i64, i64); 2],
 }
 
 struct Lib {
@@ -362,12 +365,23 @@ fn own_path() -> Option<PathBuf> {
 
 fn stamp(file: &StateFile) -> Option<Stamp> {
     let m = std::fs::metadata(file.path()).ok()?;
+    // Which devices this process sees changes with the device nodes (a new MIG device's
+    // capability nodes appear after the state): the folders' change times are part of it.
+    let mut dirs = [(0, 0); 2];
+    if let Some(dev) = file.dev_dir() {
+        for (slot, dir) in dirs.iter_mut().zip([dev.clone(), dev.join("nvidia-caps")]) {
+            if let Ok(d) = std::fs::metadata(dir) {
+                *slot = (d.mtime(), d.mtime_nsec());
+            }
+        }
+    }
     Some(Stamp {
         dev: m.dev(),
         ino: m.ino(),
         size: m.size(),
         mtime: m.mtime(),
         mtime_ns: m.mtime_nsec(),
+        dev_dirs: dirs,
     })
 }
 
@@ -396,7 +410,7 @@ fn state() -> Result<Arc<State>, NvmlReturn> {
     {
         return Ok(st.clone());
     }
-    let st = Arc::new(file.load().map_err(|_| ret::UNKNOWN)?);
+    let st = Arc::new(file.load_visible().map_err(|_| ret::UNKNOWN)?);
     if let Some(now) = now {
         lib.cache = Some((now, st.clone()));
     }
@@ -412,7 +426,10 @@ fn update(f: impl FnOnce(&mut State) -> Result<(), NvmlReturn>) -> Result<(), Nv
         }
         lib.file.clone().ok_or(ret::UNINITIALIZED)?
     };
-    file.update(f).map_err(|_| ret::UNKNOWN)?
+    file.update(f).map_err(|e| match e {
+        crate::SimError::NotPermitted { .. } => ret::NO_PERMISSION,
+        _ => ret::UNKNOWN,
+    })?
 }
 
 /// Runs an export body, mapping `Err(code)` to the code and a panic to `UNKNOWN`.

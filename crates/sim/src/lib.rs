@@ -74,6 +74,16 @@ pub enum SimError {
         /// What was searched.
         searched: String,
     },
+    /// A process that does not see every device of the node tried to change it.
+    #[error(
+        "insufficient permissions: {path} has devices whose nodes are missing from {dev}; only a process that sees the whole node may change it"
+    )]
+    NotPermitted {
+        /// The state file.
+        path: PathBuf,
+        /// The `dev/` folder of the process's view.
+        dev: PathBuf,
+    },
     /// A build artefact the caller needs is missing.
     #[error("{what} not found (looked in {searched}); build the gpu-dra-sim package first")]
     MissingArtefact {

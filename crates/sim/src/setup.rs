@@ -1,8 +1,9 @@
 //! `gpu-sim setup`: lays out a self-contained simulated host under a directory.
 //!
 //! The tree mirrors what the driver finds on a real node (paths relative to the root):
-//! - `usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1` (the simulator library) and the
-//!   `libnvidia-ml.so` link; `libcuda.so.<ver>` (+ `libcuda.so.1`),
+//! - `usr/lib/x86_64-linux-gnu/libnvidia-ml.so.<ver>` (the simulator library) with the
+//!   `libnvidia-ml.so.1` and `libnvidia-ml.so` links, as the driver installs it (runtimes
+//!   mount the versioned file); `libcuda.so.<ver>` (+ `libcuda.so.1`),
 //!   `libnvidia-ptxjitcompiler.so.<ver>` (+ `.so.1`), `lib/firmware/nvidia/<ver>/gsp_ga10x.bin`;
 //! - `usr/bin/nvidia-smi`, `usr/bin/nvidia-cuda-mps-control`, `usr/bin/nvidia-persistenced`;
 //! - `dev/nvidia<minor>`, `dev/nvidiactl`, `dev/nvidia-uvm`, `dev/nvidia-uvm-tools`,
@@ -123,7 +124,9 @@ pub fn setup(root: &Path, profile: &Profile, artefacts: &Artefacts) -> Result<St
 
     // Libraries.
     let lib = root.join(LIB_DIR);
-    copy(&artefacts.cdylib, &root.join(NVML_LIB))?;
+    let nvml = format!("libnvidia-ml.so.{ver}");
+    copy(&artefacts.cdylib, &lib.join(&nvml))?;
+    symlink(&nvml, &root.join(NVML_LIB))?;
     symlink("libnvidia-ml.so.1", &lib.join("libnvidia-ml.so"))?;
     for (name, link) in [
         (format!("libcuda.so.{ver}"), "libcuda.so.1"),
@@ -272,6 +275,10 @@ mod tests {
         setup(&root, &profile, &art).expect("setup");
 
         assert_eq!(fs::read(root.join(NVML_LIB)).expect("lib"), b"lib");
+        assert_eq!(
+            fs::read_link(root.join(NVML_LIB)).expect("soname link"),
+            Path::new("libnvidia-ml.so.580.95.05")
+        );
         assert!(root.join(LIB_DIR).join("libnvidia-ml.so").exists());
         assert!(root.join(LIB_DIR).join("libcuda.so.1").exists());
         assert!(

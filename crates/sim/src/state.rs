@@ -8,6 +8,17 @@
 //! rename, fsync dir), so a reader never sees a torn file and concurrent updates never lose
 //! each other. The lock is on a separate file because the rename replaces the state file's
 //! inode: a lock on the data file itself would be lost with every write.
+//!
+//! Device visibility: like the real NVML, a process only sees the devices it can open. The
+//! state file stands for the kernel driver, which every process of a node shares (the e2e
+//! runtime bind-mounts a node's `etc/gpu-sim` at `/etc/gpu-sim` in every container); the
+//! `dev/` folder next to it is the process's own view: `<root>/dev` on the simulated host,
+//! the container's `/dev` inside a container. [`StateFile::load_visible`] leaves out GPUs
+//! whose `nvidia<minor>` node is missing there and MIG devices whose GPU- or
+//! compute-instance capability node (`nvidia-caps/nvidia-cap<N>`, minors as in
+//! `/proc/driver/nvidia/capabilities`) is missing, and renumbers what is left from 0, as a
+//! container's `nvidia-smi -L` does. A process that does not see every device may not change
+//! the node ([`StateFile::update`] refuses), as an unprivileged container may not.
 
 use std::fs::{File, OpenOptions};
 use std::path::{Path, PathBuf};
@@ -261,6 +272,37 @@ impl State {
                 .find(|m| m.ci.uuid == uuid)
                 .map(|m| (i, m.gi.id, m.ci.id))
         })
+    }
+
+    /// The node as seen by a process for which `present(name)` says whether the device node
+    /// `/dev/<name>` exists: GPUs without `nvidia<minor>` are left out (the rest keep their
+    /// order and are renumbered from 0), and so are GPU instances without their
+    /// `nvidia-caps/nvidia-cap<N>` access node and compute instances without theirs.
+    pub fn visible(&self, present: impl Fn(&str) -> bool) -> State {
+        let mut out = State {
+            profile: Profile {
+                gpus: Vec::new(),
+                ..self.profile.clone()
+            },
+            gpus: Vec::new(),
+            generation: self.generation,
+        };
+        for (spec, st) in self.profile.gpus.iter().zip(&self.gpus) {
+            if !present(&format!("nvidia{}", spec.minor)) {
+                continue;
+            }
+            let cap = |minor: u32| present(&format!("nvidia-caps/nvidia-cap{minor}"));
+            let mut st = st.clone();
+            st.gpu_instances
+                .retain(|gi| cap(mig::gi_cap_minor(spec.minor, gi.id)));
+            for gi in &mut st.gpu_instances {
+                gi.compute_instances
+                    .retain(|ci| cap(mig::ci_cap_minor(spec.minor, gi.id, ci.id)));
+            }
+            out.profile.gpus.push(spec.clone());
+            out.gpus.push(st);
+        }
+        out
     }
 }
 
@@ -527,9 +569,50 @@ impl StateFile {
             .map_err(self.io(&lock))
     }
 
+    /// The simulated root this file belongs to, when it sits at `<root>/etc/gpu-sim/state.json`
+    /// (`/` inside a container, where the node's `etc/gpu-sim` is mounted at `/etc/gpu-sim`).
+    pub fn root(&self) -> Option<PathBuf> {
+        let mut p = self.path.clone();
+        if !p.ends_with(STATE_RELATIVE) {
+            return None;
+        }
+        for _ in 0..3 {
+            p.pop();
+        }
+        Some(p)
+    }
+
+    /// The `dev/` folder whose nodes decide what this process sees (see the module doc), if
+    /// there is one; without it (a bare state file) every device is visible.
+    pub fn dev_dir(&self) -> Option<PathBuf> {
+        self.root().map(|r| r.join("dev")).filter(|d| d.is_dir())
+    }
+
+    /// Reads the state as this process sees it: [`State::visible`] through [`Self::dev_dir`].
+    pub fn load_visible(&self) -> Result<State, SimError> {
+        let state = self.load()?;
+        Ok(match self.dev_dir() {
+            Some(dev) => state.visible(|name| dev.join(name).exists()),
+            None => state,
+        })
+    }
+
+    /// Opens the lock file for a shared lock: read-only when it exists, so that a state
+    /// folder mounted read-only (as in containers) can still be read.
+    fn open_lock_shared(&self) -> Result<File, SimError> {
+        match File::open(self.lock_path()) {
+            Ok(f) => Ok(f),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => self.open_lock(),
+            Err(e) => Err(SimError::Io {
+                path: self.lock_path(),
+                source: e,
+            }),
+        }
+    }
+
     /// Reads the state under a shared lock.
     pub fn load(&self) -> Result<State, SimError> {
-        let lock = self.open_lock()?;
+        let lock = self.open_lock_shared()?;
         lock.lock_shared().map_err(self.io(&self.lock_path()))?;
         let text = std::fs::read_to_string(&self.path).map_err(self.io(&self.path));
         // The lock is released when `lock` is dropped.
@@ -565,6 +648,14 @@ impl StateFile {
         lock.lock().map_err(self.io(&self.lock_path()))?;
         let text = std::fs::read_to_string(&self.path).map_err(self.io(&self.path))?;
         let mut state = self.parse(&text)?;
+        if let Some(dev) = self.dev_dir()
+            && state.visible(|name| dev.join(name).exists()) != state
+        {
+            return Err(SimError::NotPermitted {
+                path: self.path.clone(),
+                dev,
+            });
+        }
         let before = state.clone();
         let out = f(&mut state);
         if out.is_ok() && state != before {
@@ -772,6 +863,120 @@ mod tests {
             t.join().expect("join");
         }
         assert_eq!(file.load().expect("load").generation, 100);
+    }
+
+    /// A device-node set: `nvidia<minor>` for `gpus`, the GI and CI access nodes of `migs`
+    /// (GPU minor, GI ID, CI ID).
+    fn nodes(gpus: &[u32], migs: &[(u32, u32, u32)]) -> impl Fn(&str) -> bool {
+        let mut names: Vec<String> = gpus.iter().map(|m| format!("nvidia{m}")).collect();
+        for &(g, gi, ci) in migs {
+            names.push(format!(
+                "nvidia-caps/nvidia-cap{}",
+                mig::gi_cap_minor(g, gi)
+            ));
+            names.push(format!(
+                "nvidia-caps/nvidia-cap{}",
+                mig::ci_cap_minor(g, gi, ci)
+            ));
+        }
+        move |name: &str| names.iter().any(|n| n == name)
+    }
+
+    #[test]
+    fn visible_keeps_only_gpus_whose_node_exists_renumbered() {
+        let s = State::from_profile(Profile::load("dgx-h100").expect("profile"));
+        let v = s.visible(nodes(&[5, 2], &[]));
+        let minors: Vec<u32> = v.profile.gpus.iter().map(|g| g.minor).collect();
+        assert_eq!(minors, [2, 5], "host order kept");
+        assert_eq!(v.gpus.len(), 2);
+        assert_eq!(v.profile.gpus[0].uuid, s.profile.gpus[2].uuid);
+        assert_eq!(v.gpu_by_uuid(&s.profile.gpus[5].uuid), Some(1));
+        assert_eq!(v.gpu_by_uuid(&s.profile.gpus[0].uuid), None);
+        assert!(s.visible(nodes(&[], &[])).gpus.is_empty());
+        assert_eq!(s.visible(|_| true), s, "every node present: the whole node");
+    }
+
+    #[test]
+    fn visible_mig_devices_need_both_capability_nodes() {
+        let s = State::from_profile(Profile::load("dgx-a100-40gb").expect("profile"));
+        // GPU 0 boots with GIs 1, 6, 11, 12 (one CI 0 each).
+        let v = s.visible(nodes(&[0], &[(0, 11, 0)]));
+        assert_eq!(v.gpus.len(), 1);
+        let migs = v.mig_devices(0);
+        assert_eq!(migs.len(), 1);
+        assert_eq!(migs[0].gi.id, 11);
+        assert_eq!(
+            v.mig_by_uuid(&migs[0].ci.uuid),
+            s.mig_by_uuid(&migs[0].ci.uuid)
+                .map(|(_, gi, ci)| (0, gi, ci))
+        );
+        // The GI node without the CI node shows no MIG device.
+        let gi_only = s.visible(|n| {
+            n == "nvidia0" || n == format!("nvidia-caps/nvidia-cap{}", mig::gi_cap_minor(0, 6))
+        });
+        assert!(gi_only.mig_devices(0).is_empty());
+        // MIG nodes without the parent's node show nothing of that GPU.
+        assert!(s.visible(nodes(&[], &[(0, 11, 0)])).gpus.is_empty());
+    }
+
+    #[test]
+    fn load_visible_follows_the_dev_folder_and_update_refuses_a_partial_view() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let file = StateFile::under_root(dir.path());
+        file.create(&State::from_profile(
+            Profile::load("dgx-h100").expect("h100"),
+        ))
+        .expect("create");
+        // No dev folder: a bare state file shows everything.
+        assert_eq!(file.load_visible().expect("load").gpus.len(), 8);
+        let dev = dir.path().join("dev");
+        std::fs::create_dir_all(&dev).expect("dev");
+        for m in [1, 3] {
+            std::fs::write(dev.join(format!("nvidia{m}")), b"").expect("node");
+        }
+        let v = file.load_visible().expect("load");
+        assert_eq!(
+            v.profile.gpus.iter().map(|g| g.minor).collect::<Vec<_>>(),
+            [1, 3]
+        );
+        assert_eq!(file.load().expect("raw").gpus.len(), 8, "load stays raw");
+        let err = file
+            .update(|s| {
+                s.gpus[0].timeslice = 1;
+                Ok::<(), ()>(())
+            })
+            .expect_err("partial view");
+        assert!(matches!(err, SimError::NotPermitted { .. }), "{err}");
+        assert_eq!(file.load().expect("raw").gpus[0].timeslice, 0);
+        for m in 0..8 {
+            std::fs::write(dev.join(format!("nvidia{m}")), b"").expect("node");
+        }
+        file.update(|s| {
+            s.gpus[0].timeslice = 1;
+            Ok::<(), ()>(())
+        })
+        .expect("whole view")
+        .expect("applied");
+        assert_eq!(file.load_visible().expect("load").gpus[0].timeslice, 1);
+    }
+
+    #[test]
+    fn load_works_on_a_read_only_state_folder() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let file = StateFile::under_root(dir.path());
+        file.create(&State::from_profile(Profile::load("t4").expect("t4")))
+            .expect("create");
+        let folder = file.path().parent().expect("folder").to_path_buf();
+        let lock = folder.join("state.json.lock");
+        std::fs::set_permissions(&lock, std::fs::Permissions::from_mode(0o444)).expect("chmod");
+        // Root ignores file modes, so this checks that the lock is opened read-only: a
+        // read-write open of a read-only file fails for everyone else.
+        let f = File::open(&lock).expect("read-only open");
+        drop(f);
+        assert_eq!(file.load().expect("load").profile.name, "t4");
+        assert_eq!(file.root().as_deref(), Some(dir.path()));
+        assert_eq!(StateFile::new("/x/state.json").root(), None);
     }
 
     #[test]

@@ -77,7 +77,7 @@ func run(ctx context.Context, nodeCount, podCount, parallel int, profile, driver
 		go func() {
 			defer wg.Done()
 			defer func() { <-sem }()
-			n, err := c.AddNode(ctx, harness.NodeOptions{Name: fmt.Sprintf("node-%03d", i)})
+			n, err := c.AddNode(ctx, harness.NodeOptions{Name: fmt.Sprintf("node-%03d", i), NoContainers: true})
 			if err == nil && driver == "plugin" {
 				_, err = n.StartPlugin(ctx, harness.PluginOptions{Profile: profile})
 			} else if err == nil {

@@ -285,6 +285,18 @@ func runTour(ctx context.Context, c *harness.Cluster, requested string) error {
 						say("       env: %s", strings.Join(env, " "))
 					}
 				}
+				if len(list) > 0 {
+					// What the container itself sees, from inside.
+					res, err := node.Exec(ctx, pod, ctr, "nvidia-smi", "-L")
+					if err != nil {
+						say("       nvidia-smi -L in the container: %v", err)
+						continue
+					}
+					say("       nvidia-smi -L in the container (exit %d):", res.ExitCode)
+					for _, line := range strings.Split(strings.TrimRight(res.Stdout+res.Stderr, "\n"), "\n") {
+						say("         %s", line)
+					}
+				}
 			}
 		}
 		for _, n := range []string{"gpu-node-a100", "gpu-node-t4"} {

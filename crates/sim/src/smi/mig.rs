@@ -147,7 +147,7 @@ pub(super) fn run(file: &StateFile, args: &[String], out: &mut dyn Write) -> std
         writeln!(out, "{INVALID_COMBINATION}")?;
         return Ok(EXIT_INVALID);
     };
-    let Ok(state) = file.load() else {
+    let Ok(state) = file.load_visible() else {
         return no_driver(out);
     };
     let targets: Vec<usize> = match &o.id {
@@ -531,10 +531,15 @@ mod tests {
     fn host(profile: &str) -> (tempfile::TempDir, StateFile) {
         let dir = tempfile::tempdir().expect("tmp");
         let file = StateFile::under_root(dir.path());
-        file.create(&State::from_profile(
-            Profile::load(profile).expect("profile"),
-        ))
-        .expect("create");
+        let state = State::from_profile(Profile::load(profile).expect("profile"));
+        file.create(&state).expect("create");
+        // The device nodes, as `gpu-sim setup` lays them out: what is visible follows them.
+        for g in &state.profile.gpus {
+            let node = dir.path().join(format!("dev/nvidia{}", g.minor));
+            std::fs::create_dir_all(node.parent().expect("dev")).expect("dev");
+            std::fs::write(node, b"").expect("node");
+        }
+        crate::setup::sync_mig_files(dir.path(), &state).expect("MIG nodes");
         (dir, file)
     }
 

@@ -127,7 +127,7 @@ fn run_inner(
     let Ok(file) = file else {
         return no_driver(out);
     };
-    let Ok(state) = file.load() else {
+    let Ok(state) = file.load_visible() else {
         return no_driver(out);
     };
     if o.version {
@@ -590,7 +590,7 @@ fn compute_policy(file: &StateFile, args: &[String], out: &mut dyn Write) -> std
         )?;
         return Ok(EXIT_INVALID);
     }
-    let Ok(state) = file.load() else {
+    let Ok(state) = file.load_visible() else {
         return no_driver(out);
     };
     let targets = match &id {

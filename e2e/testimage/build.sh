@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# Builds the e2e test image: a root filesystem that every workload container runs on
+# (no registry is reachable, so pod images are not pulled).
+#
+#   build.sh OUT_DIR ELF...
+#
+# OUT_DIR/rootfs gets: a static busybox with its applet links; the host's glibc dynamic
+# loader and the libraries each ELF file given needs (found with ldd), so the simulator's
+# dynamically linked `nvidia-smi` stand-in runs when CDI mounts it in; glibc's static
+# `ldconfig`, an /etc/ld.so.conf naming the multiarch library folders and an ld.so.cache
+# built for the image, as a distribution image has; mount points for /proc, /sys, /dev.
+# The build is written to OUT_DIR/rootfs.tmp and renamed into place.
+set -euo pipefail
+
+out=${1:?usage: build.sh OUT_DIR ELF...}
+shift
+busybox=$(command -v busybox || true)
+if [ -z "$busybox" ] || ! "$busybox" --list >/dev/null 2>&1; then
+  echo "build.sh: busybox not found (Debian package busybox-static)" >&2
+  exit 1
+fi
+if ldd "$busybox" >/dev/null 2>&1; then
+  echo "build.sh: $busybox is dynamically linked; install the busybox-static package" >&2
+  exit 1
+fi
+ldconfig=$(command -v ldconfig || echo /sbin/ldconfig)
+
+tmp="$out/rootfs.tmp"
+rm -rf "$tmp"
+mkdir -p "$tmp"/{bin,sbin,etc,proc,sys,dev,tmp,run,root,usr/bin,usr/sbin,lib64,lib/x86_64-linux-gnu,usr/lib/x86_64-linux-gnu}
+chmod 1777 "$tmp/tmp"
+
+cp "$busybox" "$tmp/bin/busybox"
+for applet in $("$busybox" --list); do
+  [ -e "$tmp/bin/$applet" ] || ln -s busybox "$tmp/bin/$applet"
+done
+# glibc's ldconfig, not busybox's (which has none): ldconfig -p reads the image's cache.
+rm -f "$tmp/sbin/ldconfig"
+cp "$ldconfig" "$tmp/sbin/ldconfig"
+
+# Libraries the given ELF files load, at the paths the loader resolved them to on this host
+# (the same Debian multiarch layout the image uses).
+for elf in "$@"; do
+  [ -f "$elf" ] || { echo "build.sh: $elf not found (build the Rust workspace first)" >&2; exit 1; }
+  ldd "$elf" | awk '/=> \// {print $3} /^\t\/[^ ]+ \(/ {print $1}' | while read -r lib; do
+    real=$(readlink -f "$lib")
+    dir=$(dirname "$lib")
+    case "$dir" in /lib64|/lib/x86_64-linux-gnu|/usr/lib/x86_64-linux-gnu) ;; *) dir=/lib/x86_64-linux-gnu ;; esac
+    cp "$real" "$tmp$dir/$(basename "$real")"
+    [ "$(basename "$real")" = "$(basename "$lib")" ] || ln -sf "$(basename "$real")" "$tmp$dir/$(basename "$lib")"
+  done
+done
+# /lib64/ld-linux-x86-64.so.2 is how every x86-64 binary names its loader.
+if [ ! -e "$tmp/lib64/ld-linux-x86-64.so.2" ]; then
+  echo "build.sh: no dynamic loader found through ldd" >&2
+  exit 1
+fi
+
+printf 'root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/nonexistent:/bin/false\n' >"$tmp/etc/passwd"
+printf 'root:x:0:\nnogroup:x:65534:\n' >"$tmp/etc/group"
+printf '/lib/x86_64-linux-gnu\n/usr/lib/x86_64-linux-gnu\n' >"$tmp/etc/ld.so.conf"
+"$ldconfig" -r "$tmp"
+
+rm -rf "$out/rootfs"
+mv "$tmp" "$out/rootfs"
+echo "test image: $out/rootfs ($(du -sh "$out/rootfs" | cut -f1))"
