@@ -9,7 +9,7 @@ use std::io::Write;
 use std::path::PathBuf;
 
 use super::{EXIT_INVALID, EXIT_NOT_FOUND, EXIT_NOT_SUPPORTED, EXIT_OK, EXIT_OTHER};
-use super::{INVALID_COMBINATION, no_driver, resolve_ids};
+use super::{INVALID_COMBINATION, no_driver, resolve_ids, switch_value};
 use crate::mig as tables;
 use crate::state::{MigError, STATE_RELATIVE, State, StateFile};
 
@@ -57,13 +57,9 @@ pub(super) fn set_mode(
     value: &str,
     out: &mut dyn Write,
 ) -> std::io::Result<i32> {
-    let on = match value.to_ascii_uppercase().as_str() {
-        "0" | "DISABLED" => false,
-        "1" | "ENABLED" => true,
-        _ => {
-            writeln!(out, "{INVALID_COMBINATION}")?;
-            return Ok(EXIT_INVALID);
-        }
+    let Some(on) = switch_value(value) else {
+        writeln!(out, "{INVALID_COMBINATION}")?;
+        return Ok(EXIT_INVALID);
     };
     let (verb, word) = if on {
         ("enable", "Enabled")

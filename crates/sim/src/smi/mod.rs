@@ -293,19 +293,25 @@ fn set_compute_mode(
     Ok(EXIT_OK)
 }
 
+/// An on/off argument as nvidia-smi takes it (`0`/`1`, `DISABLED`/`ENABLED`, any case);
+/// `None` for anything else.
+fn switch_value(value: &str) -> Option<bool> {
+    match value.to_ascii_uppercase().as_str() {
+        "0" | "DISABLED" => Some(false),
+        "1" | "ENABLED" => Some(true),
+        _ => None,
+    }
+}
+
 fn set_persistence(
     file: &StateFile,
     targets: &[usize],
     value: &str,
     out: &mut dyn Write,
 ) -> std::io::Result<i32> {
-    let on = match value.to_ascii_uppercase().as_str() {
-        "0" | "DISABLED" => false,
-        "1" | "ENABLED" => true,
-        _ => {
-            writeln!(out, "{INVALID_COMBINATION}")?;
-            return Ok(EXIT_INVALID);
-        }
+    let Some(on) = switch_value(value) else {
+        writeln!(out, "{INVALID_COMBINATION}")?;
+        return Ok(EXIT_INVALID);
     };
     let word = if on { "Enabled" } else { "Disabled" };
     let mut lines = Vec::new();
