@@ -2,17 +2,17 @@
 //!
 //! Some rules cannot be checked before allocation because they depend on which devices a
 //! claim got: a `GpuConfig` landing on a MIG device (or the reverse), and per-device memory
-//! limits naming an index or UUID the claim does not have. The node plugin calls
+//! limits naming an index or UUID the config's devices do not have. Index keys count in the
+//! sorted UUIDs of the config's devices, NVIDIA's rule (see [`DeviceKey`]). The node plugin calls
 //! [`validate_for_devices`] before applying anything, and reports the same [`Errors`] type
 //! as decoding, with paths relative to the configuration.
 
 use std::collections::BTreeMap;
 
-use crate::config::{Config, ConfigKind, DeviceKey, Sharing};
+use crate::config::{Config, ConfigKind, DeviceKey, Sharing, sorted_uuids};
 use crate::error::Errors;
 
-/// One device allocated to a claim (for a config's requests), in claim order: its position
-/// in the slice is the index that `defaultPerDevicePinnedMemoryLimit` keys refer to.
+/// One device allocated to a claim that a config applies to.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct ClaimDevice {
     /// `GPU-...` or `MIG-...` UUID.
@@ -39,7 +39,49 @@ impl ClaimDevice {
     }
 }
 
+/// `; index i names the i-th of their UUIDs sorted: 0 = GPU-..., 1 = ...` (empty for none).
+fn index_legend(uuids: &[&str]) -> String {
+    if uuids.is_empty() {
+        return String::new();
+    }
+    let legend: Vec<String> = sorted_uuids(uuids)
+        .iter()
+        .enumerate()
+        .map(|(i, u)| format!("{i} = {u}"))
+        .collect();
+    format!(
+        "; index i names the i-th of their UUIDs sorted: {}",
+        legend.join(", ")
+    )
+}
+
+/// Why one claim cannot have two MPS configs that a container could get devices of both of:
+/// each MPS daemon's pipe directory is mounted at the same path in the container, so the
+/// second mount would hide the first. The webhook (from the claim spec) and the node (from
+/// the allocation) give this same message; `first` and `second` are the request names each
+/// config applies to.
+pub fn two_mps_configs_message(first: &[String], second: &[String]) -> String {
+    let names = |r: &[String]| {
+        r.iter()
+            .map(|n| format!("{n:?}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    format!(
+        "two MPS configs in one claim (for request(s) {} and for request(s) {}): a container \
+         that gets devices of both would see only one MPS daemon (their pipe directories mount \
+         at the same path); put all of the claim's MPS devices under one config (one MPS \
+         daemon), or move the requests into separate ResourceClaims",
+        names(first),
+        names(second)
+    )
+}
+
 /// Checks `config` against the devices it is about to be applied to, reporting all problems.
+///
+/// `devices` are all the devices the config applies to within the claim (its device group),
+/// in allocation order; index keys of `defaultPerDevicePinnedMemoryLimit` count in their
+/// UUIDs sorted ([`DeviceKey`]).
 pub fn validate_for_devices(config: &Config, devices: &[ClaimDevice]) -> Result<(), Errors> {
     let mut errs = Errors::new();
     for (i, d) in devices.iter().enumerate() {
@@ -64,58 +106,36 @@ pub fn validate_for_devices(config: &Config, devices: &[ClaimDevice]) -> Result<
         }
     }
     if let Some(Sharing::Mps(mps)) = config.sharing() {
+        let uuids: Vec<&str> = devices.iter().map(|d| d.uuid.as_str()).collect();
         // Which device each key resolves to, to catch two keys naming the same device.
         let mut named: BTreeMap<usize, &DeviceKey> = BTreeMap::new();
         for key in mps.per_device_pinned_memory_limit_mib.keys() {
             let path = format!("sharing.mpsConfig.defaultPerDevicePinnedMemoryLimit[{key}]");
-            let index = match key {
-                DeviceKey::Index(i) => {
-                    let i = *i as usize;
-                    if i >= devices.len() {
-                        errs.push(
-                            path,
-                            format!(
-                                "device index {i} is out of range: the claim has {} device(s){}",
-                                devices.len(),
-                                match devices.len() {
-                                    0 => String::new(),
-                                    n => format!(", valid indexes 0..={}", n - 1),
-                                }
-                            ),
-                        );
-                        continue;
-                    }
-                    i
-                }
-                DeviceKey::Uuid(u) => {
-                    match devices.iter().position(|d| d.uuid.eq_ignore_ascii_case(u)) {
-                        Some(i) => i,
-                        None => {
-                            let uuids: Vec<&str> =
-                                devices.iter().map(|d| d.uuid.as_str()).collect();
-                            errs.push(
-                                path,
-                                format!(
-                                    "device {u} is not among the claim's devices ({})",
-                                    if uuids.is_empty() {
-                                        "none".to_owned()
-                                    } else {
-                                        uuids.join(", ")
-                                    }
-                                ),
-                            );
-                            continue;
+            let Some(at) = key.resolve(&uuids) else {
+                let message = match key {
+                    DeviceKey::Index(i) => format!(
+                        "device index {i} is out of range: the config applies to {} device(s){}",
+                        uuids.len(),
+                        index_legend(&uuids)
+                    ),
+                    DeviceKey::Uuid(u) => format!(
+                        "device {u} is not among the config's devices ({})",
+                        if uuids.is_empty() {
+                            "none".to_owned()
+                        } else {
+                            uuids.join(", ")
                         }
-                    }
-                }
+                    ),
+                };
+                errs.push(path, message);
+                continue;
             };
-            if let Some(other) = named.insert(index, key) {
+            if let Some(other) = named.insert(at, key) {
                 errs.push(
                     path,
                     format!(
-                        "names device {index} ({}), which key {other} names too; give one \
-                         limit per device",
-                        devices[index].uuid
+                        "names device {}, which key {other} names too; give one limit per device",
+                        uuids[at]
                     ),
                 );
             }
@@ -186,29 +206,28 @@ mod tests {
 
     #[test]
     fn index_out_of_range_and_unknown_uuid_are_rejected() {
+        let other = GPU0.replace('1', "7");
         let c = mps("GpuConfig", json!({"2": "1Gi", GPU1: "1Gi"}));
         let m = messages(validate_for_devices(
             &c,
-            &[
-                ClaimDevice::gpu(GPU0),
-                ClaimDevice::gpu(GPU0.replace('1', "7")),
-            ],
+            &[ClaimDevice::gpu(&other), ClaimDevice::gpu(GPU0)],
         ));
         assert_eq!(
             m,
             [
-                "sharing.mpsConfig.defaultPerDevicePinnedMemoryLimit[2]: device index 2 is out \
-                 of range: the claim has 2 device(s), valid indexes 0..=1"
-                    .to_owned(),
+                format!(
+                    "sharing.mpsConfig.defaultPerDevicePinnedMemoryLimit[2]: device index 2 is \
+                     out of range: the config applies to 2 device(s); index i names the i-th of \
+                     their UUIDs sorted: 0 = {GPU0}, 1 = {other}"
+                ),
                 format!(
                     "sharing.mpsConfig.defaultPerDevicePinnedMemoryLimit[{GPU1}]: device {GPU1} \
-                     is not among the claim's devices ({GPU0}, {})",
-                    GPU0.replace('1', "7")
+                     is not among the config's devices ({other}, {GPU0})"
                 ),
             ]
         );
         let m = messages(validate_for_devices(&c, &[]));
-        assert!(m[0].ends_with("the claim has 0 device(s)"), "{m:?}");
+        assert!(m[0].ends_with("the config applies to 0 device(s)"), "{m:?}");
         assert!(m[1].ends_with("(none)"), "{m:?}");
     }
 
@@ -218,6 +237,41 @@ mod tests {
         let m = messages(validate_for_devices(&c, &[ClaimDevice::gpu(GPU0)]));
         assert_eq!(m.len(), 1);
         assert!(m[0].contains("which key 0 names too"), "{m:?}");
+    }
+
+    /// NVIDIA's rule: an index counts in the sorted UUIDs, not in allocation order. Here the
+    /// allocation order (GPU1, GPU0) is the reverse of the sorted order (GPU0, GPU1).
+    #[test]
+    fn index_keys_count_in_sorted_uuids_not_allocation_order() {
+        let devices = [ClaimDevice::gpu(GPU1), ClaimDevice::gpu(GPU0)];
+        let uuids = [GPU1, GPU0];
+        assert_eq!(
+            DeviceKey::Index(0).resolve(&uuids),
+            Some(1),
+            "index 0 is GPU0"
+        );
+        assert_eq!(
+            DeviceKey::Index(1).resolve(&uuids),
+            Some(0),
+            "index 1 is GPU1"
+        );
+        assert_eq!(DeviceKey::Index(2).resolve(&uuids), None);
+        assert_eq!(
+            DeviceKey::Uuid(GPU0.to_lowercase()).resolve(&uuids),
+            Some(1)
+        );
+        // Index 1 is GPU1 here, so a UUID key for GPU1 next to it names one device twice.
+        let c = mps("GpuConfig", json!({"1": "1Gi", GPU1: "2Gi"}));
+        let m = messages(validate_for_devices(&c, &devices));
+        assert_eq!(
+            m,
+            [format!(
+                "sharing.mpsConfig.defaultPerDevicePinnedMemoryLimit[{GPU1}]: names device \
+                 {GPU1}, which key 1 names too; give one limit per device"
+            )]
+        );
+        let c = mps("GpuConfig", json!({"0": "1Gi", GPU1: "2Gi"}));
+        validate_for_devices(&c, &devices).unwrap();
     }
 
     #[test]
@@ -236,13 +290,17 @@ mod tests {
     }
 
     #[test]
-    fn limit_lookup_prefers_uuid_then_index_then_default() {
-        let c = mps("GpuConfig", json!({"0": "2Gi", GPU1: "3Gi"}));
-        let Some(Sharing::Mps(m)) = c.sharing() else {
-            panic!("not mps")
-        };
-        assert_eq!(m.pinned_memory_limit_mib_for(0, GPU0), Some(2048));
-        assert_eq!(m.pinned_memory_limit_mib_for(1, GPU1), Some(3072));
-        assert_eq!(m.pinned_memory_limit_mib_for(2, "GPU-x"), Some(1024));
+    fn two_mps_configs_message_names_both_request_sets_and_the_fix() {
+        let m = two_mps_configs_message(&["a".into()], &["b".into(), "c".into()]);
+        assert!(
+            m.starts_with(
+                "two MPS configs in one claim (for request(s) \"a\" and for request(s) \"b\", \"c\")"
+            ),
+            "{m}"
+        );
+        assert!(
+            m.contains("put all of the claim's MPS devices under one config"),
+            "{m}"
+        );
     }
 }

@@ -137,8 +137,21 @@ pub enum Sharing {
     Mps(MpsConfig),
 }
 
-/// Time-slice length (`sharing.timeSlicingConfig.interval`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+/// Time-slice length (`sharing.timeSlicingConfig.interval`). Serializes as its wire spelling
+/// (`"Default"`, `"Short"`, ...), which is how the node plugin persists it.
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    PartialOrd,
+    Ord,
+    Hash,
+    Default,
+    serde::Serialize,
+    serde::Deserialize,
+)]
 pub enum Interval {
     /// The driver's default.
     #[default]
@@ -185,33 +198,23 @@ impl Interval {
 pub struct MpsConfig {
     /// `set_default_active_thread_percentage`, 1..=100; `None` = MPS default (100).
     pub active_thread_percentage: Option<u8>,
-    /// Pinned device memory limit for every device of the claim, in MiB.
+    /// Pinned device memory limit for every device the config applies to, in MiB.
     pub pinned_memory_limit_mib: Option<u64>,
-    /// Per-device overrides of the limit, in MiB, keyed by index within the claim or UUID.
+    /// Per-device overrides of the limit, in MiB, keyed by device index or UUID (see
+    /// [`DeviceKey`] for what an index names).
     pub per_device_pinned_memory_limit_mib: BTreeMap<DeviceKey, u64>,
 }
 
-impl MpsConfig {
-    /// The pinned memory limit (MiB) for the device at `index` within the claim with `uuid`:
-    /// a per-device entry naming its UUID, else one naming its index, else the default.
-    pub fn pinned_memory_limit_mib_for(&self, index: usize, uuid: &str) -> Option<u64> {
-        self.per_device_pinned_memory_limit_mib
-            .iter()
-            .find(|(k, _)| matches!(k, DeviceKey::Uuid(u) if u.eq_ignore_ascii_case(uuid)))
-            .or_else(|| {
-                self.per_device_pinned_memory_limit_mib
-                    .iter()
-                    .find(|(k, _)| matches!(k, DeviceKey::Index(i) if *i as usize == index))
-            })
-            .map(|(_, v)| *v)
-            .or(self.pinned_memory_limit_mib)
-    }
-}
-
 /// A key of `defaultPerDevicePinnedMemoryLimit`.
+///
+/// An index follows NVIDIA's driver (`MpsPerDevicePinnedMemoryLimit.Normalize` over the
+/// device group's `UUIDs()`): it names a device by its position among the UUIDs of the
+/// devices the config applies to, sorted, not by allocation order. So a config moved from
+/// NVIDIA's driver limits the same GPU here. [`DeviceKey::resolve`] is the one place that
+/// applies the rule.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum DeviceKey {
-    /// Index of the device within the claim's allocated devices (`"0"`, `"1"`, ...).
+    /// Position of the device among the sorted UUIDs of the config's devices (`"0"`, `"1"`, ...).
     Index(u32),
     /// A device UUID: `GPU-<uuid>`, `MIG-<uuid>` or legacy `MIG-GPU-<uuid>/<gi>/<ci>`.
     Uuid(String),
@@ -219,8 +222,8 @@ pub enum DeviceKey {
 
 impl DeviceKey {
     /// What a key may look like, for messages.
-    pub const EXPECTED: &'static str = "a device index within the claim (\"0\", \"1\", ...: \
-        decimal, no sign, no leading zeros) or a device UUID (\"GPU-<8-4-4-4-12 hex>\", \
+    pub const EXPECTED: &'static str = "a device index (\"0\", \"1\", ...: the position among \
+        the config's device UUIDs sorted; decimal, no sign, no leading zeros) or a device UUID (\"GPU-<8-4-4-4-12 hex>\", \
         \"MIG-<8-4-4-4-12 hex>\" or \"MIG-GPU-<8-4-4-4-12 hex>/<gi>/<ci>\")";
 
     /// Parses a key, saying what is wrong with a malformed one.
@@ -252,6 +255,31 @@ impl DeviceKey {
             Err(bad())
         }
     }
+}
+
+impl DeviceKey {
+    /// The device this key names among `uuids` (the devices the config applies to, in any
+    /// order): its position in `uuids`. A UUID key matches whatever the case; an index key
+    /// counts in the UUIDs sorted (byte order, as Go's `slices.Sort`). `None`: no such device.
+    pub fn resolve<S: AsRef<str>>(&self, uuids: &[S]) -> Option<usize> {
+        match self {
+            Self::Uuid(u) => uuids
+                .iter()
+                .position(|d| d.as_ref().eq_ignore_ascii_case(u)),
+            Self::Index(i) => {
+                let wanted = *sorted_uuids(uuids).get(*i as usize)?;
+                uuids.iter().position(|d| d.as_ref() == wanted)
+            }
+        }
+    }
+}
+
+/// The UUIDs sorted as NVIDIA's driver sorts a device group's UUIDs: what an index key of
+/// `defaultPerDevicePinnedMemoryLimit` counts in.
+pub fn sorted_uuids<S: AsRef<str>>(uuids: &[S]) -> Vec<&str> {
+    let mut sorted: Vec<&str> = uuids.iter().map(AsRef::as_ref).collect();
+    sorted.sort_unstable();
+    sorted
 }
 
 impl fmt::Display for DeviceKey {

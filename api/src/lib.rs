@@ -21,11 +21,11 @@ pub mod quantity;
 mod schema;
 pub mod yaml;
 
-pub use allocation::{ClaimDevice, validate_for_devices};
+pub use allocation::{ClaimDevice, two_mps_configs_message, validate_for_devices};
 pub use config::{
     API_VERSIONS, ApiVersion, Config, ConfigKind, DeviceKey, GpuConfig, INTERVALS, Interval, KINDS,
     MIN_PINNED_MEMORY_BYTES, MigDeviceConfig, MpsConfig, STRATEGIES, Sharing,
-    pinned_memory_limit_mib,
+    pinned_memory_limit_mib, sorted_uuids,
 };
 pub use error::{Errors, FieldError};
 pub use schema::json_schema;

@@ -135,6 +135,8 @@ pub fn check_object(obj: &Value, driver: &str) -> Report {
         }
     };
     let requests = requests.map(|p| request_classes(lookup(obj, p)));
+    // MPS configs of ours: (path, requests named explicitly; None = all requests).
+    let mut mps_configs: Vec<(String, Option<Vec<String>>)> = Vec::new();
     for (i, cfg) in configs.iter().enumerate() {
         let path = index(config_path, i);
         let Some(opaque) = cfg.get("opaque").filter(|o| o.is_object()) else {
@@ -169,9 +171,70 @@ pub fn check_object(obj: &Value, driver: &str) -> Report {
         let targets = check_request_refs(cfg, &path, requests, &mut report);
         if let Some(config) = decoded {
             warn_class_mismatch(config.kind(), &path, &targets, requests, &mut report);
+            if matches!(config.sharing(), Some(crate::Sharing::Mps(_))) {
+                let named = cfg
+                    .get("requests")
+                    .and_then(Value::as_array)
+                    .filter(|a| !a.is_empty())
+                    .map(|_| targets);
+                mps_configs.push((path, named));
+            }
         }
     }
+    if let Some(requests) = &requests {
+        check_one_mps_daemon(&mps_configs, requests, &mut report);
+    }
     report
+}
+
+/// Refuses a claim in which two MPS configs would each apply to some request: a container
+/// referencing the claim without naming a request gets every request's devices, and so two
+/// MPS daemons whose pipe directories mount at the same path. Within a claim's own configs the
+/// later of two naming a request wins, and one naming it beats one for all requests, as on the
+/// node. A config for all requests counts only for requests whose DeviceClass is evidently
+/// this driver's (`gpu.*`, `mig.*`), since it applies to our devices only; the node plugin
+/// checks the allocated devices exactly (and DeviceClass configs, which the claim does not
+/// show) with the same message.
+fn check_one_mps_daemon(
+    mps_configs: &[(String, Option<Vec<String>>)],
+    requests: &Requests,
+    report: &mut Report,
+) {
+    if mps_configs.len() < 2 {
+        return;
+    }
+    // Request -> the MPS config (position in `mps_configs`) that applies to it. Only top-level
+    // request names: a config naming a subrequest applies like one naming its request.
+    let mut applied: Vec<Vec<String>> = vec![Vec::new(); mps_configs.len()];
+    for (name, classes) in requests.iter().filter(|(n, _)| !n.contains('/')) {
+        let named = mps_configs.iter().rposition(|(_, named)| {
+            named.as_ref().is_some_and(|n| {
+                n.iter()
+                    .any(|r| r == name || r.split_once('/').is_some_and(|(b, _)| b == name))
+            })
+        });
+        let ours = classes
+            .iter()
+            .any(|c| c.starts_with("gpu.") || c.starts_with("mig."));
+        let catch_all = || {
+            mps_configs
+                .iter()
+                .rposition(|(_, named)| named.is_none())
+                .filter(|_| ours)
+        };
+        if let Some(at) = named.or_else(catch_all) {
+            applied[at].push(name.clone());
+        }
+    }
+    let used: Vec<usize> = (0..mps_configs.len())
+        .filter(|&i| !applied[i].is_empty())
+        .collect();
+    if let [first, second, ..] = used[..] {
+        report.errors.push(FieldError::new(
+            mps_configs[second].0.clone(),
+            crate::two_mps_configs_message(&applied[first], &applied[second]),
+        ));
+    }
 }
 
 fn lookup<'a>(obj: &'a Value, dotted: &str) -> Option<&'a Value> {
@@ -345,6 +408,56 @@ mod tests {
             paths(&check_object(&d, DRIVER).errors),
             ["spec.config[0].opaque.parameters.sharing.strategy"]
         );
+    }
+
+    #[test]
+    fn two_mps_configs_for_requests_of_one_claim_are_refused() {
+        let with_requests = |names: &[&str]| {
+            let mut c = opaque(params("MPS"));
+            if !names.is_empty() {
+                c["requests"] = json!(names);
+            }
+            c
+        };
+        let reqs = json!([
+            {"name": "a", "exactly": {"deviceClassName": "gpu.nvidia.com"}},
+            {"name": "b", "exactly": {"deviceClassName": "gpu.nvidia.com"}},
+            {"name": "x", "exactly": {"deviceClassName": "nic.example.com"}}
+        ]);
+        let check = |configs: Value| {
+            let c = claim(
+                "resource.k8s.io/v1",
+                json!({"requests": reqs.clone(), "config": configs}),
+            );
+            check_object(&c, DRIVER).errors
+        };
+        // One MPS config for a, another for b: refused at the second, naming both.
+        let e = check(json!([with_requests(&["a"]), with_requests(&["b"])]));
+        assert_eq!(paths(&e), ["spec.devices.config[1]"]);
+        assert_eq!(
+            e[0].message,
+            crate::two_mps_configs_message(&["a".into()], &["b".into()])
+        );
+        // A catch-all MPS config plus one naming a: b still gets the catch-all one.
+        let e = check(json!([with_requests(&[]), with_requests(&["a"])]));
+        assert_eq!(paths(&e), ["spec.devices.config[1]"], "{e:?}");
+        // Fine: the later of two configs naming a wins, so one daemon.
+        assert!(check(json!([with_requests(&["a"]), with_requests(&["a", "b"])])).is_empty());
+        // Fine: time-slicing next to MPS; one MPS config for all requests.
+        let mut ts = opaque(params("TimeSlicing"));
+        ts["requests"] = json!(["a"]);
+        assert!(check(json!([ts, with_requests(&["b"])])).is_empty());
+        assert!(check(json!([with_requests(&[])])).is_empty());
+        // A catch-all config whose only other request is another driver's: not certain to
+        // meet our devices, left to the node.
+        let c = claim(
+            "resource.k8s.io/v1",
+            json!({"requests": [
+                    {"name": "a", "exactly": {"deviceClassName": "gpu.nvidia.com"}},
+                    {"name": "x", "exactly": {"deviceClassName": "nic.example.com"}}],
+                   "config": [with_requests(&[]), with_requests(&["a"])]}),
+        );
+        assert!(check_object(&c, DRIVER).errors.is_empty());
     }
 
     #[test]

@@ -51,10 +51,11 @@ fn per_device_limits(generator: &mut SchemaGenerator) -> Schema {
     let item = memory_limit(generator);
     json_schema!({
         "description": "Per-device pinned memory limits, overriding defaultPinnedDeviceMemoryLimit. \
-            Keys: the index of the device within the claim's allocated devices (\"0\", \"1\", ...; \
-            decimal, no sign, no leading zeros) or a device UUID (GPU-<uuid>, MIG-<uuid>, or \
-            legacy MIG-GPU-<uuid>/<gi>/<ci>). Indexes must be within the claim's device count \
-            and UUIDs among its devices (checked when devices are allocated).",
+            Keys: a device index (\"0\", \"1\", ...; decimal, no sign, no leading zeros), the \
+            position among the UUIDs of the devices the config applies to, sorted (as NVIDIA's \
+            driver counts), or a device UUID (GPU-<uuid>, MIG-<uuid>, or legacy \
+            MIG-GPU-<uuid>/<gi>/<ci>). Indexes must be below the config's device count and UUIDs \
+            among its devices (checked when devices are allocated).",
         "type": ["object", "null"],
         "propertyNames": {"pattern": device_key_pattern()},
         "additionalProperties": item

@@ -3,10 +3,12 @@
 //! - [`plan`]: a ResourceClaim + the node inventory + opaque configs -> a prepare plan.
 //! - [`cdi`]: CDI spec documents for a prepared claim, built from plain inputs.
 //! - [`checkpoint`]: the node plugin's checkpoint model, versioned and tolerant of unknown fields.
+//! - [`sharing`]: sharing group names, MPS limits per device UUID, MPS client container edits.
 //! - [`nvidia_checkpoint`]: NVIDIA's driver's checkpoint, read into our entries for an in-place switch.
 
 pub mod cdi;
 pub mod checkpoint;
 pub mod nvidia_checkpoint;
 pub mod plan;
+pub mod sharing;
 pub mod slices;

@@ -10,9 +10,12 @@
 //! - a config kind that does not fit the device (a `GpuConfig` on a MIG device, a
 //!   `MigDeviceConfig` on a whole GPU) is an error, never silently ignored;
 //! - devices with the same effective sharing config form one group (one MPS daemon, one
-//!   time-slice setting).
+//!   time-slice setting); a group carries the api crate's validated [`Sharing`] value as is,
+//!   so the node plugin applies exactly what the webhook checked;
+//! - at most one group of a claim uses MPS (a container may get all of a claim's devices,
+//!   and two MPS pipe directories cannot both be mounted where clients look).
 
-use gpu_dra_api::{ClaimDevice, Errors};
+use gpu_dra_api::{ClaimDevice, Config, Errors, Sharing};
 use gpu_dra_device::{DeviceRef, Inventory};
 use k8s_openapi::api::resource::v1::ResourceClaim;
 use serde::{Deserialize, Serialize};
@@ -60,6 +63,15 @@ pub enum PlanError {
         index: usize,
         /// What is wrong, with paths inside the opaque parameters.
         errors: Errors,
+    },
+    /// Two MPS configs apply to devices of the claim, so a container could be given two MPS
+    /// daemons (see [`gpu_dra_api::two_mps_configs_message`]).
+    #[error("status.allocation.devices.config[{index}]: {message}")]
+    TwoMpsDaemons {
+        /// Index of the second config in the allocation.
+        index: usize,
+        /// The api crate's message, naming both configs' requests and what to do.
+        message: String,
     },
 }
 
@@ -201,46 +213,11 @@ pub fn claim_input(
     })
 }
 
-/// Which kind of device a config is written for.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub enum ConfigKind {
-    /// `GpuConfig`: whole GPUs.
-    Gpu,
-    /// `MigDeviceConfig`: MIG devices.
-    Mig,
-}
-
-/// How a group of devices is shared between the containers of a claim.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase", tag = "strategy")]
-pub enum Sharing {
-    /// Time-slicing with the given interval name (`Default`, `Short`, `Medium`, `Long`).
-    TimeSlicing {
-        /// Interval name.
-        interval: String,
-    },
-    /// MPS with its settings (the `mpsConfig` object, already validated).
-    Mps {
-        /// The `mpsConfig` settings.
-        config: Value,
-    },
-}
-
-/// A decoded and validated opaque config.
-#[derive(Debug, Clone, PartialEq)]
-pub struct DecodedConfig {
-    /// Which kind of device it is for.
-    pub kind: ConfigKind,
-    /// Sharing, `None` = exclusive.
-    pub sharing: Option<Sharing>,
-}
-
 /// Decodes and validates opaque parameters (the `api` crate's one validation sits behind it).
 pub trait ConfigDecoder {
     /// Decodes `parameters` for the devices with the given UUIDs; `Err` carries every problem
     /// with its field path inside the parameters.
-    fn decode(&self, parameters: &Value, devices: &[DeviceTarget])
-    -> Result<DecodedConfig, Errors>;
+    fn decode(&self, parameters: &Value, devices: &[DeviceTarget]) -> Result<Config, Errors>;
 }
 
 /// A device a config is validated against.
@@ -296,9 +273,11 @@ pub struct DevicePlan {
 /// Devices sharing one effective config.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SharingGroup {
+    /// Name, unique within the claim ([`crate::sharing::group_name`]).
+    pub name: String,
     /// Index of the config in the allocation that produced it (`None` = no config).
     pub config_index: Option<usize>,
-    /// Sharing action; `None` = exclusive devices, nothing to do.
+    /// Sharing action, the api crate's validated value; `None` = exclusive devices.
     pub sharing: Option<Sharing>,
     /// Indexes into [`Plan::devices`].
     pub devices: Vec<usize>,
@@ -395,6 +374,7 @@ pub fn plan(
             Some(g) => g,
             None => {
                 groups.push(SharingGroup {
+                    name: crate::sharing::group_name(*config_index),
                     config_index: *config_index,
                     sharing: None,
                     devices: Vec::new(),
@@ -423,12 +403,42 @@ pub fn plan(
         let decoded = decoder
             .decode(&config.parameters, &targets)
             .map_err(|errors| PlanError::Config { index, errors })?;
-        group.sharing = decoded.sharing;
+        group.sharing = decoded.sharing().cloned();
     }
+    check_one_mps_daemon(&groups, &devices)?;
     Ok(Plan {
         claim_uid: input.uid.clone(),
         devices,
         groups,
+    })
+}
+
+/// Refuses a claim with two MPS groups: the kubelet gives a container every device of the
+/// requests it names (all of the claim's when it names none), so any two of a claim's MPS
+/// groups can meet in one container, where the second pipe directory mount would hide the
+/// first. The api crate gives the webhook the same message from the claim spec; here it also
+/// covers DeviceClass configs and configs for all requests.
+fn check_one_mps_daemon(groups: &[SharingGroup], devices: &[DevicePlan]) -> Result<(), PlanError> {
+    let mut mps = groups
+        .iter()
+        .filter(|g| matches!(g.sharing, Some(Sharing::Mps(_))));
+    let (Some(first), Some(second)) = (mps.next(), mps.next()) else {
+        return Ok(());
+    };
+    let requests = |g: &SharingGroup| {
+        let mut names: Vec<String> = Vec::new();
+        for &d in &g.devices {
+            for r in &devices[d].request_names {
+                if !names.contains(r) {
+                    names.push(r.clone());
+                }
+            }
+        }
+        names
+    };
+    Err(PlanError::TwoMpsDaemons {
+        index: second.config_index.unwrap_or_default(),
+        message: gpu_dra_api::two_mps_configs_message(&requests(first), &requests(second)),
     })
 }
 
@@ -439,11 +449,7 @@ pub fn plan(
 pub struct ApiDecoder;
 
 impl ConfigDecoder for ApiDecoder {
-    fn decode(
-        &self,
-        parameters: &Value,
-        devices: &[DeviceTarget],
-    ) -> Result<DecodedConfig, Errors> {
+    fn decode(&self, parameters: &Value, devices: &[DeviceTarget]) -> Result<Config, Errors> {
         let config = gpu_dra_api::decode(parameters)?;
         let claim_devices: Vec<ClaimDevice> = devices
             .iter()
@@ -453,25 +459,7 @@ impl ConfigDecoder for ApiDecoder {
             })
             .collect();
         gpu_dra_api::validate_for_devices(&config, &claim_devices)?;
-        let kind = match config.kind() {
-            gpu_dra_api::ConfigKind::Gpu => ConfigKind::Gpu,
-            gpu_dra_api::ConfigKind::Mig => ConfigKind::Mig,
-        };
-        let sharing = match config.sharing() {
-            None => None,
-            Some(gpu_dra_api::Sharing::TimeSlicing { interval }) => Some(Sharing::TimeSlicing {
-                interval: interval.as_str().to_owned(),
-            }),
-            // The canonical form: defaults applied, limits already normalized by the api crate.
-            Some(gpu_dra_api::Sharing::Mps(_)) => Some(Sharing::Mps {
-                config: config
-                    .to_parameters()
-                    .pointer("/sharing/mpsConfig")
-                    .cloned()
-                    .unwrap_or_else(|| Value::Object(Default::default())),
-            }),
-        };
-        Ok(DecodedConfig { kind, sharing })
+        Ok(config)
     }
 }
 
@@ -523,9 +511,9 @@ mod tests {
         }
     }
 
-    fn interval(plan: &Plan, device: usize) -> Option<String> {
+    fn interval(plan: &Plan, device: usize) -> Option<&'static str> {
         match &plan.groups[plan.devices[device].group].sharing {
-            Some(Sharing::TimeSlicing { interval }) => Some(interval.clone()),
+            Some(Sharing::TimeSlicing { interval }) => Some(interval.as_str()),
             _ => None,
         }
     }
@@ -545,7 +533,7 @@ mod tests {
         )
         .expect("plans");
         assert_eq!(p.devices[0].request_names, ["gpu"]);
-        assert_eq!(interval(&p, 0).as_deref(), Some("Medium"));
+        assert_eq!(interval(&p, 0), Some("Medium"));
     }
 
     #[test]
@@ -560,7 +548,7 @@ mod tests {
             &ApiDecoder,
         )
         .expect("plans");
-        assert_eq!(interval(&p, 0).as_deref(), Some("Short"));
+        assert_eq!(interval(&p, 0), Some("Short"));
     }
 
     #[test]
@@ -677,11 +665,86 @@ mod tests {
                 &[DeviceTarget { uuid: "MIG-1".into(), is_mig: true }],
             )
             .expect("mps");
-        assert_eq!(mps.kind, ConfigKind::Mig);
-        let Some(Sharing::Mps { config }) = mps.sharing else {
+        assert_eq!(mps.kind(), gpu_dra_api::ConfigKind::Mig);
+        let Some(Sharing::Mps(config)) = mps.sharing() else {
             panic!("MPS expected");
         };
-        assert_eq!(config["defaultActiveThreadPercentage"], 50);
+        assert_eq!(config.active_thread_percentage, Some(50));
+    }
+
+    fn mps_cfg(per_device: Value) -> Value {
+        json!({"apiVersion": "resource.nvidia.com/v1beta1", "kind": "GpuConfig",
+               "sharing": {"strategy": "MPS", "mpsConfig": {
+                   "defaultPinnedDeviceMemoryLimit": "1Gi",
+                   "defaultPerDevicePinnedMemoryLimit": per_device}}})
+    }
+
+    /// A second GPU of the same shape, for claims of two whole GPUs.
+    fn two_gpus() -> Inventory {
+        testing::inventory([a100(0).build(), a100(1).build(), a100(2).build()])
+    }
+
+    #[test]
+    fn groups_carry_the_api_value_and_a_name() {
+        let configs = vec![cfg(
+            3,
+            ConfigSource::FromClaim,
+            &[],
+            mps_cfg(json!({"0": "2Gi"})),
+        )];
+        let p = plan(
+            &input(
+                vec![dev(0, "gpu", "gpu-2"), dev(1, "gpu", "gpu-0")],
+                configs,
+            ),
+            &two_gpus(),
+            &ApiDecoder,
+        )
+        .expect("plans");
+        assert_eq!(p.groups.len(), 1);
+        assert_eq!(p.groups[0].name, "c3");
+        let Some(Sharing::Mps(m)) = &p.groups[0].sharing else {
+            panic!("MPS expected");
+        };
+        assert_eq!(m.pinned_memory_limit_mib, Some(1024));
+        // Index 0 is the smaller UUID, gpu-0's, though gpu-2 was allocated first.
+        let devices = crate::sharing::shared_devices(&p, &p.groups[0]);
+        let limits = crate::sharing::mps_limits(m, &devices);
+        assert_eq!(limits.pinned_memory_mib[&p.devices[1].uuid], 2048);
+        assert_eq!(limits.pinned_memory_mib[&p.devices[0].uuid], 1024);
+        assert!(p.devices[1].uuid < p.devices[0].uuid);
+    }
+
+    #[test]
+    fn two_mps_groups_in_one_claim_are_refused_naming_both() {
+        let configs = vec![
+            cfg(0, ConfigSource::FromClass, &[], mps_cfg(json!({}))),
+            cfg(1, ConfigSource::FromClaim, &["b"], mps_cfg(json!({}))),
+        ];
+        let err = plan(
+            &input(vec![dev(0, "a", "gpu-0"), dev(1, "b/x", "gpu-1")], configs),
+            &two_gpus(),
+            &ApiDecoder,
+        )
+        .expect_err("two MPS daemons");
+        assert_eq!(
+            err.to_string(),
+            format!(
+                "status.allocation.devices.config[1]: {}",
+                gpu_dra_api::two_mps_configs_message(&["a".into()], &["b".into()])
+            )
+        );
+        // One MPS config and one time-slicing config: fine.
+        let configs = vec![
+            cfg(0, ConfigSource::FromClaim, &["a"], gpu_cfg("Long")),
+            cfg(1, ConfigSource::FromClaim, &["b"], mps_cfg(json!({}))),
+        ];
+        plan(
+            &input(vec![dev(0, "a", "gpu-0"), dev(1, "b", "gpu-1")], configs),
+            &two_gpus(),
+            &ApiDecoder,
+        )
+        .expect("one MPS group");
     }
 
     #[test]

@@ -10,9 +10,9 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use gpu_dra_api::{DeviceKey, Interval, MpsConfig, Sharing};
 use gpu_dra_kubelet_plugin::sharing::{
-    DeviceKey, DriverRoot, FileStore, MpsRequest, SharedDevice, SharingGroup, SharingManager,
-    SharingMetrics, SharingOptions, SharingRequest, TimeSliceInterval,
+    DriverRoot, FileStore, SharedDevice, SharingManager, SharingMetrics, SharingOptions,
 };
 use gpu_dra_sim::testing::SimHost;
 
@@ -39,14 +39,6 @@ fn report(name: &str, mut samples: Vec<Duration>) -> Duration {
     p50
 }
 
-fn device(index: usize, uuid: &str) -> SharedDevice {
-    SharedDevice {
-        index,
-        uuid: uuid.to_string(),
-        mig: false,
-    }
-}
-
 #[tokio::main]
 async fn main() {
     let host = SimHost::new(PROFILE);
@@ -68,35 +60,32 @@ async fn main() {
         .collect();
     let (g4, g5) = (&uuids[4], &uuids[5]);
 
-    let one_gpu = SharingGroup {
-        name: "0".into(),
-        devices: vec![device(0, g4)],
-        sharing: SharingRequest::Mps(MpsRequest {
+    let one_gpu = (
+        vec![SharedDevice::gpu(g4)],
+        Sharing::Mps(MpsConfig {
             active_thread_percentage: Some(50),
-            default_pinned_memory_mib: Some(4096),
+            pinned_memory_limit_mib: Some(4096),
             ..Default::default()
         }),
-    };
-    let two_gpus = SharingGroup {
-        name: "0".into(),
-        devices: vec![device(0, g4), device(1, g5)],
-        sharing: SharingRequest::Mps(MpsRequest {
+    );
+    let two_gpus = (
+        vec![SharedDevice::gpu(g4), SharedDevice::gpu(g5)],
+        Sharing::Mps(MpsConfig {
             active_thread_percentage: Some(50),
-            default_pinned_memory_mib: Some(4096),
-            per_device_pinned_memory_mib: [(DeviceKey::Index(1), 2048)].into(),
+            pinned_memory_limit_mib: Some(4096),
+            per_device_pinned_memory_limit_mib: [(DeviceKey::Index(1), 2048)].into(),
         }),
-    };
-    let timeslice = SharingGroup {
-        name: "0".into(),
-        devices: vec![device(0, g4)],
-        sharing: SharingRequest::TimeSlicing {
-            interval: TimeSliceInterval::Long,
+    );
+    let timeslice = (
+        vec![SharedDevice::gpu(g4)],
+        Sharing::TimeSlicing {
+            interval: Interval::Long,
         },
-    };
+    );
 
     println!("sharing on the simulator ({PROFILE}), {ITERATIONS} claims each, release build");
     let mut mps_p50 = Duration::ZERO;
-    for (name, group) in [
+    for (name, (devices, sharing)) in [
         ("MPS prepare, 1 GPU", &one_gpu),
         ("MPS prepare, 2 GPUs + per-device", &two_gpus),
         ("time-slicing prepare, 1 GPU", &timeslice),
@@ -106,7 +95,7 @@ async fn main() {
         for i in 0..ITERATIONS {
             let claim = format!("00000000-0000-4000-8000-{i:012}");
             let t = Instant::now();
-            m.prepare(&claim, group).await.unwrap();
+            m.prepare(&claim, "0", devices, sharing).await.unwrap();
             prepare.push(t.elapsed());
             let t = Instant::now();
             m.unprepare(&claim).await.unwrap();

@@ -38,7 +38,7 @@ use crate::cdi_io::{CdiError, CdiHost};
 use crate::claims::{ClaimSource, ClaimSourceError};
 use crate::failpoint::{Failpoints, Fired};
 use crate::metrics::Metrics;
-use crate::sharing::SharingExecutor;
+use crate::sharing::{SharingError, SharingExecutor};
 
 /// Why a claim could not be prepared or unprepared.
 #[derive(Debug, thiserror::Error)]
@@ -68,8 +68,8 @@ pub enum DriverError {
         holder_uid: String,
     },
     /// Applying or releasing sharing failed.
-    #[error("{0}")]
-    Sharing(String),
+    #[error(transparent)]
+    Sharing(#[from] SharingError),
     /// A CDI step failed.
     #[error(transparent)]
     Cdi(#[from] CdiError),
@@ -446,18 +446,9 @@ impl Driver {
             .await?;
 
         let mut sharing_states = Vec::new();
-        let mut sharing_edits: Vec<(usize, crate::sharing::SharingEdits)> = Vec::new();
+        let mut sharing_edits: Vec<(usize, gpu_dra_core::cdi::ContainerEdits)> = Vec::new();
         for group in &plan.groups {
-            let members: Vec<_> = group
-                .devices
-                .iter()
-                .map(|&i| (i, &plan.devices[i]))
-                .collect();
-            let applied = self
-                .sharing
-                .apply(&claim.uid, group, &members)
-                .await
-                .map_err(DriverError::Sharing)?;
+            let applied = self.sharing.apply(plan, group).await?;
             if let Some(state) = applied.state {
                 sharing_states.push(state);
             }
@@ -485,18 +476,15 @@ impl Driver {
             });
         }
         let mut spec = self.cdi.spec(&claim.uid, &spec_devices);
-        // Sharing edits (MPS pipe and shm mounts, env) go on the group's devices, so a
+        // Sharing edits (the MPS pipe directory mount and env) go on the group's devices, so a
         // container gets them exactly when it gets one of those devices.
         for (i, edits) in sharing_edits {
             if let Some(dev) = spec.devices.get_mut(i) {
                 let ce = &mut dev.container_edits;
-                ce.env.extend(edits.env.iter().cloned());
-                ce.mounts
-                    .extend(edits.mounts.iter().map(|m| gpu_dra_core::cdi::Mount {
-                        host_path: m.host_path.display().to_string(),
-                        container_path: m.container_path.clone(),
-                        options: m.options.clone(),
-                    }));
+                ce.env.extend(edits.env);
+                ce.device_nodes.extend(edits.device_nodes);
+                ce.mounts.extend(edits.mounts);
+                ce.hooks.extend(edits.hooks);
             }
         }
         let cdi = self.cdi.clone();
@@ -523,10 +511,7 @@ impl Driver {
         if let Some(e) = &entry {
             self.release_sharing(uid, e.sharing.as_ref()).await?;
             if let Some(imported) = &e.imported {
-                self.sharing
-                    .release_imported(uid, imported)
-                    .await
-                    .map_err(DriverError::Sharing)?;
+                self.sharing.release_imported(uid, imported).await?;
             }
         }
         self.failpoints.hit("unprepare.after_sharing").await?;
@@ -554,18 +539,11 @@ impl Driver {
         match state {
             Some(Value::Array(states)) => {
                 for s in states {
-                    self.sharing
-                        .release(uid, Some(s))
-                        .await
-                        .map_err(DriverError::Sharing)?;
+                    self.sharing.release(uid, Some(s)).await?;
                 }
                 Ok(())
             }
-            other => self
-                .sharing
-                .release(uid, other)
-                .await
-                .map_err(DriverError::Sharing),
+            other => Ok(self.sharing.release(uid, other).await?),
         }
     }
 
@@ -996,11 +974,10 @@ mod tests {
     impl SharingExecutor for Recording {
         fn apply<'a>(
             &'a self,
-            claim_uid: &'a str,
+            plan: &'a Plan,
             group: &'a gpu_dra_core::plan::SharingGroup,
-            _devices: &'a [(usize, &'a gpu_dra_core::plan::DevicePlan)],
-        ) -> futures::future::BoxFuture<'a, Result<crate::sharing::Applied, String>> {
-            lock(&self.0).push(format!("apply {claim_uid}"));
+        ) -> futures::future::BoxFuture<'a, Result<crate::sharing::Applied, SharingError>> {
+            lock(&self.0).push(format!("apply {}", plan.claim_uid));
             let state = group.sharing.as_ref().map(|_| json!({"group": "c0"}));
             Box::pin(async move {
                 Ok(crate::sharing::Applied {
@@ -1014,7 +991,7 @@ mod tests {
             &'a self,
             claim_uid: &'a str,
             _state: Option<&'a Value>,
-        ) -> futures::future::BoxFuture<'a, Result<(), String>> {
+        ) -> futures::future::BoxFuture<'a, Result<(), SharingError>> {
             lock(&self.0).push(format!("release {claim_uid}"));
             Box::pin(async { Ok(()) })
         }
@@ -1023,7 +1000,7 @@ mod tests {
             &'a self,
             claim_uid: &'a str,
             imported: &'a gpu_dra_core::checkpoint::Imported,
-        ) -> futures::future::BoxFuture<'a, Result<(), String>> {
+        ) -> futures::future::BoxFuture<'a, Result<(), SharingError>> {
             lock(&self.0).push(format!(
                 "release_imported {claim_uid} timesliced={} mps={}",
                 imported.time_sliced_gpus.join(","),

@@ -10,10 +10,12 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
+use gpu_dra_api::{DeviceKey, Interval, MpsConfig, Sharing};
+use gpu_dra_core::cdi::ContainerEdits;
 use gpu_dra_kubelet_plugin::sharing::state::MpsPhase;
 use gpu_dra_kubelet_plugin::sharing::{
-    DeviceKey, DriverRoot, FileStore, MpsRequest, SharedDevice, SharingGroup, SharingManager,
-    SharingMetrics, SharingOptions, SharingRequest, SharingStore, TimeSliceInterval, daemon_id,
+    DriverRoot, FileStore, SharedDevice, SharingError, SharingManager, SharingMetrics,
+    SharingOptions, SharingStore, daemon_id,
 };
 use gpu_dra_sim::state::ComputeMode;
 use gpu_dra_sim::testing::SimHost;
@@ -107,35 +109,43 @@ impl Node {
 }
 
 fn gpu(uuid: &str) -> SharedDevice {
-    SharedDevice {
-        index: 0,
-        uuid: uuid.to_string(),
-        mig: false,
-    }
+    SharedDevice::gpu(uuid)
 }
 
 fn mig(uuid: &str) -> SharedDevice {
-    SharedDevice {
-        index: 0,
-        uuid: uuid.to_string(),
-        mig: true,
+    SharedDevice::mig(uuid)
+}
+
+/// A plan's sharing group, as the manager gets it.
+#[derive(Clone)]
+struct Group {
+    name: String,
+    devices: Vec<SharedDevice>,
+    sharing: Sharing,
+}
+
+fn ts(devices: Vec<SharedDevice>, interval: Interval) -> Group {
+    Group {
+        name: "0".into(),
+        devices,
+        sharing: Sharing::TimeSlicing { interval },
     }
 }
 
-fn ts(devices: Vec<SharedDevice>, interval: TimeSliceInterval) -> SharingGroup {
-    SharingGroup {
+fn mps(devices: Vec<SharedDevice>, config: MpsConfig) -> Group {
+    Group {
         name: "0".into(),
         devices,
-        sharing: SharingRequest::TimeSlicing { interval },
+        sharing: Sharing::Mps(config),
     }
 }
 
-fn mps(devices: Vec<SharedDevice>, req: MpsRequest) -> SharingGroup {
-    SharingGroup {
-        name: "0".into(),
-        devices,
-        sharing: SharingRequest::Mps(req),
-    }
+async fn prepare(
+    m: &SharingManager,
+    claim: &str,
+    g: &Group,
+) -> Result<ContainerEdits, SharingError> {
+    m.prepare(claim, &g.name, &g.devices, &g.sharing).await
 }
 
 fn environ(pid: u32) -> String {
@@ -166,8 +176,7 @@ async fn time_slicing_on_a_whole_gpu_sets_and_resets_the_interval() {
     let node = Node::new(PROFILE);
     let m = node.manager();
     let uuid = node.gpu_uuid(4);
-    let edits = m
-        .prepare(CLAIM_A, &ts(vec![gpu(&uuid)], TimeSliceInterval::Long))
+    let edits = prepare(&m, CLAIM_A, &ts(vec![gpu(&uuid)], Interval::Long))
         .await
         .unwrap();
     assert!(edits.env.is_empty() && edits.mounts.is_empty());
@@ -186,9 +195,10 @@ async fn time_slicing_on_a_mig_device_calls_no_tool() {
     std::fs::set_permissions(&smi, std::fs::Permissions::from_mode(0o644)).unwrap();
     let m = node.manager();
     let before = node.host.state();
-    m.prepare(
+    prepare(
+        &m,
         CLAIM_A,
-        &ts(vec![mig(&node.mig_uuid(0))], TimeSliceInterval::Short),
+        &ts(vec![mig(&node.mig_uuid(0))], Interval::Short),
     )
     .await
     .unwrap();
@@ -196,14 +206,14 @@ async fn time_slicing_on_a_mig_device_calls_no_tool() {
     assert_eq!(node.host.state().gpus, before.gpus);
     assert!(m.state().time_slicing.is_empty());
     // A whole GPU does need the tool, and the error says where it was looked for.
-    let err = m
-        .prepare(
-            CLAIM_B,
-            &ts(vec![gpu(&node.gpu_uuid(4))], TimeSliceInterval::Short),
-        )
-        .await
-        .unwrap_err()
-        .to_string();
+    let err = prepare(
+        &m,
+        CLAIM_B,
+        &ts(vec![gpu(&node.gpu_uuid(4))], Interval::Short),
+    )
+    .await
+    .unwrap_err()
+    .to_string();
     assert!(
         err.contains("nvidia-smi not found") && err.contains("usr/bin/nvidia-smi"),
         "{err}"
@@ -215,8 +225,7 @@ async fn time_slicing_on_an_unsupported_gpu_is_a_clear_error() {
     let node = Node::new("p4");
     let m = node.manager();
     let uuid = node.gpu_uuid(0);
-    let err = m
-        .prepare(CLAIM_A, &ts(vec![gpu(&uuid)], TimeSliceInterval::Medium))
+    let err = prepare(&m, CLAIM_A, &ts(vec![gpu(&uuid)], Interval::Medium))
         .await
         .unwrap_err()
         .to_string();
@@ -231,10 +240,10 @@ async fn time_slice_is_reset_only_after_the_last_claim_even_across_a_restart() {
     let node = Node::new(PROFILE);
     let uuid = node.gpu_uuid(5);
     let m = node.manager();
-    m.prepare(CLAIM_A, &ts(vec![gpu(&uuid)], TimeSliceInterval::Medium))
+    prepare(&m, CLAIM_A, &ts(vec![gpu(&uuid)], Interval::Medium))
         .await
         .unwrap();
-    m.prepare(CLAIM_B, &ts(vec![gpu(&uuid)], TimeSliceInterval::Medium))
+    prepare(&m, CLAIM_B, &ts(vec![gpu(&uuid)], Interval::Medium))
         .await
         .unwrap();
     m.unprepare(CLAIM_A).await.unwrap();
@@ -259,21 +268,35 @@ async fn mps_on_one_gpu_runs_a_ready_daemon_with_limits_and_cleans_up() {
     let node = Node::new(PROFILE);
     let m = node.manager();
     let uuid = node.gpu_uuid(4);
-    let req = MpsRequest {
+    let req = MpsConfig {
         active_thread_percentage: Some(50),
-        default_pinned_memory_mib: Some(1536),
+        pinned_memory_limit_mib: Some(1536),
         ..Default::default()
     };
-    let edits = m
-        .prepare(CLAIM_A, &mps(vec![gpu(&uuid)], req.clone()))
+    let edits = prepare(&m, CLAIM_A, &mps(vec![gpu(&uuid)], req.clone()))
         .await
         .unwrap();
     let dir = node.daemon_dir(CLAIM_A, "0");
+    // Exactly what a client container receives for the group: the pipe directory and the
+    // variable naming it; its own /dev/shm stays (device nodes come with the devices).
+    assert_eq!(
+        edits,
+        gpu_dra_core::sharing::mps_edits(&dir.join("pipe").display().to_string())
+    );
     assert_eq!(edits.env, ["CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps"]);
-    assert_eq!(edits.mounts[0].host_path, dir.join("pipe"));
+    assert_eq!(edits.mounts.len(), 1);
+    assert_eq!(
+        edits.mounts[0].host_path,
+        dir.join("pipe").display().to_string()
+    );
     assert_eq!(edits.mounts[0].container_path, "/tmp/nvidia-mps");
-    assert_eq!(edits.mounts[1].host_path, dir.join("shm"));
-    assert_eq!(edits.mounts[1].container_path, "/dev/shm");
+    assert!(edits.device_nodes.is_empty() && edits.hooks.is_empty());
+    let mut made: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    made.sort();
+    assert_eq!(made, ["log", "pipe"], "no shm directory");
     assert_eq!(node.compute_mode(4), ComputeMode::ExclusiveProcess);
 
     // The daemon answers on the claim's pipe with the limits applied.
@@ -302,7 +325,7 @@ async fn mps_on_one_gpu_runs_a_ready_daemon_with_limits_and_cleans_up() {
 
     // Repeating prepare is a no-op returning the same edits.
     assert_eq!(
-        m.prepare(CLAIM_A, &mps(vec![gpu(&uuid)], req))
+        prepare(&m, CLAIM_A, &mps(vec![gpu(&uuid)], req))
             .await
             .unwrap(),
         edits
@@ -324,20 +347,21 @@ async fn mps_on_two_gpus_applies_a_per_device_limit() {
     let (a, b) = (node.gpu_uuid(6), node.gpu_uuid(7));
     let mut sorted = [a.clone(), b.clone()];
     sorted.sort();
-    let req = MpsRequest {
-        default_pinned_memory_mib: Some(1024),
-        // Claim index 1 is GPU b.
-        per_device_pinned_memory_mib: [(DeviceKey::Index(1), 3000)].into(),
+    let req = MpsConfig {
+        pinned_memory_limit_mib: Some(1024),
+        // Index 1 is the larger UUID (NVIDIA's rule: indexes count in the sorted UUIDs).
+        per_device_pinned_memory_limit_mib: [(DeviceKey::Index(1), 3000)].into(),
         ..Default::default()
     };
-    let mut devices = vec![gpu(&a), gpu(&b)];
-    devices[1].index = 1;
-    m.prepare(CLAIM_A, &mps(devices, req)).await.unwrap();
+    // Allocated in the reverse of sorted order: the limit follows the sorted order.
+    let devices = vec![gpu(&sorted[1]), gpu(&sorted[0])];
+    prepare(&m, CLAIM_A, &mps(devices, req)).await.unwrap();
     let dir = node.daemon_dir(CLAIM_A, "0");
     let (_, out) = node.mps_client(
         &dir,
         &format!(
-            "get_default_device_pinned_mem_limit {a}\nget_default_device_pinned_mem_limit {b}\n"
+            "get_default_device_pinned_mem_limit {}\nget_default_device_pinned_mem_limit {}\n",
+            sorted[0], sorted[1]
         ),
     );
     assert_eq!(out, "1G\n3000M\n");
@@ -350,8 +374,7 @@ async fn mps_on_two_gpus_applies_a_per_device_limit() {
     assert_eq!(node.compute_mode(7), ComputeMode::ExclusiveProcess);
 
     // A second claim cannot time-slice a GPU that MPS holds.
-    let err = m
-        .prepare(CLAIM_B, &ts(vec![gpu(&a)], TimeSliceInterval::Short))
+    let err = prepare(&m, CLAIM_B, &ts(vec![gpu(&a)], Interval::Short))
         .await
         .unwrap_err()
         .to_string();
@@ -368,12 +391,12 @@ async fn mps_on_a_mig_device_leaves_the_compute_mode_alone() {
     let m = node.manager();
     let uuid = node.mig_uuid(1);
     let before = node.compute_mode(1);
-    let req = MpsRequest {
+    let req = MpsConfig {
         active_thread_percentage: Some(25),
-        per_device_pinned_memory_mib: [(DeviceKey::Uuid(uuid.clone()), 2048)].into(),
+        per_device_pinned_memory_limit_mib: [(DeviceKey::Uuid(uuid.clone()), 2048)].into(),
         ..Default::default()
     };
-    m.prepare(CLAIM_A, &mps(vec![mig(&uuid)], req))
+    prepare(&m, CLAIM_A, &mps(vec![mig(&uuid)], req))
         .await
         .unwrap();
     let dir = node.daemon_dir(CLAIM_A, "0");
@@ -410,8 +433,7 @@ async fn a_daemon_dying_during_start_fails_prepare_and_leaves_nothing() {
     std::fs::set_permissions(&tool, std::fs::Permissions::from_mode(0o755)).unwrap();
     let m = node.manager();
     let uuid = node.gpu_uuid(4);
-    let err = m
-        .prepare(CLAIM_A, &mps(vec![gpu(&uuid)], MpsRequest::default()))
+    let err = prepare(&m, CLAIM_A, &mps(vec![gpu(&uuid)], MpsConfig::default()))
         .await
         .unwrap_err()
         .to_string();
@@ -427,9 +449,9 @@ async fn a_plugin_crash_during_mps_start_leaves_no_orphan_after_recovery() {
     let node = Node::new(PROFILE);
     let m = node.manager();
     let uuid = node.gpu_uuid(4);
-    let group = mps(vec![gpu(&uuid)], MpsRequest::default());
+    let group = mps(vec![gpu(&uuid)], MpsConfig::default());
     let m2 = m.clone();
-    let task = tokio::spawn(async move { m2.prepare(CLAIM_A, &group).await });
+    let task = tokio::spawn(async move { prepare(&m2, CLAIM_A, &group).await });
     // "Crash" as soon as the daemon's pid is saved: the prepare future is dropped mid-way.
     let store = node.store();
     wait_until("a saved daemon pid", || {
@@ -479,11 +501,11 @@ async fn a_crashed_daemon_is_restarted_with_its_limits() {
     let node = Node::new(PROFILE);
     let m = node.manager();
     let uuid = node.gpu_uuid(4);
-    let req = MpsRequest {
+    let req = MpsConfig {
         active_thread_percentage: Some(30),
         ..Default::default()
     };
-    m.prepare(CLAIM_A, &mps(vec![gpu(&uuid)], req))
+    prepare(&m, CLAIM_A, &mps(vec![gpu(&uuid)], req))
         .await
         .unwrap();
     let dir = node.daemon_dir(CLAIM_A, "0");
@@ -519,7 +541,7 @@ async fn a_crashed_daemon_is_restarted_with_its_limits() {
 async fn daemons_are_readopted_after_a_plugin_restart_or_restarted_if_dead() {
     let node = Node::new(PROFILE);
     let m = node.manager();
-    let req = MpsRequest {
+    let req = MpsConfig {
         active_thread_percentage: Some(60),
         ..Default::default()
     };
@@ -527,8 +549,8 @@ async fn daemons_are_readopted_after_a_plugin_restart_or_restarted_if_dead() {
     g1.name = "g1".into();
     let mut g2 = mps(vec![gpu(&node.gpu_uuid(5))], req);
     g2.name = "g2".into();
-    m.prepare(CLAIM_A, &g1).await.unwrap();
-    m.prepare(CLAIM_B, &g2).await.unwrap();
+    prepare(&m, CLAIM_A, &g1).await.unwrap();
+    prepare(&m, CLAIM_B, &g2).await.unwrap();
     let pid1 = m.mps_pid(CLAIM_A, "g1").unwrap();
     let pid2 = m.mps_pid(CLAIM_B, "g2").unwrap();
 
@@ -582,7 +604,7 @@ async fn daemons_are_readopted_after_a_plugin_restart_or_restarted_if_dead() {
 
 #[tokio::test]
 async fn the_executor_applies_a_plan_group_with_edits_and_releases_without_state() {
-    use gpu_dra_core::plan::{DeviceNodesNeed, DevicePlan, Sharing, SharingGroup as PlanGroup};
+    use gpu_dra_core::plan::{DeviceNodesNeed, DevicePlan, Plan, SharingGroup as PlanGroup};
     use gpu_dra_kubelet_plugin::sharing::SharingExecutor;
 
     let node = Node::new(PROFILE);
@@ -601,17 +623,24 @@ async fn the_executor_applies_a_plan_group_with_edits_and_releases_without_state
         share_id: None,
         group: 0,
     };
-    let group = PlanGroup {
-        config_index: Some(0),
-        sharing: Some(Sharing::Mps {
-            config: serde_json::json!({
-                "defaultActiveThreadPercentage": 20,
-                "defaultPerDevicePinnedMemoryLimit": {"0": "3Gi"},
-            }),
-        }),
-        devices: vec![0],
+    let decoded = gpu_dra_api::decode(&serde_json::json!({
+        "apiVersion": "resource.nvidia.com/v1beta1", "kind": "GpuConfig",
+        "sharing": {"strategy": "MPS", "mpsConfig": {
+            "defaultActiveThreadPercentage": 20,
+            "defaultPerDevicePinnedMemoryLimit": {"0": "3Gi"}}}}))
+    .unwrap();
+    let plan = |claim: &str, sharing: Sharing| Plan {
+        claim_uid: claim.into(),
+        devices: vec![device.clone()],
+        groups: vec![PlanGroup {
+            name: "c0".into(),
+            config_index: Some(0),
+            sharing: Some(sharing),
+            devices: vec![0],
+        }],
     };
-    let applied = m.apply(CLAIM_A, &group, &[(0, &device)]).await.unwrap();
+    let p = plan(CLAIM_A, decoded.sharing().unwrap().clone());
+    let applied = m.apply(&p, &p.groups[0]).await.unwrap();
     assert!(applied.state.is_some());
     assert_eq!(
         applied.edits.env,
@@ -630,15 +659,14 @@ async fn the_executor_applies_a_plan_group_with_edits_and_releases_without_state
     assert!(!dir.exists());
     assert_eq!(node.compute_mode(4), ComputeMode::Default);
 
-    // Time-slicing by interval name, as the plan carries it.
-    let ts_group = PlanGroup {
-        config_index: Some(1),
-        sharing: Some(Sharing::TimeSlicing {
-            interval: "Short".into(),
-        }),
-        devices: vec![0],
-    };
-    m.apply(CLAIM_B, &ts_group, &[(0, &device)]).await.unwrap();
+    // Time-slicing, with the api crate's interval as the plan carries it.
+    let p = plan(
+        CLAIM_B,
+        Sharing::TimeSlicing {
+            interval: Interval::Short,
+        },
+    );
+    m.apply(&p, &p.groups[0]).await.unwrap();
     assert_eq!(node.timeslice(4), 1);
     m.release(CLAIM_B, None).await.unwrap();
     assert_eq!(node.timeslice(4), 0);
@@ -654,16 +682,17 @@ async fn after_a_reboot_recorded_sharing_is_forgotten_not_restarted_and_nvidia_d
     };
     let m = booted("boot-1");
     m.recover().await.unwrap();
-    let req = MpsRequest {
+    let req = MpsConfig {
         active_thread_percentage: Some(50),
         ..Default::default()
     };
-    m.prepare(CLAIM_A, &mps(vec![gpu(&node.gpu_uuid(4))], req))
+    prepare(&m, CLAIM_A, &mps(vec![gpu(&node.gpu_uuid(4))], req))
         .await
         .unwrap();
-    m.prepare(
+    prepare(
+        &m,
         CLAIM_B,
-        &ts(vec![gpu(&node.gpu_uuid(5))], TimeSliceInterval::Long),
+        &ts(vec![gpu(&node.gpu_uuid(5))], Interval::Long),
     )
     .await
     .unwrap();
@@ -705,9 +734,10 @@ async fn after_a_reboot_recorded_sharing_is_forgotten_not_restarted_and_nvidia_d
     assert!(saved.mps.is_empty() && saved.time_slicing.is_empty());
     assert_eq!(saved.boot_id.as_deref(), Some("boot-2"));
     // The next prepare applies sharing again.
-    m.prepare(
+    prepare(
+        &m,
         CLAIM_A,
-        &mps(vec![gpu(&node.gpu_uuid(4))], MpsRequest::default()),
+        &mps(vec![gpu(&node.gpu_uuid(4))], MpsConfig::default()),
     )
     .await
     .unwrap();

@@ -98,13 +98,23 @@ pub enum SharingError {
         /// What the daemon answered.
         message: String,
     },
-    /// The sharing request cannot be applied to these devices.
+    /// The group cannot be applied on this node (a name unusable as a path component, a
+    /// socket path too long, no devices). Config errors never get here: the api crate's
+    /// validation refused them when the claim was planned.
     #[error("invalid sharing request at {field}: {message}")]
     InvalidRequest {
-        /// Where in the request, e.g. `mps.perDevicePinnedMemoryLimit[3]`.
+        /// What was wrong with, e.g. `pluginDir` or `device group`.
         field: String,
         /// What was wrong and what would be valid.
         message: String,
+    },
+    /// This build or node runs without sharing support ([`super::ExclusiveOnly`]).
+    #[error(
+        "sharing.strategy {strategy}: sharing not enabled in this build; remove `sharing` from the config"
+    )]
+    NotEnabled {
+        /// `TimeSlicing` or `MPS`.
+        strategy: &'static str,
     },
     /// Two claims want incompatible sharing on the same GPU.
     #[error("GPU {gpu} is already shared with {holder}; it cannot also be used with {wanted}")]

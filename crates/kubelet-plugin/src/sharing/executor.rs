@@ -3,7 +3,7 @@
 //!
 //! [`SharingManager`] is the real executor (time-slicing and supervised MPS daemons);
 //! [`ExclusiveOnly`] refuses any sharing and serves builds and tests that have no driver
-//! tools. Apply returns container edits (the MPS pipe and shm mounts, its env) that the
+//! tools. Apply returns container edits (the MPS pipe directory mount and its env) that the
 //! pipeline adds to the group's CDI devices, and a small state value that the pipeline keeps
 //! in its checkpoint entry; the manager's own state (daemon pids, directories, limits,
 //! time-slice reference counts) lives in its [`SharingStore`](super::SharingStore).
@@ -17,11 +17,14 @@
 //! are reported (what to delete, which GPUs to reset) and left running.
 
 use futures::future::BoxFuture;
+use gpu_dra_api::Sharing;
+use gpu_dra_core::cdi::ContainerEdits;
 use gpu_dra_core::checkpoint::Imported;
-use gpu_dra_core::plan::{DevicePlan, Sharing, SharingGroup as PlanGroup};
+use gpu_dra_core::plan::{Plan, SharingGroup};
+use gpu_dra_core::sharing::shared_devices;
 use serde_json::{Value, json};
 
-use super::{SharedDevice, SharingEdits, SharingGroup, SharingManager, SharingRequest};
+use super::{SharingError, SharingManager};
 
 /// What applying a group's sharing produced.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -29,19 +32,17 @@ pub struct Applied {
     /// State to keep in the checkpoint entry of the claim (`None`: nothing applied).
     pub state: Option<Value>,
     /// Container edits for every device of the group.
-    pub edits: SharingEdits,
+    pub edits: ContainerEdits,
 }
 
 /// Applies and releases the sharing action of a device group.
 pub trait SharingExecutor: Send + Sync {
-    /// Applies the group's sharing. `devices` are the group's members with their indexes in
-    /// the plan (the claim's allocation order).
+    /// Applies the sharing of `group`, one of `plan`'s groups.
     fn apply<'a>(
         &'a self,
-        claim_uid: &'a str,
-        group: &'a PlanGroup,
-        devices: &'a [(usize, &'a DevicePlan)],
-    ) -> BoxFuture<'a, Result<Applied, String>>;
+        plan: &'a Plan,
+        group: &'a SharingGroup,
+    ) -> BoxFuture<'a, Result<Applied, SharingError>>;
 
     /// Undoes what `apply` did for the claim. Must succeed when called again, and with no
     /// state.
@@ -49,7 +50,7 @@ pub trait SharingExecutor: Send + Sync {
         &'a self,
         claim_uid: &'a str,
         state: Option<&'a Value>,
-    ) -> BoxFuture<'a, Result<(), String>>;
+    ) -> BoxFuture<'a, Result<(), SharingError>>;
 
     /// Undoes the sharing NVIDIA's driver applied for an imported claim. Must succeed when
     /// called again. The default does nothing: an executor without driver tools cannot
@@ -58,9 +59,17 @@ pub trait SharingExecutor: Send + Sync {
         &'a self,
         claim_uid: &'a str,
         imported: &'a Imported,
-    ) -> BoxFuture<'a, Result<(), String>> {
+    ) -> BoxFuture<'a, Result<(), SharingError>> {
         let _ = (claim_uid, imported);
         Box::pin(async { Ok(()) })
+    }
+}
+
+/// The wire name of a sharing strategy.
+pub fn strategy_name(sharing: &Sharing) -> &'static str {
+    match sharing {
+        Sharing::TimeSlicing { .. } => "TimeSlicing",
+        Sharing::Mps(_) => "MPS",
     }
 }
 
@@ -71,21 +80,14 @@ pub struct ExclusiveOnly;
 impl SharingExecutor for ExclusiveOnly {
     fn apply<'a>(
         &'a self,
-        _claim_uid: &'a str,
-        group: &'a PlanGroup,
-        _devices: &'a [(usize, &'a DevicePlan)],
-    ) -> BoxFuture<'a, Result<Applied, String>> {
+        _plan: &'a Plan,
+        group: &'a SharingGroup,
+    ) -> BoxFuture<'a, Result<Applied, SharingError>> {
         let result = match &group.sharing {
             None => Ok(Applied::default()),
-            Some(s) => {
-                let strategy = match s {
-                    Sharing::TimeSlicing { .. } => "TimeSlicing",
-                    Sharing::Mps { .. } => "MPS",
-                };
-                Err(format!(
-                    "sharing.strategy {strategy}: sharing not enabled in this build; remove `sharing` from the config"
-                ))
-            }
+            Some(s) => Err(SharingError::NotEnabled {
+                strategy: strategy_name(s),
+            }),
         };
         Box::pin(async move { result })
     }
@@ -94,64 +96,27 @@ impl SharingExecutor for ExclusiveOnly {
         &'a self,
         _claim_uid: &'a str,
         _state: Option<&'a Value>,
-    ) -> BoxFuture<'a, Result<(), String>> {
+    ) -> BoxFuture<'a, Result<(), SharingError>> {
         Box::pin(async { Ok(()) })
     }
-}
-
-/// The sharing group of a plan group, or `None` for exclusive devices. The group is named
-/// after its config index (`c<N>`), unique within a claim.
-pub fn group_from_plan(
-    group: &PlanGroup,
-    devices: &[(usize, &DevicePlan)],
-) -> Result<Option<SharingGroup>, String> {
-    let Some(sharing) = &group.sharing else {
-        return Ok(None);
-    };
-    let sharing = match sharing {
-        Sharing::TimeSlicing { interval } => SharingRequest::time_slicing(interval),
-        Sharing::Mps { config } => SharingRequest::mps_from_json(config),
-    }
-    .map_err(|e| e.to_string())?;
-    let name = match group.config_index {
-        Some(i) => format!("c{i}"),
-        None => "c".to_string(),
-    };
-    Ok(Some(SharingGroup {
-        name,
-        devices: devices
-            .iter()
-            .map(|(index, d)| SharedDevice {
-                index: *index,
-                uuid: d.uuid.clone(),
-                mig: d.nodes.mig.is_some(),
-            })
-            .collect(),
-        sharing,
-    }))
 }
 
 impl SharingExecutor for SharingManager {
     fn apply<'a>(
         &'a self,
-        claim_uid: &'a str,
-        group: &'a PlanGroup,
-        devices: &'a [(usize, &'a DevicePlan)],
-    ) -> BoxFuture<'a, Result<Applied, String>> {
+        plan: &'a Plan,
+        group: &'a SharingGroup,
+    ) -> BoxFuture<'a, Result<Applied, SharingError>> {
         Box::pin(async move {
-            let Some(g) = group_from_plan(group, devices)? else {
+            let Some(sharing) = &group.sharing else {
                 return Ok(Applied::default());
             };
+            let devices = shared_devices(plan, group);
             let edits = self
-                .prepare(claim_uid, &g)
-                .await
-                .map_err(|e| e.to_string())?;
-            let strategy = match g.sharing {
-                SharingRequest::TimeSlicing { .. } => "TimeSlicing",
-                SharingRequest::Mps(_) => "MPS",
-            };
+                .prepare(&plan.claim_uid, &group.name, &devices, sharing)
+                .await?;
             Ok(Applied {
-                state: Some(json!({"group": g.name, "strategy": strategy})),
+                state: Some(json!({"group": group.name, "strategy": strategy_name(sharing)})),
                 edits,
             })
         })
@@ -161,19 +126,15 @@ impl SharingExecutor for SharingManager {
         &'a self,
         claim_uid: &'a str,
         _state: Option<&'a Value>,
-    ) -> BoxFuture<'a, Result<(), String>> {
-        Box::pin(async move { self.unprepare(claim_uid).await.map_err(|e| e.to_string()) })
+    ) -> BoxFuture<'a, Result<(), SharingError>> {
+        Box::pin(async move { self.unprepare(claim_uid).await })
     }
 
     fn release_imported<'a>(
         &'a self,
         claim_uid: &'a str,
         imported: &'a Imported,
-    ) -> BoxFuture<'a, Result<(), String>> {
-        Box::pin(async move {
-            self.release_imported(claim_uid, imported)
-                .await
-                .map_err(|e| e.to_string())
-        })
+    ) -> BoxFuture<'a, Result<(), SharingError>> {
+        Box::pin(async move { self.release_imported(claim_uid, imported).await })
     }
 }

@@ -19,10 +19,7 @@ use super::error::SharingError;
 use super::state::MpsRecord;
 use super::tools::{DriverRoot, MPS_CONTROL, ToolOutput, file_name_is};
 
-/// Where containers see the pipe directory (NVIDIA's default `CUDA_MPS_PIPE_DIRECTORY`).
-pub const CONTAINER_PIPE_DIR: &str = "/tmp/nvidia-mps";
-/// Environment variable naming the pipe directory.
-pub const PIPE_DIR_ENV: &str = "CUDA_MPS_PIPE_DIRECTORY";
+pub use gpu_dra_core::sharing::{CONTAINER_PIPE_DIR, PIPE_DIR_ENV};
 /// Environment variable naming the log directory.
 pub const LOG_DIR_ENV: &str = "CUDA_MPS_LOG_DIRECTORY";
 /// File in the log directory receiving the daemon's own stdout and stderr.
@@ -65,7 +62,7 @@ pub fn check_socket_path(record: &MpsRecord) -> Result<(), SharingError> {
     Ok(())
 }
 
-/// Creates the pipe, log and shm directories. `fresh` removes any earlier tree first (a new
+/// Creates the pipe and log directories (no shm directory: clients keep their own `/dev/shm`). `fresh` removes any earlier tree first (a new
 /// daemon). A restart keeps the directories themselves, because running containers have them
 /// bind-mounted and a new inode would be invisible to them, and only empties the pipe
 /// directory of the dead daemon's sockets and lock file.
@@ -83,12 +80,7 @@ pub fn create_dirs(record: &MpsRecord, fresh: bool) -> Result<(), SharingError> 
             };
         }
     }
-    for (dir, mode) in [
-        (record.pipe_dir(), 0o755),
-        (record.log_dir(), 0o755),
-        // Like /dev/shm: containers of any user create their segments here.
-        (record.shm_dir(), 0o1777),
-    ] {
+    for (dir, mode) in [(record.pipe_dir(), 0o755), (record.log_dir(), 0o755)] {
         std::fs::create_dir_all(&dir).map_err(|e| SharingError::io("create directory", &dir, e))?;
         std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(mode))
             .map_err(|e| SharingError::io("set permissions of", &dir, e))?;
@@ -370,7 +362,8 @@ pub fn log_tail(record: &MpsRecord) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::sharing::state::{MpsLimitsApplied, MpsPhase};
+    use crate::sharing::state::MpsPhase;
+    use gpu_dra_core::sharing::MpsLimits;
 
     fn record(dir: &str) -> MpsRecord {
         MpsRecord {
@@ -381,7 +374,7 @@ mod tests {
             dir: dir.into(),
             devices: vec!["GPU-a".into(), "MIG-b".into()],
             whole_gpus: vec!["GPU-a".into()],
-            limits: MpsLimitsApplied {
+            limits: MpsLimits {
                 active_thread_percentage: Some(40),
                 pinned_memory_mib: [("GPU-a".to_string(), 1024), ("MIG-b".to_string(), 512)].into(),
             },
@@ -431,6 +424,19 @@ mod tests {
         let long = format!("/{}", "x".repeat(100));
         let err = check_socket_path(&record(&long)).unwrap_err().to_string();
         assert!(err.contains("--plugin-dir"), "{err}");
+    }
+
+    #[test]
+    fn a_new_daemon_gets_pipe_and_log_directories_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let r = record(&dir.path().join("c-0").display().to_string());
+        create_dirs(&r, true).unwrap();
+        let mut names: Vec<String> = std::fs::read_dir(&r.dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        assert_eq!(names, ["log", "pipe"]);
     }
 
     #[test]

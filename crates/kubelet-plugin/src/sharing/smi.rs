@@ -6,6 +6,8 @@
 
 use std::time::Duration;
 
+use gpu_dra_api::Interval;
+
 use super::error::SharingError;
 use super::tools::{DriverRoot, NVIDIA_SMI, ToolOutput};
 
@@ -24,44 +26,6 @@ impl ComputeMode {
         match self {
             ComputeMode::Default => "DEFAULT",
             ComputeMode::ExclusiveProcess => "EXCLUSIVE_PROCESS",
-        }
-    }
-}
-
-/// The time-slice interval (`compute-policy --set-timeslice`), API names `Default`, `Short`,
-/// `Medium`, `Long`.
-#[derive(
-    Debug,
-    Clone,
-    Copy,
-    PartialEq,
-    Eq,
-    PartialOrd,
-    Ord,
-    Default,
-    serde::Serialize,
-    serde::Deserialize,
-)]
-pub enum TimeSliceInterval {
-    /// Driver default (0).
-    #[default]
-    Default,
-    /// 1.
-    Short,
-    /// 2.
-    Medium,
-    /// 3.
-    Long,
-}
-
-impl TimeSliceInterval {
-    /// The number nvidia-smi takes.
-    pub fn as_arg(self) -> &'static str {
-        match self {
-            TimeSliceInterval::Default => "0",
-            TimeSliceInterval::Short => "1",
-            TimeSliceInterval::Medium => "2",
-            TimeSliceInterval::Long => "3",
         }
     }
 }
@@ -100,19 +64,14 @@ pub async fn set_compute_mode(
 pub async fn set_timeslice(
     root: &DriverRoot,
     gpu_uuid: &str,
-    interval: TimeSliceInterval,
+    interval: Interval,
     timeout: Duration,
 ) -> Result<(), SharingError> {
+    let value = interval.as_nvidia_smi_value().to_string();
     let out = root
         .run(
             NVIDIA_SMI,
-            &[
-                "compute-policy",
-                "-i",
-                gpu_uuid,
-                "--set-timeslice",
-                interval.as_arg(),
-            ],
+            &["compute-policy", "-i", gpu_uuid, "--set-timeslice", &value],
             &[],
             None,
             timeout,
@@ -191,17 +150,5 @@ mod tests {
             .unwrap()
             .contains("MIG-enabled")
         );
-    }
-
-    #[test]
-    fn interval_numbers_match_nvidia() {
-        let all = [
-            TimeSliceInterval::Default,
-            TimeSliceInterval::Short,
-            TimeSliceInterval::Medium,
-            TimeSliceInterval::Long,
-        ];
-        let args: Vec<_> = all.iter().map(|i| i.as_arg()).collect();
-        assert_eq!(args, ["0", "1", "2", "3"]);
     }
 }

@@ -15,8 +15,10 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+use gpu_dra_api::Interval;
+use gpu_dra_core::sharing::MpsLimits;
+
 use super::error::SharingError;
-use super::smi::TimeSliceInterval;
 
 /// Current version of the serialized state.
 pub const STATE_VERSION: u32 = 1;
@@ -45,8 +47,8 @@ pub struct SharingState {
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct TimeSliceRecord {
-    /// The interval last set.
-    pub interval: TimeSliceInterval,
+    /// The interval last set (persisted as its wire spelling, `"Long"`).
+    pub interval: Interval,
     /// UIDs of the prepared claims using this GPU with time-slicing.
     pub claims: BTreeSet<String>,
 }
@@ -75,24 +77,15 @@ pub struct MpsRecord {
     pub phase: MpsPhase,
     /// Process id of `nvidia-cuda-mps-control -f`, once started.
     pub pid: Option<u32>,
-    /// The daemon's directory (`<plugin-dir>/mps/<id>`), holding `pipe`, `log` and `shm`.
+    /// The daemon's directory (`<plugin-dir>/mps/<id>`), holding `pipe` and `log` (and an
+    /// empty `shm` left by versions that mounted it at clients' `/dev/shm`).
     pub dir: PathBuf,
     /// GPU or MIG UUIDs it serves, sorted: the daemon's `CUDA_VISIBLE_DEVICES` order.
     pub devices: Vec<String>,
     /// The subset of `devices` that are whole GPUs (compute mode set on these).
     pub whole_gpus: Vec<String>,
     /// Limits applied after every (re)start.
-    pub limits: MpsLimitsApplied,
-}
-
-/// MPS limits as sent to the daemon, device keys already resolved to UUIDs.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct MpsLimitsApplied {
-    /// `set_default_active_thread_percentage`.
-    pub active_thread_percentage: Option<u32>,
-    /// `set_default_device_pinned_mem_limit <uuid> <MiB>M`, by UUID.
-    pub pinned_memory_mib: BTreeMap<String, u64>,
+    pub limits: MpsLimits,
 }
 
 impl MpsRecord {
@@ -103,10 +96,6 @@ impl MpsRecord {
     /// `<dir>/log`: `CUDA_MPS_LOG_DIRECTORY`.
     pub fn log_dir(&self) -> PathBuf {
         self.dir.join("log")
-    }
-    /// `<dir>/shm`: mounted at `/dev/shm` in the claim's containers.
-    pub fn shm_dir(&self) -> PathBuf {
-        self.dir.join("shm")
     }
 }
 
@@ -215,7 +204,7 @@ mod tests {
         s.time_slicing.insert(
             "GPU-1".into(),
             TimeSliceRecord {
-                interval: TimeSliceInterval::Long,
+                interval: Interval::Long,
                 claims: ["c1".to_string()].into(),
             },
         );
@@ -229,7 +218,7 @@ mod tests {
                 dir: "/x/mps/c1-0".into(),
                 devices: vec!["GPU-1".into()],
                 whole_gpus: vec!["GPU-1".into()],
-                limits: MpsLimitsApplied {
+                limits: MpsLimits {
                     active_thread_percentage: Some(50),
                     pinned_memory_mib: [("GPU-1".to_string(), 1024)].into(),
                 },
@@ -245,6 +234,46 @@ mod tests {
             .map(|e| e.unwrap().file_name())
             .collect();
         assert_eq!(files, ["sharing.json"], "no temp file left");
+    }
+
+    /// `sharing.json` outlives plugin versions: a file written before the sharing values
+    /// became the api crate's types (time-slice intervals by name, limits by UUID) still reads
+    /// as the same state.
+    #[test]
+    fn a_state_file_of_an_earlier_version_still_reads() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/testdata/sharing-v1.json");
+        let s = FileStore::new(path).load().unwrap();
+        assert_eq!(s.version, 1);
+        assert_eq!(
+            s.boot_id.as_deref(),
+            Some("3f7c1a52-0d4e-4b8a-9e61-2c5d8f9a0b17")
+        );
+        let gpu = "GPU-00000005-1111-2222-3333-444444444444";
+        assert_eq!(s.time_slicing[gpu].interval, Interval::Long);
+        assert_eq!(
+            s.time_slicing[gpu].claims,
+            ["5f1c7d2a-8b3e-4f6a-9c0d-1e2f3a4b5c6d".to_string()].into()
+        );
+        let r = &s.mps["0b6e2c46-6e0e-4c1c-9a55-3f6f5e9d1a7b-c0"];
+        assert_eq!(r.phase, MpsPhase::Ready);
+        assert_eq!(r.pid, Some(4242));
+        assert_eq!(r.group, "c0");
+        assert_eq!(r.limits.active_thread_percentage, Some(50));
+        assert_eq!(
+            r.limits.pinned_memory_mib["GPU-00000004-1111-2222-3333-444444444444"],
+            1536
+        );
+        assert_eq!(
+            r.pipe_dir(),
+            PathBuf::from(
+                "/var/lib/kubelet/plugins/gpu.nvidia.com/mps/0b6e2c46-6e0e-4c1c-9a55-3f6f5e9d1a7b-c0/pipe"
+            )
+        );
+        // Written back, it reads the same again.
+        let dir = tempfile::tempdir().unwrap();
+        let again = FileStore::new(dir.path().join("sharing.json"));
+        again.save(&s).unwrap();
+        assert_eq!(again.load().unwrap(), s);
     }
 
     #[test]

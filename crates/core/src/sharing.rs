@@ -1,0 +1,239 @@
+//! The pure parts of GPU sharing: what a plan's sharing group means on the node, before any
+//! tool runs.
+//!
+//! The sharing values themselves are the `api` crate's ([`gpu_dra_api::Sharing`]), decoded and
+//! validated once when the claim is planned; nothing here re-validates them. This module names
+//! a group's daemon, resolves its MPS limits to one value per device UUID, and builds the
+//! container edits a group's MPS clients need. The node plugin carries these out.
+//!
+//! What an MPS client container gets: the daemon's pipe directory, bind-mounted at NVIDIA's
+//! default `/tmp/nvidia-mps`, and `CUDA_MPS_PIPE_DIRECTORY` naming it; device nodes come with
+//! the devices themselves. It keeps its own `/dev/shm`: on driver 580 (measured on an H100) the
+//! MPS server shares memory with its clients through a memfd passed over the pipe directory's
+//! socket, and clients in their own PID, IPC and mount namespaces with a private `/dev/shm`
+//! attach. NVIDIA documents no driver branch that needs more, but two reports do: MPS on
+//! pre-Volta GPUs (compute capability below 7.0, e.g. Tesla P4) failed until the daemon's
+//! `/dev/shm` was shared (kubernetes-sigs/dra-driver-nvidia-gpu issue 974, 2026), and a 2024
+//! report on NVIDIA's device plugin (issue 467) found a small `cuda.shm.*` file clients needed
+//! in `/dev/shm`, driver branch not stated. Neither is supported here yet (docs/STATUS.md).
+
+use std::collections::BTreeMap;
+
+use gpu_dra_api::MpsConfig;
+use serde::{Deserialize, Serialize};
+
+use crate::cdi::{ContainerEdits, Mount};
+use crate::plan::{Plan, SharingGroup};
+
+/// Where containers see the MPS pipe directory (NVIDIA's default `CUDA_MPS_PIPE_DIRECTORY`).
+pub const CONTAINER_PIPE_DIR: &str = "/tmp/nvidia-mps";
+/// Environment variable naming the MPS pipe directory.
+pub const PIPE_DIR_ENV: &str = "CUDA_MPS_PIPE_DIRECTORY";
+
+/// Name of a plan's sharing group, unique within the claim and usable as a path component:
+/// `c<N>` after the index of the config that produced it in the allocation, `c` for none.
+pub fn group_name(config_index: Option<usize>) -> String {
+    match config_index {
+        Some(i) => format!("c{i}"),
+        None => "c".to_owned(),
+    }
+}
+
+/// `<claimUID>-<group>`: an MPS daemon's id and directory name.
+pub fn daemon_id(claim_uid: &str, group: &str) -> String {
+    format!("{claim_uid}-{group}")
+}
+
+/// One device of a sharing group, as sharing needs it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SharedDevice {
+    /// GPU (`GPU-…`) or MIG (`MIG-…`) UUID.
+    pub uuid: String,
+    /// Whether it is a MIG device (no compute mode or time-slice settings apply).
+    pub mig: bool,
+}
+
+impl SharedDevice {
+    /// A whole GPU.
+    pub fn gpu(uuid: impl Into<String>) -> Self {
+        Self {
+            uuid: uuid.into(),
+            mig: false,
+        }
+    }
+
+    /// A MIG device.
+    pub fn mig(uuid: impl Into<String>) -> Self {
+        Self {
+            uuid: uuid.into(),
+            mig: true,
+        }
+    }
+}
+
+/// The devices of `group` in `plan`, in allocation order.
+pub fn shared_devices(plan: &Plan, group: &SharingGroup) -> Vec<SharedDevice> {
+    group
+        .devices
+        .iter()
+        .filter_map(|&i| plan.devices.get(i))
+        .map(|d| SharedDevice {
+            uuid: d.uuid.clone(),
+            mig: d.nodes.mig.is_some(),
+        })
+        .collect()
+}
+
+/// MPS limits as the daemon takes them, device keys resolved to UUIDs. Persisted by the node
+/// plugin (its field names are part of its state file).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct MpsLimits {
+    /// `set_default_active_thread_percentage`.
+    pub active_thread_percentage: Option<u8>,
+    /// `set_default_device_pinned_mem_limit <uuid> <MiB>M`, by UUID.
+    pub pinned_memory_mib: BTreeMap<String, u64>,
+}
+
+/// Resolves `config`'s limits for the group's `devices`: per device a key naming its UUID, else
+/// an index key naming it ([`gpu_dra_api::DeviceKey::resolve`]: sorted UUIDs, NVIDIA's rule),
+/// else the default. Keys that name no device are ignored here: the api crate's
+/// `validate_for_devices` refused them when the claim was planned.
+pub fn mps_limits(config: &MpsConfig, devices: &[SharedDevice]) -> MpsLimits {
+    let uuids: Vec<&str> = devices.iter().map(|d| d.uuid.as_str()).collect();
+    let mut by_uuid: BTreeMap<usize, u64> = BTreeMap::new();
+    let mut by_index: BTreeMap<usize, u64> = BTreeMap::new();
+    for (key, mib) in &config.per_device_pinned_memory_limit_mib {
+        let Some(at) = key.resolve(&uuids) else {
+            continue;
+        };
+        match key {
+            gpu_dra_api::DeviceKey::Uuid(_) => by_uuid.insert(at, *mib),
+            gpu_dra_api::DeviceKey::Index(_) => by_index.insert(at, *mib),
+        };
+    }
+    let pinned_memory_mib = uuids
+        .iter()
+        .enumerate()
+        .filter_map(|(at, uuid)| {
+            let mib = by_uuid
+                .get(&at)
+                .or_else(|| by_index.get(&at))
+                .copied()
+                .or(config.pinned_memory_limit_mib)?;
+            Some(((*uuid).to_owned(), mib))
+        })
+        .collect();
+    MpsLimits {
+        active_thread_percentage: config.active_thread_percentage,
+        pinned_memory_mib,
+    }
+}
+
+/// The container edits of an MPS group's clients: the daemon's pipe directory (`pipe_dir`, a
+/// host path) at [`CONTAINER_PIPE_DIR`] and [`PIPE_DIR_ENV`] naming it. Nothing else: no
+/// `/dev/shm` replacement and no IPC namespace (see the module documentation).
+pub fn mps_edits(pipe_dir: &str) -> ContainerEdits {
+    ContainerEdits {
+        env: vec![format!("{PIPE_DIR_ENV}={CONTAINER_PIPE_DIR}")],
+        mounts: vec![Mount {
+            host_path: pipe_dir.to_owned(),
+            container_path: CONTAINER_PIPE_DIR.to_owned(),
+            options: ["rw", "nosuid", "nodev", "rbind", "rprivate"]
+                .map(String::from)
+                .to_vec(),
+        }],
+        ..Default::default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use gpu_dra_api::DeviceKey;
+
+    // Allocation order differs from sorted UUID order on purpose: sorted, GPU-1 < GPU-2 < GPU-3.
+    fn devices() -> Vec<SharedDevice> {
+        ["GPU-3", "GPU-1", "GPU-2"].map(SharedDevice::gpu).to_vec()
+    }
+
+    #[test]
+    fn limits_resolve_uuid_over_index_over_default_with_sorted_indexes() {
+        let config = MpsConfig {
+            active_thread_percentage: Some(50),
+            pinned_memory_limit_mib: Some(1024),
+            per_device_pinned_memory_limit_mib: [
+                (DeviceKey::Index(0), 2048),
+                (DeviceKey::Index(1), 4096),
+                (DeviceKey::Uuid("gpu-2".into()), 512),
+            ]
+            .into(),
+        };
+        let l = mps_limits(&config, &devices());
+        assert_eq!(l.active_thread_percentage, Some(50));
+        assert_eq!(
+            l.pinned_memory_mib,
+            [
+                // Index 0 is the smallest UUID, GPU-1, though it was allocated second.
+                ("GPU-1".to_owned(), 2048),
+                // Index 1 is GPU-2, but its UUID key wins.
+                ("GPU-2".to_owned(), 512),
+                ("GPU-3".to_owned(), 1024),
+            ]
+            .into()
+        );
+    }
+
+    #[test]
+    fn no_default_leaves_unnamed_devices_unlimited() {
+        let config = MpsConfig {
+            per_device_pinned_memory_limit_mib: [(DeviceKey::Index(2), 100)].into(),
+            ..Default::default()
+        };
+        assert_eq!(
+            mps_limits(&config, &devices()).pinned_memory_mib,
+            [("GPU-3".to_owned(), 100)].into()
+        );
+    }
+
+    #[test]
+    fn limits_keep_their_persisted_field_names() {
+        let l = MpsLimits {
+            active_thread_percentage: Some(40),
+            pinned_memory_mib: [("GPU-1".to_owned(), 1024)].into(),
+        };
+        assert_eq!(
+            serde_json::to_value(&l).expect("serializes"),
+            serde_json::json!({"activeThreadPercentage": 40, "pinnedMemoryMib": {"GPU-1": 1024}})
+        );
+    }
+
+    /// Exactly what an MPS client container receives from its group: one mount, one variable.
+    #[test]
+    fn mps_clients_get_the_pipe_directory_and_keep_their_own_dev_shm() {
+        let e = mps_edits("/p/mps/c-c0/pipe");
+        assert_eq!(
+            e,
+            ContainerEdits {
+                env: vec!["CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps".into()],
+                device_nodes: vec![],
+                mounts: vec![Mount {
+                    host_path: "/p/mps/c-c0/pipe".into(),
+                    container_path: "/tmp/nvidia-mps".into(),
+                    options: ["rw", "nosuid", "nodev", "rbind", "rprivate"]
+                        .map(String::from)
+                        .to_vec(),
+                }],
+                hooks: vec![],
+            }
+        );
+        assert!(e.mounts.iter().all(|m| m.container_path != "/dev/shm"));
+    }
+
+    #[test]
+    fn group_and_daemon_names() {
+        assert_eq!(group_name(Some(3)), "c3");
+        assert_eq!(group_name(None), "c");
+        assert_eq!(daemon_id("uid", "c3"), "uid-c3");
+    }
+}
