@@ -2,7 +2,8 @@
 //! checkpoint.
 //!
 //! Invariants:
-//! - per claim UID one operation at a time (a per-UID async lock); different claims proceed
+//! - per claim UID one operation at a time (a per-UID async lock, kept only while an
+//!   operation holds or waits for it: [`crate::claim_locks`]); different claims proceed
 //!   concurrently, also within one kubelet call;
 //! - a device is held by at most one claim, except when every holder has admin access; the
 //!   holder set is rebuilt from the checkpoint at start;
@@ -35,6 +36,7 @@ use serde_json::Value;
 use tracing::{info, warn};
 
 use crate::cdi_io::{CdiError, CdiHost};
+use crate::claim_locks::ClaimLocks;
 use crate::claims::{ClaimSource, ClaimSourceError};
 use crate::failpoint::{Failpoints, Fired};
 use crate::metrics::Metrics;
@@ -150,7 +152,7 @@ pub struct Driver {
     state: Mutex<CheckpointState>,
     /// Serializes checkpoint file writes; holds the change count last written.
     writer: tokio::sync::Mutex<u64>,
-    claim_locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    claim_locks: ClaimLocks,
     holders: Mutex<HashMap<String, Vec<Holder>>>,
 }
 
@@ -221,7 +223,7 @@ impl Driver {
             metrics: parts.metrics,
             state: Mutex::new(CheckpointState { doc, changes: 0 }),
             writer: tokio::sync::Mutex::new(0),
-            claim_locks: Mutex::new(HashMap::new()),
+            claim_locks: ClaimLocks::default(),
             holders: Mutex::new(holders),
         })
     }
@@ -271,13 +273,6 @@ impl Driver {
             return None;
         }
         Some(format!("its CDI spec {} is missing", ours.display()))
-    }
-
-    fn claim_lock(&self, uid: &str) -> Arc<tokio::sync::Mutex<()>> {
-        lock(&self.claim_locks)
-            .entry(uid.to_owned())
-            .or_default()
-            .clone()
     }
 
     fn entry(&self, uid: &str) -> Option<ClaimEntry> {
@@ -368,8 +363,8 @@ impl Driver {
 
     async fn prepare_inner(&self, claim: &ClaimRef) -> Result<Vec<PreparedDevice>, DriverError> {
         self.failpoints.hit("prepare.start").await?;
-        let lock = self.claim_lock(&claim.uid);
-        let _guard = lock.lock().await;
+        let user = self.claim_locks.join(&claim.uid);
+        let _guard = user.lock().await;
         match self.entry(&claim.uid) {
             Some(e) if e.state == PrepareState::PrepareCompleted => {
                 let Some(reason) = self.stale_reason(&claim.uid, &e) else {
@@ -575,8 +570,8 @@ impl Driver {
         self.metrics.in_flight.inc();
         let result = async {
             self.failpoints.hit("unprepare.start").await?;
-            let lock = self.claim_lock(&claim.uid);
-            let _guard = lock.lock().await;
+            let user = self.claim_locks.join(&claim.uid);
+            let _guard = user.lock().await;
             self.rollback_locked(&claim.uid).await
         }
         .await;
@@ -586,9 +581,6 @@ impl Driver {
         match &result {
             Ok(()) => info!(claim.uid = %claim.uid, "unprepared"),
             Err(e) => warn!(claim.uid = %claim.uid, error = %e, "unprepare failed"),
-        }
-        if result.is_ok() {
-            lock(&self.claim_locks).remove(&claim.uid);
         }
         result
     }
@@ -605,9 +597,9 @@ impl Driver {
             .collect();
         for (uid, entry) in &entries {
             if entry.state == PrepareState::PrepareStarted {
-                let lock = self.claim_lock(uid);
+                let user = self.claim_locks.join(uid);
                 // A prepare in flight holds the lock; it finishes or rolls back by itself.
-                let Ok(_guard) = lock.try_lock() else {
+                let Some(_guard) = user.try_lock() else {
                     continue;
                 };
                 if self
@@ -635,8 +627,8 @@ impl Driver {
         }
         for uid in self.cdi.list() {
             if self.entry(&uid).is_none() {
-                let lock = self.claim_lock(&uid);
-                let Ok(_guard) = lock.try_lock() else {
+                let user = self.claim_locks.join(&uid);
+                let Some(_guard) = user.try_lock() else {
                     continue;
                 };
                 if self.entry(&uid).is_none() {
@@ -1317,5 +1309,143 @@ mod tests {
         let entry = &driver.checkpoint().claims[NV_TIME_SLICED];
         assert!(entry.imported.is_none(), "ours from now on");
         assert_eq!(entry.boot_id.as_deref(), Some(NV_BOOT));
+    }
+
+    /// A claim source that holds every `get` until the test lets it through, and records how
+    /// many run at once: a prepare calls `get` with its claim's lock held, so two at once for
+    /// one claim mean two operations on it at once.
+    struct GatedClaims {
+        inner: Arc<MemoryClaims>,
+        permits: tokio::sync::Semaphore,
+        entered: tokio::sync::mpsc::UnboundedSender<()>,
+        now: std::sync::atomic::AtomicUsize,
+        most: std::sync::atomic::AtomicUsize,
+    }
+
+    impl ClaimSource for GatedClaims {
+        fn get<'a>(
+            &'a self,
+            namespace: &'a str,
+            name: &'a str,
+        ) -> futures::future::BoxFuture<
+            'a,
+            Result<Option<k8s_openapi::api::resource::v1::ResourceClaim>, ClaimSourceError>,
+        > {
+            use std::sync::atomic::Ordering::SeqCst;
+            Box::pin(async move {
+                let now = self.now.fetch_add(1, SeqCst) + 1;
+                self.most.fetch_max(now, SeqCst);
+                let _ = self.entered.send(());
+                let permit = self.permits.acquire().await;
+                permit.map(|p| p.forget()).ok();
+                self.now.fetch_sub(1, SeqCst);
+                self.inner.get(namespace, name).await
+            })
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn one_claim_never_has_two_operations_at_once_while_others_wait_for_its_lock() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        simulate_host(&dir.path().join("host"), &a100_inventory(4, 1)).expect("host");
+        let memory = Arc::new(MemoryClaims::default());
+        memory.insert(allocated_claim(
+            "ns",
+            "a",
+            "uid-a",
+            DRIVER,
+            NODE,
+            &[("gpu", "gpu-1")],
+            &[],
+        ));
+        let (entered, mut entries) = tokio::sync::mpsc::unbounded_channel();
+        let gated = Arc::new(GatedClaims {
+            inner: memory,
+            permits: tokio::sync::Semaphore::new(0),
+            entered,
+            now: Default::default(),
+            most: Default::default(),
+        });
+        let driver = Arc::new(
+            DriverBuilder::new(dir.path(), a100_inventory(4, 1))
+                .node_name(NODE)
+                .claims(gated.clone())
+                .checkpoint_path(dir.path().join(gpu_dra_core::checkpoint::FILE_NAME))
+                .build()
+                .expect("driver"),
+        );
+        let a = ClaimRef {
+            namespace: "ns".into(),
+            name: "a".into(),
+            uid: "uid-a".into(),
+        };
+        let spawn = |op: &'static str| {
+            let (driver, a) = (driver.clone(), a.clone());
+            tokio::spawn(async move {
+                match op {
+                    "prepare" => driver.prepare(&a).await.map(drop),
+                    _ => driver.unprepare(&a).await,
+                }
+            })
+        };
+        // An operation counts itself in flight and waits for the claim's lock in one step:
+        // once the gauge shows it, it is queued.
+        let queued = |n: i64| {
+            let driver = driver.clone();
+            async move {
+                while driver.metrics().in_flight.get() < n {
+                    tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+                }
+            }
+        };
+        // A prepare holds the claim's lock inside `get`; an unprepare and then a second
+        // prepare queue behind it, in that order.
+        let first = spawn("prepare");
+        entries.recv().await.expect("first prepare reads the claim");
+        let unprepare = spawn("unprepare");
+        queued(2).await;
+        let second = spawn("prepare");
+        queued(3).await;
+        gated.permits.add_permits(1);
+        first.await.expect("joins").expect("first prepare");
+        // The unprepare runs and finishes; the second prepare now holds the lock in `get`.
+        unprepare.await.expect("joins").expect("unprepare");
+        entries
+            .recv()
+            .await
+            .expect("second prepare reads the claim");
+        // A third operation must wait for the second instead of running beside it.
+        let third = spawn("prepare");
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        gated.permits.add_permits(2);
+        second.await.expect("joins").expect("second prepare");
+        third.await.expect("joins").expect("third prepare");
+        assert_eq!(
+            gated.most.load(std::sync::atomic::Ordering::SeqCst),
+            1,
+            "two operations ran on one claim at once"
+        );
+        assert!(
+            driver.claim_locks.is_empty(),
+            "no lock is kept once no one uses it"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_failed_prepare_that_is_never_unprepared_leaves_no_lock_behind() {
+        let env = env();
+        let missing = ClaimRef {
+            namespace: "ns".into(),
+            name: "nope".into(),
+            uid: "uid-nope".into(),
+        };
+        env.driver.prepare(&missing).await.expect_err("not found");
+        let a = add(&env, "a", "uid-a", &[("gpu", "gpu-1")]);
+        env.driver.prepare(&a).await.expect("prepares");
+        env.driver.reconcile().await;
+        assert!(
+            env.driver.claim_locks.is_empty(),
+            "locks of claims no operation uses are dropped"
+        );
     }
 }
