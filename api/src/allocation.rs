@@ -9,7 +9,7 @@
 use std::collections::BTreeMap;
 
 use crate::config::{Config, ConfigKind, DeviceKey, Sharing};
-use crate::error::Errors;
+use crate::error::{Errors, FieldError};
 
 /// One device allocated to a claim (for a config's requests), in claim order: its position
 /// in the slice is the index that `defaultPerDevicePinnedMemoryLimit` keys refer to.
@@ -37,6 +37,23 @@ impl ClaimDevice {
             is_mig: true,
         }
     }
+}
+
+/// The one refusal of sharing settings for a request with `adminAccess`, at `sharing` inside
+/// the config. Admin access is monitoring access to a device that other claims may be using:
+/// time-slicing or MPS would change the device's compute mode under its owner. The object
+/// checks ([`crate::objects`]) give it when the claim spec shows both; the node plugin gives
+/// it when the sharing config reaches such a request some other way (a DeviceClass config).
+pub fn admin_access_sharing(request: &str) -> FieldError {
+    FieldError::new(
+        "sharing",
+        format!(
+            "request {request:?} uses adminAccess (monitoring access to a device that other \
+             claims may be using), and sharing would change the device's compute mode under \
+             them; apply this config only to other requests (list them in its requests), use \
+             a DeviceClass without a sharing config, or drop adminAccess"
+        ),
+    )
 }
 
 /// Checks `config` against the devices it is about to be applied to, reporting all problems.

@@ -5,8 +5,10 @@
 //! - per claim UID one operation at a time (a per-UID async lock, kept only while an
 //!   operation holds or waits for it: [`crate::claim_locks`]); different claims proceed
 //!   concurrently, also within one kubelet call;
-//! - a device is held by at most one claim, except when every holder has admin access; the
-//!   holder set is rebuilt from the checkpoint at start;
+//! - a device is held by at most one regular claim; claims with admin access (monitoring
+//!   access, as the scheduler grants it) may hold it beside any other claim, and never with
+//!   sharing settings, which would change the compute mode under the owner. The holder set
+//!   is rebuilt from the checkpoint at start;
 //! - order of effects: checkpoint `PrepareStarted` (with the devices) -> sharing -> CDI spec
 //!   -> checkpoint `PrepareCompleted`. Unprepare and rollback undo in reverse (sharing, spec,
 //!   entry). So after a crash at any step the checkpoint names every side effect that may
@@ -59,7 +61,7 @@ pub enum DriverError {
     Plan(#[from] PlanError),
     /// A device is held by another prepared claim.
     #[error(
-        "device {device} is already prepared for claim {holder} (uid {holder_uid}); a device is prepared for one claim at a time unless all use adminAccess"
+        "device {device} is already prepared for claim {holder} (uid {holder_uid}); a device is prepared for one claim at a time, besides claims with adminAccess"
     )]
     DeviceBusy {
         /// Device name.
@@ -179,6 +181,26 @@ pub struct DriverParts {
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     // A panic while holding one of these short locks leaves plain data behind; keep going.
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// Refuses a sharing config that reaches a device allocated with admin access (from the
+/// claim or its DeviceClass), with the api crate's message.
+fn refuse_sharing_with_admin_access(plan: &Plan) -> Result<(), PlanError> {
+    for group in plan.groups.iter().filter(|g| g.sharing.is_some()) {
+        let admin = group
+            .devices
+            .iter()
+            .filter_map(|&i| plan.devices.get(i))
+            .find(|d| d.admin_access);
+        if let (Some(device), Some(index)) = (admin, group.config_index) {
+            let request = device.request_names.first().map_or("", String::as_str);
+            return Err(PlanError::Config {
+                index,
+                errors: gpu_dra_api::admin_access_sharing(request).into(),
+            });
+        }
+    }
+    Ok(())
 }
 
 async fn blocking<T: Send + 'static>(
@@ -314,7 +336,7 @@ impl Driver {
                 .get(&d.device)
                 .into_iter()
                 .flatten()
-                .find(|h| h.uid != claim.uid && !(h.admin && d.admin_access))
+                .find(|h| h.uid != claim.uid && !h.admin && !d.admin_access)
             {
                 return Err(DriverError::DeviceBusy {
                     device: d.device.clone(),
@@ -390,6 +412,7 @@ impl Driver {
             &self.settings.node_name,
         )?;
         let plan = plan::plan(&input, &self.inventory, self.decoder.as_ref())?;
+        refuse_sharing_with_admin_access(&plan)?;
         self.failpoints.hit("prepare.after_plan").await?;
         self.reserve(claim, &plan)?;
         let result = self.apply_plan(claim, &plan).await;
@@ -1447,5 +1470,98 @@ mod tests {
             env.driver.claim_locks.is_empty(),
             "locks of claims no operation uses are dropped"
         );
+    }
+
+    /// `name` with `device` allocated under request `gpu` with admin access, and `configs`.
+    fn add_admin(
+        env: &Env,
+        name: &str,
+        uid: &str,
+        device: &str,
+        configs: &[(&str, &[&str], Value)],
+    ) -> ClaimRef {
+        let mut c = allocated_claim("ns", name, uid, DRIVER, NODE, &[("gpu", device)], configs);
+        if let Some(results) = c
+            .status
+            .as_mut()
+            .and_then(|s| s.allocation.as_mut())
+            .and_then(|a| a.devices.as_mut())
+            .and_then(|d| d.results.as_mut())
+        {
+            results[0].admin_access = Some(true);
+        }
+        env.claims.insert(c);
+        ClaimRef {
+            namespace: "ns".into(),
+            name: name.into(),
+            uid: uid.into(),
+        }
+    }
+
+    #[tokio::test]
+    async fn admin_access_overlaps_a_regular_claim_in_either_order_and_regular_claims_still_conflict()
+     {
+        let env = env();
+        // Regular first, then an admin claim on the same GPU.
+        let owner = add(&env, "owner", "uid-owner", &[("gpu", "gpu-2")]);
+        env.driver.prepare(&owner).await.expect("owner");
+        let watcher = add_admin(&env, "watcher", "uid-watcher", "gpu-2", &[]);
+        env.driver
+            .prepare(&watcher)
+            .await
+            .expect("admin beside owner");
+        // Admin first, then a regular claim: it gets the GPU; a second regular one does not.
+        let early = add_admin(&env, "early", "uid-early", "gpu-3", &[]);
+        env.driver.prepare(&early).await.expect("admin alone");
+        let user = add(&env, "user", "uid-user", &[("gpu", "gpu-3")]);
+        env.driver
+            .prepare(&user)
+            .await
+            .expect("regular beside admin");
+        let second = add(&env, "second", "uid-second", &[("gpu", "gpu-3")]);
+        let err = env
+            .driver
+            .prepare(&second)
+            .await
+            .expect_err("two regular claims conflict")
+            .to_string();
+        assert!(err.contains("ns/user") && err.contains("gpu-3"), "{err}");
+        assert!(
+            !err.contains("ns/early"),
+            "the admin claim is no obstacle: {err}"
+        );
+    }
+
+    #[tokio::test]
+    async fn sharing_on_an_admin_access_request_is_refused_naming_the_request() {
+        let env = env();
+        let ts = json!({"apiVersion": "resource.nvidia.com/v1beta1", "kind": "GpuConfig",
+                        "sharing": {"strategy": "TimeSlicing"}});
+        let c = add_admin(
+            &env,
+            "watch",
+            "uid-watch",
+            "gpu-1",
+            &[("FromClaim", &["gpu"], ts)],
+        );
+        let err = env
+            .driver
+            .prepare(&c)
+            .await
+            .expect_err("refused")
+            .to_string();
+        assert_eq!(
+            err,
+            format!(
+                "status.allocation.devices.config[0].opaque.parameters.{}",
+                gpu_dra_api::admin_access_sharing("gpu")
+            )
+        );
+        assert!(
+            err.contains("\"gpu\"") && err.contains("adminAccess"),
+            "{err}"
+        );
+        assert!(!spec_path(&env, "uid-watch").exists());
+        assert!(env.driver.checkpoint().claims.is_empty());
     }
 }
