@@ -5,9 +5,9 @@
 //! (ResourceSlice publisher), [`grpc`] (sockets, services), [`authority`] (grpc-go
 //! `:authority` fix), [`driver`] (prepare/unprepare state machine), [`checkpoint_file`]
 //! (checkpoint migration and NVIDIA import), [`claim_locks`] (one operation per claim),
-//! [`claims`] (where claims come from), [`cdi_io`]
-//! (CDI on the host), [`sharing`] (time-slicing and MPS), [`failpoint`] (fault injection),
-//! [`metrics`] and [`http`] (operations). Crash-safe writes come from `gpu-dra-fsutil`. Pure
+//! [`claims`] (where claims come from), [`cdi_io`] (CDI on the host), [`sharing`]
+//! (time-slicing and MPS), [`failpoint`] (fault injection), [`metrics`] and [`http`]
+//! (operations). Crash-safe writes come from `gpu-dra-fsutil`. Pure
 //! planning, CDI and checkpoint models live in `gpu-dra-core`.
 
 pub mod authority;

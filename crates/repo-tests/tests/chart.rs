@@ -221,7 +221,11 @@ fn default_values() {
         vec![
             // Only GET: the plugin reads each claim it prepares by name and never lists or
             // watches claims (`claims.rs`), so it cannot enumerate the cluster's claims.
-            ("resource.k8s.io".into(), "resourceclaims".into(), vec!["get"]),
+            (
+                "resource.k8s.io".into(),
+                "resourceclaims".into(),
+                vec!["get"]
+            ),
             (
                 "resource.k8s.io".into(),
                 "resourceslices".into(),
