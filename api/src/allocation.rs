@@ -10,7 +10,7 @@
 use std::collections::BTreeMap;
 
 use crate::config::{Config, ConfigKind, DeviceKey, Sharing, sorted_uuids};
-use crate::error::Errors;
+use crate::error::{Errors, FieldError};
 
 /// One device allocated to a claim that a config applies to.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -74,6 +74,23 @@ pub fn two_mps_configs_message(first: &[String], second: &[String]) -> String {
          daemon), or move the requests into separate ResourceClaims",
         names(first),
         names(second)
+    )
+}
+
+/// The one refusal of sharing settings for a request with `adminAccess`, at `sharing` inside
+/// the config. Admin access is monitoring access to a device that other claims may be using:
+/// time-slicing or MPS would change the device's compute mode under its owner. The object
+/// checks ([`crate::objects`]) give it when the claim spec shows both; the node plugin gives
+/// it when the sharing config reaches such a request some other way (a DeviceClass config).
+pub fn admin_access_sharing(request: &str) -> FieldError {
+    FieldError::new(
+        "sharing",
+        format!(
+            "request {request:?} uses adminAccess (monitoring access to a device that other \
+             claims may be using), and sharing would change the device's compute mode under \
+             them; apply this config only to other requests (list them in its requests), use \
+             a DeviceClass without a sharing config, or drop adminAccess"
+        ),
     )
 }
 

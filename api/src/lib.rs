@@ -21,7 +21,9 @@ pub mod quantity;
 mod schema;
 pub mod yaml;
 
-pub use allocation::{ClaimDevice, two_mps_configs_message, validate_for_devices};
+pub use allocation::{
+    ClaimDevice, admin_access_sharing, two_mps_configs_message, validate_for_devices,
+};
 pub use config::{
     API_VERSIONS, ApiVersion, Config, ConfigKind, DeviceKey, GpuConfig, INTERVALS, Interval, KINDS,
     MIN_PINNED_MEMORY_BYTES, MigDeviceConfig, MpsConfig, STRATEGIES, Sharing,

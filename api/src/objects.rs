@@ -8,11 +8,18 @@
 //! Only configs whose `opaque.driver` equals the given driver name are judged; configs for
 //! other drivers are none of our business. Every path in a [`Report`] is a full path from the
 //! object root, e.g. `spec.devices.config[0].opaque.parameters.sharing.strategy`.
+//!
+//! Beyond each config on its own, claims and templates are checked for what their spec shows:
+//! configs naming requests that do not exist, a config kind that does not fit the request's
+//! DeviceClass (a warning), and sharing settings reaching a request with `adminAccess` (an
+//! error, [`crate::admin_access_sharing`]; the node refuses the same when the config comes
+//! from a DeviceClass).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use serde_json::Value;
 
+use crate::allocation::admin_access_sharing;
 use crate::config::{ConfigKind, describe};
 use crate::error::{FieldError, index, join};
 
@@ -134,6 +141,9 @@ pub fn check_object(obj: &Value, driver: &str) -> Report {
             return report;
         }
     };
+    let admin = requests
+        .map(|p| admin_requests(lookup(obj, p)))
+        .unwrap_or_default();
     let requests = requests.map(|p| request_classes(lookup(obj, p)));
     // MPS configs of ours: (path, requests named explicitly; None = all requests).
     let mut mps_configs: Vec<(String, Option<Vec<String>>)> = Vec::new();
@@ -149,7 +159,7 @@ pub fn check_object(obj: &Value, driver: &str) -> Report {
         let decoded = match opaque.get("parameters") {
             None | Some(Value::Null) => {
                 report.errors.push(FieldError::new(
-                    params_path,
+                    params_path.clone(),
                     format!(
                         "required: configs for driver {driver} carry a GpuConfig or \
                          MigDeviceConfig object here"
@@ -171,6 +181,13 @@ pub fn check_object(obj: &Value, driver: &str) -> Report {
         let targets = check_request_refs(cfg, &path, requests, &mut report);
         if let Some(config) = decoded {
             warn_class_mismatch(config.kind(), &path, &targets, requests, &mut report);
+            if config.sharing().is_some() {
+                for name in targets.iter().filter(|t| admin.contains(*t)) {
+                    report
+                        .errors
+                        .push(admin_access_sharing(name).with_prefix(&params_path));
+                }
+            }
             if matches!(config.sharing(), Some(crate::Sharing::Mps(_))) {
                 let named = cfg
                     .get("requests")
@@ -281,6 +298,25 @@ fn request_classes(devices: Option<&Value>) -> Requests {
         out.insert(name.to_owned(), classes);
     }
     out
+}
+
+/// Names of the requests with `adminAccess: true` (under `exactly` in v1, on the request
+/// itself in v1beta1; subrequests cannot ask for it).
+fn admin_requests(devices: Option<&Value>) -> BTreeSet<String> {
+    devices
+        .and_then(|d| d.get("requests"))
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+        .filter(|req| {
+            req.get("exactly")
+                .unwrap_or(req)
+                .get("adminAccess")
+                .and_then(Value::as_bool)
+                == Some(true)
+        })
+        .filter_map(|req| req.get("name").and_then(Value::as_str).map(str::to_owned))
+        .collect()
 }
 
 /// Checks `config[i].requests` and returns the request names the config applies to.
@@ -563,6 +599,61 @@ mod tests {
                  \"mig.nvidia.com\" gives MIG devices"
             ),
             "{r:?}"
+        );
+    }
+
+    #[test]
+    fn sharing_for_an_admin_access_request_is_an_error_in_both_shapes() {
+        let message = |request: &str| {
+            admin_access_sharing(request)
+                .with_prefix("spec.devices.config[0].opaque.parameters")
+                .to_string()
+        };
+        // v1: adminAccess under `exactly`; a config for all requests reaches it too.
+        let requests = json!([
+            {"name": "watch", "exactly": {"deviceClassName": "gpu.nvidia.com", "adminAccess": true}},
+            {"name": "work", "exactly": {"deviceClassName": "gpu.nvidia.com"}}
+        ]);
+        for refs in [json!(["watch"]), json!(null), json!(["work", "watch"])] {
+            let mut cfg = opaque(params("TimeSlicing"));
+            cfg["requests"] = refs.clone();
+            let c = claim(
+                "resource.k8s.io/v1",
+                json!({"requests": requests, "config": [cfg]}),
+            );
+            let r = check_object(&c, DRIVER);
+            let got: Vec<String> = r.errors.iter().map(ToString::to_string).collect();
+            assert_eq!(got, [message("watch")], "{refs}");
+            assert_eq!(
+                r.errors[0].path,
+                "spec.devices.config[0].opaque.parameters.sharing"
+            );
+            assert!(got[0].contains("\"watch\" uses adminAccess"), "{got:?}");
+        }
+        // Sharing only for the other request, or no sharing at all: fine.
+        for cfg in [
+            {
+                let mut c = opaque(params("MPS"));
+                c["requests"] = json!(["work"]);
+                c
+            },
+            opaque(json!({"apiVersion": "resource.nvidia.com/v1beta1", "kind": "GpuConfig"})),
+        ] {
+            let c = claim(
+                "resource.k8s.io/v1",
+                json!({"requests": requests, "config": [cfg]}),
+            );
+            assert_eq!(check_object(&c, DRIVER), Report::default());
+        }
+        // v1beta1: adminAccess on the request; a template too.
+        let t = json!({"apiVersion": "resource.k8s.io/v1beta1", "kind": "ResourceClaimTemplate",
+            "metadata": {"name": "t"}, "spec": {"spec": {"devices": {
+                "requests": [{"name": "gpu", "deviceClassName": "gpu.nvidia.com", "adminAccess": true}],
+                "config": [opaque(params("MPS"))]}}}});
+        let r = check_object(&t, DRIVER);
+        assert_eq!(
+            paths(&r.errors),
+            ["spec.spec.devices.config[0].opaque.parameters.sharing"]
         );
     }
 

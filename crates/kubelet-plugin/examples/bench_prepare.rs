@@ -24,6 +24,7 @@ use gpu_dra_kubelet_plugin::testing::{DriverBuilder, allocated_claim, simulate_h
 use gpu_dra_proto::dra::v1;
 
 const DRIVER: &str = "gpu.nvidia.com";
+const UID_ONE: &str = "0e000000-0000-4000-8000-000000000001";
 const NODE: &str = "bench-node";
 const LATENCY_ITERS: usize = 400;
 const CONCURRENT: usize = 64;
@@ -48,7 +49,7 @@ fn percentile(sorted: &[Duration], p: f64) -> Duration {
 fn claim(i: usize) -> v1::Claim {
     v1::Claim {
         namespace: "bench".into(),
-        uid: format!("uid-{i}"),
+        uid: format!("00000000-0000-4000-8000-{i:012x}"),
         name: format!("c{i}"),
     }
 }
@@ -91,7 +92,7 @@ async fn main() -> anyhow::Result<()> {
         claims.insert(allocated_claim(
             "bench",
             &format!("c{i}"),
-            &format!("uid-{i}"),
+            &format!("00000000-0000-4000-8000-{i:012x}"),
             DRIVER,
             NODE,
             &[("gpu", device.as_str())],
@@ -101,7 +102,7 @@ async fn main() -> anyhow::Result<()> {
     claims.insert(allocated_claim(
         "bench",
         "one",
-        "uid-one",
+        UID_ONE,
         DRIVER,
         NODE,
         &[("gpu", whole_gpu.as_str())],
@@ -109,7 +110,7 @@ async fn main() -> anyhow::Result<()> {
     ));
     let one = v1::Claim {
         namespace: "bench".into(),
-        uid: "uid-one".into(),
+        uid: UID_ONE.into(),
         name: "one".into(),
     };
     let mut client = connect_dra(socket.clone()).await?;
@@ -127,9 +128,9 @@ async fn main() -> anyhow::Result<()> {
             .into_inner();
         let took = t.elapsed();
         anyhow::ensure!(
-            r.claims["uid-one"].error.is_empty(),
+            r.claims[UID_ONE].error.is_empty(),
             "prepare failed: {}",
-            r.claims["uid-one"].error
+            r.claims[UID_ONE].error
         );
         client
             .node_unprepare_resources(v1::NodeUnprepareResourcesRequest {
@@ -168,7 +169,9 @@ async fn main() -> anyhow::Result<()> {
                 .await?
                 .into_inner();
             anyhow::ensure!(
-                r.claims[&format!("uid-{i}")].error.is_empty(),
+                r.claims[&format!("00000000-0000-4000-8000-{i:012x}")]
+                    .error
+                    .is_empty(),
                 "sequential prepare failed"
             );
         }

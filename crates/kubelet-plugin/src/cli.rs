@@ -52,8 +52,9 @@ pub struct RunArgs {
     /// The host's driver, device nodes and sysfs.
     #[command(flatten)]
     pub host: HostArgs,
-    /// Address of /metrics, /healthz, /readyz; empty = off.
-    #[arg(long, env = "HTTP_ADDRESS", default_value = "0.0.0.0:8080")]
+    /// Address of /metrics, /healthz, /readyz; empty = off. Loopback unless set: in a pod,
+    /// set the pod's address or `0.0.0.0:<port>` so that the kubelet's probes reach it.
+    #[arg(long, env = "HTTP_ADDRESS", default_value = "127.0.0.1:8080")]
     pub http_address: String,
     /// nvidia-cdi-hook binary for ldcache/symlink hooks.
     #[arg(long, env = "CDI_HOOK_PATH")]

@@ -2,10 +2,13 @@
 //! checkpoint.
 //!
 //! Invariants:
-//! - per claim UID one operation at a time (a per-UID async lock); different claims proceed
+//! - per claim UID one operation at a time (a per-UID async lock, kept only while an
+//!   operation holds or waits for it: [`crate::claim_locks`]); different claims proceed
 //!   concurrently, also within one kubelet call;
-//! - a device is held by at most one claim, except when every holder has admin access; the
-//!   holder set is rebuilt from the checkpoint at start;
+//! - a device is held by at most one regular claim; claims with admin access (monitoring
+//!   access, as the scheduler grants it) may hold it beside any other claim, and never with
+//!   sharing settings, which would change the compute mode under the owner. The holder set
+//!   is rebuilt from the checkpoint at start;
 //! - order of effects: checkpoint `PrepareStarted` (with the devices) -> sharing -> CDI spec
 //!   -> checkpoint `PrepareCompleted`. Unprepare and rollback undo in reverse (sharing, spec,
 //!   entry). So after a crash at any step the checkpoint names every side effect that may
@@ -35,6 +38,7 @@ use serde_json::Value;
 use tracing::{info, warn};
 
 use crate::cdi_io::{CdiError, CdiHost};
+use crate::claim_locks::ClaimLocks;
 use crate::claims::{ClaimSource, ClaimSourceError};
 use crate::failpoint::{Failpoints, Fired};
 use crate::metrics::Metrics;
@@ -57,7 +61,7 @@ pub enum DriverError {
     Plan(#[from] PlanError),
     /// A device is held by another prepared claim.
     #[error(
-        "device {device} is already prepared for claim {holder} (uid {holder_uid}); a device is prepared for one claim at a time unless all use adminAccess"
+        "device {device} is already prepared for claim {holder} (uid {holder_uid}); a device is prepared for one claim at a time, besides claims with adminAccess"
     )]
     DeviceBusy {
         /// Device name.
@@ -150,7 +154,7 @@ pub struct Driver {
     state: Mutex<CheckpointState>,
     /// Serializes checkpoint file writes; holds the change count last written.
     writer: tokio::sync::Mutex<u64>,
-    claim_locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    claim_locks: ClaimLocks,
     holders: Mutex<HashMap<String, Vec<Holder>>>,
 }
 
@@ -177,6 +181,26 @@ pub struct DriverParts {
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     // A panic while holding one of these short locks leaves plain data behind; keep going.
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// Refuses a sharing config that reaches a device allocated with admin access (from the
+/// claim or its DeviceClass), with the api crate's message.
+fn refuse_sharing_with_admin_access(plan: &Plan) -> Result<(), PlanError> {
+    for group in plan.groups.iter().filter(|g| g.sharing.is_some()) {
+        let admin = group
+            .devices
+            .iter()
+            .filter_map(|&i| plan.devices.get(i))
+            .find(|d| d.admin_access);
+        if let (Some(device), Some(index)) = (admin, group.config_index) {
+            let request = device.request_names.first().map_or("", String::as_str);
+            return Err(PlanError::Config {
+                index,
+                errors: gpu_dra_api::admin_access_sharing(request).into(),
+            });
+        }
+    }
+    Ok(())
 }
 
 async fn blocking<T: Send + 'static>(
@@ -221,7 +245,7 @@ impl Driver {
             metrics: parts.metrics,
             state: Mutex::new(CheckpointState { doc, changes: 0 }),
             writer: tokio::sync::Mutex::new(0),
-            claim_locks: Mutex::new(HashMap::new()),
+            claim_locks: ClaimLocks::default(),
             holders: Mutex::new(holders),
         })
     }
@@ -273,13 +297,6 @@ impl Driver {
         Some(format!("its CDI spec {} is missing", ours.display()))
     }
 
-    fn claim_lock(&self, uid: &str) -> Arc<tokio::sync::Mutex<()>> {
-        lock(&self.claim_locks)
-            .entry(uid.to_owned())
-            .or_default()
-            .clone()
-    }
-
     fn entry(&self, uid: &str) -> Option<ClaimEntry> {
         lock(&self.state).doc.claims.get(uid).cloned()
     }
@@ -319,7 +336,7 @@ impl Driver {
                 .get(&d.device)
                 .into_iter()
                 .flatten()
-                .find(|h| h.uid != claim.uid && !(h.admin && d.admin_access))
+                .find(|h| h.uid != claim.uid && !h.admin && !d.admin_access)
             {
                 return Err(DriverError::DeviceBusy {
                     device: d.device.clone(),
@@ -368,8 +385,8 @@ impl Driver {
 
     async fn prepare_inner(&self, claim: &ClaimRef) -> Result<Vec<PreparedDevice>, DriverError> {
         self.failpoints.hit("prepare.start").await?;
-        let lock = self.claim_lock(&claim.uid);
-        let _guard = lock.lock().await;
+        let user = self.claim_locks.join(&claim.uid);
+        let _guard = user.lock().await;
         match self.entry(&claim.uid) {
             Some(e) if e.state == PrepareState::PrepareCompleted => {
                 let Some(reason) = self.stale_reason(&claim.uid, &e) else {
@@ -395,6 +412,7 @@ impl Driver {
             &self.settings.node_name,
         )?;
         let plan = plan::plan(&input, &self.inventory, self.decoder.as_ref())?;
+        refuse_sharing_with_admin_access(&plan)?;
         self.failpoints.hit("prepare.after_plan").await?;
         self.reserve(claim, &plan)?;
         let result = self.apply_plan(claim, &plan).await;
@@ -553,8 +571,8 @@ impl Driver {
         self.metrics.in_flight.inc();
         let result = async {
             self.failpoints.hit("unprepare.start").await?;
-            let lock = self.claim_lock(&claim.uid);
-            let _guard = lock.lock().await;
+            let user = self.claim_locks.join(&claim.uid);
+            let _guard = user.lock().await;
             self.rollback_locked(&claim.uid).await
         }
         .await;
@@ -564,9 +582,6 @@ impl Driver {
         match &result {
             Ok(()) => info!(claim.uid = %claim.uid, "unprepared"),
             Err(e) => warn!(claim.uid = %claim.uid, error = %e, "unprepare failed"),
-        }
-        if result.is_ok() {
-            lock(&self.claim_locks).remove(&claim.uid);
         }
         result
     }
@@ -583,9 +598,9 @@ impl Driver {
             .collect();
         for (uid, entry) in &entries {
             if entry.state == PrepareState::PrepareStarted {
-                let lock = self.claim_lock(uid);
+                let user = self.claim_locks.join(uid);
                 // A prepare in flight holds the lock; it finishes or rolls back by itself.
-                let Ok(_guard) = lock.try_lock() else {
+                let Some(_guard) = user.try_lock() else {
                     continue;
                 };
                 if self
@@ -613,8 +628,8 @@ impl Driver {
         }
         for uid in self.cdi.list() {
             if self.entry(&uid).is_none() {
-                let lock = self.claim_lock(&uid);
-                let Ok(_guard) = lock.try_lock() else {
+                let user = self.claim_locks.join(&uid);
+                let Some(_guard) = user.try_lock() else {
                     continue;
                 };
                 if self.entry(&uid).is_none() {
@@ -1294,5 +1309,236 @@ mod tests {
         let entry = &driver.checkpoint().claims[NV_TIME_SLICED];
         assert!(entry.imported.is_none(), "ours from now on");
         assert_eq!(entry.boot_id.as_deref(), Some(NV_BOOT));
+    }
+
+    /// A claim source that holds every `get` until the test lets it through, and records how
+    /// many run at once: a prepare calls `get` with its claim's lock held, so two at once for
+    /// one claim mean two operations on it at once.
+    struct GatedClaims {
+        inner: Arc<MemoryClaims>,
+        permits: tokio::sync::Semaphore,
+        entered: tokio::sync::mpsc::UnboundedSender<()>,
+        now: std::sync::atomic::AtomicUsize,
+        most: std::sync::atomic::AtomicUsize,
+    }
+
+    impl ClaimSource for GatedClaims {
+        fn get<'a>(
+            &'a self,
+            namespace: &'a str,
+            name: &'a str,
+        ) -> futures::future::BoxFuture<
+            'a,
+            Result<Option<k8s_openapi::api::resource::v1::ResourceClaim>, ClaimSourceError>,
+        > {
+            use std::sync::atomic::Ordering::SeqCst;
+            Box::pin(async move {
+                let now = self.now.fetch_add(1, SeqCst) + 1;
+                self.most.fetch_max(now, SeqCst);
+                let _ = self.entered.send(());
+                let permit = self.permits.acquire().await;
+                permit.map(|p| p.forget()).ok();
+                self.now.fetch_sub(1, SeqCst);
+                self.inner.get(namespace, name).await
+            })
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn one_claim_never_has_two_operations_at_once_while_others_wait_for_its_lock() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        simulate_host(&dir.path().join("host"), &a100_inventory(4, 1)).expect("host");
+        let memory = Arc::new(MemoryClaims::default());
+        memory.insert(allocated_claim(
+            "ns",
+            "a",
+            "uid-a",
+            DRIVER,
+            NODE,
+            &[("gpu", "gpu-1")],
+            &[],
+        ));
+        let (entered, mut entries) = tokio::sync::mpsc::unbounded_channel();
+        let gated = Arc::new(GatedClaims {
+            inner: memory,
+            permits: tokio::sync::Semaphore::new(0),
+            entered,
+            now: Default::default(),
+            most: Default::default(),
+        });
+        let driver = Arc::new(
+            DriverBuilder::new(dir.path(), a100_inventory(4, 1))
+                .node_name(NODE)
+                .claims(gated.clone())
+                .checkpoint_path(dir.path().join(gpu_dra_core::checkpoint::FILE_NAME))
+                .build()
+                .expect("driver"),
+        );
+        let a = ClaimRef {
+            namespace: "ns".into(),
+            name: "a".into(),
+            uid: "uid-a".into(),
+        };
+        let spawn = |op: &'static str| {
+            let (driver, a) = (driver.clone(), a.clone());
+            tokio::spawn(async move {
+                match op {
+                    "prepare" => driver.prepare(&a).await.map(drop),
+                    _ => driver.unprepare(&a).await,
+                }
+            })
+        };
+        // An operation counts itself in flight and waits for the claim's lock in one step:
+        // once the gauge shows it, it is queued.
+        let queued = |n: i64| {
+            let driver = driver.clone();
+            async move {
+                while driver.metrics().in_flight.get() < n {
+                    tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+                }
+            }
+        };
+        // A prepare holds the claim's lock inside `get`; an unprepare and then a second
+        // prepare queue behind it, in that order.
+        let first = spawn("prepare");
+        entries.recv().await.expect("first prepare reads the claim");
+        let unprepare = spawn("unprepare");
+        queued(2).await;
+        let second = spawn("prepare");
+        queued(3).await;
+        gated.permits.add_permits(1);
+        first.await.expect("joins").expect("first prepare");
+        // The unprepare runs and finishes; the second prepare now holds the lock in `get`.
+        unprepare.await.expect("joins").expect("unprepare");
+        entries
+            .recv()
+            .await
+            .expect("second prepare reads the claim");
+        // A third operation must wait for the second instead of running beside it.
+        let third = spawn("prepare");
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        gated.permits.add_permits(2);
+        second.await.expect("joins").expect("second prepare");
+        third.await.expect("joins").expect("third prepare");
+        assert_eq!(
+            gated.most.load(std::sync::atomic::Ordering::SeqCst),
+            1,
+            "two operations ran on one claim at once"
+        );
+        assert!(
+            driver.claim_locks.is_empty(),
+            "no lock is kept once no one uses it"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_failed_prepare_that_is_never_unprepared_leaves_no_lock_behind() {
+        let env = env();
+        let missing = ClaimRef {
+            namespace: "ns".into(),
+            name: "nope".into(),
+            uid: "uid-nope".into(),
+        };
+        env.driver.prepare(&missing).await.expect_err("not found");
+        let a = add(&env, "a", "uid-a", &[("gpu", "gpu-1")]);
+        env.driver.prepare(&a).await.expect("prepares");
+        env.driver.reconcile().await;
+        assert!(
+            env.driver.claim_locks.is_empty(),
+            "locks of claims no operation uses are dropped"
+        );
+    }
+
+    /// `name` with `device` allocated under request `gpu` with admin access, and `configs`.
+    fn add_admin(
+        env: &Env,
+        name: &str,
+        uid: &str,
+        device: &str,
+        configs: &[(&str, &[&str], Value)],
+    ) -> ClaimRef {
+        let mut c = allocated_claim("ns", name, uid, DRIVER, NODE, &[("gpu", device)], configs);
+        if let Some(results) = c
+            .status
+            .as_mut()
+            .and_then(|s| s.allocation.as_mut())
+            .and_then(|a| a.devices.as_mut())
+            .and_then(|d| d.results.as_mut())
+        {
+            results[0].admin_access = Some(true);
+        }
+        env.claims.insert(c);
+        ClaimRef {
+            namespace: "ns".into(),
+            name: name.into(),
+            uid: uid.into(),
+        }
+    }
+
+    #[tokio::test]
+    async fn admin_access_overlaps_a_regular_claim_in_either_order_and_regular_claims_still_conflict()
+     {
+        let env = env();
+        // Regular first, then an admin claim on the same GPU.
+        let owner = add(&env, "owner", "uid-owner", &[("gpu", "gpu-2")]);
+        env.driver.prepare(&owner).await.expect("owner");
+        let watcher = add_admin(&env, "watcher", "uid-watcher", "gpu-2", &[]);
+        env.driver
+            .prepare(&watcher)
+            .await
+            .expect("admin beside owner");
+        // Admin first, then a regular claim: it gets the GPU; a second regular one does not.
+        let early = add_admin(&env, "early", "uid-early", "gpu-3", &[]);
+        env.driver.prepare(&early).await.expect("admin alone");
+        let user = add(&env, "user", "uid-user", &[("gpu", "gpu-3")]);
+        env.driver
+            .prepare(&user)
+            .await
+            .expect("regular beside admin");
+        let second = add(&env, "second", "uid-second", &[("gpu", "gpu-3")]);
+        let err = env
+            .driver
+            .prepare(&second)
+            .await
+            .expect_err("two regular claims conflict")
+            .to_string();
+        assert!(err.contains("ns/user") && err.contains("gpu-3"), "{err}");
+        assert!(
+            !err.contains("ns/early"),
+            "the admin claim is no obstacle: {err}"
+        );
+    }
+
+    #[tokio::test]
+    async fn sharing_on_an_admin_access_request_is_refused_naming_the_request() {
+        let env = env();
+        let ts = json!({"apiVersion": "resource.nvidia.com/v1beta1", "kind": "GpuConfig",
+                        "sharing": {"strategy": "TimeSlicing"}});
+        let c = add_admin(
+            &env,
+            "watch",
+            "uid-watch",
+            "gpu-1",
+            &[("FromClaim", &["gpu"], ts)],
+        );
+        let err = env
+            .driver
+            .prepare(&c)
+            .await
+            .expect_err("refused")
+            .to_string();
+        assert_eq!(
+            err,
+            format!(
+                "status.allocation.devices.config[0].opaque.parameters.{}",
+                gpu_dra_api::admin_access_sharing("gpu")
+            )
+        );
+        assert!(
+            err.contains("\"gpu\"") && err.contains("adminAccess"),
+            "{err}"
+        );
+        assert!(!spec_path(&env, "uid-watch").exists());
+        assert!(env.driver.checkpoint().claims.is_empty());
     }
 }

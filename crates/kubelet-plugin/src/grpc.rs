@@ -5,6 +5,10 @@
 //! that code, and the answers converted back (as upstream's Go kubelet-plugin helper does),
 //! so the two versions cannot drift apart.
 //!
+//! Claim UIDs from the kubelet are checked here ([`check_claim_uid`]) before the driver sees
+//! them: the driver names files after them, so a UID that is not a UUID is answered with a
+//! per-claim error and never reaches the disk.
+//!
 //! Invariants: sockets are created fresh (a stale file from a previous run is removed first),
 //! the socket file is mode 0600 and its folder 0700 when we create it; every accepted
 //! connection goes through [`AuthorityFix`] because grpc-go clients send a socket path as
@@ -147,6 +151,10 @@ impl DraService {
         claims: Vec<ClaimRef>,
     ) -> Vec<(String, Result<Vec<v1::Device>, String>)> {
         join_all(claims.into_iter().map(|c| async move {
+            if let Err(error) = check_claim_uid(&c.uid) {
+                warn!(claim = %format!("{}/{}", c.namespace, c.name), %error, "prepare refused");
+                return (c.uid, Err(error));
+            }
             let result = self.driver.prepare(&c).await.map(|devices| {
                 devices
                     .into_iter()
@@ -166,6 +174,10 @@ impl DraService {
 
     async fn unprepare(&self, claims: Vec<ClaimRef>) -> Vec<(String, String)> {
         join_all(claims.into_iter().map(|c| async move {
+            if let Err(error) = check_claim_uid(&c.uid) {
+                warn!(claim = %format!("{}/{}", c.namespace, c.name), %error, "unprepare refused");
+                return (c.uid, error);
+            }
             let error = self
                 .driver
                 .unprepare(&c)
@@ -177,6 +189,35 @@ impl DraService {
         }))
         .await
     }
+}
+
+/// Checks that a claim UID from the kubelet is a UUID as the API server writes it: 8-4-4-4-12
+/// lowercase hex digits (RFC 4122's textual form). The plugin names files after claim UIDs
+/// (CDI specs, MPS folders), so anything else (a path, an empty or overlong string) is
+/// refused before it can reach the disk. Uppercase is refused too: the API server never
+/// generates it, and one spelling per claim keeps its files and checkpoint entry unique.
+pub fn check_claim_uid(uid: &str) -> Result<(), String> {
+    let b = uid.as_bytes();
+    let well_formed = b.len() == 36
+        && b.iter().enumerate().all(|(i, c)| match i {
+            8 | 13 | 18 | 23 => *c == b'-',
+            _ => matches!(c, b'0'..=b'9' | b'a'..=b'f'),
+        });
+    if well_formed {
+        return Ok(());
+    }
+    const SHOWN: usize = 64;
+    let shown: String = uid.chars().take(SHOWN).collect();
+    let cut = if uid.chars().count() > SHOWN {
+        format!(" (first {SHOWN} of {} bytes)", uid.len())
+    } else {
+        String::new()
+    };
+    Err(format!(
+        "claim UID {shown:?}{cut} is not a UUID in the API server's form \
+         (8-4-4-4-12 lowercase hex digits, e.g. 0f8e3c52-6a1b-4c7d-9e2f-3a4b5c6d7e8f); \
+         refused before touching any file: check what sent this request"
+    ))
 }
 
 fn claim_refs(claims: Vec<v1::Claim>) -> Vec<ClaimRef> {
@@ -290,4 +331,117 @@ pub async fn serve(
 
 async fn wait_true(mut rx: tokio::sync::watch::Receiver<bool>) {
     let _ = rx.wait_for(|v| *v).await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::claims::MemoryClaims;
+    use crate::testing::{DRIVER_NAME, DriverBuilder, NODE_NAME, allocated_claim, simulate_host};
+    use gpu_dra_device::testing::a100_inventory;
+
+    const VALID: &str = "0f8e3c52-6a1b-4c7d-9e2f-3a4b5c6d7e8f";
+
+    #[tokio::test]
+    async fn claim_uids_that_are_not_uuids_are_refused_per_claim_before_any_file_is_touched() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let root = dir.path();
+        simulate_host(&root.join("host"), &a100_inventory(4, 1)).expect("host");
+        let claims = Arc::new(MemoryClaims::default());
+        let traversal = "../../etc/x";
+        let long = "a".repeat(300);
+        let upper = VALID.to_uppercase();
+        for (name, uid, device) in [
+            ("evil", traversal, "gpu-1"),
+            ("empty", "", "gpu-2"),
+            ("long", long.as_str(), "gpu-3"),
+            ("upper", upper.as_str(), "gpu-3"),
+            ("good", VALID, "gpu-2"),
+        ] {
+            claims.insert(allocated_claim(
+                "ns",
+                name,
+                uid,
+                DRIVER_NAME,
+                NODE_NAME,
+                &[("gpu", device)],
+                &[],
+            ));
+        }
+        let driver = DriverBuilder::new(root, a100_inventory(4, 1))
+            .claims(claims)
+            .build()
+            .expect("driver");
+        let dra = DraService::new(Arc::new(driver));
+        std::fs::create_dir_all(root.join("plugin")).expect("plugin dir");
+        // A file the traversal would reach from the CDI folder if it were taken as a name.
+        let cdi = root.join("cdi");
+        std::fs::create_dir_all(cdi.join("k8s.gpu.nvidia.com-claim_..")).expect("dir");
+        std::fs::create_dir_all(cdi.join("etc")).expect("etc");
+        std::fs::write(cdi.join("etc/x.json"), "keep").expect("bait");
+
+        let refs = |pairs: &[(&str, &str)]| -> Vec<ClaimRef> {
+            pairs
+                .iter()
+                .map(|(name, uid)| ClaimRef {
+                    namespace: "ns".into(),
+                    name: (*name).into(),
+                    uid: (*uid).into(),
+                })
+                .collect()
+        };
+        let all = [
+            ("evil", traversal),
+            ("empty", ""),
+            ("long", long.as_str()),
+            ("upper", upper.as_str()),
+            ("good", VALID),
+        ];
+        let prepared = dra.prepare(refs(&all)).await;
+        assert_eq!(prepared.len(), all.len(), "every claim is answered");
+        for (uid, result) in &prepared {
+            if uid == VALID {
+                result.as_ref().expect("a UUID prepares");
+                continue;
+            }
+            let err = result.as_ref().expect_err("refused");
+            assert!(
+                err.contains("is not a UUID") && err.contains("lowercase"),
+                "{uid:?}: {err}"
+            );
+            assert!(err.len() < 400, "overlong UIDs are cut in messages: {err}");
+        }
+        let unprepared = dra.unprepare(refs(&all)).await;
+        for (uid, err) in &unprepared {
+            assert_eq!(err.is_empty(), uid == VALID, "{uid:?}: {err}");
+        }
+        assert_eq!(
+            std::fs::read_to_string(cdi.join("etc/x.json")).expect("untouched"),
+            "keep"
+        );
+        let mut left: Vec<String> = std::fs::read_dir(&cdi)
+            .expect("cdi")
+            .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+            .collect();
+        left.sort();
+        assert_eq!(left, ["etc", "k8s.gpu.nvidia.com-claim_.."]);
+    }
+
+    #[test]
+    fn uid_syntax() {
+        assert!(check_claim_uid(VALID).is_ok());
+        for bad in [
+            "",
+            "../../etc/x",
+            "0f8e3c52-6a1b-4c7d-9e2f-3a4b5c6d7e8",
+            "0f8e3c52-6a1b-4c7d-9e2f-3a4b5c6d7e8f0",
+            "0f8e3c52x6a1b-4c7d-9e2f-3a4b5c6d7e8f",
+            "0f8e3c52-6a1b-4c7d-9e2f-3a4b5c6d7e8g",
+            "0F8E3C52-6A1B-4C7D-9E2F-3A4B5C6D7E8F",
+            "0f8e3c52-6a1b-4c7d-9e2f-3a4b5c6d7e/f",
+            "0f8e3c52-6a1b-4c7d-9e2f-3a4b5c6d7é",
+        ] {
+            assert!(check_claim_uid(bad).is_err(), "{bad:?}");
+        }
+    }
 }

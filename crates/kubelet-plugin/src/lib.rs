@@ -4,14 +4,16 @@
 //! Layout: [`cli`] (flags, `run`), [`discover`] (the `discover` subcommand), [`publish`]
 //! (ResourceSlice publisher), [`grpc`] (sockets, services), [`authority`] (grpc-go
 //! `:authority` fix), [`driver`] (prepare/unprepare state machine), [`checkpoint_file`]
-//! (checkpoint migration and NVIDIA import), [`claims`] (where claims come from), [`cdi_io`]
-//! (CDI on the host), [`sharing`] (time-slicing and MPS), [`failpoint`] (fault injection),
-//! [`metrics`] and [`http`] (operations). Crash-safe writes come from `gpu-dra-fsutil`. Pure
+//! (checkpoint migration and NVIDIA import), [`claim_locks`] (one operation per claim),
+//! [`claims`] (where claims come from), [`cdi_io`] (CDI on the host), [`sharing`]
+//! (time-slicing and MPS), [`failpoint`] (fault injection), [`metrics`] and [`http`]
+//! (operations). Crash-safe writes come from `gpu-dra-fsutil`. Pure
 //! planning, CDI and checkpoint models live in `gpu-dra-core`.
 
 pub mod authority;
 pub mod cdi_io;
 pub mod checkpoint_file;
+pub mod claim_locks;
 pub mod claims;
 pub mod cli;
 pub mod client;

@@ -49,6 +49,9 @@ impl Layout {
     }
 }
 
+const UID_A: &str = "a0000000-0000-4000-8000-00000000000a";
+const UID_B: &str = "b0000000-0000-4000-8000-00000000000b";
+
 fn wait_for(path: &Path, what: &str) {
     // Generous: CI machines can be slow to start a debug binary under load.
     let deadline = Instant::now() + Duration::from_secs(60);
@@ -83,12 +86,12 @@ fn claims() -> Vec<v1::Claim> {
     vec![
         v1::Claim {
             namespace: "ns".into(),
-            uid: "uid-a".into(),
+            uid: UID_A.into(),
             name: "a".into(),
         },
         v1::Claim {
             namespace: "ns".into(),
-            uid: "uid-b".into(),
+            uid: UID_B.into(),
             name: "b".into(),
         },
     ]
@@ -229,11 +232,11 @@ async fn sigkill_at_every_step_leaves_cdi_and_checkpoint_consistent() {
     )
     .expect("inventory");
     let claim_objs = vec![
-        allocated_claim("ns", "a", "uid-a", DRIVER, NODE, &[("gpu", "gpu-1")], &[]),
+        allocated_claim("ns", "a", UID_A, DRIVER, NODE, &[("gpu", "gpu-1")], &[]),
         allocated_claim(
             "ns",
             "b",
-            "uid-b",
+            UID_B,
             DRIVER,
             NODE,
             &[

@@ -17,6 +17,12 @@ use tokio::net::UnixStream;
 
 /// A driver on a simulated two-GPU host with `claims` allocated, served over a unix socket
 /// under `root` in both versions; returns the socket path and the metrics.
+const UID_A: &str = "a0000000-0000-4000-8000-00000000000a";
+const UID_B: &str = "b0000000-0000-4000-8000-00000000000b";
+const UID_GONE: &str = "90000000-0000-4000-8000-000000000009";
+const UID_NEVER: &str = "e0000000-0000-4000-8000-00000000000e";
+const UID_S: &str = "50000000-0000-4000-8000-000000000005";
+
 fn serve_driver(root: &Path, allocated: Vec<ResourceClaim>) -> (std::path::PathBuf, Arc<Metrics>) {
     let inventory = a100_inventory(2, 0);
     simulate_host(&root.join("host"), &inventory).expect("host");
@@ -63,7 +69,7 @@ async fn connect_v1beta1(
 async fn v1_and_v1beta1_prepare_and_unprepare_over_the_socket() {
     let dir = tempfile::tempdir().expect("tempdir");
     let root = dir.path();
-    let allocated = [("a", "uid-a", "gpu-0"), ("b", "uid-b", "gpu-1")]
+    let allocated = [("a", UID_A, "gpu-0"), ("b", UID_B, "gpu-1")]
         .into_iter()
         .map(|(name, uid, dev)| {
             allocated_claim(
@@ -87,7 +93,7 @@ async fn v1_and_v1beta1_prepare_and_unprepare_over_the_socket() {
     };
     let answer = v1c
         .node_prepare_resources(v1::NodePrepareResourcesRequest {
-            claims: vec![claim("a", "uid-a"), claim("gone", "uid-gone")],
+            claims: vec![claim("a", UID_A), claim("gone", UID_GONE)],
         })
         .await
         .expect("call")
@@ -97,22 +103,22 @@ async fn v1_and_v1beta1_prepare_and_unprepare_over_the_socket() {
         2,
         "every claim of the request is answered"
     );
-    let a = &answer.claims["uid-a"];
+    let a = &answer.claims[UID_A];
     assert!(a.error.is_empty(), "{}", a.error);
     assert_eq!(a.devices[0].request_names, ["gpu"], "subrequest stripped");
     assert_eq!(a.devices[0].pool_name, "n1");
     assert_eq!(
         a.devices[0].cdi_device_ids,
-        ["k8s.gpu.nvidia.com/claim=uid-a-gpu-0"]
+        [format!("k8s.gpu.nvidia.com/claim={UID_A}-gpu-0")]
     );
-    assert!(answer.claims["uid-gone"].error.contains("not found"));
+    assert!(answer.claims[UID_GONE].error.contains("not found"));
 
     let mut beta = connect_v1beta1(socket.clone()).await;
     let b = beta
         .node_prepare_resources(v1beta1::NodePrepareResourcesRequest {
             claims: vec![v1beta1::Claim {
                 namespace: "ns".into(),
-                uid: "uid-b".into(),
+                uid: UID_B.into(),
                 name: "b".into(),
             }],
         })
@@ -120,8 +126,8 @@ async fn v1_and_v1beta1_prepare_and_unprepare_over_the_socket() {
         .expect("v1beta1 call")
         .into_inner();
     assert_eq!(
-        b.claims["uid-b"].devices[0].cdi_device_ids,
-        ["k8s.gpu.nvidia.com/claim=uid-b-gpu-1"]
+        b.claims[UID_B].devices[0].cdi_device_ids,
+        [format!("k8s.gpu.nvidia.com/claim={UID_B}-gpu-1")]
     );
     assert!(metrics.render().contains("gpu_dra_prepared_devices 2"));
 
@@ -130,12 +136,12 @@ async fn v1_and_v1beta1_prepare_and_unprepare_over_the_socket() {
             claims: vec![
                 v1beta1::Claim {
                     namespace: "ns".into(),
-                    uid: "uid-b".into(),
+                    uid: UID_B.into(),
                     name: "b".into(),
                 },
                 v1beta1::Claim {
                     namespace: "ns".into(),
-                    uid: "uid-never".into(),
+                    uid: UID_NEVER.into(),
                     name: "x".into(),
                 },
             ],
@@ -146,7 +152,7 @@ async fn v1_and_v1beta1_prepare_and_unprepare_over_the_socket() {
     assert!(un.claims.values().all(|c| c.error.is_empty()));
     assert!(
         !root
-            .join("cdi/k8s.gpu.nvidia.com-claim_uid-b.json")
+            .join(format!("cdi/k8s.gpu.nvidia.com-claim_{UID_B}.json"))
             .exists()
     );
     assert!(metrics.render().contains("gpu_dra_prepared_devices 1"));
@@ -161,7 +167,7 @@ async fn v1beta1_answers_are_the_v1_answers_without_share_id() {
     let mut shared = allocated_claim(
         "ns",
         "s",
-        "uid-s",
+        UID_S,
         "gpu.nvidia.com",
         "n1",
         &[("gpu", "gpu-0")],
@@ -181,20 +187,20 @@ async fn v1beta1_answers_are_the_v1_answers_without_share_id() {
     let mut v1c = connect_dra(socket.clone()).await.expect("connect");
     let mut beta = connect_v1beta1(socket).await;
     let v1_claims = || {
-        ["uid-s", "uid-gone"]
-            .map(|uid| v1::Claim {
+        [("s", UID_S), ("gone", UID_GONE)]
+            .map(|(name, uid)| v1::Claim {
                 namespace: "ns".into(),
                 uid: uid.into(),
-                name: uid.trim_start_matches("uid-").into(),
+                name: name.into(),
             })
             .to_vec()
     };
     let beta_claims = || {
-        ["uid-s", "uid-gone"]
-            .map(|uid| v1beta1::Claim {
+        [("s", UID_S), ("gone", UID_GONE)]
+            .map(|(name, uid)| v1beta1::Claim {
                 namespace: "ns".into(),
                 uid: uid.into(),
-                name: uid.trim_start_matches("uid-").into(),
+                name: name.into(),
             })
             .to_vec()
     };
@@ -215,10 +221,10 @@ async fn v1beta1_answers_are_the_v1_answers_without_share_id() {
         .expect("v1beta1 prepare")
         .into_inner();
     assert_eq!(
-        one.claims["uid-s"].devices[0].share_id.as_deref(),
+        one.claims[UID_S].devices[0].share_id.as_deref(),
         Some("share-1")
     );
-    assert!(one.claims["uid-gone"].error.contains("not found"));
+    assert!(one.claims[UID_GONE].error.contains("not found"));
     assert_eq!(one.claims.len(), two.claims.len());
     for (uid, want) in &one.claims {
         let got = &two.claims[uid];
@@ -249,7 +255,7 @@ async fn v1beta1_answers_are_the_v1_answers_without_share_id() {
             .collect();
         assert_eq!(got, want, "{uid}");
     }
-    assert!(!two.claims["uid-s"].devices.is_empty());
+    assert!(!two.claims[UID_S].devices.is_empty());
 
     // Unprepare twice (also idempotent): same per-claim answers, and the spec is gone.
     let un_beta = beta
@@ -272,7 +278,7 @@ async fn v1beta1_answers_are_the_v1_answers_without_share_id() {
     }
     assert!(
         !root
-            .join("cdi/k8s.gpu.nvidia.com-claim_uid-s.json")
+            .join(format!("cdi/k8s.gpu.nvidia.com-claim_{UID_S}.json"))
             .exists()
     );
 }

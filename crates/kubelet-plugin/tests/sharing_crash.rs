@@ -22,7 +22,7 @@ use gpu_dra_sim::testing::SimHost;
 
 const DRIVER: &str = "gpu.nvidia.com";
 const NODE: &str = "node-a";
-const UID: &str = "uid-m";
+const UID: &str = "3d000000-0000-4000-8000-0000000000aa";
 // dgx-a100-40gb: GPU 4 is a whole GPU (MIG disabled).
 const GPU: usize = 4;
 

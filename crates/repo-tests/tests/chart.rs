@@ -191,6 +191,14 @@ fn default_values() {
     );
     assert_eq!(container["livenessProbe"]["httpGet"]["path"], "/healthz");
     assert_eq!(container["readinessProbe"]["httpGet"]["path"], "/readyz");
+    // The plugin binds loopback by default; the probes go to the pod's address on the named
+    // port, so the chart must bind every address of the pod on that port.
+    assert_eq!(plugin_env(ds, "HTTP_ADDRESS"), Some("0.0.0.0:8080"));
+    assert_eq!(container["ports"][0]["name"], "http");
+    assert_eq!(container["ports"][0]["containerPort"], 8080);
+    for probe in ["livenessProbe", "readinessProbe"] {
+        assert_eq!(container[probe]["httpGet"]["port"], "http", "{probe}");
+    }
     assert!(container["resources"]["requests"].is_object());
 
     // RBAC: least privilege for the plugin, none for the webhook.
@@ -211,10 +219,12 @@ fn default_values() {
     assert_eq!(
         rules,
         vec![
+            // Only GET: the plugin reads each claim it prepares by name and never lists or
+            // watches claims (`claims.rs`), so it cannot enumerate the cluster's claims.
             (
                 "resource.k8s.io".into(),
                 "resourceclaims".into(),
-                vec!["get", "list", "watch"]
+                vec!["get"]
             ),
             (
                 "resource.k8s.io".into(),
