@@ -105,6 +105,7 @@ func TestExplainPendingAndRunningClaims(t *testing.T) {
 	if _, err := client.ResourceV1().ResourceClaims(ns).Create(ctx, pending, metav1.CreateOptions{}); err != nil {
 		t.Fatalf("claim with an unmatchable selector refused (the webhook must only warn): %v", err)
 	}
+	t.Logf("warnings on create: %q", recorder.warnings)
 	if webhookErr == nil {
 		joined := strings.Join(recorder.warnings, "\n")
 		for _, want := range []string{`attribute "index" is not published`, "set `count` on the request"} {
@@ -124,6 +125,7 @@ func TestExplainPendingAndRunningClaims(t *testing.T) {
 	time.Sleep(2 * time.Second)
 
 	text := runExplain(t, bin, ns+"/first-gpu")
+	t.Logf("gpu-dra explain %s/first-gpu:\n%s", ns, text)
 	for _, want := range []string{
 		"ResourceClaim " + ns + "/first-gpu: not allocated",
 		"request selector 0: " + indexSelector,
