@@ -1,8 +1,9 @@
 //! The Kubernetes CEL library types selectors use, for the `cel` crate: `quantity()` and
 //! `semver()` values as opaques, with the member functions the Kubernetes library gives them
 //! (`compareTo`, `isGreaterThan`, `isLessThan`; `major`/`minor`/`patch` on versions;
-//! `asInteger`, `isInteger`, `asApproximateFloat`, `sign` on quantities). Arithmetic on
-//! quantities (`add`, `sub`) is not provided; a selector using it evaluates to an error.
+//! `asInteger`, `isInteger` (both for values of at least zero) and `sign` on quantities).
+//! Arithmetic on quantities (`add`, `sub`) and `asApproximateFloat` are not provided; a
+//! selector using them evaluates to an error.
 
 use std::cmp::Ordering;
 use std::fmt;
@@ -239,22 +240,6 @@ pub(crate) fn register(ctx: &mut Context<'_, '_>) -> Result<(), cel::Declaration
         },
     )?;
     ctx.add_function(
-        "asApproximateFloat",
-        |This(this): This<Value>| -> Result<Value, ExecutionError> {
-            let q = as_quantity(&this).ok_or_else(|| {
-                ExecutionError::no_such_member_overload(
-                    "asApproximateFloat",
-                    vec![type_name(&this)],
-                )
-            })?;
-            q.0.to_string()
-                .parse::<f64>()
-                .or_else(|_| q.0.to_bytes_ceil().map(|n| n as f64))
-                .map(Value::Float)
-                .map_err(|_| ExecutionError::function_error("asApproximateFloat", "out of range"))
-        },
-    )?;
-    ctx.add_function(
         "sign",
         |This(this): This<Value>| -> Result<Value, ExecutionError> {
             let q = as_quantity(&this).ok_or_else(|| {
@@ -275,6 +260,36 @@ pub(crate) fn register(ctx: &mut Context<'_, '_>) -> Result<(), cel::Declaration
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_function_registers_and_evaluates() {
+        let mut ctx = Context::default();
+        register(&mut ctx).expect("no clash with the standard library");
+        for expr in [
+            "quantity('1Gi').compareTo(quantity('1024Mi')) == 0",
+            "quantity('2').isGreaterThan(quantity('1500m'))",
+            "!quantity('1').isLessThan(quantity('1'))",
+            "isQuantity('1Gi') && !isQuantity('1GB')",
+            "semver('1.2.3').major() == 1 && semver('1.2.3').minor() == 2",
+            "semver('1.2.3').patch() == 3 && semver('1.2.3') == semver('1.2.3')",
+            "isSemver('1.2.3') && !isSemver('1.2')",
+            "semver('1.10.0').isGreaterThan(semver('1.9.0'))",
+            "quantity('3').asInteger() == 3 && !quantity('1.5').isInteger()",
+            "quantity('-1').sign() == -1 && quantity('0').sign() == 0",
+        ] {
+            let program = cel::Program::compile(expr).expect("parses");
+            assert_eq!(program.execute(&ctx), Ok(Value::Bool(true)), "{expr}");
+        }
+        let mixed = cel::Program::compile("quantity('1').compareTo(semver('1.0.0'))").unwrap();
+        assert!(program_error(&mixed.execute(&ctx)).contains("compareTo"));
+    }
+
+    fn program_error(r: &Result<Value, ExecutionError>) -> String {
+        match r {
+            Ok(v) => panic!("evaluated to {v:?}"),
+            Err(e) => e.to_string(),
+        }
+    }
 
     #[test]
     fn versions_order_as_semver_does() {
