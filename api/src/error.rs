@@ -143,7 +143,7 @@ pub(crate) fn index(parent: &str, i: usize) -> String {
 
 /// Suggests the candidate a user most likely meant by `input`: the same word ignoring case and
 /// `-`, `_`, `.` and spaces, else one within edit distance 2. `None` when nothing is close.
-pub(crate) fn suggest<'a>(input: &str, candidates: &[&'a str]) -> Option<&'a str> {
+pub fn suggest<'a>(input: &str, candidates: &[&'a str]) -> Option<&'a str> {
     fn squash(s: &str) -> String {
         s.chars()
             .filter(|c| !matches!(c, '-' | '_' | '.' | ' '))
@@ -181,7 +181,7 @@ fn levenshtein(a: &str, b: &str) -> usize {
 }
 
 /// `did you mean "X"? ` when a suggestion exists, else empty.
-pub(crate) fn did_you_mean(input: &str, candidates: &[&str]) -> String {
+pub fn did_you_mean(input: &str, candidates: &[&str]) -> String {
     suggest(input, candidates)
         .map(|s| format!("did you mean \"{s}\"? "))
         .unwrap_or_default()

@@ -29,7 +29,7 @@ pub use config::{
     MIN_PINNED_MEMORY_BYTES, MigDeviceConfig, MpsConfig, STRATEGIES, Sharing,
     pinned_memory_limit_mib, sorted_uuids,
 };
-pub use error::{Errors, FieldError};
+pub use error::{Errors, FieldError, did_you_mean, suggest};
 pub use schema::json_schema;
 
 /// Decodes, defaults and validates the `opaque.parameters` of one configuration.

@@ -240,6 +240,42 @@ impl Quantity {
         Some((n.to_u64()?, inexact))
     }
 
+    /// Compares the values exactly (`1Gi` equals `1024Mi`), as Kubernetes' `Quantity.Cmp` and
+    /// CEL's `quantity(a).compareTo(quantity(b))` do.
+    pub fn cmp_value(&self, other: &Self) -> std::cmp::Ordering {
+        let sign = |q: &Self| match (q.is_zero(), q.negative) {
+            (true, _) => 0i8,
+            (false, true) => -1,
+            (false, false) => 1,
+        };
+        let (a, b) = (sign(self), sign(other));
+        if a != b || a == 0 {
+            return a.cmp(&b);
+        }
+        let magnitude = |q: &Self, down_to: i64| {
+            let mut n = q.mantissa.clone();
+            for _ in 0..q.binary {
+                n.mul_add(1024, 0);
+            }
+            for _ in down_to..q.scale {
+                n.mul_add(10, 0);
+            }
+            n
+        };
+        let low = self.scale.min(other.scale);
+        // Scales far apart would need huge numbers; the larger exponent wins whenever the
+        // mantissas (at most a few hundred bits here) cannot make up for the difference.
+        let ordering = if self.scale.abs_diff(other.scale) > 400 {
+            self.scale.cmp(&other.scale)
+        } else {
+            let (x, y) = (magnitude(self, low), magnitude(other, low));
+            x.0.len()
+                .cmp(&y.0.len())
+                .then_with(|| x.0.iter().rev().cmp(y.0.iter().rev()))
+        };
+        if a < 0 { ordering.reverse() } else { ordering }
+    }
+
     /// True for values below zero.
     pub fn is_negative(&self) -> bool {
         self.negative
@@ -594,6 +630,19 @@ mod tests {
         // Rounding up past u64::MAX is an overflow too.
         let q = Quantity::parse("18446744073709551615.5").unwrap();
         assert!(matches!(q.to_bytes_ceil(), Err(QuantityError::Overflow(_))));
+    }
+
+    #[test]
+    fn values_compare_exactly_across_suffixes() {
+        use std::cmp::Ordering::*;
+        let q = |s: &str| Quantity::parse(s).unwrap();
+        assert_eq!(q("1Gi").cmp_value(&q("1024Mi")), Equal);
+        assert_eq!(q("40Gi").cmp_value(&q("40G")), Greater);
+        assert_eq!(q("0.5").cmp_value(&q("500m")), Equal);
+        assert_eq!(q("-1").cmp_value(&q("1m")), Less);
+        assert_eq!(q("-2Ki").cmp_value(&q("-1Ki")), Less);
+        assert_eq!(q("0").cmp_value(&q("-0Gi")), Equal);
+        assert_eq!(q("1e3").cmp_value(&q("1k")), Equal);
     }
 
     #[test]

@@ -1,19 +1,31 @@
 //! `gpu-dra`, the operator CLI: checks claim files offline with the same validation the
-//! admission webhook and the node plugin use (`gpu_dra_api`).
+//! admission webhook and the node plugin use (`gpu_dra_api`), and explains which devices a
+//! claim in a cluster can get.
 //!
-//! `gpu-dra validate [--driver-name NAME] FILE...` reads multi-document YAML or JSON (a JSON
-//! stream, a JSON array, or `kind: List` / `*List` objects with `items`), checks every
-//! ResourceClaim, ResourceClaimTemplate and DeviceClass in it, skips other kinds silently, and
-//! prints one line per problem followed by a summary line per file.
+//! `gpu-dra validate [--driver-name NAME] [--strict] FILE...` reads multi-document YAML or JSON
+//! (a JSON stream, a JSON array, or `kind: List` / `*List` objects with `items`), checks every
+//! ResourceClaim, ResourceClaimTemplate and DeviceClass in it (opaque configs with
+//! `gpu_dra_api`, CEL selectors with the `gpu_dra_selectors` lint), skips other kinds silently,
+//! and prints one line per problem followed by a summary line per file. Selector findings are
+//! warnings; `--strict` counts them as problems, for CI pipelines.
 //!
-//! Exit codes: 0 all valid; 1 something is invalid (including malformed YAML/JSON, reported
-//! with file, line and column); 2 usage errors (bad flags, unreadable files).
+//! `gpu-dra explain [-o json] NAMESPACE/NAME` reads the claim, the DeviceClasses, the
+//! ResourceSlices and all claims from the cluster (kubeconfig found as kubectl finds it:
+//! `KUBECONFIG`, `~/.kube/config`, in-cluster) and prints, per request and node, which devices
+//! match and why the others do not (see [`explain`]).
+//!
+//! Exit codes: 0 all valid (or explained); 1 something is invalid (including malformed
+//! YAML/JSON, reported with file, line and column); 2 usage errors (bad flags, unreadable
+//! files, an unreachable cluster or a missing claim).
+
+pub mod explain;
 
 use std::io::{Read, Write};
 use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand};
 use gpu_dra_api::objects;
+use gpu_dra_selectors::Severity;
 use serde_json::Value;
 
 /// Command line.
@@ -32,8 +44,11 @@ pub struct Cli {
 /// Subcommands.
 #[derive(Debug, Subcommand)]
 pub enum Command {
-    /// Check the GPU device configs in ResourceClaims, ResourceClaimTemplates and DeviceClasses.
+    /// Check the GPU device configs and CEL selectors in ResourceClaims,
+    /// ResourceClaimTemplates and DeviceClasses.
     Validate(ValidateArgs),
+    /// Show which devices of the cluster a ResourceClaim's requests can get, and why not.
+    Explain(explain::ExplainArgs),
 }
 
 /// `gpu-dra validate` arguments.
@@ -42,6 +57,10 @@ pub struct ValidateArgs {
     /// Driver whose opaque configs are checked; configs for other drivers are ignored.
     #[arg(long, env = "DRIVER_NAME", default_value = "gpu.nvidia.com")]
     pub driver_name: String,
+    /// Treat selector warnings (names our devices do not publish, wrong types) as problems
+    /// and exit 1.
+    #[arg(long, env = "VALIDATE_STRICT")]
+    pub strict: bool,
     /// YAML or JSON files to check; `-` reads standard input.
     #[arg(required = true, value_name = "FILE")]
     pub files: Vec<PathBuf>,
@@ -75,6 +94,21 @@ pub enum CliError {
     /// Writing the report failed (closed pipe, full disk).
     #[error("cannot write output: {0}")]
     Output(#[from] std::io::Error),
+    /// Talking to the cluster failed (no kubeconfig, unreachable, forbidden, not found).
+    #[error("{what}: {source}")]
+    Cluster {
+        /// What was being done.
+        what: String,
+        /// The client's error.
+        #[source]
+        source: kube::Error,
+    },
+    /// The async runtime for the cluster calls could not start.
+    #[error("cannot start the runtime: {0}")]
+    Runtime(#[source] std::io::Error),
+    /// JSON output could not be encoded.
+    #[error("cannot encode JSON: {0}")]
+    Json(#[from] serde_json::Error),
 }
 
 /// A document that could not be parsed, with its position.
@@ -101,6 +135,7 @@ pub fn run(
 ) -> Result<Outcome, CliError> {
     match &cli.command {
         Command::Validate(args) => validate(args, stdin, out, err),
+        Command::Explain(args) => explain::run(args, out),
     }
 }
 
@@ -132,16 +167,24 @@ fn validate(
                 }
             }
         };
-        outcome = outcome.max(validate_text(&name, &text, &args.driver_name, out)?);
+        outcome = outcome.max(validate_text(
+            &name,
+            &text,
+            &args.driver_name,
+            args.strict,
+            out,
+        )?);
     }
     Ok(outcome)
 }
 
-/// Checks the objects in one file's text and writes its problems and summary line.
+/// Checks the objects in one file's text and writes its problems and summary line. With
+/// `strict`, selector warnings count as problems.
 pub fn validate_text(
     name: &str,
     text: &str,
     driver: &str,
+    strict: bool,
     out: &mut dyn Write,
 ) -> Result<Outcome, CliError> {
     let docs = match parse_documents(text) {
@@ -169,6 +212,20 @@ pub fn validate_text(
         for w in &report.warnings {
             writeln!(out, "{label}: warning: {w}")?;
             warnings += 1;
+        }
+        for f in gpu_dra_selectors::lint_object(&obj, driver) {
+            let counts_as_problem = strict && f.severity == Severity::Warning;
+            let word = if counts_as_problem {
+                "error"
+            } else {
+                f.severity.as_str()
+            };
+            writeln!(out, "{label}: {word}: {f}")?;
+            if counts_as_problem {
+                problems += 1;
+            } else if f.severity == Severity::Warning {
+                warnings += 1;
+            }
         }
     }
     let objects = plural(checked, "object");
@@ -261,7 +318,7 @@ mod tests {
 
     fn check(text: &str) -> (Outcome, String) {
         let mut out = Vec::new();
-        let outcome = validate_text("f.yaml", text, "gpu.nvidia.com", &mut out).unwrap();
+        let outcome = validate_text("f.yaml", text, "gpu.nvidia.com", false, &mut out).unwrap();
         (outcome, String::from_utf8(out).unwrap())
     }
 
@@ -341,6 +398,51 @@ spec:
             parse_documents("kind: List\nitems:\n- kind: A\n- kind: B\n---\nkind: C\n").unwrap(),
         );
         assert_eq!(docs.len(), 3);
+    }
+
+    const INDEX_CLAIM: &str = "\
+apiVersion: resource.k8s.io/v1
+kind: ResourceClaim
+metadata: {name: first-gpu}
+spec:
+  devices:
+    requests:
+    - name: gpu
+      exactly:
+        deviceClassName: gpu.nvidia.com
+        selectors:
+        - cel: {expression: \"device.attributes['gpu.nvidia.com'].index == 0\"}
+";
+
+    #[test]
+    fn selector_warnings_are_printed_and_fail_only_with_strict() {
+        let (o, out) = check(INDEX_CLAIM);
+        assert_eq!(o, Outcome::Valid, "{out}");
+        assert!(
+            out.starts_with(
+                "ResourceClaim default/first-gpu: warning: \
+                 spec.devices.requests[0].exactly.selectors[0].cel.expression: \
+                 `device.attributes['gpu.nvidia.com'].index`: attribute \"index\" is not published"
+            ),
+            "{out}"
+        );
+        assert!(
+            out.ends_with("f.yaml: ok (1 object checked, 1 warning)\n"),
+            "{out}"
+        );
+
+        let mut strict = Vec::new();
+        let o = validate_text("f.yaml", INDEX_CLAIM, "gpu.nvidia.com", true, &mut strict).unwrap();
+        let strict = String::from_utf8(strict).unwrap();
+        assert_eq!(o, Outcome::Invalid);
+        assert!(
+            strict.starts_with("ResourceClaim default/first-gpu: error: spec.devices"),
+            "{strict}"
+        );
+        assert!(
+            strict.ends_with("f.yaml: invalid (1 problem, 1 object checked)\n"),
+            "{strict}"
+        );
     }
 
     #[test]

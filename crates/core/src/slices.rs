@@ -65,6 +65,8 @@ pub mod attr {
     pub const PCIE_ROOT: &str = "resource.kubernetes.io/pcieRoot";
     /// Standard NUMA node attribute.
     pub const NUMA_NODE: &str = "resource.kubernetes.io/numaNode";
+    /// Memory addressing mode (`HMM`, `ATS`, `None`), where NVML reports one.
+    pub const ADDRESSING_MODE: &str = "addressingMode";
 }
 
 /// Capacity names.
@@ -85,6 +87,129 @@ pub mod cap {
     pub const OFA_ENGINES: &str = "ofaEngines";
     /// Prefix of the per-memory-slice capacities of a MIG device (`memorySlice0`...).
     pub const MEMORY_SLICE_PREFIX: &str = "memorySlice";
+}
+
+/// The value type of an attribute, as the API stores it (`string`, `int`, `bool`, `version`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum AttributeType {
+    /// A string of at most [`MAX_STRING_LENGTH`] bytes.
+    String,
+    /// A 64-bit integer.
+    Int,
+    /// A boolean.
+    Bool,
+    /// A semantic version (`semver(...)` in CEL).
+    Version,
+}
+
+impl AttributeType {
+    /// The API's name for the type.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::String => "string",
+            Self::Int => "int",
+            Self::Bool => "bool",
+            Self::Version => "version",
+        }
+    }
+}
+
+/// The two kinds of devices we publish.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum DeviceKind {
+    /// A whole GPU (DeviceClass `gpu.nvidia.com`).
+    Gpu,
+    /// A MIG device (DeviceClass `mig.nvidia.com`).
+    Mig,
+}
+
+impl DeviceKind {
+    /// The value of the `type` attribute.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Gpu => "gpu",
+            Self::Mig => "mig",
+        }
+    }
+}
+
+/// One attribute the renderer may publish.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AttributeSpec {
+    /// The name as published: unqualified (the driver's domain) or `domain/name`.
+    pub name: &'static str,
+    /// Its value type.
+    pub ty: AttributeType,
+    /// The device kinds that carry it.
+    pub kinds: &'static [DeviceKind],
+    /// False when a device may lack it (hardware or platform does not report it).
+    pub always: bool,
+}
+
+/// One capacity the renderer may publish (all capacities are quantities).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CapacitySpec {
+    /// The name, or for a numbered family (`memorySlice0`, `memorySlice1`...) its prefix.
+    pub name: &'static str,
+    /// True for a numbered family.
+    pub numbered: bool,
+    /// The device kinds that carry it.
+    pub kinds: &'static [DeviceKind],
+}
+
+const BOTH: &[DeviceKind] = &[DeviceKind::Gpu, DeviceKind::Mig];
+const MIG: &[DeviceKind] = &[DeviceKind::Mig];
+
+/// Every attribute the renderer publishes, with its type and device kinds: the schema that
+/// selector checks use. The renderer asserts each attribute it writes against this table (in
+/// debug builds) and a test renders every kind of device and compares both ways, so the two
+/// cannot drift.
+#[rustfmt::skip]
+pub const ATTRIBUTES: &[AttributeSpec] = &[
+    AttributeSpec { name: attr::TYPE, ty: AttributeType::String, kinds: BOTH, always: true },
+    AttributeSpec { name: attr::UUID, ty: AttributeType::String, kinds: BOTH, always: true },
+    AttributeSpec { name: attr::PARENT_UUID, ty: AttributeType::String, kinds: MIG, always: true },
+    AttributeSpec { name: attr::PROFILE, ty: AttributeType::String, kinds: MIG, always: true },
+    AttributeSpec { name: attr::PRODUCT_NAME, ty: AttributeType::String, kinds: BOTH, always: true },
+    AttributeSpec { name: attr::BRAND, ty: AttributeType::String, kinds: BOTH, always: true },
+    AttributeSpec { name: attr::ARCHITECTURE, ty: AttributeType::String, kinds: BOTH, always: true },
+    AttributeSpec { name: attr::CUDA_COMPUTE_CAPABILITY, ty: AttributeType::Version, kinds: BOTH, always: true },
+    AttributeSpec { name: attr::DRIVER_VERSION, ty: AttributeType::Version, kinds: BOTH, always: true },
+    AttributeSpec { name: attr::CUDA_DRIVER_VERSION, ty: AttributeType::Version, kinds: BOTH, always: true },
+    AttributeSpec { name: attr::PCI_BUS_ID, ty: AttributeType::String, kinds: BOTH, always: true },
+    AttributeSpec { name: attr::PCIE_ROOT, ty: AttributeType::String, kinds: BOTH, always: false },
+    AttributeSpec { name: attr::NUMA_NODE, ty: AttributeType::Int, kinds: BOTH, always: false },
+    AttributeSpec { name: attr::ADDRESSING_MODE, ty: AttributeType::String, kinds: BOTH, always: false },
+];
+
+/// Every capacity the renderer publishes (see [`ATTRIBUTES`]).
+#[rustfmt::skip]
+pub const CAPACITIES: &[CapacitySpec] = &[
+    CapacitySpec { name: cap::MEMORY, numbered: false, kinds: BOTH },
+    CapacitySpec { name: cap::MULTIPROCESSORS, numbered: false, kinds: MIG },
+    CapacitySpec { name: cap::COPY_ENGINES, numbered: false, kinds: MIG },
+    CapacitySpec { name: cap::DECODERS, numbered: false, kinds: MIG },
+    CapacitySpec { name: cap::ENCODERS, numbered: false, kinds: MIG },
+    CapacitySpec { name: cap::JPEG_ENGINES, numbered: false, kinds: MIG },
+    CapacitySpec { name: cap::OFA_ENGINES, numbered: false, kinds: MIG },
+    CapacitySpec { name: cap::MEMORY_SLICE_PREFIX, numbered: true, kinds: MIG },
+];
+
+/// The schema entry of attribute `name` (as published: unqualified or `domain/name`).
+pub fn attribute_spec(name: &str) -> Option<&'static AttributeSpec> {
+    ATTRIBUTES.iter().find(|a| a.name == name)
+}
+
+/// The schema entry of capacity `name`; `memorySlice7` finds the numbered family.
+pub fn capacity_spec(name: &str) -> Option<&'static CapacitySpec> {
+    CAPACITIES.iter().find(|c| {
+        if c.numbered {
+            name.strip_prefix(c.name)
+                .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+        } else {
+            c.name == name
+        }
+    })
 }
 
 /// Inputs besides the inventory.
@@ -201,8 +326,13 @@ fn render_device(
     warnings: &mut Vec<RenderWarning>,
 ) -> Device {
     let name = device.name();
+    let kind = match device {
+        DeviceRef::Gpu(_) => DeviceKind::Gpu,
+        DeviceRef::Mig { .. } => DeviceKind::Mig,
+    };
     let mut b = DeviceBuilder {
         name: &name,
+        kind,
         attributes: BTreeMap::new(),
         capacity: BTreeMap::new(),
         warnings,
@@ -210,12 +340,12 @@ fn render_device(
     let gpu = device.gpu();
     match device {
         DeviceRef::Gpu(gpu) => {
-            b.string(attr::TYPE, "gpu");
+            b.string(attr::TYPE, DeviceKind::Gpu.as_str());
             b.string(attr::UUID, &gpu.uuid);
             b.capacity(cap::MEMORY, gpu.memory_bytes);
         }
         DeviceRef::Mig { parent, mig } => {
-            b.string(attr::TYPE, "mig");
+            b.string(attr::TYPE, DeviceKind::Mig.as_str());
             b.string(attr::UUID, &mig.uuid);
             b.string(attr::PARENT_UUID, &parent.uuid);
             b.string(attr::PROFILE, &mig.profile);
@@ -269,13 +399,10 @@ fn product_attributes(b: &mut DeviceBuilder<'_>, inventory: &Inventory, gpu: &Gp
         b.string(attr::PCIE_ROOT, root);
     }
     if let Some(numa) = gpu.numa_node {
-        b.attributes.insert(
-            attr::NUMA_NODE.to_string(),
-            DeviceAttribute {
-                int: Some(numa),
-                ..DeviceAttribute::default()
-            },
-        );
+        b.int(attr::NUMA_NODE, numa);
+    }
+    if let Some(mode) = &gpu.addressing_mode {
+        b.string(attr::ADDRESSING_MODE, mode);
     }
 }
 
@@ -318,6 +445,7 @@ fn enforce_entry_limit(
 
 struct DeviceBuilder<'a> {
     name: &'a str,
+    kind: DeviceKind,
     attributes: BTreeMap<String, DeviceAttribute>,
     capacity: BTreeMap<String, DeviceCapacity>,
     warnings: &'a mut Vec<RenderWarning>,
@@ -332,7 +460,29 @@ impl DeviceBuilder<'_> {
         });
     }
 
+    /// Every attribute written goes through here: it must be in [`ATTRIBUTES`] with this type
+    /// for this kind of device.
+    fn check_attribute(&self, key: &str, ty: AttributeType) {
+        debug_assert!(
+            attribute_spec(key).is_some_and(|a| a.ty == ty && a.kinds.contains(&self.kind)),
+            "attribute {key} ({ty:?}) on a {:?} device is not in slices::ATTRIBUTES",
+            self.kind
+        );
+    }
+
+    fn int(&mut self, key: &str, value: i64) {
+        self.check_attribute(key, AttributeType::Int);
+        self.attributes.insert(
+            key.to_string(),
+            DeviceAttribute {
+                int: Some(value),
+                ..DeviceAttribute::default()
+            },
+        );
+    }
+
     fn string(&mut self, key: &str, value: &str) {
+        self.check_attribute(key, AttributeType::String);
         if value.len() > MAX_STRING_LENGTH {
             self.warn(
                 key,
@@ -353,6 +503,7 @@ impl DeviceBuilder<'_> {
     }
 
     fn version(&mut self, key: &str, value: &str) {
+        self.check_attribute(key, AttributeType::Version);
         match semver_normalize(value) {
             Some(v) if v.len() <= MAX_STRING_LENGTH => {
                 self.attributes.insert(
@@ -371,6 +522,11 @@ impl DeviceBuilder<'_> {
     }
 
     fn capacity(&mut self, key: &str, value: u64) {
+        debug_assert!(
+            capacity_spec(key).is_some_and(|c| c.kinds.contains(&self.kind)),
+            "capacity {key} on a {:?} device is not in slices::CAPACITIES",
+            self.kind
+        );
         self.capacity.insert(
             key.to_string(),
             DeviceCapacity {
@@ -460,6 +616,118 @@ mod tests {
     }
     fn capacity<'a>(d: &'a Device, k: &str) -> Option<&'a str> {
         Some(d.capacity.as_ref()?.get(k)?.value.0.as_str())
+    }
+
+    /// Devices of every kind with every optional field set: a whole GPU, MIG devices of two
+    /// profiles, and a GPU without the optional topology attributes.
+    fn representative() -> Inventory {
+        inventory([
+            a100(0).addressing_mode(Some("HMM")).build(),
+            a100(1)
+                .addressing_mode(Some("ATS"))
+                .migs([
+                    MigBuilder::new("1g.5gb", 19, 0, 1),
+                    MigBuilder::new("3g.20gb", 9, 4, 4),
+                ])
+                .build(),
+            gpu_dra_device::testing::t4(2)
+                .pcie_root(None)
+                .numa_node(None)
+                .build(),
+        ])
+    }
+
+    #[test]
+    fn the_renderer_publishes_exactly_the_schema() {
+        let inv = representative();
+        let (devices, warnings) = render_devices(&inv);
+        assert!(warnings.is_empty(), "{warnings:?}");
+        let mut seen_attrs = std::collections::BTreeSet::new();
+        let mut seen_caps = std::collections::BTreeSet::new();
+        for d in &devices {
+            let kind = match attr_str(d, attr::TYPE) {
+                Some("gpu") => DeviceKind::Gpu,
+                Some("mig") => DeviceKind::Mig,
+                other => panic!("{}: type {other:?}", d.name),
+            };
+            for (name, value) in d.attributes.iter().flatten() {
+                let spec = attribute_spec(name)
+                    .unwrap_or_else(|| panic!("{}: attribute {name} not in ATTRIBUTES", d.name));
+                let ty = match value {
+                    DeviceAttribute {
+                        string: Some(_), ..
+                    } => AttributeType::String,
+                    DeviceAttribute { int: Some(_), .. } => AttributeType::Int,
+                    DeviceAttribute { bool: Some(_), .. } => AttributeType::Bool,
+                    DeviceAttribute {
+                        version: Some(_), ..
+                    } => AttributeType::Version,
+                    _ => panic!("{}: attribute {name} has no value", d.name),
+                };
+                assert_eq!(spec.ty, ty, "{}: {name}", d.name);
+                assert!(spec.kinds.contains(&kind), "{}: {name} on {kind:?}", d.name);
+                seen_attrs.insert((spec.name, kind));
+            }
+            for name in d.capacity.iter().flatten().map(|(n, _)| n) {
+                let spec = capacity_spec(name)
+                    .unwrap_or_else(|| panic!("{}: capacity {name} not in CAPACITIES", d.name));
+                assert!(spec.kinds.contains(&kind), "{}: {name} on {kind:?}", d.name);
+                seen_caps.insert((spec.name, kind));
+            }
+            // Attributes marked `always` are on every device of their kinds.
+            for spec in ATTRIBUTES
+                .iter()
+                .filter(|a| a.always && a.kinds.contains(&kind))
+            {
+                assert!(
+                    d.attributes
+                        .as_ref()
+                        .is_some_and(|a| a.contains_key(spec.name)),
+                    "{}: lacks {}",
+                    d.name,
+                    spec.name
+                );
+            }
+        }
+        // And every schema entry is rendered for every kind it names: no stale entries.
+        for spec in ATTRIBUTES {
+            for kind in spec.kinds {
+                assert!(
+                    seen_attrs.contains(&(spec.name, *kind)),
+                    "{} on {kind:?} never rendered",
+                    spec.name
+                );
+            }
+        }
+        for spec in CAPACITIES {
+            for kind in spec.kinds {
+                assert!(
+                    seen_caps.contains(&(spec.name, *kind)),
+                    "{} on {kind:?} never rendered",
+                    spec.name
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn addressing_mode_is_published_on_gpus_and_their_mig_devices_when_known() {
+        let (devices, _) = render_devices(&representative());
+        let mode = |name: &str| {
+            let d = devices.iter().find(|d| d.name == name).unwrap();
+            attr_str(d, attr::ADDRESSING_MODE).map(str::to_owned)
+        };
+        assert_eq!(mode("gpu-0").as_deref(), Some("HMM"));
+        assert_eq!(mode("gpu-1-mig-1g5gb-19-0").as_deref(), Some("ATS"));
+        assert_eq!(mode("gpu-2"), None);
+    }
+
+    #[test]
+    fn capacity_families_match_by_number_only() {
+        assert!(capacity_spec("memorySlice7").is_some());
+        assert!(capacity_spec("memorySlice").is_none());
+        assert!(capacity_spec("memorySliceX").is_none());
+        assert!(capacity_spec("memory").is_some());
     }
 
     #[test]

@@ -1,6 +1,6 @@
 //! The layering rule, kept by Cargo and checked here: the pure crates (`gpu-dra-api`,
-//! `gpu-dra-device`, `gpu-dra-core`) link no hardware library, no async runtime and no
-//! Kubernetes or gRPC client. A dependency that pulls one in fails this test, with the path
+//! `gpu-dra-device`, `gpu-dra-core`, `gpu-dra-selectors`) link no hardware library, no async
+//! runtime and no Kubernetes or gRPC client. A dependency that pulls one in fails this test, with the path
 //! through which it came.
 
 use std::process::Command;
@@ -53,7 +53,12 @@ fn normal_dependencies(package: &str) -> Vec<String> {
 
 #[test]
 fn pure_crates_link_no_io() {
-    for package in ["gpu-dra-api", "gpu-dra-device", "gpu-dra-core"] {
+    for package in [
+        "gpu-dra-api",
+        "gpu-dra-device",
+        "gpu-dra-core",
+        "gpu-dra-selectors",
+    ] {
         let deps = normal_dependencies(package);
         assert!(
             deps.iter().any(|d| d == package),

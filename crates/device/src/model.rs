@@ -46,6 +46,11 @@ pub struct Gpu {
     pub pcie_root: Option<String>,
     /// NUMA node, when the platform reports one (sysfs `-1` means none).
     pub numa_node: Option<i64>,
+    /// Memory addressing mode as NVML names it (`HMM`, `ATS` or `None` on coherent-memory
+    /// platforms that support it but have it off); `None` where the platform does not report
+    /// one. Published as the `addressingMode` attribute of the GPU and its MIG devices.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub addressing_mode: Option<String>,
     /// MIG mode, `None` when the GPU is not MIG capable.
     pub mig: Option<MigMode>,
     /// MIG devices that currently exist on this GPU (empty unless MIG is enabled).

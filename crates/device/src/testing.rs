@@ -56,6 +56,7 @@ fn base(minor: u32, product: &str, architecture: &str, cc: (u32, u32), memory: u
         pci_bus_id: format!("0000:{:02x}:00.0", (minor + 7) % 256),
         pcie_root: Some("pci0000:00".into()),
         numa_node: Some(0),
+        addressing_mode: None,
         mig: None,
         mig_devices: Vec::new(),
     }
@@ -146,6 +147,12 @@ impl GpuBuilder {
             current: false,
             pending: false,
         });
+        self
+    }
+
+    /// Sets the memory addressing mode NVML reports (`HMM`, `ATS`, `None`).
+    pub fn addressing_mode(mut self, mode: Option<&str>) -> Self {
+        self.gpu.addressing_mode = mode.map(str::to_owned);
         self
     }
 

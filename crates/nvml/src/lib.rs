@@ -221,6 +221,8 @@ impl NvmlInventory {
             pci_bus_id,
             pcie_root,
             numa_node,
+            // nvmlDeviceGetAddressingMode is not queried yet (docs/STATUS.md).
+            addressing_mode: None,
             mig,
             mig_devices: Vec::new(),
         };

@@ -741,7 +741,7 @@ fn node_restriction_policy_keeps_each_plugin_to_its_node() {
 }
 
 #[test]
-fn webhook_is_sent_only_objects_with_configs_for_our_driver() {
+fn webhook_is_sent_only_objects_with_configs_or_selectors_for_our_driver() {
     let Some(helm) = helm() else { return };
     let objects = render(&helm, &[]);
     let vwc = find(
@@ -801,6 +801,35 @@ fn webhook_is_sent_only_objects_with_configs_for_our_driver() {
         );
     }
 
+    // Selectors on our DeviceClasses are linted (warnings only); other classes' are not sent.
+    let selecting = |class: &str| {
+        serde_json::json!({"spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
+            "deviceClassName": class,
+            "selectors": [{"cel": {"expression": "device.attributes['gpu.nvidia.com'].index == 0"}}]}}]}}})
+    };
+    assert!(sent(
+        &claims,
+        "CREATE",
+        selecting("gpu.nvidia.com"),
+        null.clone()
+    ));
+    assert!(sent(
+        &claims,
+        "CREATE",
+        selecting("mig.nvidia.com"),
+        null.clone()
+    ));
+    assert!(!sent(
+        &claims,
+        "CREATE",
+        selecting("example.com"),
+        null.clone()
+    ));
+    let first_available = serde_json::json!({"spec": {"devices": {"requests": [{"name": "gpu",
+        "firstAvailable": [{"name": "a", "deviceClassName": "mig.nvidia.com",
+            "selectors": [{"cel": {"expression": "true"}}]}]}]}}});
+    assert!(sent(&claims, "CREATE", first_available, null.clone()));
+
     let templates = hook("resourceclaimtemplates");
     let template = |d: Value| serde_json::json!({"spec": {"spec": {"devices": d}}});
     assert!(sent(
@@ -842,6 +871,22 @@ fn webhook_is_sent_only_objects_with_configs_for_our_driver() {
         &classes,
         "CREATE",
         serde_json::json!({"spec": {"selectors": []}}),
+        null.clone()
+    ));
+    let naming = |driver: &str| {
+        serde_json::json!({"spec": {"selectors": [{"cel": {"expression":
+        format!("device.driver == '{driver}' && device.attributes['{driver}'].index == 0")}}]}})
+    };
+    assert!(sent(
+        &classes,
+        "CREATE",
+        naming("gpu.nvidia.com"),
+        null.clone()
+    ));
+    assert!(!sent(
+        &classes,
+        "CREATE",
+        naming("example.com"),
         null.clone()
     ));
     // UPDATE: only when the spec changed; a label edit is not reviewed.

@@ -3,7 +3,8 @@
 //! - each scenario folder has a README naming the devices it needs and YAML manifests whose
 //!   `resource.k8s.io` objects are all `v1`; every object passes `check_object` with no error,
 //!   no unknown request and no warning, and the webhook allows it without a warning; pods'
-//!   claim references resolve inside the folder; every CEL selector parses;
+//!   claim references resolve inside the folder; every CEL selector parses and the selector
+//!   lint finds nothing in it;
 //! - each `examples/invalid/<name>.yaml` fails with exactly the lines of
 //!   `<name>.expected.txt` (errors, then unknown requests; `UPDATE_GENERATED=1` rewrites them
 //!   for review);
@@ -130,6 +131,8 @@ fn valid_examples_pass() {
                 report.is_ok() && report.warnings.is_empty(),
                 "{label}: {report:?}"
             );
+            let lint = gpu_dra_selectors::lint_object(doc, DRIVER);
+            assert!(lint.is_empty(), "{label}: selector lint says {lint:?}");
             let findings = validation::check(doc, DRIVER);
             assert!(
                 findings.problems.is_empty() && findings.warnings.is_empty(),
@@ -237,8 +240,8 @@ fn gpu_dra_validate_agrees() {
         for file in yaml_files(&dir) {
             let text = std::fs::read_to_string(&file).expect("example is readable UTF-8");
             let mut out = Vec::new();
-            let outcome =
-                gpu_dra_cli::validate_text("f", &text, DRIVER, &mut out).expect("in-memory output");
+            let outcome = gpu_dra_cli::validate_text("f", &text, DRIVER, true, &mut out)
+                .expect("in-memory output");
             let out = String::from_utf8(out).expect("UTF-8 report");
             if invalid {
                 assert_eq!(

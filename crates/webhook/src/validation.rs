@@ -5,9 +5,13 @@
 //! webhook, the node plugin and the CLI always agree. Policy choices made here:
 //! - report errors deny the object;
 //! - a config naming a request the object does not have is only a warning: legal to store
-//!   (the config then applies to nothing), but almost certainly a typo.
+//!   (the config then applies to nothing), but almost certainly a typo;
+//! - CEL selector findings of [`gpu_dra_selectors::lint_object`] are only warnings, never a
+//!   refusal: a selector may legitimately read another driver's attributes, and the lint
+//!   infers types without a checker. Info-level findings carry an `info: ` prefix.
 
 use gpu_dra_api::objects::{check_object, object_label};
+use gpu_dra_selectors::Severity;
 use serde_json::Value;
 
 use crate::admission::{Findings, Problem};
@@ -17,6 +21,14 @@ pub fn check(object: &Value, driver: &str) -> Findings {
     let report = check_object(object, driver);
     let mut warnings = report.warnings;
     warnings.extend(report.unknown_requests.iter().map(ToString::to_string));
+    warnings.extend(
+        gpu_dra_selectors::lint_object(object, driver)
+            .into_iter()
+            .map(|f| match f.severity {
+                Severity::Warning => f.to_string(),
+                Severity::Info => format!("info: {f}"),
+            }),
+    );
     let label = if report.errors.is_empty() {
         String::new()
     } else {
@@ -69,6 +81,34 @@ mod tests {
         assert_eq!(
             f.problems[0].path,
             "spec.devices.config[0].opaque.parameters.sharing.mpsConfig.defaultActiveThreadPercentage"
+        );
+    }
+
+    #[test]
+    fn selectors_our_devices_cannot_match_only_warn_with_a_hint() {
+        let mut obj = claim(json!({"opaque": {"driver": "example.com", "parameters": {}}}));
+        obj["spec"]["devices"]["requests"][0]["exactly"]["selectors"] = json!([{"cel": {"expression": "device.attributes['gpu.nvidia.com'].index == 0"}},
+                   {"cel": {"expression": "device.attributes['example.com'].model == 'x'"}}]);
+        let f = check(&obj, "gpu.nvidia.com");
+        assert!(f.problems.is_empty(), "{f:?}");
+        assert_eq!(f.warnings.len(), 2, "{f:?}");
+        assert!(
+            f.warnings[0].starts_with(
+                "spec.devices.requests[0].exactly.selectors[0].cel.expression: \
+                 `device.attributes['gpu.nvidia.com'].index`: attribute \"index\" is not published"
+            ),
+            "{:?}",
+            f.warnings
+        );
+        assert!(
+            f.warnings[0].contains("set `count` on the request"),
+            "{:?}",
+            f.warnings
+        );
+        assert!(
+            f.warnings[1].starts_with("info: spec.devices.requests[0].exactly.selectors[1]"),
+            "{:?}",
+            f.warnings
         );
     }
 
