@@ -35,7 +35,7 @@ test: unit chart-check e2e ## everything CI checks: lint, Rust tests, the Helm c
 E2E_TIMEOUT ?= 45m
 # The root filesystem every e2e container runs on (no registry is reachable to pull images).
 TEST_IMAGE := $(TOOLS)/test-image
-E2E_ENV = E2E_REPO_ROOT=$(CURDIR) E2E_BIN_DIR=$(CURDIR)/target/debug E2E_TEST_IMAGE=$(TEST_IMAGE)/rootfs
+E2E_ENV = E2E_REPO_ROOT=$(CURDIR) E2E_BIN_DIR=$(CURDIR)/target/debug E2E_TEST_IMAGE=$(TEST_IMAGE)/rootfs E2E_IMAGE_ROOTFS=$(IMAGE_ROOTFS)
 
 e2e-tools: $(HELM) ## helm from the Go module proxy into .tools/bin (renders the chart for e2e and demo)
 
@@ -56,7 +56,7 @@ e2e-runtime: ## runc and a static busybox (Debian packages), installed when miss
 e2e-image: e2e-bins e2e-runtime ## the e2e test image: busybox, glibc for the simulator's tools, an ld cache
 	bash e2e/testimage/build.sh $(TEST_IMAGE) target/debug/nvidia-smi target/debug/libnvidia_ml.so
 
-e2e: e2e-bins e2e-tools e2e-image ## end-to-end tests against the in-process control plane
+e2e: e2e-bins e2e-tools e2e-image image-rootfs ## end-to-end tests against the in-process control plane
 	cd e2e && $(E2E_ENV) $(GO) test -count=1 -timeout $(E2E_TIMEOUT) ./...
 
 demo: e2e-bins e2e-tools e2e-image ## local cluster with an A100 and a T4 node, a short tour, then up for kubectl until Ctrl-C
