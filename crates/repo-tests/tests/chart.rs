@@ -385,8 +385,7 @@ fn workloads_run_as_the_users_they_need() {
     assert_eq!(plugin["runAsNonRoot"], false, "{plugin}");
     assert_eq!(plugin["privileged"], true, "{plugin}");
     assert!(
-        pod["securityContext"]["runAsUser"].is_null()
-            || pod["securityContext"]["runAsUser"] == 0,
+        pod["securityContext"]["runAsUser"].is_null() || pod["securityContext"]["runAsUser"] == 0,
         "a pod-level user must not contradict the container's: {}",
         pod["securityContext"]
     );
@@ -394,7 +393,11 @@ fn workloads_run_as_the_users_they_need() {
     let deploy = find(&objects, "Deployment", "rel-gpu-dra-driver-webhook");
     let pod = &deploy["spec"]["template"]["spec"];
     let user = pod["securityContext"]["runAsUser"].as_u64();
-    assert!(matches!(user, Some(u) if u > 0), "{}", pod["securityContext"]);
+    assert!(
+        matches!(user, Some(u) if u > 0),
+        "{}",
+        pod["securityContext"]
+    );
     assert_eq!(pod["securityContext"]["runAsNonRoot"], true);
     let webhook = &pod["containers"][0]["securityContext"];
     assert!(
