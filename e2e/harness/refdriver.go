@@ -2,9 +2,11 @@ package harness
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"os"
 	"path/filepath"
+	"strings"
 	"sync"
 
 	resourceapi "k8s.io/api/resource/v1"
@@ -16,12 +18,16 @@ import (
 // RefDriver is a minimal DRA driver built on the upstream Go helper
 // (k8s.io/dynamic-resource-allocation/kubeletplugin), running in this
 // process. It proves the harness independently of our plugin and gives the
-// scale benchmark a baseline. It writes no CDI specs: its CDI IDs are
-// "<driver>/dev=<claim uid>-<device>".
+// scale benchmark a baseline. Like any driver whose containers start, it
+// writes a CDI spec per claim into the node's CDI root (kind "<driver>/dev",
+// devices "<claim uid>-<device>", each setting REF_DEVICE=<device> in the
+// container) and removes it on unprepare.
 type RefDriver struct {
 	// Driver is its driver name.
 	Driver string
 	helper *kubeletplugin.Helper
+	// cdiRoot is the node's CDI spec directory.
+	cdiRoot string
 
 	mu         sync.Mutex
 	prepared   map[types.UID]bool
@@ -36,7 +42,7 @@ func (n *Node) StartRefDriver(ctx context.Context, driver string, gpus int) (*Re
 	if err := os.MkdirAll(dir, 0o750); err != nil {
 		return nil, err
 	}
-	d := &RefDriver{Driver: driver, prepared: map[types.UID]bool{}, unprepared: map[types.UID]bool{}}
+	d := &RefDriver{Driver: driver, cdiRoot: n.CDIRoot, prepared: map[types.UID]bool{}, unprepared: map[types.UID]bool{}}
 	h, err := kubeletplugin.Start(ctx, d,
 		kubeletplugin.KubeClient(n.cluster.Client),
 		kubeletplugin.NodeName(n.Name),
@@ -94,14 +100,24 @@ func (d *RefDriver) PrepareResourceClaims(_ context.Context, claims []*resourcea
 	out := map[types.UID]kubeletplugin.PrepareResult{}
 	for _, c := range claims {
 		var devs []kubeletplugin.Device
+		var specDevices []map[string]any
 		for _, r := range c.Status.Allocation.Devices.Results {
 			if r.Driver != d.Driver {
 				continue
 			}
+			name := string(c.UID) + "-" + r.Device
 			devs = append(devs, kubeletplugin.Device{
 				Requests: []string{r.Request}, PoolName: r.Pool, DeviceName: r.Device,
-				CDIDeviceIDs: []string{d.Driver + "/dev=" + string(c.UID) + "-" + r.Device},
+				CDIDeviceIDs: []string{d.Driver + "/dev=" + name},
 			})
+			specDevices = append(specDevices, map[string]any{
+				"name":           name,
+				"containerEdits": map[string]any{"env": []string{"REF_DEVICE=" + r.Device}},
+			})
+		}
+		if err := d.writeSpec(c.UID, specDevices); err != nil {
+			out[c.UID] = kubeletplugin.PrepareResult{Err: err}
+			continue
 		}
 		d.prepared[c.UID] = true
 		delete(d.unprepared, c.UID)
@@ -116,10 +132,40 @@ func (d *RefDriver) UnprepareResourceClaims(_ context.Context, claims []kubeletp
 	defer d.mu.Unlock()
 	out := map[types.UID]error{}
 	for _, c := range claims {
+		err := os.Remove(d.specPath(c.UID))
+		if err != nil && !os.IsNotExist(err) {
+			out[c.UID] = err
+			continue
+		}
 		d.unprepared[c.UID] = true
 		out[c.UID] = nil
 	}
 	return out, nil
+}
+
+func (d *RefDriver) specPath(uid types.UID) string {
+	return filepath.Join(d.cdiRoot, strings.ReplaceAll(d.Driver, "/", "_")+"-ref_"+string(uid)+".json")
+}
+
+// writeSpec writes the claim's CDI spec atomically (temp file, rename).
+func (d *RefDriver) writeSpec(uid types.UID, devices []map[string]any) error {
+	if len(devices) == 0 {
+		return nil
+	}
+	spec, err := json.Marshal(map[string]any{
+		"cdiVersion": "0.6.0",
+		"kind":       d.Driver + "/dev",
+		"devices":    devices,
+	})
+	if err != nil {
+		return err
+	}
+	path := d.specPath(uid)
+	tmp := filepath.Join(d.cdiRoot, "."+filepath.Base(path)+".tmp")
+	if err := os.WriteFile(tmp, spec, 0o644); err != nil {
+		return err
+	}
+	return os.Rename(tmp, path)
 }
 
 // HandleError implements kubeletplugin.DRAPlugin: background errors (slice
