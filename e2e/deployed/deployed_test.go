@@ -118,17 +118,19 @@ func envOf(d *harness.DaemonPod, key string) string {
 	return ""
 }
 
-// TestHelmLifecycle: install, a whole-GPU pod, `helm upgrade` with another
-// log level rolls the plugin on the node while the pod keeps running, the
-// new plugin unprepares the pod's claim, `helm uninstall` removes what the
-// chart installed. The driver is containerized (GPU Operator layout), where
-// our CDI specs' paths are host paths.
+// TestHelmLifecycle: install on two nodes, a whole-GPU pod, `helm upgrade`
+// with another log level rolls the plugin on each node while the pod keeps
+// running, the new plugin unprepares the pod's claim, `helm uninstall`
+// removes what the chart installed. The driver is containerized (GPU
+// Operator layout), where our CDI specs' paths are host paths.
 func TestHelmLifecycle(t *testing.T) {
 	ctx := context.Background()
 	layout := harness.LayoutContainerDriver
 	n := addNode(t, "node-operator", layout, "t4")
+	other := addNode(t, "node-operator-2", layout, "t4")
 	install(t, layout.HelmValues()...)
 	first := waitPlugin(ctx, t, n, "")
+	otherFirst := waitPlugin(ctx, t, other, "")
 
 	// The container is the chart's DaemonSet pod: root, privileged, the
 	// kubelet's folders of the node bind-mounted at their host paths.
@@ -148,6 +150,15 @@ func TestHelmLifecycle(t *testing.T) {
 	if got := mounts["/var/run/secrets/kubernetes.io/serviceaccount"]; got == "" {
 		t.Errorf("no service-account token mounted: %v", mounts)
 	}
+	// Its own network namespace (no hostNetwork in the chart): both nodes'
+	// plugins serve the chart's HTTP port.
+	ownNet := false
+	for _, ns := range spec.Linux.Namespaces {
+		ownNet = ownNet || (ns.Type == "network" && ns.Path != "")
+	}
+	if !ownNet {
+		t.Errorf("plugin container without its pod's network namespace: %v", spec.Linux.Namespaces)
+	}
 
 	pod := gpuPod(ctx, t, "lifecycle", "gpu", n.Name)
 	if _, err := cluster.WaitPodRunning(ctx, pod.Namespace, pod.Name, 90*time.Second); err != nil {
@@ -163,6 +174,10 @@ func TestHelmLifecycle(t *testing.T) {
 		t.Fatal(err)
 	}
 	second := waitPlugin(ctx, t, n, first.Pod.UID)
+	otherSecond := waitPlugin(ctx, t, other, otherFirst.Pod.UID)
+	if got := envOf(otherSecond, "LOG_LEVEL"); got != "debug" {
+		t.Errorf("after the upgrade the plugin on %s runs with LOG_LEVEL=%q, want debug", other.Name, got)
+	}
 	if got := envOf(second, "LOG_LEVEL"); got != "debug" {
 		t.Errorf("after the upgrade the plugin runs with LOG_LEVEL=%q, want debug", got)
 	}
@@ -194,11 +209,11 @@ func TestHelmLifecycle(t *testing.T) {
 	}
 	err = wait.PollUntilContextTimeout(ctx, 200*time.Millisecond, 60*time.Second, true, func(ctx context.Context) (bool, error) {
 		left, err := installedObjects(ctx)
-		return err == nil && len(left) == 0 && len(n.DaemonPods()) == 0, nil
+		return err == nil && len(left) == 0 && len(n.DaemonPods())+len(other.DaemonPods()) == 0, nil
 	})
 	if err != nil {
 		left, _ := installedObjects(ctx)
-		t.Errorf("after helm uninstall: %v left, %d plugin pods on the node", left, len(n.DaemonPods()))
+		t.Errorf("after helm uninstall: %v left, %d plugin pods on the nodes", left, len(n.DaemonPods())+len(other.DaemonPods()))
 	}
 }
 

@@ -15,10 +15,12 @@ package harness
 // node); a container that exits is started again (restartPolicy Always); a
 // DaemonSet that goes takes its pods with it.
 //
-// What is simplified: the container shares this machine's network namespace
-// (the pod network here is the host's loopback, where the API server
-// listens; KUBERNETES_SERVICE_HOST/PORT name it as the kubelet names the
-// `kubernetes` Service); probes, resources, tolerations and affinity are not
+// Unless the pod asks for hostNetwork, it gets its own network namespace
+// (podnet.go) where the API server is forwarded to the address that
+// KUBERNETES_SERVICE_HOST/PORT name, as kube-proxy forwards the `kubernetes`
+// Service.
+//
+// What is simplified: probes, resources, tolerations and affinity are not
 // evaluated; one container per pod, no init containers. The node's kernel is
 // simulated: the simulated sysfs is the container's /sys, and the
 // simulator's state folder (which stands for the kernel driver) is writable
@@ -110,6 +112,7 @@ type DaemonPod struct {
 	container *Container
 	restarts  int
 	spec      *rspec.Spec
+	network   *podNetwork // nil with hostNetwork
 }
 
 // Container is the pod's current container.
@@ -299,10 +302,24 @@ func (s *daemonSets) start(ctx context.Context, ds *appsv1.DaemonSet) (*DaemonPo
 		LogPath: filepath.Join(n.Dir, "logs", fmt.Sprintf("%s_%s_%s", created.Namespace, created.Name, created.UID), "daemon.log"),
 	}
 	fail := func(err error) (*DaemonPod, error) {
+		if d.network != nil {
+			d.network.close()
+		}
 		_ = c.Client.CoreV1().Pods(created.Namespace).Delete(context.WithoutCancel(ctx), created.Name, metav1.DeleteOptions{GracePeriodSeconds: new(int64)})
 		return nil, err
 	}
-	spec, err := s.ociSpec(ctx, created)
+	api, err := url.Parse(c.Host)
+	if err != nil {
+		return fail(err)
+	}
+	netns := ""
+	if !created.Spec.HostNetwork {
+		if d.network, err = newPodNetwork(api.Host); err != nil {
+			return fail(fmt.Errorf("pod %s/%s network: %w", created.Namespace, created.Name, err))
+		}
+		netns = d.network.path()
+	}
+	spec, err := s.ociSpec(ctx, created, netns)
 	if err != nil {
 		return fail(fmt.Errorf("pod %s/%s: %w", created.Namespace, created.Name, err))
 	}
@@ -367,19 +384,20 @@ func (s *daemonSets) restartIfExited(ctx context.Context, d *DaemonPod) {
 }
 
 // kill stops the pod's container: SIGTERM, then SIGKILL after the grace
-// period (10 s here), then deletes it.
+// period (10 s here), then deletes it and the pod's network.
 func (s *daemonSets) kill(d *DaemonPod) {
-	ctr := d.Container()
-	if ctr == nil {
-		return
+	if ctr := d.Container(); ctr != nil {
+		r := s.n.runtime
+		_ = runcCmd(r, "kill", ctr.ID, "TERM").Run()
+		select {
+		case <-ctr.done:
+		case <-time.After(10 * time.Second):
+		}
+		r.kill(ctr)
 	}
-	r := s.n.runtime
-	_ = runcCmd(r, "kill", ctr.ID, "TERM").Run()
-	select {
-	case <-ctr.done:
-	case <-time.After(10 * time.Second):
+	if d.network != nil {
+		d.network.close()
 	}
-	r.kill(ctr)
 }
 
 // Kill kills the pod's container with SIGKILL, as a crash; the node starts it
@@ -450,7 +468,7 @@ var defaultCapabilities = []string{"CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FSETID"
 
 // ociSpec translates the pod (as stored by the API server, admission
 // defaults included) into the OCI spec of its container.
-func (s *daemonSets) ociSpec(ctx context.Context, pod *v1.Pod) (*rspec.Spec, error) {
+func (s *daemonSets) ociSpec(ctx context.Context, pod *v1.Pod, netns string) (*rspec.Spec, error) {
 	n, c := s.n, s.n.cluster
 	if len(pod.Spec.Containers) != 1 || len(pod.Spec.InitContainers) > 0 {
 		return nil, fmt.Errorf("the harness runs DaemonSet pods with exactly one container and no init containers")
@@ -619,6 +637,9 @@ func (s *daemonSets) ociSpec(ctx context.Context, pod *v1.Pod) (*rspec.Spec, err
 	mounts = append(mounts, rspec.Mount{Destination: SimStateMount, Type: "bind", Source: stateDir, Options: []string{"rbind", "rw"}})
 
 	namespaces := []rspec.LinuxNamespace{{Type: rspec.UTSNamespace}, {Type: rspec.MountNamespace}}
+	if netns != "" {
+		namespaces = append(namespaces, rspec.LinuxNamespace{Type: rspec.NetworkNamespace, Path: netns})
+	}
 	if !pod.Spec.HostPID {
 		namespaces = append(namespaces, rspec.LinuxNamespace{Type: rspec.PIDNamespace})
 	}
