@@ -37,7 +37,7 @@ E2E_TIMEOUT ?= 45m
 TEST_IMAGE := $(TOOLS)/test-image
 E2E_ENV = E2E_REPO_ROOT=$(CURDIR) E2E_BIN_DIR=$(CURDIR)/target/debug E2E_TEST_IMAGE=$(TEST_IMAGE)/rootfs E2E_IMAGE_ROOTFS=$(IMAGE_ROOTFS)
 
-e2e-tools: $(HELM) ## helm from the Go module proxy into .tools/bin (renders the chart for e2e and demo)
+e2e-tools: $(HELM) ## helm from the Go module proxy into .tools/bin (e2e and demo install the chart with it)
 
 e2e-kubectl: ## optional: kubectl of the pinned Kubernetes release into .tools/bin
 	cd e2e && GOBIN=$(TOOLS)/bin $(GO) install k8s.io/kubernetes/cmd/kubectl
