@@ -1,16 +1,24 @@
-# Image of the driver: the node plugin and the admission webhook in one small image.
+# Image of the driver: the node plugin, the admission webhook and the CLI in one small image.
 #   docker build -t gpu-dra-driver .
-# Build stage: the pinned toolchain (rust-toolchain.toml) and the locked dependencies.
+# The build stage runs the same recipe as `make image-rootfs` (deploy/image/build-rootfs.sh),
+# which the e2e suite runs the node plugin on: what e2e runs is what users run.
+FROM golang:1.26-bookworm AS go
+
+# Build stage: the pinned Rust toolchain (rust-toolchain.toml), the locked dependencies, and Go
+# for NVIDIA's nvidia-cdi-hook (built from its Go module by `make toolkit`).
 FROM rust:1.95-bookworm AS build
+COPY --from=go /usr/local/go /usr/local/go
+ENV PATH=/usr/local/go/bin:$PATH
 WORKDIR /src
 COPY . .
-RUN cargo build --release --locked -p gpu-dra-kubelet-plugin -p gpu-dra-webhook -p gpu-dra-cli \
- && mkdir -p /out \
- && cp target/release/gpu-kubelet-plugin target/release/gpu-dra-webhook target/release/gpu-dra /out/
+RUN make image-rootfs IMAGE_PROFILE=release
 
-# Runtime: glibc and CA certificates only, no shell, no package manager.
-FROM gcr.io/distroless/cc-debian12:nonroot
-COPY --from=build /out/ /usr/local/bin/
-# The webhook runs as the image's nonroot user; the chart runs the node plugin privileged.
+# Runtime: the assembled rootfs (binaries, glibc, CA certificates, nvidia-cdi-hook) on an empty
+# base: no shell, no package manager.
+FROM scratch
+COPY --from=build /src/target/image-rootfs/ /
+# Unprivileged by default. The chart states each workload's user explicitly: the webhook runs
+# as 65532 (runAsNonRoot), the node plugin as root (runAsUser 0, privileged): it creates its
+# sockets in the kubelet's root-owned folders and manages device state.
 USER 65532:65532
 ENTRYPOINT ["/usr/local/bin/gpu-dra-webhook"]

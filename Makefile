@@ -8,7 +8,7 @@ TOOLS := $(CURDIR)/.tools
 HELM_VERSION ?= v3.22.0
 HELM := $(TOOLS)/bin/helm
 
-.PHONY: help build release unit test lint fmt fuzz bench generate chart-check e2e e2e-build e2e-bins e2e-tools e2e-runtime e2e-image e2e-kubectl demo bench-e2e
+.PHONY: help build release unit test lint fmt fuzz bench generate chart-check e2e e2e-build e2e-bins e2e-tools e2e-runtime e2e-image e2e-kubectl demo bench-e2e toolkit image-rootfs
 
 help: ## list targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | sort
@@ -35,9 +35,9 @@ test: unit chart-check e2e ## everything CI checks: lint, Rust tests, the Helm c
 E2E_TIMEOUT ?= 45m
 # The root filesystem every e2e container runs on (no registry is reachable to pull images).
 TEST_IMAGE := $(TOOLS)/test-image
-E2E_ENV = E2E_REPO_ROOT=$(CURDIR) E2E_BIN_DIR=$(CURDIR)/target/debug E2E_TEST_IMAGE=$(TEST_IMAGE)/rootfs
+E2E_ENV = E2E_REPO_ROOT=$(CURDIR) E2E_BIN_DIR=$(CURDIR)/target/debug E2E_TEST_IMAGE=$(TEST_IMAGE)/rootfs E2E_IMAGE_ROOTFS=$(IMAGE_ROOTFS)
 
-e2e-tools: $(HELM) ## helm from the Go module proxy into .tools/bin (renders the chart for e2e and demo)
+e2e-tools: $(HELM) ## helm from the Go module proxy into .tools/bin (e2e and demo install the chart with it)
 
 e2e-kubectl: ## optional: kubectl of the pinned Kubernetes release into .tools/bin
 	cd e2e && GOBIN=$(TOOLS)/bin $(GO) install k8s.io/kubernetes/cmd/kubectl
@@ -56,7 +56,7 @@ e2e-runtime: ## runc and a static busybox (Debian packages), installed when miss
 e2e-image: e2e-bins e2e-runtime ## the e2e test image: busybox, glibc for the simulator's tools, an ld cache
 	bash e2e/testimage/build.sh $(TEST_IMAGE) target/debug/nvidia-smi target/debug/libnvidia_ml.so
 
-e2e: e2e-bins e2e-tools e2e-image ## end-to-end tests against the in-process control plane
+e2e: e2e-bins e2e-tools e2e-image image-rootfs ## end-to-end tests against the in-process control plane
 	cd e2e && $(E2E_ENV) $(GO) test -count=1 -timeout $(E2E_TIMEOUT) ./...
 
 demo: e2e-bins e2e-tools e2e-image ## local cluster with an A100 and a T4 node, a short tour, then up for kubectl until Ctrl-C
@@ -89,6 +89,23 @@ bench: ## benchmarks: print figures (medians, percentiles, ratios)
 
 $(HELM):
 	GOBIN=$(TOOLS)/bin $(GO) install helm.sh/helm/v3/cmd/helm@$(HELM_VERSION)
+
+TOOLKIT_VERSION ?= v1.20.1
+TOOLKIT := $(TOOLS)/bin/nvidia-ctk $(TOOLS)/bin/nvidia-cdi-hook
+
+toolkit: $(TOOLKIT) ## NVIDIA's nvidia-ctk and nvidia-cdi-hook from the Go module proxy into .tools/bin
+
+$(TOOLKIT):
+	GOBIN=$(TOOLS)/bin $(GO) install github.com/NVIDIA/nvidia-container-toolkit/cmd/nvidia-ctk@$(TOOLKIT_VERSION) github.com/NVIDIA/nvidia-container-toolkit/cmd/nvidia-cdi-hook@$(TOOLKIT_VERSION)
+
+# The image's content (binaries, glibc, CA certificates, nvidia-cdi-hook), assembled by the
+# same script the Dockerfile runs; e2e runs the node plugin in a container on it.
+IMAGE_PROFILE ?= debug
+IMAGE_ROOTFS := $(CURDIR)/target/image-rootfs
+
+image-rootfs: $(TOOLKIT) ## the image's root filesystem (IMAGE_PROFILE=debug|release) into target/image-rootfs
+	$(CARGO) build --workspace --locked $(if $(filter release,$(IMAGE_PROFILE)),--release)
+	bash deploy/image/build-rootfs.sh $(IMAGE_ROOTFS) target/$(IMAGE_PROFILE) $(TOOLS)/bin/nvidia-cdi-hook
 
 chart-check: $(HELM) ## lint and render the Helm chart with several value sets, check what it renders
 	$(HELM) lint --strict --kube-version 1.34.0 deploy/helm/gpu-dra-driver

@@ -80,6 +80,9 @@ func startAPIServer(ctx context.Context, dir, etcdURL string, ca *CA) (*apiserve
 		"--service-account-key-file=" + saKey,
 		"--service-account-signing-key-file=" + saKey,
 		"--enable-admission-plugins=NodeRestriction",
+		// As kubeadm and every distribution set it: the node plugin's
+		// DaemonSet is privileged.
+		"--allow-privileged=true",
 		"--endpoint-reconciler-type=none",
 		"--enable-priority-and-fairness=false",
 	}); err != nil {

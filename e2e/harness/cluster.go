@@ -51,6 +51,12 @@ import (
 
 var metav1GetOptions = metav1.GetOptions{}
 
+// klogOwner says whether a cluster of this process has klog's output.
+var klogOwner struct {
+	sync.Mutex
+	taken bool
+}
+
 // Options configure a Cluster.
 type Options struct {
 	// Dir holds all state (etcd data, certificates, kubeconfigs, node
@@ -88,6 +94,7 @@ type Cluster struct {
 	etcd      *embed.Etcd
 	apiserver *apiserver
 	logFile   *os.File
+	ownsKlog  bool
 
 	mu      sync.Mutex
 	nodes   map[string]*Node
@@ -125,9 +132,16 @@ func Start(ctx context.Context, opts Options) (c *Cluster, err error) {
 		if err != nil {
 			return nil, err
 		}
-		quietKlog()
-		klog.SetOutput(c.logFile)
-		grpclog.SetLoggerV2(grpclog.NewLoggerV2(c.logFile, c.logFile, c.logFile))
+		// klog is process-wide: the first cluster of the process takes it
+		// (a second one, e.g. a test's own, logs into the first one's file).
+		klogOwner.Lock()
+		if !klogOwner.taken {
+			klogOwner.taken, c.ownsKlog = true, true
+			quietKlog()
+			klog.SetOutput(c.logFile)
+			grpclog.SetLoggerV2(grpclog.NewLoggerV2(c.logFile, c.logFile, c.logFile))
+		}
+		klogOwner.Unlock()
 	}
 
 	started := time.Now()
@@ -342,10 +356,15 @@ func (c *Cluster) Stop() {
 	if c.etcd != nil {
 		c.etcd.Close()
 	}
-	if c.logFile != nil {
+	if c.ownsKlog {
 		klog.Flush()
 		klog.SetOutput(os.Stderr)
 		klog.LogToStderr(true)
+		klogOwner.Lock()
+		klogOwner.taken = false
+		klogOwner.Unlock()
+	}
+	if c.logFile != nil {
 		c.logFile.Close()
 	}
 	if c.ownDir && os.Getenv("E2E_KEEP_DIR") == "" {

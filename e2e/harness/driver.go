@@ -11,9 +11,10 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"strings"
 	"time"
 
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/util/wait"
 )
@@ -25,29 +26,22 @@ const DriverNamespace = "gpu-dra"
 // ChartPath is the Helm chart, relative to the repository root.
 const ChartPath = "deploy/helm/gpu-dra-driver"
 
-// Kinds of the rendered chart that the harness does not apply: the
-// workloads are what the harness runs itself, as processes.
-var skippedKinds = map[string]bool{
-	"DaemonSet": true, "Deployment": true, "Job": true, "Pod": true,
-	"ReplicaSet": true, "StatefulSet": true, "Service": true,
-}
-
 // InstallOptions select how the driver is installed.
 type InstallOptions struct {
 	// Webhook starts gpu-dra-webhook and registers it.
 	Webhook bool
-	// HelmSet are extra `--set` values for rendering the chart.
+	// HelmSet are extra `--set` values for `helm install`.
 	HelmSet []string
 }
 
 // Driver is the cluster-side install of our driver.
 type Driver struct {
-	// FromChart says the objects came from the rendered Helm chart (false:
-	// the harness's built-in minimal RBAC and DeviceClasses).
+	// FromChart says the objects came from `helm install` of the chart
+	// (false: the harness's built-in minimal RBAC and DeviceClasses).
 	FromChart bool
 	// Identity is the node plugin's service account.
 	Identity Identity
-	// Objects are what was applied.
+	// Objects are what was installed (the release's manifest).
 	Objects []*unstructured.Unstructured
 	// Webhook is the running webhook, if requested.
 	Webhook *WebhookProcess
@@ -70,52 +64,45 @@ func (c *Cluster) pluginIdentity() *Identity {
 	return &Identity{Namespace: DriverNamespace, ServiceAccount: "gpu-dra-kubelet-plugin"}
 }
 
-// InstallDriver applies the driver's cluster objects (RBAC, admission
-// policy, DeviceClasses, webhook registration) from the rendered Helm chart,
-// or a built-in minimal set while the chart has not landed, and optionally
-// starts the webhook.
+// InstallDriver installs the driver's cluster objects as an admin does,
+// `helm install` of the chart (release HelmRelease in DriverNamespace), or
+// applies a built-in minimal set while helm or the chart is missing, and
+// optionally starts the webhook as a process and points the webhook
+// registration at it (in a real cluster the chart's Deployment and Service
+// serve it). The chart's DaemonSet is picked up by nodes whose plugin runs
+// deployed (daemonset.go); other nodes run the plugin as a process.
 func (c *Cluster) InstallDriver(ctx context.Context, opts InstallOptions) (*Driver, error) {
 	if err := c.ensureNamespace(ctx, DriverNamespace); err != nil {
 		return nil, err
 	}
 	d := &Driver{Identity: Identity{Namespace: DriverNamespace, ServiceAccount: "gpu-dra-kubelet-plugin"}}
-	objs, err := renderChart(opts.HelmSet)
+	objs, err := c.helmInstallDriver(ctx, opts.HelmSet)
 	switch {
 	case err == nil:
 		d.FromChart = true
 	case errors.Is(err, ErrMissing):
-		d.Notes = append(d.Notes, "chart not applied: "+err.Error()+"; using built-in RBAC and DeviceClasses")
-		objs, err = ParseYAML([]byte(builtinObjects))
-		if err != nil {
+		d.Notes = append(d.Notes, "chart not installed: "+err.Error()+"; using built-in RBAC and DeviceClasses")
+		if objs, err = ParseYAML([]byte(builtinObjects)); err != nil {
+			return nil, err
+		}
+		if err := c.Apply(ctx, objs, DriverNamespace); err != nil {
 			return nil, err
 		}
 	default:
 		return nil, err
 	}
-	var webhookConfigs, first, rest []*unstructured.Unstructured
+	var webhookConfigs []*unstructured.Unstructured
 	for _, o := range objs {
-		switch kind := o.GetKind(); {
-		case kind == "DaemonSet":
+		switch o.GetKind() {
+		case "DaemonSet":
 			if sa, ok, _ := unstructured.NestedString(o.Object, "spec", "template", "spec", "serviceAccountName"); ok && sa != "" {
 				d.Identity.ServiceAccount = sa
 			}
-		case skippedKinds[kind]:
-		case kind == "ValidatingWebhookConfiguration" || kind == "MutatingWebhookConfiguration":
+		case "ValidatingWebhookConfiguration", "MutatingWebhookConfiguration":
 			webhookConfigs = append(webhookConfigs, o)
-		case kind == "Namespace" || kind == "ServiceAccount" || kind == "CustomResourceDefinition" ||
-			strings.HasPrefix(kind, "ClusterRole") || strings.HasPrefix(kind, "Role"):
-			first = append(first, o)
-		default:
-			rest = append(rest, o)
 		}
 	}
-	if err := c.Apply(ctx, first, DriverNamespace); err != nil {
-		return nil, err
-	}
-	if err := c.Apply(ctx, rest, DriverNamespace); err != nil {
-		return nil, err
-	}
-	d.Objects = append(first, rest...)
+	d.Objects = objs
 
 	if opts.Webhook {
 		wh, err := c.StartWebhook(ctx)
@@ -129,18 +116,20 @@ func (c *Cluster) InstallDriver(ctx context.Context, opts InstallOptions) (*Driv
 			if err != nil {
 				return nil, err
 			}
+			d.Objects = append(d.Objects, webhookConfigs...)
 		}
 		for _, o := range webhookConfigs {
 			if err := pointWebhooksAt(o, wh.URL, c.CA.CertPEM); err != nil {
 				return nil, err
 			}
 		}
-		if err := c.Apply(ctx, webhookConfigs, DriverNamespace); err != nil {
+		// Replaced, not applied: the chart's service reference must go
+		// (a webhook names exactly one of url and service).
+		if err := c.replace(ctx, webhookConfigs, DriverNamespace); err != nil {
 			return nil, err
 		}
-		d.Objects = append(d.Objects, webhookConfigs...)
 	} else if len(webhookConfigs) > 0 {
-		d.Notes = append(d.Notes, "webhook configuration not applied (webhook not started)")
+		d.Notes = append(d.Notes, "webhook not started: its registration points at the chart's Service, which nothing serves here")
 	}
 	c.mu.Lock()
 	c.driver = d
@@ -148,28 +137,47 @@ func (c *Cluster) InstallDriver(ctx context.Context, opts InstallOptions) (*Driv
 	return d, nil
 }
 
-// renderChart runs `helm template` on the chart with the release in DriverNamespace.
-func renderChart(set []string) ([]*unstructured.Unstructured, error) {
-	chart, err := RepoPath(ChartPath)
+// replace creates objects or replaces them whole (an update, not a merge).
+func (c *Cluster) replace(ctx context.Context, objs []*unstructured.Unstructured, namespace string) error {
+	for _, obj := range objs {
+		ri, err := c.resourceFor(obj, namespace)
+		if err != nil {
+			return err
+		}
+		live, err := ri.Get(ctx, obj.GetName(), metav1.GetOptions{})
+		if apierrors.IsNotFound(err) {
+			if _, err := ri.Create(ctx, obj, metav1.CreateOptions{FieldManager: "e2e"}); err != nil {
+				return fmt.Errorf("create %s %s: %w", obj.GetKind(), obj.GetName(), err)
+			}
+			continue
+		}
+		if err != nil {
+			return err
+		}
+		obj.SetResourceVersion(live.GetResourceVersion())
+		if _, err := ri.Update(ctx, obj, metav1.UpdateOptions{FieldManager: "e2e"}); err != nil {
+			return fmt.Errorf("replace %s %s: %w", obj.GetKind(), obj.GetName(), err)
+		}
+	}
+	return nil
+}
+
+// helmInstallDriver runs `helm install` and returns the release's manifest.
+func (c *Cluster) helmInstallDriver(ctx context.Context, set []string) ([]*unstructured.Unstructured, error) {
+	if _, err := RepoPath(ChartPath); err != nil {
+		return nil, err
+	}
+	if _, err := Tool("helm"); err != nil {
+		return nil, err
+	}
+	if err := c.HelmInstall(ctx, set...); err != nil {
+		return nil, err
+	}
+	manifest, err := c.Helm(ctx, "get", "manifest", HelmRelease, "--namespace", DriverNamespace)
 	if err != nil {
 		return nil, err
 	}
-	helm, err := Tool("helm")
-	if err != nil {
-		return nil, err
-	}
-	args := []string{"template", "gpu-dra", chart, "--namespace", DriverNamespace, "--kube-version", KubernetesVersion}
-	for _, s := range set {
-		args = append(args, "--set", s)
-	}
-	cmd := exec.Command(helm, args...)
-	var stderr strings.Builder
-	cmd.Stderr = &stderr
-	out, err := cmd.Output()
-	if err != nil {
-		return nil, fmt.Errorf("helm template %s: %v: %s", chart, err, stderr.String())
-	}
-	return ParseYAML(out)
+	return ParseYAML([]byte(manifest))
 }
 
 // pointWebhooksAt rewrites every webhook's clientConfig to the local URL.

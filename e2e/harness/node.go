@@ -29,6 +29,7 @@ import (
 	draplugin "k8s.io/kubernetes/pkg/kubelet/cm/dra/plugin"
 	kubeletconfig "k8s.io/kubernetes/pkg/kubelet/config"
 	"k8s.io/kubernetes/pkg/kubelet/pluginmanager"
+	pluginmanagercache "k8s.io/kubernetes/pkg/kubelet/pluginmanager/cache"
 )
 
 // CDIAnnotation is the pod annotation where a simulated node records, per
@@ -46,6 +47,9 @@ type NodeOptions struct {
 	// and no container runs (for the scale benchmark: hundreds of pods on a
 	// few cores). Otherwise every container runs with runc (see runtime.go).
 	NoContainers bool
+	// Layout says where the node's host lives and where the simulated driver
+	// sits in it (see Layout). Empty: LayoutProcess.
+	Layout Layout
 }
 
 // Node is a simulated node: a Node object kept Ready, the kubelet's plugin
@@ -66,12 +70,21 @@ type Node struct {
 	CDIRoot string
 	// StateDir holds the DRA manager's checkpoint.
 	StateDir string
+	// HostRoot is the directory tree standing for this node's host "/" when
+	// the node plugin runs deployed (LayoutHostDriver, LayoutContainerDriver);
+	// empty for LayoutProcess. Host paths named by the plugin (its registration
+	// endpoint, CDI specs) resolve inside it.
+	HostRoot string
+	// Layout is the node's layout.
+	Layout Layout
 
 	// Plugin is our node plugin process, once started (see StartPlugin).
 	Plugin *PluginProcess
 
 	cluster *Cluster
-	runtime *runtime // nil with NodeOptions.NoContainers
+	simRoot string
+	daemons *daemonSets // nil for LayoutProcess
+	runtime *runtime    // nil with NodeOptions.NoContainers
 	dra     *dra.Manager
 	pods    corelisters.PodLister
 	queue   workqueue.TypedRateLimitingInterface[string]
@@ -95,8 +108,16 @@ func (c *Cluster) AddNode(ctx context.Context, opts NodeOptions) (*Node, error) 
 		PluginsDir:   filepath.Join(dir, "plugins"),
 		CDIRoot:      filepath.Join(dir, "cdi"),
 		StateDir:     filepath.Join(dir, "dra-state"),
+		Layout:       opts.Layout,
 		cluster:      c,
+		simRoot:      filepath.Join(dir, "sim"),
 		logger:       klog.LoggerWithValues(klog.Background(), "node", opts.Name),
+	}
+	if opts.Layout != LayoutProcess {
+		if opts.NoContainers {
+			return nil, fmt.Errorf("node %s: a deployed node plugin needs the container runtime", opts.Name)
+		}
+		n.useHostTree(filepath.Join(dir, "r"))
 	}
 	for _, d := range []string{n.RegistrarDir, n.PluginsDir, n.CDIRoot, n.StateDir} {
 		if err := os.MkdirAll(d, 0o750); err != nil {
@@ -153,7 +174,11 @@ func (c *Cluster) AddNode(ctx context.Context, opts NodeOptions) (*Node, error) 
 		return nil, fmt.Errorf("node %s: start DRA manager: %w", n.Name, err)
 	}
 	plugins := pluginmanager.NewPluginManager(n.RegistrarDir, &record.FakeRecorder{})
-	plugins.AddHandler(pluginwatcherapi.DRAPlugin, n.dra.GetWatcherHandler())
+	var handler pluginmanagercache.PluginHandler = n.dra.GetWatcherHandler()
+	if n.HostRoot != "" {
+		handler = hostEndpoints{PluginHandler: handler, root: n.HostRoot}
+	}
+	plugins.AddHandler(pluginwatcherapi.DRAPlugin, handler)
 	n.wg.Add(1)
 	go func() { defer n.wg.Done(); plugins.Run(ctx, sourcesReady, ctx.Done()) }()
 
@@ -167,6 +192,11 @@ func (c *Cluster) AddNode(ctx context.Context, opts NodeOptions) (*Node, error) 
 	}
 	n.wg.Add(1)
 	go func() { defer n.wg.Done(); n.heartbeat(ctx) }()
+	if n.Layout != LayoutProcess {
+		n.daemons = newDaemonSets(n)
+		n.wg.Add(1)
+		go func() { defer n.wg.Done(); n.daemons.run(ctx) }()
+	}
 	go func() { <-ctx.Done(); n.queue.ShutDown() }()
 
 	c.mu.Lock()
@@ -310,6 +340,9 @@ func (n *Node) syncPod(ctx context.Context, key string) error {
 	}
 	if err != nil {
 		return err
+	}
+	if ownedByDaemonSet(pod) {
+		return nil // run by the node's DaemonSet loop (daemonset.go)
 	}
 	pods := n.cluster.Client.CoreV1().Pods(ns)
 	if pod.DeletionTimestamp != nil {
@@ -520,6 +553,9 @@ func (n *Node) DriverRegistered(driver string) bool {
 // Stop stops the node's containers, plugin process and kubelet pieces; the
 // Node object stays.
 func (n *Node) Stop() {
+	if n.daemons != nil {
+		n.daemons.stop()
+	}
 	if n.runtime != nil {
 		n.runtime.stop()
 	}
@@ -555,3 +591,20 @@ func CDIDevices(pod *v1.Pod) (map[string][]string, error) {
 }
 
 var everything = labels.Everything()
+
+// RemoveNode stops a node (containers, plugin, kubelet pieces) and deletes
+// its Node object, as when a machine leaves the cluster.
+func (c *Cluster) RemoveNode(ctx context.Context, name string) error {
+	c.mu.Lock()
+	n := c.nodes[name]
+	delete(c.nodes, name)
+	c.mu.Unlock()
+	if n != nil {
+		n.Stop()
+	}
+	err := c.Client.CoreV1().Nodes().Delete(ctx, name, metav1.DeleteOptions{})
+	if apierrors.IsNotFound(err) {
+		return nil
+	}
+	return err
+}

@@ -54,8 +54,9 @@ type PluginProcess struct {
 // DefaultDriver is the driver name we publish by default.
 const DefaultDriver = "gpu.nvidia.com"
 
-// SimRoot is where the node's simulated host lives.
-func (n *Node) SimRoot() string { return filepath.Join(n.Dir, "sim") }
+// SimRoot is where the node's simulated driver lives (`gpu-sim setup --root`):
+// <node>/sim for LayoutProcess, else the driver root inside HostRoot.
+func (n *Node) SimRoot() string { return n.simRoot }
 
 // PluginDir is the node plugin's --plugin-dir for a driver.
 // It is short rather than <plugins>/<driver>: MPS control sockets live below
@@ -65,6 +66,9 @@ func (n *Node) PluginDir(driver string) string { return filepath.Join(n.Dir, "p"
 // SetupSim runs `gpu-sim setup --profile <profile> --root <node>/sim` once
 // (and, on a node that runs containers, makes its device nodes; see devnodes.go).
 func (n *Node) SetupSim(profile string) error {
+	if err := n.setupHostDev(); err != nil {
+		return err
+	}
 	if isFile(filepath.Join(n.SimRoot(), "etc", "gpu-sim", "state.json")) {
 		if n.runtime != nil {
 			return makeDeviceNodes(n.SimRoot())
@@ -255,6 +259,13 @@ func (c *Cluster) NodeBoundToken(ctx context.Context, node string, id Identity) 
 	if err != nil {
 		return "", fmt.Errorf("plugin pod on %s: %w", node, err)
 	}
+	return c.podToken(ctx, pod, id)
+}
+
+// podToken is the token the kubelet projects into a pod: its service
+// account's, bound to the pod (so it carries the pod's node).
+func (c *Cluster) podToken(ctx context.Context, pod *v1.Pod, id Identity) (string, error) {
+	sas := c.Client.CoreV1().ServiceAccounts(id.Namespace)
 	tr, err := sas.CreateToken(ctx, id.ServiceAccount, &authv1.TokenRequest{Spec: authv1.TokenRequestSpec{
 		ExpirationSeconds: new(int64(24 * 3600)),
 		BoundObjectRef:    &authv1.BoundObjectReference{Kind: "Pod", APIVersion: "v1", Name: pod.Name, UID: pod.UID},

@@ -222,32 +222,64 @@ func (c *Container) fail(err error) {
 	}
 }
 
-// start builds the bundle and runs `runc run` in the foreground (its exit
-// status is the container's); it returns once the container process runs or
-// runc has given up.
+// start builds the pod container's OCI spec (with its CDI devices applied)
+// and runs it on the test image.
 func (r *runtime) start(pod *v1.Pod, ctr *v1.Container, c *Container) error {
+	spec := r.ociSpec(pod, ctr)
+	if len(c.CDIDevices) > 0 {
+		if err := r.injectCDI(spec, c.CDIDevices); err != nil {
+			return err
+		}
+	}
+	key := podKey(pod)
+	return r.run(c, spec, r.image, func() { r.changed(key) })
+}
+
+// injectCDI applies CDI devices to a spec with the official CDI library. A
+// fresh cache per container, as a runtime refreshes before each create: the
+// plugin has just written the claim's spec. Errors of unrelated spec files do
+// not stop the injection (containerd logs them). On a node whose host is a
+// directory tree (Node.HostRoot), the specs are read through hostView: their
+// host paths resolve inside that tree, as they would on the node itself.
+func (r *runtime) injectCDI(spec *rspec.Spec, ids []string) error {
+	dir := r.node.CDIRoot
+	if r.node.HostRoot != "" {
+		view, err := hostView(r.node.HostRoot, r.node.CDIRoot, filepath.Join(r.node.Dir, "cdi-host-view"))
+		defer os.RemoveAll(view)
+		if err != nil {
+			return err
+		}
+		dir = view
+	}
+	cache, _ := cdi.NewCache(cdi.WithSpecDirs(dir), cdi.WithAutoRefresh(false))
+	if cache == nil {
+		return fmt.Errorf("CDI cache for %s", r.node.CDIRoot)
+	}
+	if _, err := cache.InjectDevices(spec, ids...); err != nil {
+		return fmt.Errorf("CDI device injection failed: %w", err)
+	}
+	return nil
+}
+
+// run writes the bundle (a copy of image as root filesystem, spec as
+// config.json) and runs `runc run` in the foreground (its exit status is the
+// container's); it returns once the container process runs or runc has given
+// up. exited is called after the container's state changed to exited.
+func (r *runtime) run(c *Container, spec *rspec.Spec, image string, exited func()) error {
 	if err := os.MkdirAll(filepath.Dir(c.LogPath), 0o755); err != nil {
 		return err
 	}
 	if err := os.MkdirAll(c.Bundle, 0o755); err != nil {
 		return err
 	}
-	// Each container gets its own copy of the image (5 MB): runc creates
-	// mount points in it, and a container may write to its root.
-	if out, err := exec.Command("cp", "-a", r.image, filepath.Join(c.Bundle, "rootfs")).CombinedOutput(); err != nil {
-		return fmt.Errorf("copy test image: %v: %s", err, out)
-	}
-	spec := r.ociSpec(pod, ctr)
-	if len(c.CDIDevices) > 0 {
-		// A fresh cache per container, as a runtime refreshes before each
-		// create: the plugin has just written the claim's spec. Errors of
-		// unrelated spec files do not stop the injection (containerd logs them).
-		cache, _ := cdi.NewCache(cdi.WithSpecDirs(r.node.CDIRoot), cdi.WithAutoRefresh(false))
-		if cache == nil {
-			return fmt.Errorf("CDI cache for %s", r.node.CDIRoot)
-		}
-		if _, err := cache.InjectDevices(spec, c.CDIDevices...); err != nil {
-			return fmt.Errorf("CDI device injection failed: %w", err)
+	// Each container gets its own copy of the image: runc creates mount
+	// points in it, and a container may write to its root. Hard links where
+	// the file system allows (the driver's image holds large binaries).
+	rootfs := filepath.Join(c.Bundle, "rootfs")
+	if err := exec.Command("cp", "-al", image, rootfs).Run(); err != nil {
+		_ = os.RemoveAll(rootfs)
+		if out, err := exec.Command("cp", "-a", image, rootfs).CombinedOutput(); err != nil {
+			return fmt.Errorf("copy image %s: %v: %s", image, err, out)
 		}
 	}
 	// This machine refuses raising RLIMIT_NOFILE/NPROC, and a pod cannot ask
@@ -281,7 +313,7 @@ func (r *runtime) start(pod *v1.Pod, ctr *v1.Container, c *Container) error {
 	c.started = metav1.Now().Rfc3339Copy()
 	c.phase = ContainerRunning
 	c.mu.Unlock()
-	exited := make(chan struct{})
+	done := make(chan struct{})
 	go func() {
 		err := cmd.Wait()
 		logFile.Close()
@@ -303,9 +335,11 @@ func (r *runtime) start(pod *v1.Pod, ctr *v1.Container, c *Container) error {
 			c.phase, c.exitCode = ContainerExited, code
 		}
 		c.mu.Unlock()
-		close(exited)
+		close(done)
 		close(c.done)
-		r.changed(podKey(pod))
+		if exited != nil {
+			exited()
+		}
 	}()
 	deadline := time.After(30 * time.Second)
 	for {
@@ -313,7 +347,7 @@ func (r *runtime) start(pod *v1.Pod, ctr *v1.Container, c *Container) error {
 			return nil
 		}
 		select {
-		case <-exited:
+		case <-done:
 			return nil
 		case <-deadline:
 			return nil

@@ -33,7 +33,7 @@ func (c *Cluster) RestartWebhook(ctx context.Context) (*WebhookProcess, error) {
 		}
 		configs = append(configs, o)
 	}
-	if err := c.Apply(ctx, configs, DriverNamespace); err != nil {
+	if err := c.replace(ctx, configs, DriverNamespace); err != nil {
 		return nil, err
 	}
 	c.mu.Lock()

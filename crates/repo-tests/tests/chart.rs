@@ -378,6 +378,45 @@ fn default_values() {
     );
 }
 
+/// The image defaults to an unprivileged user (the webhook's), so the chart must say who each
+/// workload runs as: the node plugin as root (it creates its sockets in the kubelet's root-owned
+/// folders and manages device state), the webhook as a numeric non-root user that the kubelet
+/// can verify without reading the image's /etc/passwd.
+#[test]
+fn workloads_run_as_the_users_they_need() {
+    let Some(helm) = helm() else { return };
+    let objects = render(&helm, &[]);
+
+    let ds = find(&objects, "DaemonSet", "rel-gpu-dra-driver-kubelet-plugin");
+    let pod = &ds["spec"]["template"]["spec"];
+    let plugin = &pod["containers"][0]["securityContext"];
+    assert_eq!(plugin["runAsUser"], 0, "{plugin}");
+    assert_eq!(plugin["runAsGroup"], 0, "{plugin}");
+    assert_eq!(plugin["runAsNonRoot"], false, "{plugin}");
+    assert_eq!(plugin["privileged"], true, "{plugin}");
+    assert!(
+        pod["securityContext"]["runAsUser"].is_null() || pod["securityContext"]["runAsUser"] == 0,
+        "a pod-level user must not contradict the container's: {}",
+        pod["securityContext"]
+    );
+
+    let deploy = find(&objects, "Deployment", "rel-gpu-dra-driver-webhook");
+    let pod = &deploy["spec"]["template"]["spec"];
+    let user = pod["securityContext"]["runAsUser"].as_u64();
+    assert!(
+        matches!(user, Some(u) if u > 0),
+        "{}",
+        pod["securityContext"]
+    );
+    assert_eq!(pod["securityContext"]["runAsNonRoot"], true);
+    let webhook = &pod["containers"][0]["securityContext"];
+    assert!(
+        webhook["runAsUser"].is_null() && webhook["privileged"].is_null(),
+        "{webhook}"
+    );
+    assert_eq!(webhook["allowPrivilegeEscalation"], false);
+}
+
 #[test]
 fn value_combinations() {
     let Some(helm) = helm() else { return };

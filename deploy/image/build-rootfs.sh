@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Assembles the content of the driver's image: the one recipe behind `make image-rootfs`, the
+# Dockerfile and the e2e suite (which runs the node plugin in a container on this rootfs).
+#
+#   build-rootfs.sh OUT_DIR BIN_DIR NVIDIA_CDI_HOOK
+#
+# OUT_DIR gets: gpu-kubelet-plugin, gpu-dra-webhook and gpu-dra from BIN_DIR and NVIDIA's
+# nvidia-cdi-hook in /usr/local/bin; the glibc loader and the libraries these binaries need
+# (found with ldd); the CA certificates of the build host; an /etc/passwd and /etc/group with
+# root and the unprivileged user 65532 (the webhook's); empty mount points. No shell, no
+# package manager. The result is built in OUT_DIR.tmp and renamed into place.
+set -euo pipefail
+
+out=${1:?usage: build-rootfs.sh OUT_DIR BIN_DIR NVIDIA_CDI_HOOK}
+bin=${2:?usage: build-rootfs.sh OUT_DIR BIN_DIR NVIDIA_CDI_HOOK}
+hook=${3:?usage: build-rootfs.sh OUT_DIR BIN_DIR NVIDIA_CDI_HOOK}
+
+tmp="$out.tmp"
+rm -rf "$tmp"
+mkdir -p "$tmp"/{usr/local/bin,etc/ssl/certs,lib64,lib/x86_64-linux-gnu,usr/lib/x86_64-linux-gnu,proc,sys,dev,run,var/run,tmp}
+chmod 1777 "$tmp/tmp"
+
+elfs=()
+for name in gpu-kubelet-plugin gpu-dra-webhook gpu-dra; do
+  [ -f "$bin/$name" ] || { echo "build-rootfs.sh: $bin/$name not found (build the Rust workspace first)" >&2; exit 1; }
+  cp "$bin/$name" "$tmp/usr/local/bin/$name"
+  elfs+=("$bin/$name")
+done
+[ -f "$hook" ] || { echo "build-rootfs.sh: $hook not found (make toolkit)" >&2; exit 1; }
+cp "$hook" "$tmp/usr/local/bin/nvidia-cdi-hook"
+elfs+=("$hook")
+
+# Libraries at the paths the loader resolved them to on the build host (Debian multiarch).
+for elf in "${elfs[@]}"; do
+  ldd "$elf" 2>/dev/null | awk '/=> \// {print $3} /^\t\/[^ ]+ \(/ {print $1}' | while read -r lib; do
+    real=$(readlink -f "$lib")
+    dir=$(dirname "$lib")
+    case "$dir" in /lib64|/lib/x86_64-linux-gnu|/usr/lib/x86_64-linux-gnu) ;; *) dir=/lib/x86_64-linux-gnu ;; esac
+    cp "$real" "$tmp$dir/$(basename "$real")"
+    [ "$(basename "$real")" = "$(basename "$lib")" ] || ln -sf "$(basename "$real")" "$tmp$dir/$(basename "$lib")"
+  done
+done
+if [ ! -e "$tmp/lib64/ld-linux-x86-64.so.2" ]; then
+  echo "build-rootfs.sh: no dynamic loader found through ldd" >&2
+  exit 1
+fi
+
+certs=/etc/ssl/certs/ca-certificates.crt
+[ -f "$certs" ] || { echo "build-rootfs.sh: $certs not found (Debian package ca-certificates)" >&2; exit 1; }
+cp "$certs" "$tmp/etc/ssl/certs/ca-certificates.crt"
+
+printf 'root:x:0:0:root:/root:/sbin/nologin\nnonroot:x:65532:65532:nonroot:/home/nonroot:/sbin/nologin\n' >"$tmp/etc/passwd"
+printf 'root:x:0:\nnonroot:x:65532:\n' >"$tmp/etc/group"
+
+rm -rf "$out"
+mv "$tmp" "$out"
+echo "image rootfs in $out ($(du -sh "$out" | cut -f1))"

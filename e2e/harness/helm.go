@@ -1,0 +1,72 @@
+package harness
+
+// The driver gets into a cluster as an admin installs it: `helm install` of
+// the chart against the cluster's API server (its admin kubeconfig), `helm
+// upgrade` and `helm uninstall` after. Nodes whose plugin runs deployed pick
+// the DaemonSet up from the API server (daemonset.go).
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+)
+
+// HelmRelease is the release name the harness installs the chart as.
+const HelmRelease = "gpu-dra"
+
+// Helm runs the helm binary (.tools/bin, `make e2e-tools`) against the
+// cluster and returns its combined output.
+func (c *Cluster) Helm(ctx context.Context, args ...string) (string, error) {
+	helm, err := Tool("helm")
+	if err != nil {
+		return "", err
+	}
+	home := filepath.Join(c.Dir, "helm")
+	cmd := exec.CommandContext(ctx, helm, append(args, "--kubeconfig", c.Kubeconfig)...)
+	cmd.Env = append(os.Environ(),
+		"HELM_CACHE_HOME="+filepath.Join(home, "cache"),
+		"HELM_CONFIG_HOME="+filepath.Join(home, "config"),
+		"HELM_DATA_HOME="+filepath.Join(home, "data"))
+	out, err := cmd.CombinedOutput()
+	if err != nil {
+		return string(out), fmt.Errorf("helm %s: %v: %s", strings.Join(args, " "), err, out)
+	}
+	return string(out), nil
+}
+
+// HelmInstall installs the chart as HelmRelease in DriverNamespace with the
+// given `--set` values.
+func (c *Cluster) HelmInstall(ctx context.Context, set ...string) error {
+	return c.helmChart(ctx, "install", set)
+}
+
+// HelmUpgrade upgrades the release to the chart with these values (not
+// reusing the last ones, as `helm upgrade` without --reuse-values).
+func (c *Cluster) HelmUpgrade(ctx context.Context, set ...string) error {
+	return c.helmChart(ctx, "upgrade", set)
+}
+
+// HelmUninstall removes the release and what it installed.
+func (c *Cluster) HelmUninstall(ctx context.Context) error {
+	_, err := c.Helm(ctx, "uninstall", HelmRelease, "--namespace", DriverNamespace, "--wait")
+	return err
+}
+
+func (c *Cluster) helmChart(ctx context.Context, verb string, set []string) error {
+	chart, err := RepoPath(ChartPath)
+	if err != nil {
+		return err
+	}
+	args := []string{verb, HelmRelease, chart, "--namespace", DriverNamespace}
+	if verb == "install" {
+		args = append(args, "--create-namespace")
+	}
+	for _, s := range set {
+		args = append(args, "--set", s)
+	}
+	_, err = c.Helm(ctx, args...)
+	return err
+}
