@@ -8,7 +8,7 @@ TOOLS := $(CURDIR)/.tools
 HELM_VERSION ?= v3.22.0
 HELM := $(TOOLS)/bin/helm
 
-.PHONY: help build release unit test lint fmt fuzz bench generate chart-check e2e e2e-build e2e-bins e2e-tools e2e-runtime e2e-image e2e-kubectl demo bench-e2e
+.PHONY: help build release unit test lint fmt fuzz bench generate chart-check toolkit e2e e2e-build e2e-bins e2e-tools e2e-runtime e2e-image e2e-kubectl demo bench-e2e
 
 help: ## list targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | sort
@@ -89,6 +89,14 @@ bench: ## benchmarks: print figures (medians, percentiles, ratios)
 
 $(HELM):
 	GOBIN=$(TOOLS)/bin $(GO) install helm.sh/helm/v3/cmd/helm@$(HELM_VERSION)
+
+TOOLKIT_VERSION ?= v1.20.1
+TOOLKIT := $(TOOLS)/bin/nvidia-ctk $(TOOLS)/bin/nvidia-cdi-hook
+
+toolkit: $(TOOLKIT) ## NVIDIA's nvidia-ctk and nvidia-cdi-hook from the Go module proxy into .tools/bin
+
+$(TOOLKIT):
+	GOBIN=$(TOOLS)/bin $(GO) install github.com/NVIDIA/nvidia-container-toolkit/cmd/nvidia-ctk@$(TOOLKIT_VERSION) github.com/NVIDIA/nvidia-container-toolkit/cmd/nvidia-cdi-hook@$(TOOLKIT_VERSION)
 
 chart-check: $(HELM) ## lint and render the Helm chart with several value sets, check what it renders
 	$(HELM) lint --strict --kube-version 1.34.0 deploy/helm/gpu-dra-driver
