@@ -7,6 +7,7 @@
 
 pub mod cdi;
 pub mod checkpoint;
+pub mod ldcache;
 pub mod nvidia_checkpoint;
 pub mod plan;
 pub mod slices;
