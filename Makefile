@@ -29,7 +29,7 @@ fmt: ## format the code
 unit: lint ## the quick loop: lint, then every Rust test
 	$(CARGO) test --workspace --locked
 
-test: unit chart-check e2e ## everything CI checks: lint, Rust tests, the Helm chart, the e2e suite
+test: unit chart-check cdi-check e2e ## everything CI checks: lint, Rust tests, the Helm chart, our CDI specs against the toolkit, the e2e suite
 
 # --- e2e: a real control plane in one Go process (e2e/), simulated GPU nodes ---
 E2E_TIMEOUT ?= 45m
@@ -97,6 +97,11 @@ toolkit: $(TOOLKIT) ## NVIDIA's nvidia-ctk and nvidia-cdi-hook from the Go modul
 
 $(TOOLKIT):
 	GOBIN=$(TOOLS)/bin $(GO) install github.com/NVIDIA/nvidia-container-toolkit/cmd/nvidia-ctk@$(TOOLKIT_VERSION) github.com/NVIDIA/nvidia-container-toolkit/cmd/nvidia-cdi-hook@$(TOOLKIT_VERSION)
+
+.PHONY: cdi-check
+# As root: the toolkit runs in a private mount namespace (see the test's module doc).
+cdi-check: $(TOOLKIT) ## our CDI specs against NVIDIA's nvidia-ctk on every simulated profile and a real H100 host's spec
+	NVIDIA_CTK=$(TOOLS)/bin/nvidia-ctk $(CARGO) test --locked -p gpu-dra-kubelet-plugin --test toolkit_cdi
 
 chart-check: $(HELM) ## lint and render the Helm chart with several value sets, check what it renders
 	$(HELM) lint --strict --kube-version 1.34.0 deploy/helm/gpu-dra-driver

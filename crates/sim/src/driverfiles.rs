@@ -11,6 +11,10 @@
 /// `libc6,x86-64`).
 pub const LDCACHE_FLAGS_X8664: i32 = 0x0303;
 
+/// An ELF section header: name offset, type, flags, file offset, size, link, alignment,
+/// entry size.
+type SectionHeader = (u32, u32, u64, usize, usize, u32, u64, u64);
+
 /// A 64-bit little-endian ELF shared object (x86-64) whose dynamic section holds only
 /// `DT_SONAME` = `soname`: enough for `readelf -d`, Go's `debug/elf` and `objdump -p`.
 pub fn elf_with_soname(soname: &str) -> Vec<u8> {
@@ -53,7 +57,7 @@ pub fn elf_with_soname(soname: &str) -> Vec<u8> {
     f.extend_from_slice(shstr);
     f.resize(sh_off, 0);
     // (name, type, flags, offset, size, link, align, entsize)
-    let sections: [(u32, u32, u64, usize, usize, u32, u64, u64); 4] = [
+    let sections: [SectionHeader; 4] = [
         (0, 0, 0, 0, 0, 0, 0, 0),
         (1, 3, 2, dynstr_off, dynstr.len(), 0, 1, 0), // .dynstr: SHT_STRTAB, SHF_ALLOC
         (9, 6, 3, dynamic_off, dynamic_len, 1, 8, 16), // .dynamic: SHT_DYNAMIC, WA, -> .dynstr
