@@ -375,7 +375,15 @@ fn gpu_sim_setup_builds_a_host_from_the_build_directory() {
         .collect();
     assert_eq!(
         names,
-        ["t4", "p4", "rtx4090", "dgx-a100-40gb", "dgx-h100", "h200"]
+        [
+            "t4",
+            "p4",
+            "rtx4090",
+            "dgx-a100-40gb",
+            "dgx-h100",
+            "h200",
+            "h100-usr-local-nvidia"
+        ]
     );
 
     let bad = Command::new(gpu_sim)
