@@ -8,7 +8,7 @@ TOOLS := $(CURDIR)/.tools
 HELM_VERSION ?= v3.22.0
 HELM := $(TOOLS)/bin/helm
 
-.PHONY: help build release unit test lint fmt fuzz bench generate chart-check e2e e2e-build e2e-bins e2e-tools e2e-runtime e2e-image e2e-kubectl demo bench-e2e toolkit image-rootfs
+.PHONY: help build release unit test lint fmt fuzz bench generate chart-check cdi-check e2e e2e-build e2e-bins e2e-tools e2e-runtime e2e-image e2e-kubectl demo bench-e2e toolkit image-rootfs
 
 help: ## list targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | sort
@@ -29,7 +29,7 @@ fmt: ## format the code
 unit: lint ## the quick loop: lint, then every Rust test
 	$(CARGO) test --workspace --locked
 
-test: unit chart-check e2e ## everything CI checks: lint, Rust tests, the Helm chart, the e2e suite
+test: unit chart-check cdi-check e2e ## everything CI checks: lint, Rust tests, the Helm chart, our CDI specs against the toolkit, the e2e suite
 
 # --- e2e: a real control plane in one Go process (e2e/), simulated GPU nodes ---
 E2E_TIMEOUT ?= 45m
@@ -106,6 +106,10 @@ IMAGE_ROOTFS := $(CURDIR)/target/image-rootfs
 image-rootfs: $(TOOLKIT) ## the image's root filesystem (IMAGE_PROFILE=debug|release) into target/image-rootfs
 	$(CARGO) build --workspace --locked $(if $(filter release,$(IMAGE_PROFILE)),--release)
 	bash deploy/image/build-rootfs.sh $(IMAGE_ROOTFS) target/$(IMAGE_PROFILE) $(TOOLS)/bin/nvidia-cdi-hook
+
+# As root: the toolkit runs in a private mount namespace (see the test's module doc).
+cdi-check: $(TOOLKIT) ## our CDI specs against NVIDIA's nvidia-ctk on every simulated profile and a real H100 host's spec
+	NVIDIA_CTK=$(TOOLS)/bin/nvidia-ctk $(CARGO) test --locked -p gpu-dra-kubelet-plugin --test toolkit_cdi
 
 chart-check: $(HELM) ## lint and render the Helm chart with several value sets, check what it renders
 	$(HELM) lint --strict --kube-version 1.34.0 deploy/helm/gpu-dra-driver

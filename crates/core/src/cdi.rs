@@ -138,6 +138,9 @@ pub struct Hook {
     /// Arguments, `args[0]` being the program name.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub args: Vec<String>,
+    /// `KEY=value` environment of the hook.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub env: Vec<String>,
 }
 
 /// Host paths a container path maps to: `root` + `path` (`root` of `/` leaves it unchanged).
@@ -161,6 +164,9 @@ pub fn device_node_paths(gpu_minor: u32, caps: &[u32]) -> Vec<String> {
 
 /// Device nodes every GPU container needs, whichever device.
 pub const CONTROL_NODES: &[&str] = &["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"];
+/// Device nodes given to every GPU container when the host has them (the toolkit does the
+/// same): `nvidia-modeset` exists only where the display driver module is loaded.
+pub const OPTIONAL_CONTROL_NODES: &[&str] = &["/dev/nvidia-modeset"];
 
 /// Inputs for one device of a claim spec.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -203,39 +209,109 @@ pub fn claim_spec(
     }
 }
 
-/// Hooks the NVIDIA container toolkit's `nvidia-cdi-hook` provides: refresh the container's
-/// ldcache for the mounted library folders, and create the `libcuda.so` style symlinks.
+/// Arguments `nvidia-cdi-hook` is started with: the environment the toolkit gives it.
+const HOOK_ENV: &str = "NVIDIA_CTK_DEBUG=false";
+
+fn hook(hook_path: &str, args: Vec<String>) -> Hook {
+    let mut all = vec!["nvidia-cdi-hook".to_owned()];
+    all.extend(args);
+    Hook {
+        hook_name: "createContainer".to_owned(),
+        path: hook_path.to_owned(),
+        args: all,
+        env: vec![HOOK_ENV.to_owned()],
+    }
+}
+
+/// The hooks the NVIDIA container toolkit's `nvidia-cdi-hook` runs in a GPU container, in the
+/// toolkit's order and with its arguments: `create-symlinks` (`symlinks` are
+/// `(target, link)`, e.g. `libcuda.so.1` -> `/usr/lib64/libcuda.so`), `enable-cuda-compat`
+/// (use the image's CUDA forward-compatibility libraries when newer than the host driver),
+/// `update-ldcache` (add the mounted library folders to the container's loader cache) and
+/// `disable-device-node-modification` (stop CUDA from creating device nodes the container
+/// was not given).
 pub fn toolkit_hooks(
     hook_path: &str,
+    driver_version: &str,
     library_dirs: &[String],
     symlinks: &[(String, String)],
 ) -> Vec<Hook> {
     let mut hooks = Vec::new();
     if !symlinks.is_empty() {
-        let mut args = vec!["nvidia-cdi-hook".to_owned(), "create-symlinks".to_owned()];
+        let mut args = vec!["create-symlinks".to_owned()];
         for (target, link) in symlinks {
             args.push("--link".to_owned());
             args.push(format!("{target}::{link}"));
         }
-        hooks.push(Hook {
-            hook_name: "createContainer".to_owned(),
-            path: hook_path.to_owned(),
-            args,
-        });
+        hooks.push(hook(hook_path, args));
+    }
+    if !driver_version.is_empty() {
+        hooks.push(hook(
+            hook_path,
+            vec![
+                "enable-cuda-compat".to_owned(),
+                format!("--host-driver-version={driver_version}"),
+            ],
+        ));
     }
     if !library_dirs.is_empty() {
-        let mut args = vec!["nvidia-cdi-hook".to_owned(), "update-ldcache".to_owned()];
+        let mut args = vec!["update-ldcache".to_owned()];
         for dir in library_dirs {
             args.push("--folder".to_owned());
             args.push(dir.clone());
         }
-        hooks.push(Hook {
-            hook_name: "createContainer".to_owned(),
-            path: hook_path.to_owned(),
-            args,
-        });
+        hooks.push(hook(hook_path, args));
     }
+    hooks.push(hook(
+        hook_path,
+        vec!["disable-device-node-modification".to_owned()],
+    ));
     hooks
+}
+
+/// `libcuda.so` for `libcuda.so.1` or `libcuda.so.580.95.05`: the name up to `.so` (`None`
+/// when the name has no `.so`).
+pub fn so_link_name(name: &str) -> Option<&str> {
+    let at = name.find(".so")?;
+    let rest = &name[at + 3..];
+    (rest.is_empty() || rest.starts_with('.')).then_some(&name[..at + 3])
+}
+
+/// Links a container needs next to driver library `file` of folder `dir` (container path),
+/// as the toolkit derives them: the soname link to the file and the `.so` link to the soname
+/// (`file` itself when it is its own soname), each only where the host folder has it too.
+/// `host_links` are the folder's symlinks as `(name, target)`. The soname is the link named
+/// `<stem>.so.<N>` that points at `file`: on a driver install it is the link `ldconfig` made
+/// from the library's ELF `SONAME`, which the toolkit reads instead.
+pub fn library_links(
+    dir: &str,
+    file: &str,
+    host_links: &[(String, String)],
+) -> Vec<(String, String)> {
+    let Some(so) = so_link_name(file) else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    let soname = host_links
+        .iter()
+        .filter(|(name, target)| {
+            target == file
+                && name != file
+                && name
+                    .strip_prefix(so)
+                    .and_then(|v| v.strip_prefix('.'))
+                    .is_some_and(|v| !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit()))
+        })
+        .map(|(name, _)| name.clone())
+        .min();
+    if let Some(soname) = &soname {
+        out.push((file.to_owned(), format!("{dir}/{soname}")));
+    }
+    let so_target = soname.unwrap_or_else(|| file.to_owned());
+    if so != so_target && host_links.iter().any(|(name, _)| name == so) {
+        out.push((so_target, format!("{dir}/{so}")));
+    }
+    out
 }
 
 #[cfg(test)]
@@ -302,17 +378,32 @@ mod tests {
     }
 
     #[test]
-    fn hooks_only_list_what_is_given() {
-        assert!(toolkit_hooks("/h", &[], &[]).is_empty());
+    fn hooks_follow_the_toolkit() {
+        let hooks = toolkit_hooks("/h", "", &[], &[]);
+        assert_eq!(hooks.len(), 1);
+        assert_eq!(
+            hooks[0].args,
+            ["nvidia-cdi-hook", "disable-device-node-modification"]
+        );
         let hooks = toolkit_hooks(
             "/h",
+            "580.95.05",
             &["/usr/lib64".into()],
             &[("libcuda.so.1".into(), "/usr/lib64/libcuda.so".into())],
         );
-        assert_eq!(hooks.len(), 2);
-        assert_eq!(hooks[0].args[1], "create-symlinks");
+        let names: Vec<&str> = hooks.iter().map(|h| h.args[1].as_str()).collect();
         assert_eq!(
-            hooks[1].args,
+            names,
+            [
+                "create-symlinks",
+                "enable-cuda-compat",
+                "update-ldcache",
+                "disable-device-node-modification"
+            ]
+        );
+        assert_eq!(hooks[1].args[2], "--host-driver-version=580.95.05");
+        assert_eq!(
+            hooks[2].args,
             [
                 "nvidia-cdi-hook",
                 "update-ldcache",
@@ -320,5 +411,45 @@ mod tests {
                 "/usr/lib64"
             ]
         );
+        assert!(hooks.iter().all(|h| h.env == ["NVIDIA_CTK_DEBUG=false"]));
+        assert!(hooks.iter().all(|h| h.hook_name == "createContainer"));
+    }
+
+    fn links(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
+        pairs
+            .iter()
+            .map(|(a, b)| ((*a).to_owned(), (*b).to_owned()))
+            .collect()
+    }
+
+    #[test]
+    fn library_links_are_the_soname_and_so_links_the_host_has() {
+        let host = links(&[
+            ("libcuda.so.1", "libcuda.so.580.95.05"),
+            ("libcuda.so", "libcuda.so.1"),
+            ("libnvidia-eglcore.so", "libnvidia-eglcore.so.580.95.05"),
+            ("libGLX_nvidia.so.0", "libGLX_nvidia.so.580.95.05"),
+            ("libGLX_indirect.so.0", "libGLX_nvidia.so.580.95.05"),
+        ]);
+        assert_eq!(
+            library_links("/d", "libcuda.so.580.95.05", &host),
+            links(&[
+                ("libcuda.so.580.95.05", "/d/libcuda.so.1"),
+                ("libcuda.so.1", "/d/libcuda.so"),
+            ])
+        );
+        // Its own soname: only the .so link.
+        assert_eq!(
+            library_links("/d", "libnvidia-eglcore.so.580.95.05", &host),
+            links(&[("libnvidia-eglcore.so.580.95.05", "/d/libnvidia-eglcore.so")])
+        );
+        // No .so link on the host: none in the container; other stems are not sonames.
+        assert_eq!(
+            library_links("/d", "libGLX_nvidia.so.580.95.05", &host),
+            links(&[("libGLX_nvidia.so.580.95.05", "/d/libGLX_nvidia.so.0")])
+        );
+        assert!(library_links("/d", "nvidia_icd.json", &host).is_empty());
+        assert_eq!(so_link_name("libcuda.so.1"), Some("libcuda.so"));
+        assert_eq!(so_link_name("libfoo.sox"), None);
     }
 }

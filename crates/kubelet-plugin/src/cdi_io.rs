@@ -9,6 +9,7 @@
 use std::path::{Path, PathBuf};
 
 use gpu_dra_core::cdi::{self, ContainerEdits, Mount, SpecDevice};
+use gpu_dra_core::ldcache;
 use gpu_dra_core::plan::DeviceNodesNeed;
 
 /// Errors writing CDI specs.
@@ -41,27 +42,24 @@ pub enum CdiError {
     },
 }
 
-/// Library name prefixes of the user-space driver mounted into containers.
-const LIBRARIES: &[&str] = &[
-    "libcuda.so.",
-    "libcudadebugger.so.",
-    "libnvidia-ml.so.",
-    "libnvidia-ptxjitcompiler.so.",
-    "libnvidia-nvvm.so.",
-    "libnvidia-opencl.so.",
-    "libnvidia-gpucomp.so.",
-    "libnvidia-allocator.so.",
-    "libnvidia-cfg.so.",
-    "libnvidia-pkcs11.so.",
-    "libnvidia-pkcs11-openssl3.so.",
-];
-/// Binaries mounted into containers.
+/// Binaries mounted into containers (the toolkit's list, less the IMEX daemon and its
+/// control tool, which belong to IMEX channels, not GPUs).
 const BINARIES: &[&str] = &[
     "nvidia-smi",
     "nvidia-debugdump",
     "nvidia-persistenced",
     "nvidia-cuda-mps-control",
     "nvidia-cuda-mps-server",
+];
+/// Folders binaries are looked up in (container paths), before the `bin` folder next to the
+/// driver's library folder (`/usr/local/nvidia/bin` for `/usr/local/nvidia/lib64`).
+const BINARY_DIRS: &[&str] = &[
+    "/usr/local/sbin",
+    "/usr/local/bin",
+    "/usr/sbin",
+    "/usr/bin",
+    "/sbin",
+    "/bin",
 ];
 /// IPC sockets mounted when present.
 const IPC_SOCKETS: &[&str] = &[
@@ -81,8 +79,64 @@ fn root_str(root: &Path) -> String {
     root.to_string_lossy().trim_end_matches('/').to_owned()
 }
 
+/// The driver's library folders (container paths): those of `libcuda.so.1` in the root's
+/// loader cache, as the toolkit finds them; without a cache (or without `libcuda` in it),
+/// the first usual library folder holding `libcuda.so.1` or `libnvidia-ml.so.1`.
+fn library_dirs(droot: &str) -> Vec<String> {
+    let cached = std::fs::read(format!("{droot}/etc/ld.so.cache"))
+        .ok()
+        .and_then(|b| ldcache::parse(&b).ok())
+        .map(|e| ldcache::folders_of(&e, "libcuda.so.1"))
+        .unwrap_or_default();
+    if !cached.is_empty() {
+        return cached;
+    }
+    gpu_dra_nvml::LIBRARY_DIRS
+        .iter()
+        .map(|d| format!("/{d}"))
+        .find(|d| {
+            ["libcuda.so.1", "libnvidia-ml.so.1"]
+                .iter()
+                .any(|n| Path::new(&format!("{droot}{d}/{n}")).exists())
+        })
+        .into_iter()
+        .collect()
+}
+
+/// `<parent of dir>/<name>`: `/usr/local/nvidia/bin` for `/usr/local/nvidia/lib64`.
+fn sibling(dir: &str, name: &str) -> Option<String> {
+    let (parent, _) = dir.rsplit_once('/')?;
+    (!parent.is_empty()).then(|| format!("{parent}/{name}"))
+}
+
+/// A folder's regular files and its symlinks `(name, target)`, each sorted by name; empty
+/// when the folder cannot be read.
+fn read_folder(dir: &str) -> (Vec<String>, Vec<(String, String)>) {
+    let mut files = Vec::new();
+    let mut links = Vec::new();
+    for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        match e.file_type() {
+            Ok(t) if t.is_symlink() => {
+                if let Ok(target) = std::fs::read_link(e.path()) {
+                    links.push((name, target.to_string_lossy().into_owned()));
+                }
+            }
+            Ok(t) if t.is_file() => files.push(name),
+            _ => {}
+        }
+    }
+    files.sort();
+    links.sort();
+    (files, links)
+}
+
 impl CdiHost {
-    /// Scans the driver root for libraries, binaries, firmware and IPC sockets.
+    /// Scans the driver root as the NVIDIA container toolkit does: the driver's library
+    /// folders are those of `libcuda.so.1` in the root's `etc/ld.so.cache` (else the first of
+    /// the usual folders holding it, or NVML), and every `*.so.<driver version>` in them (and
+    /// their `vdpau/`) is mounted; then binaries, firmware for that version, IPC sockets and
+    /// the optional control nodes, and the toolkit's hooks when `hook_path` is given.
     pub fn discover(
         cdi_root: PathBuf,
         driver_root: &Path,
@@ -93,59 +147,40 @@ impl CdiHost {
         let droot = root_str(driver_root);
         let dev_root = root_str(dev_root);
         let mut mounts = Vec::new();
-        let mut lib_dirs = Vec::new();
         let mut symlinks = Vec::new();
-        // The folders NVML itself is looked up in, as container paths.
-        for dir in gpu_dra_nvml::LIBRARY_DIRS.map(|d| format!("/{d}")) {
-            let Ok(entries) = std::fs::read_dir(format!("{droot}{dir}")) else {
-                continue;
-            };
-            let mut names: Vec<String> = entries
-                .filter_map(|e| e.ok())
-                .map(|e| e.file_name().to_string_lossy().into_owned())
-                .filter(|n| {
-                    LIBRARIES.iter().any(|p| {
-                        n.strip_prefix(p).is_some_and(|v| {
-                            v == driver_version || (driver_version.is_empty() && !v.is_empty())
-                        })
-                    })
-                })
-                .collect();
-            names.sort();
-            for name in names {
-                if mounts
-                    .iter()
-                    .any(|m: &Mount| m.container_path.ends_with(&format!("/{name}")))
-                {
-                    continue;
-                }
-                let path = format!("{dir}/{name}");
-                if name.starts_with("libcuda.so.") {
-                    symlinks.push((name.clone(), format!("{dir}/libcuda.so.1")));
-                }
-                mounts.push(Mount::read_only(format!("{droot}{path}"), path));
-                if !lib_dirs.contains(&dir) {
-                    lib_dirs.push(dir.clone());
-                }
-            }
-        }
-        for bin in BINARIES {
-            for dir in ["/usr/bin", "/usr/sbin", "/bin"] {
-                let path = format!("{dir}/{bin}");
-                if Path::new(&format!("{droot}{path}")).exists() {
+        let lib_dirs = library_dirs(&droot);
+        let suffix = format!(".so.{driver_version}");
+        for dir in &lib_dirs {
+            for sub in [dir.clone(), format!("{dir}/vdpau")] {
+                let (files, links) = read_folder(&format!("{droot}{sub}"));
+                for name in files.iter().filter(|n| {
+                    n.ends_with(&suffix) || (driver_version.is_empty() && n.contains(".so."))
+                }) {
+                    let path = format!("{sub}/{name}");
                     mounts.push(Mount::read_only(format!("{droot}{path}"), path));
-                    break;
+                    symlinks.extend(cdi::library_links(&sub, name, &links));
                 }
             }
         }
-        let fw = format!("/lib/firmware/nvidia/{driver_version}");
-        if let Ok(entries) = std::fs::read_dir(format!("{droot}{fw}")) {
-            let mut names: Vec<String> = entries
-                .filter_map(|e| e.ok())
-                .map(|e| e.file_name().to_string_lossy().into_owned())
-                .collect();
-            names.sort();
-            for name in names {
+        let bin_dirs = BINARY_DIRS
+            .iter()
+            .map(|d| (*d).to_owned())
+            .chain(lib_dirs.iter().filter_map(|d| sibling(d, "bin")));
+        let bin_dirs: Vec<String> = bin_dirs.collect();
+        for bin in BINARIES {
+            if let Some(path) = bin_dirs
+                .iter()
+                .map(|d| format!("{d}/{bin}"))
+                .find(|p| Path::new(&format!("{droot}{p}")).is_file())
+            {
+                mounts.push(Mount::read_only(format!("{droot}{path}"), path));
+            }
+        }
+        let fw_dirs = std::iter::once("/lib/firmware".to_owned())
+            .chain(lib_dirs.iter().filter_map(|d| sibling(d, "firmware")));
+        for fw in fw_dirs.map(|d| format!("{d}/nvidia/{driver_version}")) {
+            let (files, _) = read_folder(&format!("{droot}{fw}"));
+            for name in files {
                 let path = format!("{fw}/{name}");
                 mounts.push(Mount::read_only(format!("{droot}{path}"), path));
             }
@@ -161,11 +196,27 @@ impl CdiHost {
                 });
             }
         }
+        let hook_dirs: Vec<String> = lib_dirs
+            .iter()
+            .filter(|d| {
+                mounts
+                    .iter()
+                    .any(|m| m.container_path.starts_with(&format!("{d}/")))
+            })
+            .cloned()
+            .collect();
         let hooks = hook_path
-            .map(|h| cdi::toolkit_hooks(&h.to_string_lossy(), &lib_dirs, &symlinks))
+            .map(|h| {
+                cdi::toolkit_hooks(&h.to_string_lossy(), driver_version, &hook_dirs, &symlinks)
+            })
             .unwrap_or_default();
         let device_nodes = cdi::CONTROL_NODES
             .iter()
+            .chain(
+                cdi::OPTIONAL_CONTROL_NODES
+                    .iter()
+                    .filter(|p| Path::new(&cdi::host_path(&dev_root, p)).exists()),
+            )
             .map(|p| cdi::DeviceNode {
                 path: (*p).to_owned(),
                 host_path: cdi::host_path(&dev_root, p),

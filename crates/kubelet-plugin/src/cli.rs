@@ -56,8 +56,14 @@ pub struct RunArgs {
     /// set the pod's address or `0.0.0.0:<port>` so that the kubelet's probes reach it.
     #[arg(long, env = "HTTP_ADDRESS", default_value = "127.0.0.1:8080")]
     pub http_address: String,
-    /// nvidia-cdi-hook binary for ldcache/symlink hooks.
-    #[arg(long, env = "CDI_HOOK_PATH")]
+    /// Host path of NVIDIA's `nvidia-cdi-hook` (NVIDIA's chart value `nvidiaCDIHookPath`):
+    /// specs then carry the container toolkit's hooks (driver library links, loader cache,
+    /// CUDA compat, no device node creation). Without it containers get no hooks.
+    #[arg(
+        long = "nvidia-cdi-hook-path",
+        visible_alias = "cdi-hook-path",
+        env = "CDI_HOOK_PATH"
+    )]
     pub cdi_hook_path: Option<PathBuf>,
     /// Seconds between cleanups of claims gone from the API server.
     #[arg(long, env = "CLEANUP_INTERVAL", default_value_t = 60)]

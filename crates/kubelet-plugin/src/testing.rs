@@ -67,7 +67,13 @@ pub fn simulate_host(root: &Path, inventory: &Inventory) -> std::io::Result<()> 
         "libnvidia-ml.so.",
         "libnvidia-ptxjitcompiler.so.",
     ] {
-        std::fs::write(lib.join(format!("{l}{}", inventory.driver_version)), "")?;
+        let file = format!("{l}{}", inventory.driver_version);
+        std::fs::write(lib.join(&file), "")?;
+        // The soname link the driver's installer makes (no ld cache here: the fallback
+        // search finds the folder by it).
+        let soname = lib.join(format!("{l}1"));
+        let _ = std::fs::remove_file(&soname);
+        std::os::unix::fs::symlink(&file, soname)?;
     }
     std::fs::create_dir_all(root.join("usr/bin"))?;
     std::fs::write(root.join("usr/bin/nvidia-smi"), "")?;

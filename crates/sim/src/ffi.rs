@@ -1598,6 +1598,166 @@ pub unsafe extern "C" fn nvmlComputeInstanceGetInfo_v2(
     })
 }
 
+/// `nvmlComputeInstanceProfileInfo_t` (v1, what `nvmlGpuInstanceGetComputeInstanceProfileInfo`
+/// fills).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct CiProfileInfo {
+    /// Profile ID (equals the `NVML_COMPUTE_INSTANCE_PROFILE_*` index).
+    pub id: c_uint,
+    /// Compute slices.
+    pub slice_count: c_uint,
+    /// Maximum instances of this profile in the GPU instance.
+    pub instance_count: c_uint,
+    /// SMs.
+    pub multiprocessor_count: c_uint,
+    /// Copy engines shared within the GPU instance.
+    pub shared_copy_engine_count: c_uint,
+    /// Decoders shared within the GPU instance.
+    pub shared_decoder_count: c_uint,
+    /// Encoders shared within the GPU instance.
+    pub shared_encoder_count: c_uint,
+    /// JPEG engines shared within the GPU instance.
+    pub shared_jpeg_count: c_uint,
+    /// OFA engines shared within the GPU instance.
+    pub shared_ofa_count: c_uint,
+}
+
+/// `nvmlComputeInstanceProfileInfo_v2_t` (and `_v3_t`, which appends `capabilities`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct CiProfileInfoV3 {
+    /// Structure version.
+    pub version: c_uint,
+    /// The v1 fields.
+    pub info: CiProfileInfo,
+    /// `MIG <name>`.
+    pub name: [c_char; NAME_LEN],
+    /// Capability bits (v3 only).
+    pub capabilities: c_uint,
+}
+
+/// `nvmlComputeInstanceProfileInfo_v2` = `sizeof(v2) | 2 << 24` (v2 is v3 without the last
+/// field).
+pub const CI_PROFILE_INFO_V2: c_uint =
+    ((size_of::<CiProfileInfoV3>() - size_of::<c_uint>()) as c_uint) | (2 << 24);
+/// `nvmlComputeInstanceProfileInfo_v3` = `sizeof | 3 << 24`.
+pub const CI_PROFILE_INFO_V3: c_uint = (size_of::<CiProfileInfoV3>() as c_uint) | (3 << 24);
+/// `NVML_COMPUTE_INSTANCE_PROFILE_COUNT`.
+const CI_PROFILE_INDEX_COUNT: c_uint = 0x9;
+
+/// Compute slices of the CI profile constants A100/H100/H200 offer (`_1_SLICE` .. `_7_SLICE`);
+/// the others (`_8_SLICE`, `_6_SLICE`, `_1_SLICE_REV1`, `_7_SLICE_NVL`) are not offered.
+fn ci_slices(index: c_uint) -> Option<u32> {
+    match index {
+        0 => Some(1),
+        1 => Some(2),
+        2 => Some(3),
+        3 => Some(4),
+        4 => Some(7),
+        _ => None,
+    }
+}
+
+/// The CI profile `index` inside GPU instance `gpu_instance`: a GI of `s` compute slices
+/// offers every profile of `c <= s` slices, `s / c` times (NVIDIA_FACTS A.0), with the GI's
+/// SMs split evenly and its engines shared.
+fn ci_profile(
+    gpu_instance: Handle,
+    index: c_uint,
+    engine_profile: c_uint,
+) -> Result<(CiProfileInfo, String), NvmlReturn> {
+    let st = state()?;
+    let (i, id) = gi_handle(&st, gpu_instance)?;
+    if index >= CI_PROFILE_INDEX_COUNT || engine_profile != 0 {
+        return Err(ret::INVALID_ARGUMENT);
+    }
+    let gi = st.gpus[i]
+        .gpu_instances
+        .iter()
+        .find(|g| g.id == id)
+        .ok_or(ret::INVALID_ARGUMENT)?;
+    let p = mig::by_id(mig_table(&st, i)?, gi.profile_id).ok_or(ret::UNKNOWN)?;
+    let c = ci_slices(index)
+        .filter(|c| *c <= p.slice_count)
+        .ok_or(ret::NOT_SUPPORTED)?;
+    let name = if c == p.slice_count {
+        p.name.to_string()
+    } else {
+        format!("{c}c.{}", p.name)
+    };
+    let info = CiProfileInfo {
+        id: index,
+        slice_count: c,
+        instance_count: p.slice_count / c,
+        multiprocessor_count: p.multiprocessors * c / p.slice_count,
+        shared_copy_engine_count: p.copy_engines,
+        shared_decoder_count: p.decoders,
+        shared_encoder_count: p.encoders,
+        shared_jpeg_count: p.jpeg,
+        shared_ofa_count: p.ofa,
+    };
+    Ok((info, name))
+}
+
+/// `nvmlGpuInstanceGetComputeInstanceProfileInfo`: `NOT_SUPPORTED` for a profile the GPU
+/// instance does not offer, `INVALID_ARGUMENT` past the last constant (callers enumerate until
+/// then).
+///
+/// # Safety
+/// `info` must be null or writable.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlGpuInstanceGetComputeInstanceProfileInfo(
+    gpu_instance: Handle,
+    profile: c_uint,
+    eng_profile: c_uint,
+    info: *mut CiProfileInfo,
+) -> NvmlReturn {
+    guard(|| {
+        let (v, _) = ci_profile(gpu_instance, profile, eng_profile)?;
+        // SAFETY: caller contract (out-parameter).
+        unsafe { put(info, v) }
+    })
+}
+
+/// `nvmlGpuInstanceGetComputeInstanceProfileInfoV`: a v2 or v3 struct by its `version`.
+///
+/// # Safety
+/// `info` must be null or valid for reads and writes of the struct its version names.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlGpuInstanceGetComputeInstanceProfileInfoV(
+    gpu_instance: Handle,
+    profile: c_uint,
+    eng_profile: c_uint,
+    info: *mut CiProfileInfoV3,
+) -> NvmlReturn {
+    guard(|| {
+        // SAFETY: caller contract (struct starts with its version field).
+        let version = unsafe { get_version(info.cast::<c_uint>()) }?;
+        if version != CI_PROFILE_INFO_V2 && version != CI_PROFILE_INFO_V3 {
+            return Err(ret::INVALID_ARGUMENT);
+        }
+        let (v, name) = ci_profile(gpu_instance, profile, eng_profile)?;
+        let out = CiProfileInfoV3 {
+            version,
+            info: v,
+            name: fixed::<NAME_LEN>(&format!("MIG {name}")),
+            capabilities: 0,
+        };
+        let len = if version == CI_PROFILE_INFO_V3 {
+            size_of::<CiProfileInfoV3>()
+        } else {
+            size_of::<CiProfileInfoV3>() - size_of::<c_uint>()
+        };
+        // SAFETY: caller contract: the version says the buffer holds `len` bytes; `out` is
+        // a local of at least `len` bytes.
+        unsafe {
+            std::ptr::copy_nonoverlapping((&raw const out).cast::<u8>(), info.cast::<u8>(), len);
+        }
+        Ok(())
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1608,6 +1768,14 @@ mod tests {
         assert_eq!(GI_PROFILE_INFO_V2, 0x0200_0098);
         assert_eq!(GI_PROFILE_INFO_V3, 0x0300_0098);
         assert_eq!(MEMORY_V2, (40 | (2 << 24)) as c_uint);
+    }
+
+    #[test]
+    fn ci_profile_info_layouts_match_nvml_h() {
+        assert_eq!(size_of::<CiProfileInfo>(), 36);
+        assert_eq!(CI_PROFILE_INFO_V2, 0x0200_0088);
+        assert_eq!(CI_PROFILE_INFO_V3, 0x0300_008c);
+        assert_eq!(offset_of!(CiProfileInfoV3, name), 40);
     }
 
     #[test]

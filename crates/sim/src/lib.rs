@@ -15,6 +15,7 @@
 
 use std::path::PathBuf;
 
+pub mod driverfiles;
 pub mod ffi;
 pub mod mig;
 pub mod mps;
@@ -24,6 +25,8 @@ pub mod smi;
 pub mod state;
 #[cfg(feature = "testing")]
 pub mod testing;
+/// Every other NVML function go-nvml binds, returning `NVML_ERROR_NOT_SUPPORTED` (generated).
+pub mod unsupported;
 
 pub use profile::Profile;
 pub use state::{State, StateFile};

@@ -403,6 +403,11 @@ pub fn overlaps(a: u32, asize: u32, b: u32, bsize: u32) -> bool {
     a < b + bsize && b < a + asize
 }
 
+/// GPU instance IDs a GPU can have (0..15, the driver's `mig-minors` table).
+pub const MAX_GPU_INSTANCES: u32 = 15;
+/// Compute instance IDs a GPU instance can have (0..8).
+pub const MAX_COMPUTE_INSTANCES: u32 = 8;
+
 /// Minor number of `/dev/nvidia-caps/nvidia-cap<N>` for GPU instance `gi` of the GPU with
 /// device minor `gpu_minor` (`/proc/driver/nvidia-caps/mig-minors`).
 pub fn gi_cap_minor(gpu_minor: u32, gi: u32) -> u32 {

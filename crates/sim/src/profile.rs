@@ -24,6 +24,10 @@ const BUILTIN: &[(&str, &str)] = &[
     ),
     ("dgx-h100", include_str!("../profiles/dgx-h100.json")),
     ("h200", include_str!("../profiles/h200.json")),
+    (
+        "h100-usr-local-nvidia",
+        include_str!("../profiles/h100-usr-local-nvidia.json"),
+    ),
 ];
 
 /// Names of the built-in profiles, in listing order.
@@ -46,6 +50,52 @@ pub struct Profile {
     pub cuda_driver_version: u32,
     /// GPUs, in NVML index order.
     pub gpus: Vec<GpuSpec>,
+    /// Where the driver's files are installed under the root.
+    #[serde(default, skip_serializing_if = "DriverLayout::is_default")]
+    pub driver_layout: DriverLayout,
+}
+
+/// How the driver's user-space files are laid out on the host.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum DriverLayout {
+    /// A distribution package: libraries in `usr/lib/x86_64-linux-gnu`, tools in `usr/bin`,
+    /// firmware in `lib/firmware`; the NVML library, `libcuda` and the PTX JIT compiler only.
+    #[default]
+    Distro,
+    /// `/usr/local/nvidia/{lib64,bin,firmware}` with the 26 libraries and 5 tools of driver
+    /// 580 (as on the H100 host of `real-hosts/h100-driver-580`, a cloud-installed driver).
+    UsrLocalNvidia,
+}
+
+impl DriverLayout {
+    fn is_default(&self) -> bool {
+        *self == DriverLayout::Distro
+    }
+
+    /// Library folder under the root.
+    pub fn lib_dir(self) -> &'static str {
+        match self {
+            DriverLayout::Distro => "usr/lib/x86_64-linux-gnu",
+            DriverLayout::UsrLocalNvidia => "usr/local/nvidia/lib64",
+        }
+    }
+
+    /// Tool folder under the root.
+    pub fn bin_dir(self) -> &'static str {
+        match self {
+            DriverLayout::Distro => "usr/bin",
+            DriverLayout::UsrLocalNvidia => "usr/local/nvidia/bin",
+        }
+    }
+
+    /// Firmware folder under the root (the kernel's firmware search path).
+    pub fn firmware_dir(self) -> &'static str {
+        match self {
+            DriverLayout::Distro => "lib/firmware",
+            DriverLayout::UsrLocalNvidia => "usr/local/nvidia/firmware",
+        }
+    }
 }
 
 /// One physical GPU.
@@ -453,7 +503,12 @@ mod tests {
         for name in builtin_names() {
             let p = Profile::load(name).expect(name);
             assert_eq!(p.name, name);
-            assert_eq!(p.driver_version, "580.95.05");
+            let want = if p.driver_layout == DriverLayout::UsrLocalNvidia {
+                "580.159.04"
+            } else {
+                "580.95.05"
+            };
+            assert_eq!(p.driver_version, want);
             assert_eq!(p.cuda_driver_version, 13000);
         }
     }

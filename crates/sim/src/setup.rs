@@ -23,7 +23,7 @@ use std::path::{Path, PathBuf};
 
 use crate::SimError;
 use crate::mig;
-use crate::profile::Profile;
+use crate::profile::{DriverLayout, Profile};
 use crate::state::{State, StateFile};
 
 /// Library directory under the root.
@@ -115,6 +115,147 @@ fn set_mode(path: &Path, mode: u32) -> Result<(), SimError> {
     fs::set_permissions(path, fs::Permissions::from_mode(mode)).map_err(io(path))
 }
 
+/// Major of `/dev/nvidia<N>` and `/dev/nvidiactl` (fixed by the kernel module).
+pub const NVIDIA_MAJOR: u32 = 195;
+/// Major of `/dev/nvidia-uvm*` (dynamic on real hosts; the value `proc/devices` lists here).
+pub const UVM_MAJOR: u32 = 508;
+/// Major of `/dev/nvidia-caps/*` (dynamic; the value `proc/devices` lists here).
+pub const CAPS_MAJOR: u32 = 236;
+
+/// Makes a character device node, as the driver does; where that is not permitted (not
+/// root, or a user namespace), a regular file stands in for it.
+fn device_node(path: &Path, major: u32, minor: u32) -> Result<(), SimError> {
+    use std::os::unix::ffi::OsStrExt;
+    if let Some(dir) = path.parent() {
+        fs::create_dir_all(dir).map_err(io(dir))?;
+    }
+    let _ = fs::remove_file(path);
+    let c = std::ffi::CString::new(path.as_os_str().as_bytes()).map_err(|_| SimError::Io {
+        path: path.to_path_buf(),
+        source: std::io::Error::from(std::io::ErrorKind::InvalidInput),
+    })?;
+    // SAFETY: `c` is a NUL-terminated path that outlives the call.
+    #[allow(unsafe_code)]
+    let rc = unsafe {
+        libc::mknod(
+            c.as_ptr(),
+            libc::S_IFCHR | 0o666,
+            libc::makedev(major, minor),
+        )
+    };
+    if rc == 0 {
+        return set_mode(path, 0o666);
+    }
+    write(path, b"")
+}
+
+/// `/proc/driver/nvidia-caps/mig-minors`: the capability minor of every possible GPU and
+/// compute instance of the node's GPUs, as the driver publishes it whether MIG is on or not.
+fn mig_minors(profile: &Profile) -> String {
+    let mut s = String::from("config 1\nmonitor 2\n");
+    for g in &profile.gpus {
+        for gi in 0..mig::MAX_GPU_INSTANCES {
+            s.push_str(&format!(
+                "gpu{}/gi{gi}/access {}\n",
+                g.minor,
+                mig::gi_cap_minor(g.minor, gi)
+            ));
+            for ci in 0..mig::MAX_COMPUTE_INSTANCES {
+                s.push_str(&format!(
+                    "gpu{}/gi{gi}/ci{ci}/access {}\n",
+                    g.minor,
+                    mig::ci_cap_minor(g.minor, gi, ci)
+                ));
+            }
+        }
+    }
+    s
+}
+
+/// `(library, soname)` of the driver libraries a layout installs; `None` when the soname is
+/// the versioned file name itself.
+fn libraries(layout: DriverLayout) -> &'static [(&'static str, Option<&'static str>)] {
+    match layout {
+        DriverLayout::Distro => &[
+            ("libnvidia-ml", Some("libnvidia-ml.so.1")),
+            ("libcuda", Some("libcuda.so.1")),
+            (
+                "libnvidia-ptxjitcompiler",
+                Some("libnvidia-ptxjitcompiler.so.1"),
+            ),
+        ],
+        DriverLayout::UsrLocalNvidia => &[
+            ("libEGL_nvidia", Some("libEGL_nvidia.so.0")),
+            ("libGLESv1_CM_nvidia", Some("libGLESv1_CM_nvidia.so.1")),
+            ("libGLESv2_nvidia", Some("libGLESv2_nvidia.so.2")),
+            ("libGLX_nvidia", Some("libGLX_nvidia.so.0")),
+            ("libcuda", Some("libcuda.so.1")),
+            ("libcudadebugger", Some("libcudadebugger.so.1")),
+            ("libnvcuvid", Some("libnvcuvid.so.1")),
+            ("libnvidia-allocator", Some("libnvidia-allocator.so.1")),
+            ("libnvidia-cfg", Some("libnvidia-cfg.so.1")),
+            ("libnvidia-eglcore", None),
+            ("libnvidia-encode", Some("libnvidia-encode.so.1")),
+            ("libnvidia-fbc", Some("libnvidia-fbc.so.1")),
+            ("libnvidia-glcore", None),
+            ("libnvidia-glsi", None),
+            ("libnvidia-glvkspirv", None),
+            ("libnvidia-gpucomp", None),
+            ("libnvidia-ml", Some("libnvidia-ml.so.1")),
+            ("libnvidia-nvvm", Some("libnvidia-nvvm.so.4")),
+            ("libnvidia-opencl", Some("libnvidia-opencl.so.1")),
+            ("libnvidia-opticalflow", Some("libnvidia-opticalflow.so.1")),
+            ("libnvidia-pkcs11-openssl3", None),
+            (
+                "libnvidia-ptxjitcompiler",
+                Some("libnvidia-ptxjitcompiler.so.1"),
+            ),
+            ("libnvidia-rtcore", None),
+            ("libnvidia-tls", None),
+            ("libnvoptix", Some("libnvoptix.so.1")),
+            ("libvdpau_nvidia", Some("libvdpau_nvidia.so.1")),
+        ],
+    }
+}
+
+/// Installs the driver libraries with their soname and `.so` links, as the driver's
+/// installer does, and the root's `etc/ld.so.cache` listing them by soname (as `ldconfig`
+/// would). The NVML library is the simulator itself; the others are ELF stubs carrying only
+/// their soname.
+fn install_libraries(
+    root: &Path,
+    layout: DriverLayout,
+    ver: &str,
+    artefacts: &Artefacts,
+) -> Result<(), SimError> {
+    let lib = root.join(layout.lib_dir());
+    let mut cache = Vec::new();
+    for (stem, soname) in libraries(layout) {
+        let file = format!("{stem}.so.{ver}");
+        if *stem == "libnvidia-ml" {
+            copy(&artefacts.cdylib, &lib.join(&file))?;
+        } else {
+            let so = soname.map_or(file.clone(), str::to_owned);
+            write(&lib.join(&file), &crate::driverfiles::elf_with_soname(&so))?;
+        }
+        let so = match soname {
+            Some(so) => {
+                symlink(&file, &lib.join(so))?;
+                so.to_string()
+            }
+            None => file.clone(),
+        };
+        symlink(&so, &lib.join(format!("{stem}.so")))?;
+        cache.push((so.clone(), format!("/{}/{so}", layout.lib_dir())));
+    }
+    // ldconfig lists entries in descending name order.
+    cache.sort_by(|a, b| b.0.cmp(&a.0));
+    write(
+        &root.join("etc/ld.so.cache"),
+        &crate::driverfiles::ld_so_cache(&cache),
+    )
+}
+
 /// Creates (or refreshes) a simulated host for `profile` under `root`, installing the
 /// library and tools from `artefacts`. An existing state file is replaced by the profile's
 /// boot state.
@@ -122,37 +263,45 @@ pub fn setup(root: &Path, profile: &Profile, artefacts: &Artefacts) -> Result<St
     fs::create_dir_all(root).map_err(io(root))?;
     let ver = &profile.driver_version;
 
-    // Libraries.
-    let lib = root.join(LIB_DIR);
-    let nvml = format!("libnvidia-ml.so.{ver}");
-    copy(&artefacts.cdylib, &lib.join(&nvml))?;
-    symlink(&nvml, &root.join(NVML_LIB))?;
-    symlink("libnvidia-ml.so.1", &lib.join("libnvidia-ml.so"))?;
-    for (name, link) in [
-        (format!("libcuda.so.{ver}"), "libcuda.so.1"),
-        (
-            format!("libnvidia-ptxjitcompiler.so.{ver}"),
-            "libnvidia-ptxjitcompiler.so.1",
-        ),
-    ] {
-        write(&lib.join(&name), format!("simulated {name}\n").as_bytes())?;
-        symlink(&name, &lib.join(link))?;
-    }
+    let layout = profile.driver_layout;
+    install_libraries(root, layout, ver, artefacts)?;
     write(
-        &root.join(format!("lib/firmware/nvidia/{ver}/gsp_ga10x.bin")),
+        &root.join(format!(
+            "{}/nvidia/{ver}/gsp_ga10x.bin",
+            layout.firmware_dir()
+        )),
         b"simulated GSP firmware\n",
     )?;
+    if layout == DriverLayout::UsrLocalNvidia {
+        write(
+            &root.join(format!(
+                "{}/nvidia/{ver}/gsp_tu10x.bin",
+                layout.firmware_dir()
+            )),
+            b"simulated GSP firmware\n",
+        )?;
+    }
 
     // Tools.
-    let bin = root.join(BIN_DIR);
+    let bin = root.join(layout.bin_dir());
     for tool in TOOLS {
         let to = bin.join(tool);
         copy(&artefacts.bin_dir.join(tool), &to)?;
         set_mode(&to, 0o755)?;
     }
-    let persistenced = bin.join("nvidia-persistenced");
-    write(&persistenced, b"#!/bin/sh\nexit 0\n")?;
-    set_mode(&persistenced, 0o755)?;
+    let scripts: &[&str] = match layout {
+        DriverLayout::Distro => &["nvidia-persistenced"],
+        DriverLayout::UsrLocalNvidia => &[
+            "nvidia-persistenced",
+            "nvidia-debugdump",
+            "nvidia-cuda-mps-server",
+        ],
+    };
+    for name in scripts {
+        let path = bin.join(name);
+        write(&path, b"#!/bin/sh\nexit 0\n")?;
+        set_mode(&path, 0o755)?;
+    }
 
     // State first: the device files below are derived from it.
     let state = State::from_profile(profile.clone());
@@ -160,12 +309,24 @@ pub fn setup(root: &Path, profile: &Profile, artefacts: &Artefacts) -> Result<St
 
     // Device nodes and /proc.
     let dev = root.join("dev");
-    for name in ["nvidiactl", "nvidia-uvm", "nvidia-uvm-tools"] {
-        write(&dev.join(name), b"")?;
+    for (name, major, minor) in [
+        ("nvidiactl", NVIDIA_MAJOR, 255),
+        ("nvidia-uvm", UVM_MAJOR, 0),
+        ("nvidia-uvm-tools", UVM_MAJOR, 1),
+    ] {
+        device_node(&dev.join(name), major, minor)?;
     }
     for g in &profile.gpus {
-        write(&dev.join(format!("nvidia{}", g.minor)), b"")?;
+        device_node(
+            &dev.join(format!("nvidia{}", g.minor)),
+            NVIDIA_MAJOR,
+            g.minor,
+        )?;
     }
+    write(
+        &root.join("proc/driver/nvidia-caps/mig-minors"),
+        mig_minors(profile).as_bytes(),
+    )?;
     write(
         &root.join("proc/devices"),
         b"Character devices:\n  1 mem\n195 nvidia-frontend\n195 nvidia\n195 nvidiactl\n236 nvidia-caps\n508 nvidia-uvm\n\nBlock devices:\n  8 sd\n",
@@ -179,8 +340,8 @@ pub fn setup(root: &Path, profile: &Profile, artefacts: &Artefacts) -> Result<St
         &caps.join("mig/monitor"),
         b"DeviceFileMinor: 2\nDeviceFileMode: 292\nDeviceFileModify: 1\n",
     )?;
-    write(&dev.join("nvidia-caps/nvidia-cap1"), b"")?;
-    write(&dev.join("nvidia-caps/nvidia-cap2"), b"")?;
+    device_node(&dev.join("nvidia-caps/nvidia-cap1"), CAPS_MAJOR, 1)?;
+    device_node(&dev.join("nvidia-caps/nvidia-cap2"), CAPS_MAJOR, 2)?;
     sync_mig_files(root, &state)?;
 
     // sysfs.
@@ -237,7 +398,11 @@ pub fn sync_mig_files(root: &Path, state: &State) -> Result<(), SimError> {
                 format!("DeviceFileMinor: {m}\nDeviceFileMode: 292\nDeviceFileModify: 1\n")
                     .as_bytes(),
             )?;
-            write(&root.join(format!("dev/nvidia-caps/nvidia-cap{m}")), b"")?;
+            device_node(
+                &root.join(format!("dev/nvidia-caps/nvidia-cap{m}")),
+                CAPS_MAJOR,
+                m,
+            )?;
             for ci in &gi.compute_instances {
                 let m = mig::ci_cap_minor(g.minor, gi.id, ci.id);
                 write(
@@ -245,7 +410,11 @@ pub fn sync_mig_files(root: &Path, state: &State) -> Result<(), SimError> {
                     format!("DeviceFileMinor: {m}\nDeviceFileMode: 292\nDeviceFileModify: 1\n")
                         .as_bytes(),
                 )?;
-                write(&root.join(format!("dev/nvidia-caps/nvidia-cap{m}")), b"")?;
+                device_node(
+                    &root.join(format!("dev/nvidia-caps/nvidia-cap{m}")),
+                    CAPS_MAJOR,
+                    m,
+                )?;
             }
         }
     }
@@ -290,7 +459,7 @@ mod tests {
                 .is_file()
         );
         for i in 0..8 {
-            assert!(root.join(format!("dev/nvidia{i}")).is_file());
+            assert!(is_node(&root.join(format!("dev/nvidia{i}"))));
         }
         // GPU 0 GI 1 (3g.20gb): minor 12, CI 0: 13 (NVIDIA's mig-minors table).
         let gi =
@@ -305,8 +474,8 @@ mod tests {
         )
         .expect("ci access");
         assert!(ci.starts_with(&format!("DeviceFileMinor: {}\n", 3 + 135 * 3 + 9 * 12 + 1)));
-        assert!(root.join("dev/nvidia-caps/nvidia-cap13").is_file());
-        assert!(root.join("dev/nvidia-caps/nvidia-cap1").is_file());
+        assert!(is_node(&root.join("dev/nvidia-caps/nvidia-cap13")));
+        assert!(is_node(&root.join("dev/nvidia-caps/nvidia-cap1")));
         // Destroying an instance removes its files.
         let mut st = StateFile::under_root(&root).load().expect("state");
         st.destroy_compute_instance(0, 1, 0).expect("dci");
@@ -314,11 +483,10 @@ mod tests {
         sync_mig_files(&root, &st).expect("sync");
         assert!(!root.join("dev/nvidia-caps/nvidia-cap13").exists());
         assert!(!root.join("dev/nvidia-caps/nvidia-cap12").exists());
-        assert!(root.join("dev/nvidia-caps/nvidia-cap1").is_file());
-        assert!(
-            root.join(format!("dev/nvidia-caps/nvidia-cap{}", 3 + 9 * 6))
-                .is_file()
-        );
+        assert!(is_node(&root.join("dev/nvidia-caps/nvidia-cap1")));
+        assert!(is_node(
+            &root.join(format!("dev/nvidia-caps/nvidia-cap{}", 3 + 9 * 6))
+        ));
         assert!(
             !root
                 .join("proc/driver/nvidia/capabilities/gpu4/mig")
@@ -343,6 +511,58 @@ mod tests {
 
         let st = StateFile::under_root(&root).load().expect("state");
         assert_eq!(st.profile.name, "dgx-a100-40gb");
+    }
+
+    /// A device node, or the regular file standing in for one where mknod is not allowed.
+    fn is_node(p: &Path) -> bool {
+        use std::os::unix::fs::FileTypeExt;
+        fs::metadata(p).is_ok_and(|m| m.is_file() || m.file_type().is_char_device())
+    }
+
+    #[test]
+    fn driver_files_are_found_the_way_the_toolkit_finds_them() {
+        use std::os::unix::fs::{FileTypeExt, MetadataExt};
+        let tmp = tempfile::tempdir().expect("tmp");
+        let art = fake_artefacts(tmp.path());
+        let root = tmp.path().join("root");
+        let profile = Profile::load("h100-usr-local-nvidia").expect("profile");
+        setup(&root, &profile, &art).expect("setup");
+        let lib = root.join("usr/local/nvidia/lib64");
+        assert_eq!(
+            fs::read_link(lib.join("libcuda.so.1")).expect("soname link"),
+            Path::new("libcuda.so.580.159.04")
+        );
+        assert_eq!(
+            fs::read_link(lib.join("libnvidia-tls.so")).expect(".so link"),
+            Path::new("libnvidia-tls.so.580.159.04")
+        );
+        let n = fs::read_dir(&lib)
+            .expect("lib64")
+            .filter(|e| {
+                e.as_ref()
+                    .is_ok_and(|e| e.file_name().to_string_lossy().ends_with(".so.580.159.04"))
+            })
+            .count();
+        assert_eq!(n, 26);
+        let cache = fs::read(root.join("etc/ld.so.cache")).expect("ld cache");
+        assert!(cache.starts_with(b"glibc-ld.so.cache1.1"));
+        let needle = b"/usr/local/nvidia/lib64/libcuda.so.1\0";
+        assert!(cache.windows(needle.len()).any(|w| w == needle));
+        for t in ["nvidia-smi", "nvidia-debugdump", "nvidia-cuda-mps-server"] {
+            assert!(root.join("usr/local/nvidia/bin").join(t).is_file(), "{t}");
+        }
+        assert!(
+            root.join("usr/local/nvidia/firmware/nvidia/580.159.04/gsp_tu10x.bin")
+                .is_file()
+        );
+        let minors =
+            fs::read_to_string(root.join("proc/driver/nvidia-caps/mig-minors")).expect("minors");
+        assert!(minors.starts_with("config 1\nmonitor 2\ngpu0/gi0/access 3\n"));
+        assert!(minors.contains("gpu0/gi14/ci7/access 137\n"));
+        let ctl = fs::metadata(root.join("dev/nvidiactl")).expect("nvidiactl");
+        if ctl.file_type().is_char_device() {
+            assert_eq!(ctl.rdev(), libc::makedev(NVIDIA_MAJOR, 255));
+        }
     }
 
     #[test]

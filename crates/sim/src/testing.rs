@@ -124,14 +124,19 @@ impl SimHost {
         self.dir.path()
     }
 
-    /// `<root>/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1`.
+    /// `<root>/<library folder>/libnvidia-ml.so.1` (`usr/lib/x86_64-linux-gnu` in the
+    /// default layout).
     pub fn lib_path(&self) -> PathBuf {
-        self.root().join(setup::NVML_LIB)
+        self.root()
+            .join(self.profile().driver_layout.lib_dir())
+            .join("libnvidia-ml.so.1")
     }
 
-    /// `<root>/usr/bin/<tool>`.
+    /// `<root>/<tool folder>/<tool>` (`usr/bin` in the default layout).
     pub fn tool(&self, name: &str) -> PathBuf {
-        self.root().join(setup::BIN_DIR).join(name)
+        self.root()
+            .join(self.profile().driver_layout.bin_dir())
+            .join(name)
     }
 
     /// `<root>/sys` (the sysfs root).
