@@ -27,8 +27,8 @@ use std::path::{Path, PathBuf};
 use nvml_wrapper::error::NvmlError;
 use nvml_wrapper::{Device, Nvml};
 use nvml_wrapper_sys::bindings::{
-    nvmlDevice_t, nvmlGpuInstance_t, nvmlGpuInstanceInfo_t, nvmlGpuInstanceProfileInfo_t,
-    nvmlReturn_enum_NVML_SUCCESS, nvmlReturn_t,
+    nvmlDevice_t, nvmlDeviceAddressingMode_t, nvmlGpuInstance_t, nvmlGpuInstanceInfo_t,
+    nvmlGpuInstanceProfileInfo_t, nvmlReturn_enum_NVML_SUCCESS, nvmlReturn_t,
 };
 
 use gpu_dra_device::{
@@ -221,8 +221,7 @@ impl NvmlInventory {
             pci_bus_id,
             pcie_root,
             numa_node,
-            // nvmlDeviceGetAddressingMode is not queried yet (docs/STATUS.md).
-            addressing_mode: None,
+            addressing_mode: addressing_mode(nvml, device),
             mig,
             mig_devices: Vec::new(),
         };
@@ -359,6 +358,36 @@ fn gpu_instance_info(
     }
 }
 
+/// The device's memory addressing mode as NVIDIA's driver publishes it (`addressingMode`):
+/// NVML's mode name, or `None` when NVML reports no active mode, does not support the call
+/// (older drivers, most GPUs: a real x86 H100 with driver 580 reports none) or fails.
+/// Best effort, like NVIDIA's: the attribute is optional.
+fn addressing_mode(nvml: &Nvml, device: &Device<'_>) -> Option<String> {
+    let get = nvml.lib().nvmlDeviceGetAddressingMode.as_ref().ok()?;
+    let mut mode = nvmlDeviceAddressingMode_t {
+        version: ADDRESSING_MODE_V1,
+        value: 0,
+    };
+    // SAFETY: `device` is a live handle of an initialised NVML session and `mode` is a valid,
+    // versioned `nvmlDeviceAddressingMode_v1_t` out-parameter, which is all the call writes.
+    check(unsafe { get(device.handle(), &mut mode) }).ok()?;
+    addressing_mode_name(mode.value).map(str::to_owned)
+}
+
+/// `nvmlDeviceAddressingMode_v1`: `NVML_STRUCT_VERSION(DeviceAddressingMode, 1)`, the struct's
+/// size with the version in the top byte (two `unsigned int`s: 8 bytes).
+const ADDRESSING_MODE_V1: c_uint = 8 | (1 << 24);
+
+/// NVML's addressing mode values (`nvmlDeviceAddressingModeType_t`) as published; `NONE` and
+/// values newer than this code are left out rather than guessed.
+fn addressing_mode_name(value: c_uint) -> Option<&'static str> {
+    match value {
+        1 => Some("HMM"),
+        2 => Some("ATS"),
+        _ => None,
+    }
+}
+
 type U32Getter = unsafe extern "C" fn(nvmlDevice_t, *mut c_uint) -> nvmlReturn_t;
 
 /// Calls an NVML getter of the shape `nvmlReturn_t f(nvmlDevice_t, unsigned int *)`.
@@ -389,6 +418,18 @@ fn check(ret: nvmlReturn_t) -> Result<(), NvmlError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn addressing_modes_are_named_as_nvidia_publishes_them() {
+        assert_eq!(addressing_mode_name(0), None, "no active mode: left out");
+        assert_eq!(addressing_mode_name(1), Some("HMM"));
+        assert_eq!(addressing_mode_name(2), Some("ATS"));
+        assert_eq!(addressing_mode_name(3), None, "unknown: left out");
+        assert_eq!(
+            ADDRESSING_MODE_V1,
+            u32::try_from(std::mem::size_of::<nvmlDeviceAddressingMode_t>()).unwrap() | (1 << 24)
+        );
+    }
 
     #[test]
     fn library_is_found_in_the_first_dir_that_has_it_and_links_stay_in_the_root() {
