@@ -54,15 +54,15 @@ e2e-runtime: ## runc and a static busybox (Debian packages), installed when miss
 	fi
 
 e2e-image: e2e-bins e2e-runtime ## the e2e test image: busybox, glibc for the simulator's tools, an ld cache
-	bash e2e/testimage/build.sh $(TEST_IMAGE) target/debug/nvidia-smi target/debug/libnvidia_ml.so
+	bash e2e/testimage/build.sh $(TEST_IMAGE) target/debug/nvidia-smi target/debug/libgpu_dra_sim.so
 
 e2e: e2e-bins e2e-tools e2e-image image-rootfs ## end-to-end tests against the in-process control plane
 	cd e2e && $(E2E_ENV) $(GO) test -count=1 -timeout $(E2E_TIMEOUT) ./...
 
-demo: e2e-bins e2e-tools e2e-image ## local cluster with an A100 and a T4 node, a short tour, then up for kubectl until Ctrl-C
+demo: e2e-bins e2e-tools e2e-image toolkit ## local cluster with an A100 and a T4 node, a short tour, then up for kubectl until Ctrl-C
 	cd e2e && $(E2E_ENV) $(GO) run ./cmd/demo
 
-bench-e2e: e2e-bins ## scale benchmark: 100 nodes x 8 GPUs, 800 one-GPU pods (not in CI)
+bench-e2e: e2e-bins toolkit ## scale benchmark: 100 nodes x 8 GPUs, 800 one-GPU pods (not in CI)
 	cd e2e && $(E2E_ENV) $(GO) run ./cmd/bench-e2e
 
 generate: ## regenerate committed generated files (protobuf bindings, JSON schema)

@@ -120,8 +120,15 @@ func (n *Node) StartPlugin(ctx context.Context, opts PluginOptions) (*PluginProc
 			return nil, err
 		}
 	}
+	// NVIDIA's hook binary at a path of this machine, which is the host the
+	// runtime runs the specs' hooks on (`make toolkit`).
+	hook, err := Tool("nvidia-cdi-hook")
+	if err != nil {
+		return nil, err
+	}
 	p := &PluginProcess{
 		Args: append([]string{bin, "run",
+			"--nvidia-cdi-hook-path=" + hook,
 			"--node-name=" + n.Name,
 			"--driver-name=" + opts.Driver,
 			"--kubeconfig=" + kubeconfig,

@@ -265,19 +265,15 @@ func checkDriverLibrary(ctx context.Context, t *testing.T, pod *v1.Pod, ctr stri
 	if err != nil {
 		t.Fatal(err)
 	}
-	// Today's failure, asserted: our CDI specs run no hooks by default, so
-	// nothing runs ldconfig in the container after the driver libraries are
-	// mounted: there is no libnvidia-ml.so.1 link next to the versioned
-	// file and the loader cache does not list it, so a program that dlopens
-	// "libnvidia-ml.so.1" (every NVML and CUDA user) fails to load it. The
-	// fix is the update-ldcache hook in the specs (team issue "CDI hooks /
-	// real GPU nodes"); once it lands, these two must turn around: the link
-	// exists and the cache lists it.
-	if strings.Contains(cache.Stdout, libnvidiaML) {
-		t.Errorf("pod %s container %s: the loader cache lists %s: the update-ldcache hook runs now; turn this check around", pod.Name, ctr, libnvidiaML)
+	// The specs' hooks (NVIDIA's nvidia-cdi-hook: create-symlinks, then
+	// update-ldcache) ran in the container: the soname link sits next to the
+	// versioned file and the loader cache lists it, so a program that dlopens
+	// "libnvidia-ml.so.1" (every NVML and CUDA user) finds it.
+	if !strings.Contains(cache.Stdout, libnvidiaML) {
+		t.Errorf("pod %s container %s: the loader cache does not list %s (update-ldcache hook did not run): %s", pod.Name, ctr, libnvidiaML, cache.Stdout)
 	}
-	if soname.ExitCode == 0 {
-		t.Errorf("pod %s container %s: /usr/lib/x86_64-linux-gnu/%s exists: the hooks run now; turn this check around", pod.Name, ctr, libnvidiaML)
+	if soname.ExitCode != 0 {
+		t.Errorf("pod %s container %s: no /usr/lib/x86_64-linux-gnu/%s link (create-symlinks hook did not run)", pod.Name, ctr, libnvidiaML)
 	}
 }
 
