@@ -10,6 +10,8 @@
 # root and the unprivileged user 65532 (the webhook's); empty mount points. No shell, no
 # package manager. The result is built in OUT_DIR.tmp and renamed into place.
 set -euo pipefail
+# shellcheck source=elf-libs.sh
+. "$(dirname "$0")/elf-libs.sh"
 
 out=${1:?usage: build-rootfs.sh OUT_DIR BIN_DIR NVIDIA_CDI_HOOK}
 bin=${2:?usage: build-rootfs.sh OUT_DIR BIN_DIR NVIDIA_CDI_HOOK}
@@ -31,19 +33,7 @@ cp "$hook" "$tmp/usr/local/bin/nvidia-cdi-hook"
 elfs+=("$hook")
 
 # Libraries at the paths the loader resolved them to on the build host (Debian multiarch).
-for elf in "${elfs[@]}"; do
-  ldd "$elf" 2>/dev/null | awk '/=> \// {print $3} /^\t\/[^ ]+ \(/ {print $1}' | while read -r lib; do
-    real=$(readlink -f "$lib")
-    dir=$(dirname "$lib")
-    case "$dir" in /lib64|/lib/x86_64-linux-gnu|/usr/lib/x86_64-linux-gnu) ;; *) dir=/lib/x86_64-linux-gnu ;; esac
-    cp "$real" "$tmp$dir/$(basename "$real")"
-    [ "$(basename "$real")" = "$(basename "$lib")" ] || ln -sf "$(basename "$real")" "$tmp$dir/$(basename "$lib")"
-  done
-done
-if [ ! -e "$tmp/lib64/ld-linux-x86-64.so.2" ]; then
-  echo "build-rootfs.sh: no dynamic loader found through ldd" >&2
-  exit 1
-fi
+copy_elf_libs "$tmp" "${elfs[@]}"
 
 certs=/etc/ssl/certs/ca-certificates.crt
 [ -f "$certs" ] || { echo "build-rootfs.sh: $certs not found (Debian package ca-certificates)" >&2; exit 1; }

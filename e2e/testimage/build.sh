@@ -11,6 +11,8 @@
 # built for the image, as a distribution image has; mount points for /proc, /sys, /dev.
 # The build is written to OUT_DIR/rootfs.tmp and renamed into place.
 set -euo pipefail
+# shellcheck source=../../deploy/image/elf-libs.sh
+. "$(dirname "$0")/../../deploy/image/elf-libs.sh"
 
 out=${1:?usage: build.sh OUT_DIR ELF...}
 shift
@@ -42,19 +44,8 @@ cp "$ldconfig" "$tmp/sbin/ldconfig"
 # (the same Debian multiarch layout the image uses).
 for elf in "$@"; do
   [ -f "$elf" ] || { echo "build.sh: $elf not found (build the Rust workspace first)" >&2; exit 1; }
-  ldd "$elf" | awk '/=> \// {print $3} /^\t\/[^ ]+ \(/ {print $1}' | while read -r lib; do
-    real=$(readlink -f "$lib")
-    dir=$(dirname "$lib")
-    case "$dir" in /lib64|/lib/x86_64-linux-gnu|/usr/lib/x86_64-linux-gnu) ;; *) dir=/lib/x86_64-linux-gnu ;; esac
-    cp "$real" "$tmp$dir/$(basename "$real")"
-    [ "$(basename "$real")" = "$(basename "$lib")" ] || ln -sf "$(basename "$real")" "$tmp$dir/$(basename "$lib")"
-  done
 done
-# /lib64/ld-linux-x86-64.so.2 is how every x86-64 binary names its loader.
-if [ ! -e "$tmp/lib64/ld-linux-x86-64.so.2" ]; then
-  echo "build.sh: no dynamic loader found through ldd" >&2
-  exit 1
-fi
+copy_elf_libs "$tmp" "$@"
 
 printf 'root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/nonexistent:/bin/false\n' >"$tmp/etc/passwd"
 printf 'root:x:0:\nnogroup:x:65534:\n' >"$tmp/etc/group"
