@@ -73,30 +73,16 @@ fn proc_status_kib(pid: u32, field: &str) -> u64 {
 }
 
 fn review(i: usize) -> Vec<u8> {
-    serde_json::to_vec(&json!({
-        "apiVersion": "admission.k8s.io/v1",
-        "kind": "AdmissionReview",
-        "request": {
-            "uid": format!("u-{i}"),
-            "kind": {"group": "resource.k8s.io", "version": "v1", "kind": "ResourceClaim"},
-            "resource": {"group": "resource.k8s.io", "version": "v1", "resource": "resourceclaims"},
-            "operation": "CREATE",
-            "namespace": "default",
-            "object": {
-                "apiVersion": "resource.k8s.io/v1",
-                "kind": "ResourceClaim",
-                "metadata": {"name": format!("c-{i}"), "namespace": "default"},
-                "spec": {"devices": {
-                    "requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpu.nvidia.com"}}],
-                    "config": [{"requests": ["gpu"], "opaque": {"driver": "gpu.nvidia.com", "parameters": {
-                        "apiVersion": "resource.nvidia.com/v1beta1", "kind": "GpuConfig",
-                        "sharing": {"strategy": "MPS", "mpsConfig": {"defaultActiveThreadPercentage": 50}}
-                    }}}]
-                }}
-            }
-        }
-    }))
-    .unwrap()
+    common::claim_review(
+        &format!("u-{i}"),
+        &format!("c-{i}"),
+        Some(
+            json!([{"requests": ["gpu"], "opaque": {"driver": "gpu.nvidia.com", "parameters": {
+                "apiVersion": "resource.nvidia.com/v1beta1", "kind": "GpuConfig",
+                "sharing": {"strategy": "MPS", "mpsConfig": {"defaultActiveThreadPercentage": 50}}
+            }}}]),
+        ),
+    )
 }
 
 /// Connects and writes `bytes` one at a time, 50 ms apart (see [`trickle_on`]).

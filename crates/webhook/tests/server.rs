@@ -3,29 +3,10 @@
 
 mod common;
 
-use serde_json::{Value, json};
+use serde_json::Value;
 
 fn claim_review(uid: &str) -> Vec<u8> {
-    serde_json::to_vec(&json!({
-        "apiVersion": "admission.k8s.io/v1",
-        "kind": "AdmissionReview",
-        "request": {
-            "uid": uid,
-            "kind": {"group": "resource.k8s.io", "version": "v1", "kind": "ResourceClaim"},
-            "resource": {"group": "resource.k8s.io", "version": "v1", "resource": "resourceclaims"},
-            "operation": "CREATE",
-            "namespace": "default",
-            "object": {
-                "apiVersion": "resource.k8s.io/v1",
-                "kind": "ResourceClaim",
-                "metadata": {"name": "c", "namespace": "default"},
-                "spec": {"devices": {"requests": [
-                    {"name": "gpu", "exactly": {"deviceClassName": "gpu.nvidia.com"}}
-                ]}}
-            }
-        }
-    }))
-    .expect("a JSON value serializes")
+    common::claim_review(uid, "c", None)
 }
 
 #[tokio::test]

@@ -182,3 +182,33 @@ impl Client {
         Ok((status, String::from_utf8_lossy(&bytes).into_owned()))
     }
 }
+
+/// An AdmissionReview (CREATE) of ResourceClaim `name` asking one whole GPU, with `config` as
+/// its `spec.devices.config` when given.
+#[allow(dead_code, reason = "not every test file sends reviews")]
+pub fn claim_review(uid: &str, name: &str, config: Option<serde_json::Value>) -> Vec<u8> {
+    let mut devices = serde_json::json!({"requests": [
+        {"name": "gpu", "exactly": {"deviceClassName": "gpu.nvidia.com"}}
+    ]});
+    if let Some(config) = config {
+        devices["config"] = config;
+    }
+    serde_json::to_vec(&serde_json::json!({
+        "apiVersion": "admission.k8s.io/v1",
+        "kind": "AdmissionReview",
+        "request": {
+            "uid": uid,
+            "kind": {"group": "resource.k8s.io", "version": "v1", "kind": "ResourceClaim"},
+            "resource": {"group": "resource.k8s.io", "version": "v1", "resource": "resourceclaims"},
+            "operation": "CREATE",
+            "namespace": "default",
+            "object": {
+                "apiVersion": "resource.k8s.io/v1",
+                "kind": "ResourceClaim",
+                "metadata": {"name": name, "namespace": "default"},
+                "spec": {"devices": devices}
+            }
+        }
+    }))
+    .expect("a JSON value serializes")
+}
