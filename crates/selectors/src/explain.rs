@@ -139,6 +139,15 @@ fn qualify<'a>(driver: &'a str, key: &'a str) -> (&'a str, &'a str) {
     key.rsplit_once('/').unwrap_or((driver, key))
 }
 
+/// A slice's pool name and generation (0 when unset).
+fn pool_generation(slice: &Value) -> (&str, i64) {
+    let generation = slice
+        .pointer("/spec/pool/generation")
+        .and_then(Value::as_i64)
+        .unwrap_or(0);
+    (str_at(slice, "/spec/pool/name"), generation)
+}
+
 fn read_devices(slices: &[Value], driver: &str) -> Vec<Published> {
     // Only the newest generation of each pool counts, as for the scheduler.
     let mut newest: HashMap<&str, i64> = HashMap::new();
@@ -146,11 +155,7 @@ fn read_devices(slices: &[Value], driver: &str) -> Vec<Published> {
         .iter()
         .filter(|s| str_at(s, "/spec/driver") == driver)
     {
-        let pool = str_at(s, "/spec/pool/name");
-        let generation = s
-            .pointer("/spec/pool/generation")
-            .and_then(Value::as_i64)
-            .unwrap_or(0);
+        let (pool, generation) = pool_generation(s);
         let g = newest.entry(pool).or_insert(generation);
         *g = (*g).max(generation);
     }
@@ -159,11 +164,7 @@ fn read_devices(slices: &[Value], driver: &str) -> Vec<Published> {
         .iter()
         .filter(|s| str_at(s, "/spec/driver") == driver)
     {
-        let pool = str_at(s, "/spec/pool/name");
-        let generation = s
-            .pointer("/spec/pool/generation")
-            .and_then(Value::as_i64)
-            .unwrap_or(0);
+        let (pool, generation) = pool_generation(s);
         if newest.get(pool) != Some(&generation) {
             continue;
         }

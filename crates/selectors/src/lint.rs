@@ -726,6 +726,21 @@ fn mentions_driver(expr: &str, driver: &str) -> bool {
 
 const BOTH: &[DeviceKind] = &[DeviceKind::Gpu, DeviceKind::Mig];
 
+/// The device kinds a class and its selectors target: those of one of our classes, else both
+/// kinds when a selector names our driver, else `None` (not ours: left alone).
+fn target_kinds(
+    class: &str,
+    selectors: &[(String, String)],
+    driver: &str,
+) -> Option<&'static [DeviceKind]> {
+    class_kinds(class, driver).or_else(|| {
+        selectors
+            .iter()
+            .any(|(_, e)| mentions_driver(e, driver))
+            .then_some(BOTH)
+    })
+}
+
 /// Checks every CEL selector in `obj` (a ResourceClaim, ResourceClaimTemplate or DeviceClass of
 /// any `resource.k8s.io` version) that targets our DeviceClasses or names our driver. Other
 /// selectors are none of our business. Paths are full paths from the object root.
@@ -739,12 +754,7 @@ pub fn lint_object(obj: &Value, driver: &str) -> Vec<ObjectFinding> {
                 .and_then(Value::as_str)
                 .unwrap_or_default();
             let selectors = selectors_at(obj.pointer("/spec/selectors"), "spec.selectors");
-            let kinds = class_kinds(name, driver).or_else(|| {
-                selectors
-                    .iter()
-                    .any(|(_, e)| mentions_driver(e, driver))
-                    .then_some(BOTH)
-            });
+            let kinds = target_kinds(name, &selectors, driver);
             if let Some(kinds) = kinds {
                 let target = Target {
                     driver,
@@ -824,12 +834,7 @@ fn lint_requests(devices: Option<&Value>, path: &str, driver: &str, out: &mut Ve
                 .and_then(Value::as_str)
                 .unwrap_or_default();
             let selectors = selectors_at(alt.get("selectors"), &format!("{apath}.selectors"));
-            let kinds = class_kinds(class, driver).or_else(|| {
-                selectors
-                    .iter()
-                    .any(|(_, e)| mentions_driver(e, driver))
-                    .then_some(BOTH)
-            });
+            let kinds = target_kinds(class, &selectors, driver);
             if let Some(kinds) = kinds {
                 let target = Target {
                     driver,
