@@ -3,6 +3,8 @@ package deployed
 import (
 	"context"
 	"fmt"
+	"os"
+	"path/filepath"
 	"slices"
 	"strings"
 	"testing"
@@ -247,23 +249,20 @@ func installedObjects(ctx context.Context) ([]string, error) {
 }
 
 // TestHostInstalledDriver: the chart's default layout, a driver installed on
-// the host (`driverRoot: /`), which the plugin sees at /driver-root. The
-// plugin registers and publishes the node's GPUs.
-//
-// Today's failure, asserted: our CDI specs name the driver's files by the
-// plugin's container path (/driver-root/...), which does not exist on the
-// host, so every workload container asking for a GPU fails to start. The
-// fix is the "Real GPU nodes" issue's item 3 (CDI specs name host paths in
-// both layouts); once it lands this test fails here and must assert instead
-// that the pod runs and `nvidia-smi -L` lists its GPU, as TestHelmLifecycle
-// does.
+// the host (`nvidiaDriverRoot: /`), which the plugin reads at /driver-root in
+// its container. The plugin registers and publishes the node's GPUs; its CDI
+// specs name the driver's files by their host paths, so the workload container
+// starts, and `nvidia-smi -L` inside lists its GPU. No hook path is set: the
+// plugin installs the image's nvidia-cdi-hook under its plugin folder on the
+// host, the specs' hooks run from there, and the container gets the
+// libnvidia-ml.so.1 link and a loader cache listing it.
 func TestHostInstalledDriver(t *testing.T) {
 	ctx := context.Background()
 	n := addNode(t, "node-host-driver", harness.LayoutHostDriver, "t4")
 	install(t, harness.LayoutHostDriver.HelmValues()...)
 	plugin := waitPlugin(ctx, t, n, "")
-	if got := envOf(plugin, "NVIDIA_DRIVER_ROOT"); got != "/driver-root" {
-		t.Fatalf("NVIDIA_DRIVER_ROOT=%q; this test is written for the chart's /driver-root mount", got)
+	if got := envOf(plugin, "CONTAINER_DRIVER_ROOT"); got != "/driver-root" {
+		t.Fatalf("CONTAINER_DRIVER_ROOT=%q; this test is written for the chart's /driver-root mount", got)
 	}
 	err := wait.PollUntilContextTimeout(ctx, 200*time.Millisecond, 60*time.Second, true, func(ctx context.Context) (bool, error) {
 		slices, err := cluster.Client.ResourceV1().ResourceSlices().List(ctx, metav1.ListOptions{FieldSelector: "spec.nodeName=" + n.Name})
@@ -274,30 +273,64 @@ func TestHostInstalledDriver(t *testing.T) {
 	}
 
 	pod := gpuPod(ctx, t, "host-driver", "gpu", n.Name)
-	var status v1.ContainerStatus
-	err = wait.PollUntilContextTimeout(ctx, 200*time.Millisecond, 90*time.Second, true, func(ctx context.Context) (bool, error) {
-		p, err := cluster.Client.CoreV1().Pods(pod.Namespace).Get(ctx, pod.Name, metav1.GetOptions{})
-		if err != nil || len(p.Status.ContainerStatuses) == 0 {
-			return false, nil
+	if _, err := cluster.WaitPodRunning(ctx, pod.Namespace, pod.Name, 90*time.Second); err != nil {
+		got, _ := cluster.Client.CoreV1().Pods(pod.Namespace).Get(ctx, pod.Name, metav1.GetOptions{})
+		msg := ""
+		if got != nil && len(got.Status.ContainerStatuses) > 0 {
+			msg = describe(got.Status.ContainerStatuses[0])
 		}
-		status = p.Status.ContainerStatuses[0]
-		return status.State.Running != nil || status.State.Terminated != nil, nil
-	})
-	if err != nil {
-		t.Fatalf("workload container neither ran nor failed: %v; status %+v; plugin log:\n%s", err, status, plugin.Log())
+		t.Fatalf("%v (%s); plugin log:\n%s", err, msg, plugin.Log())
 	}
-	term := status.State.Terminated
-	if term == nil || term.Reason != "StartError" || !strings.Contains(term.Message, "/driver-root/") {
-		t.Fatalf("want today's failure (StartError: a CDI mount from /driver-root/..., a container path, missing on the host); got %s",
-			describe(status))
+	specs := claimSpecs(t, n)
+	for _, s := range specs {
+		if strings.Contains(s, "/driver-root") {
+			t.Errorf("a CDI spec names the plugin's container path /driver-root:\n%s", s)
+		}
 	}
-	t.Logf("today's failure, as expected: %s", term.Message)
+	hooks, _ := filepath.Glob(n.HostPath("/var/lib/kubelet/plugins/gpu.nvidia.com/bin/nvidia-cdi-hook-*"))
+	if len(hooks) != 1 {
+		t.Fatalf("want one nvidia-cdi-hook installed under the plugin folder on the host, found %v", hooks)
+	}
+	hostHook := strings.TrimPrefix(hooks[0], n.HostRoot)
+	if len(specs) == 0 || !strings.Contains(strings.Join(specs, "\n"), `"`+hostHook+`"`) {
+		t.Errorf("the specs' hooks do not name the installed hook %s:\n%s", hostHook, strings.Join(specs, "\n"))
+	}
+
+	res, err := n.Exec(ctx, pod, "ctr", "nvidia-smi", "-L")
+	if err != nil || res.ExitCode != 0 || !strings.Contains(res.Stdout, "GPU 0:") {
+		t.Fatalf("nvidia-smi -L in the pod: %v %+v", err, res)
+	}
+	// The hooks ran: the soname link next to the mounted library and the
+	// loader cache entry, as a CUDA program needs them for libcuda.so.1.
+	res, err = n.Exec(ctx, pod, "ctr", "sh", "-c", "test -e /usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1 && ldconfig -p")
+	if err != nil || res.ExitCode != 0 || !strings.Contains(res.Stdout, "libnvidia-ml.so.1") {
+		t.Errorf("no libnvidia-ml.so.1 link or loader cache entry in the container (hooks did not run): %v %+v", err, res)
+	}
+
 	if err := cluster.Client.CoreV1().Pods(pod.Namespace).Delete(ctx, pod.Name, metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
 	if err := cluster.WaitPodGone(ctx, pod.Namespace, pod.Name, 60*time.Second); err != nil {
 		t.Fatal(err)
 	}
+}
+
+// claimSpecs are the JSON CDI specs our plugin wrote on the node.
+func claimSpecs(t *testing.T, n *harness.Node) []string {
+	t.Helper()
+	files, err := filepath.Glob(filepath.Join(n.CDIRoot, "*.json"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var out []string
+	for _, f := range files {
+		b, err := os.ReadFile(f)
+		if err != nil {
+			t.Fatal(err)
+		}
+		out = append(out, string(b))
+	}
+	return out
 }
 
 func describe(s v1.ContainerStatus) string {

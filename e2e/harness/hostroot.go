@@ -36,12 +36,12 @@ const (
 	// LayoutHostDriver: the node plugin runs deployed (the chart's DaemonSet,
 	// see daemonset.go) and the driver is installed on the host: the
 	// simulated driver sits at the standard paths of the node's tree (the
-	// chart's default `driverRoot: /`).
+	// chart's default `nvidiaDriverRoot: /`).
 	LayoutHostDriver Layout = "host-driver"
 	// LayoutContainerDriver: the node plugin runs deployed and the driver is
 	// containerized, as the GPU Operator installs it: the simulated driver,
 	// its device nodes and /proc/driver/nvidia are under /run/nvidia/driver
-	// in the node's tree (`driverRoot` and `devRoot: /run/nvidia/driver`).
+	// in the node's tree (`nvidiaDriverRoot` and `kubeletPlugin.devRoot: /run/nvidia/driver`).
 	LayoutContainerDriver Layout = "container-driver"
 )
 
@@ -51,7 +51,7 @@ const ContainerDriverRoot = "/run/nvidia/driver"
 // HelmValues are the chart values that describe the layout to the chart.
 func (l Layout) HelmValues() []string {
 	if l == LayoutContainerDriver {
-		return []string{"kubeletPlugin.driverRoot=" + ContainerDriverRoot, "kubeletPlugin.devRoot=" + ContainerDriverRoot}
+		return []string{"nvidiaDriverRoot=" + ContainerDriverRoot, "kubeletPlugin.devRoot=" + ContainerDriverRoot}
 	}
 	return nil
 }

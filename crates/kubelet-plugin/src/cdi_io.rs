@@ -12,6 +12,8 @@ use gpu_dra_core::cdi::{self, ContainerEdits, Mount, SpecDevice};
 use gpu_dra_core::ldcache;
 use gpu_dra_core::plan::DeviceNodesNeed;
 
+use crate::discover::DriverRoots;
+
 /// Errors writing CDI specs.
 #[derive(Debug, thiserror::Error)]
 pub enum CdiError {
@@ -137,14 +139,19 @@ impl CdiHost {
     /// the usual folders holding it, or NVML), and every `*.so.<driver version>` in them (and
     /// their `vdpau/`) is mounted; then binaries, firmware for that version, IPC sockets and
     /// the optional control nodes, and the toolkit's hooks when `hook_path` is given.
+    ///
+    /// Files are read under `roots.here` and named in specs under `roots.host`, so a driver
+    /// installed on the host that the plugin sees at `/driver-root` is still mounted from its
+    /// host paths.
     pub fn discover(
         cdi_root: PathBuf,
-        driver_root: &Path,
+        roots: &DriverRoots,
         dev_root: &Path,
         driver_version: &str,
         hook_path: Option<&Path>,
     ) -> Self {
-        let droot = root_str(driver_root);
+        let droot = root_str(&roots.here);
+        let hroot = root_str(&roots.host);
         let dev_root = root_str(dev_root);
         let mut mounts = Vec::new();
         let mut symlinks = Vec::new();
@@ -157,7 +164,7 @@ impl CdiHost {
                     n.ends_with(&suffix) || (driver_version.is_empty() && n.contains(".so."))
                 }) {
                     let path = format!("{sub}/{name}");
-                    mounts.push(Mount::read_only(format!("{droot}{path}"), path));
+                    mounts.push(Mount::read_only(format!("{hroot}{path}"), path));
                     symlinks.extend(cdi::library_links(&sub, name, &links));
                 }
             }
@@ -173,7 +180,7 @@ impl CdiHost {
                 .map(|d| format!("{d}/{bin}"))
                 .find(|p| Path::new(&format!("{droot}{p}")).is_file())
             {
-                mounts.push(Mount::read_only(format!("{droot}{path}"), path));
+                mounts.push(Mount::read_only(format!("{hroot}{path}"), path));
             }
         }
         let fw_dirs = std::iter::once("/lib/firmware".to_owned())
@@ -182,13 +189,13 @@ impl CdiHost {
             let (files, _) = read_folder(&format!("{droot}{fw}"));
             for name in files {
                 let path = format!("{fw}/{name}");
-                mounts.push(Mount::read_only(format!("{droot}{path}"), path));
+                mounts.push(Mount::read_only(format!("{hroot}{path}"), path));
             }
         }
         for sock in IPC_SOCKETS {
             if Path::new(&format!("{droot}{sock}")).exists() {
                 mounts.push(Mount {
-                    host_path: format!("{droot}{sock}"),
+                    host_path: format!("{hroot}{sock}"),
                     container_path: (*sock).to_owned(),
                     options: ["ro", "nosuid", "nodev", "bind", "noexec"]
                         .map(String::from)

@@ -56,15 +56,24 @@ pub struct RunArgs {
     /// set the pod's address or `0.0.0.0:<port>` so that the kubelet's probes reach it.
     #[arg(long, env = "HTTP_ADDRESS", default_value = "127.0.0.1:8080")]
     pub http_address: String,
-    /// Host path of NVIDIA's `nvidia-cdi-hook` (NVIDIA's chart value `nvidiaCDIHookPath`):
-    /// specs then carry the container toolkit's hooks (driver library links, loader cache,
-    /// CUDA compat, no device node creation). Without it containers get no hooks.
+    /// Host path of NVIDIA's `nvidia-cdi-hook` (NVIDIA's chart value `nvidiaCDIHookPath`),
+    /// named by the toolkit's hooks in our specs (driver library links, loader cache, CUDA
+    /// compat, no device node creation). Unset: `--cdi-hook-source` is installed under the
+    /// plugin folder and named instead (see `cdi_hook`).
     #[arg(
         long = "nvidia-cdi-hook-path",
         visible_alias = "cdi-hook-path",
-        env = "CDI_HOOK_PATH"
+        env = "NVIDIA_CDI_HOOK_PATH"
     )]
     pub cdi_hook_path: Option<PathBuf>,
+    /// The `nvidia-cdi-hook` binary to install when `--nvidia-cdi-hook-path` is unset (the
+    /// image's); when it does not exist, specs carry no hooks (logged). Empty: no hooks.
+    #[arg(
+        long,
+        env = "CDI_HOOK_SOURCE",
+        default_value = "/usr/local/bin/nvidia-cdi-hook"
+    )]
+    pub cdi_hook_source: PathBuf,
     /// Seconds between cleanups of claims gone from the API server.
     #[arg(long, env = "CLEANUP_INTERVAL", default_value_t = 60)]
     pub cleanup_interval: u64,
@@ -133,6 +142,37 @@ async fn claim_source(
     Ok((Arc::new(KubeClaims::new(client.clone())), Some(client)))
 }
 
+/// The host path of the `nvidia-cdi-hook` our specs name: `--nvidia-cdi-hook-path`, else the
+/// copy of `--cdi-hook-source` installed under the plugin folder; `None` (logged) when
+/// neither is available, and specs then carry no hooks.
+pub fn cdi_hook_path(args: &RunArgs) -> Option<PathBuf> {
+    if let Some(path) = &args.cdi_hook_path {
+        info!(path = %path.display(), "CDI hooks name the configured nvidia-cdi-hook");
+        return Some(path.clone());
+    }
+    if args.cdi_hook_source.as_os_str().is_empty() {
+        info!("no nvidia-cdi-hook configured: CDI specs carry no hooks");
+        return None;
+    }
+    if !args.cdi_hook_source.exists() {
+        warn!(
+            source = %args.cdi_hook_source.display(),
+            "nvidia-cdi-hook not found: CDI specs carry no hooks (containers get no libcuda.so.1 link and no loader cache entry); set --nvidia-cdi-hook-path (NVIDIA_CDI_HOOK_PATH) to its path on the host"
+        );
+        return None;
+    }
+    match crate::cdi_hook::install(&args.cdi_hook_source, &args.plugin_dir) {
+        Ok(path) => {
+            info!(path = %path.display(), "installed nvidia-cdi-hook for CDI hooks");
+            Some(path)
+        }
+        Err(e) => {
+            warn!(error = %e, "CDI specs carry no hooks");
+            None
+        }
+    }
+}
+
 /// The node's boot ID from `path`, or `None` (logged) when it cannot be read: reboots are
 /// then detected only by missing CDI specs.
 pub fn read_boot_id(path: &Path) -> Option<String> {
@@ -175,17 +215,18 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         Some(args.plugin_dir.join("failpoint.reached")),
     )
     .map_err(anyhow::Error::msg)?;
+    let hook = cdi_hook_path(&args);
     let cdi = CdiHost::discover(
         args.cdi_root.clone(),
-        &args.host.driver_root,
+        &args.host.driver_roots(),
         &args.host.dev_root,
         &inventory.driver_version,
-        args.cdi_hook_path.as_deref(),
+        hook.as_deref(),
     );
     let metrics = Arc::new(Metrics::default());
     let boot_id = read_boot_id(&args.boot_id_file);
     let mut sharing_options = SharingOptions::new(
-        DriverRoot::new(&args.host.driver_root, args.host.nvml_lib.clone()),
+        DriverRoot::new(args.host.driver_root_here(), args.host.nvml_lib.clone()),
         &args.plugin_dir,
     );
     sharing_options.boot_id.clone_from(&boot_id);

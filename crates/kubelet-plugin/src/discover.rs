@@ -26,9 +26,22 @@ pub enum OutputFormat {
 /// `discover`, so both read one host the same way.
 #[derive(Debug, Clone, clap::Args)]
 pub struct HostArgs {
-    /// Root of the NVIDIA driver installation (libraries, binaries, firmware).
-    #[arg(long, env = "NVIDIA_DRIVER_ROOT", default_value = "/")]
+    /// Root of the NVIDIA driver installation (libraries, binaries, firmware) on the host,
+    /// as the container runtime sees it (NVIDIA's chart value `nvidiaDriverRoot`): `/` for a
+    /// driver installed on the host, `/run/nvidia/driver` for the GPU Operator's. CDI specs
+    /// name paths under it.
+    #[arg(
+        long = "nvidia-driver-root",
+        visible_alias = "driver-root",
+        env = "NVIDIA_DRIVER_ROOT",
+        default_value = "/"
+    )]
     pub driver_root: PathBuf,
+    /// Where that root is found by this process, when it differs: the chart mounts a driver
+    /// installed on the host at `/driver-root` in the plugin's container. Default: the
+    /// `--nvidia-driver-root` path itself.
+    #[arg(long, env = "CONTAINER_DRIVER_ROOT")]
+    pub container_driver_root: Option<PathBuf>,
     /// Root under which dev/nvidia* and proc/driver/nvidia/capabilities live.
     #[arg(long, env = "NVIDIA_DEV_ROOT", default_value = "/")]
     pub dev_root: PathBuf,
@@ -41,14 +54,50 @@ pub struct HostArgs {
 }
 
 impl HostArgs {
+    /// The driver root as this process reads it (see `container_driver_root`).
+    pub fn driver_root_here(&self) -> &Path {
+        self.container_driver_root
+            .as_deref()
+            .unwrap_or(&self.driver_root)
+    }
+
+    /// The driver root on the host and where this process reads it.
+    pub fn driver_roots(&self) -> DriverRoots {
+        DriverRoots {
+            host: self.driver_root.clone(),
+            here: self.driver_root_here().to_path_buf(),
+        }
+    }
+
     /// The NVML backend for this host and the library it loads.
     pub fn nvml_inventory(&self) -> anyhow::Result<(PathBuf, NvmlInventory)> {
-        let lib_path = nvml_library(&self.driver_root, self.nvml_lib.as_deref())?;
+        let lib_path = nvml_library(self.driver_root_here(), self.nvml_lib.as_deref())?;
         let backend = NvmlInventory::new(NvmlOptions {
             lib_path: lib_path.clone(),
             sysfs_root: self.sysfs_root.clone(),
         });
         Ok((lib_path, backend))
+    }
+}
+
+/// The driver root by its two names: the host's path, which CDI specs name, and the path
+/// under which this process reads the same files.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DriverRoots {
+    /// On the host, as the container runtime resolves spec paths.
+    pub host: PathBuf,
+    /// In this process's filesystem.
+    pub here: PathBuf,
+}
+
+impl DriverRoots {
+    /// One root seen at the same path by the host and this process.
+    pub fn same(root: impl Into<PathBuf>) -> Self {
+        let root = root.into();
+        DriverRoots {
+            host: root.clone(),
+            here: root,
+        }
     }
 }
 
@@ -99,7 +148,7 @@ pub fn nvml_library(driver_root: &Path, explicit: Option<&Path>) -> anyhow::Resu
     }
     nvml::find_library(driver_root).with_context(|| {
         format!(
-            "no {} under {} in any of {}; set --driver-root (NVIDIA_DRIVER_ROOT) to where the driver is installed, or --nvml-lib (NVML_LIB)",
+            "no {} under {} in any of {}; set --nvidia-driver-root (NVIDIA_DRIVER_ROOT) to where the driver is installed (and --container-driver-root to where this process sees it, if elsewhere), or --nvml-lib (NVML_LIB)",
             nvml::LIBRARY_NAME,
             driver_root.display(),
             nvml::LIBRARY_DIRS.join(", ")

@@ -11,6 +11,7 @@
 //! planning, CDI and checkpoint models live in `gpu-dra-core`.
 
 pub mod authority;
+pub mod cdi_hook;
 pub mod cdi_io;
 pub mod checkpoint_file;
 pub mod claim_locks;

@@ -214,7 +214,7 @@ impl DriverBuilder {
         let host = self.root.join("host");
         let cdi = CdiHost::discover(
             self.root.join("cdi"),
-            &host,
+            &crate::discover::DriverRoots::same(&host),
             &host,
             &self.inventory.driver_version,
             None,

@@ -18,6 +18,7 @@ use std::process::Command;
 
 use gpu_dra_core::plan::{DeviceNodesNeed, MigIds};
 use gpu_dra_kubelet_plugin::cdi_io::CdiHost;
+use gpu_dra_kubelet_plugin::discover::DriverRoots;
 use gpu_dra_sim::testing::SimHost;
 use serde_json::Value;
 
@@ -105,7 +106,7 @@ fn our_spec(host: &SimHost) -> Value {
     let state = host.state();
     let cdi = CdiHost::discover(
         tmp.path().to_path_buf(),
-        host.root(),
+        &DriverRoots::same(host.root()),
         host.root(),
         &state.profile.driver_version,
         Some(Path::new(HOOK)),

@@ -40,17 +40,21 @@ fn helm() -> Option<PathBuf> {
 
 /// Renders the chart with `--set` values; returns every object.
 fn render(helm: &Path, sets: &[&str]) -> Vec<Value> {
+    let args: Vec<&str> = sets.iter().flat_map(|s| ["--set", s]).collect();
+    render_args(helm, &args)
+}
+
+/// Renders the chart with extra `helm template` arguments; returns every object.
+fn render_args(helm: &Path, args: &[&str]) -> Vec<Value> {
     let mut cmd = Command::new(helm);
     cmd.args(["template", "rel"])
         .arg(repo().join("deploy/helm/gpu-dra-driver"))
-        .args(["--namespace", NAMESPACE, "--kube-version", KUBE_VERSION]);
-    for s in sets {
-        cmd.args(["--set", s]);
-    }
+        .args(["--namespace", NAMESPACE, "--kube-version", KUBE_VERSION])
+        .args(args);
     let out = cmd.output().expect("helm runs");
     assert!(
         out.status.success(),
-        "helm template {sets:?}: {}",
+        "helm template {args:?}: {}",
         String::from_utf8_lossy(&out.stderr)
     );
     let text = String::from_utf8(out.stdout).expect("rendered chart has the expected shape");
@@ -157,6 +161,7 @@ fn default_values() {
         "REGISTRAR_DIR",
         "CDI_ROOT",
         "NVIDIA_DRIVER_ROOT",
+        "CONTAINER_DRIVER_ROOT",
         "NVIDIA_DEV_ROOT",
         "SYSFS_ROOT",
         "HTTP_ADDRESS",
@@ -181,9 +186,15 @@ fn default_values() {
         assert!(host_paths.contains(&p), "{p} not mounted: {host_paths:?}");
     }
     // The host's /dev is the device root, seen at /dev; a host-installed driver ("/") is
-    // mounted at /driver-root.
+    // mounted at /driver-root, and the plugin is told both paths: specs name host paths.
     assert_eq!(plugin_env(ds, "NVIDIA_DEV_ROOT"), Some("/"));
-    assert_eq!(plugin_env(ds, "NVIDIA_DRIVER_ROOT"), Some("/driver-root"));
+    assert_eq!(plugin_env(ds, "NVIDIA_DRIVER_ROOT"), Some("/"));
+    assert_eq!(
+        plugin_env(ds, "CONTAINER_DRIVER_ROOT"),
+        Some("/driver-root")
+    );
+    // No hook path by default: the plugin installs the image's nvidia-cdi-hook itself.
+    assert_eq!(plugin_env(ds, "NVIDIA_CDI_HOOK_PATH"), None);
     let mounts = mount_paths(ds);
     assert!(
         mounts.contains(&"/dev") && mounts.contains(&"/driver-root"),
@@ -439,7 +450,10 @@ fn value_combinations() {
             "webhook.networkPolicy.enabled=true",
             "webhook.networkPolicy.apiServerCIDRs={10.0.0.0/24,fd00::/64}",
             "webhook.networkPolicy.extraFrom[0].namespaceSelector.matchLabels.team=monitoring",
-            "kubeletPlugin.driverRoot=/run/nvidia/driver",
+            "nvidiaDriverRoot=/run/nvidia/driver",
+            "nvidiaCDIHookPath=/usr/local/nvidia/toolkit/nvidia-cdi-hook",
+            "kubeletPlugin.updateStrategy.rollingUpdate.maxSurge=1",
+            "kubeletPlugin.updateStrategy.rollingUpdate.maxUnavailable=0",
             "kubeletPlugin.serviceAccount.name=plugin",
         ],
     );
@@ -520,6 +534,16 @@ fn value_combinations() {
         plugin_env(ds, "NVIDIA_DRIVER_ROOT"),
         Some("/run/nvidia/driver")
     );
+    assert_eq!(
+        plugin_env(ds, "CONTAINER_DRIVER_ROOT"),
+        Some("/run/nvidia/driver")
+    );
+    assert_eq!(
+        plugin_env(ds, "NVIDIA_CDI_HOOK_PATH"),
+        Some("/usr/local/nvidia/toolkit/nvidia-cdi-hook")
+    );
+    assert_eq!(ds["spec"]["updateStrategy"]["type"], "RollingUpdate");
+    assert_eq!(ds["spec"]["updateStrategy"]["rollingUpdate"]["maxSurge"], 1);
     assert!(mount_paths(ds).contains(&"/run/nvidia/driver"));
     assert!(
         ds["spec"]["template"]["spec"]["volumes"]
@@ -571,7 +595,21 @@ fn bad_values_are_refused_by_the_schema() {
     for (set, want) in [
         ("webhook.failurePolicy=Sometimes", "failurePolicy"),
         ("webhook.tls.mode=none", "mode"),
-        ("kubeletPlugin.driverRoot=relative", "driverRoot"),
+        ("nvidiaDriverRoot=relative", "nvidiaDriverRoot"),
+        ("nvidiaCDIHookPath=relative", "nvidiaCDIHookPath"),
+        // Renamed values are refused with the new name (NVIDIA's), not silently ignored.
+        (
+            "kubeletPlugin.driverRoot=/run/nvidia/driver",
+            "renamed to the top-level value nvidiaDriverRoot",
+        ),
+        (
+            "kubeletPlugin.cdiHookPath=/usr/bin/nvidia-cdi-hook",
+            "renamed to the top-level value nvidiaCDIHookPath",
+        ),
+        (
+            "kubeletPlugin.updateStrategy.type=Recreate",
+            "updateStrategy",
+        ),
         ("logFormat=xml", "logFormat"),
         ("webhook.tls.mode=secret", "webhook.tls.secret.name"),
         (
@@ -937,4 +975,28 @@ fn webhook_is_sent_only_objects_with_configs_or_selectors_for_our_driver() {
     ));
     let changed = class(serde_json::json!([ours, ours]), "a");
     assert!(sent(&classes, "UPDATE", changed, with_ours.clone()));
+}
+
+#[test]
+fn a_values_file_written_for_nvidias_chart_installs() {
+    let Some(helm) = helm() else { return };
+    let values = repo().join("crates/repo-tests/tests/testdata/nvidia-chart-values.yaml");
+    let objects = render_args(&helm, &["--values", values.to_str().unwrap()]);
+    let ds = find(&objects, "DaemonSet", "rel-gpu-dra-driver-kubelet-plugin");
+    // The values with the same meaning carry over.
+    assert_eq!(
+        plugin_env(ds, "NVIDIA_DRIVER_ROOT"),
+        Some("/run/nvidia/driver")
+    );
+    assert_eq!(
+        plugin_env(ds, "NVIDIA_CDI_HOOK_PATH"),
+        Some("/usr/local/nvidia/toolkit/nvidia-cdi-hook")
+    );
+    let pod = &ds["spec"]["template"]["spec"];
+    assert_eq!(pod["nodeSelector"]["nvidia.com/gpu.present"], "true");
+    assert_eq!(pod["imagePullSecrets"][0]["name"], "registry-credentials");
+    assert_eq!(
+        ds["spec"]["template"]["metadata"]["annotations"]["team"],
+        "gpu"
+    );
 }

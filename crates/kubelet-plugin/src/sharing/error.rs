@@ -10,7 +10,9 @@ pub enum SharingError {
     /// A driver tool is not installed under the driver root.
     #[error(
         "{tool} not found under driver root {driver_root} (searched {searched}); \
-         set --driver-root (NVIDIA_DRIVER_ROOT) to where the NVIDIA driver is installed"
+         set --nvidia-driver-root (NVIDIA_DRIVER_ROOT) to where the NVIDIA driver is installed, \
+         and --container-driver-root (CONTAINER_DRIVER_ROOT) to where this process sees it if \
+         elsewhere"
     )]
     ToolNotFound {
         /// Tool name, e.g. `nvidia-smi`.

@@ -280,7 +280,7 @@ mod tests {
                 "{err}"
             );
         }
-        assert!(err.contains("--driver-root"), "{err}");
+        assert!(err.contains("--nvidia-driver-root"), "{err}");
     }
 
     #[test]
