@@ -54,7 +54,7 @@ e2e-runtime: ## runc and a static busybox (Debian packages), installed when miss
 	fi
 
 e2e-image: e2e-bins e2e-runtime ## the e2e test image: busybox, glibc for the simulator's tools, an ld cache
-	bash e2e/testimage/build.sh $(TEST_IMAGE) target/debug/nvidia-smi target/debug/libgpu_dra_sim.so
+	bash e2e/testimage/build.sh $(TEST_IMAGE) target/debug/cuda-app target/debug/nvidia-smi target/debug/libgpu_dra_sim.so
 
 e2e: e2e-bins e2e-tools e2e-image image-rootfs ## end-to-end tests against the in-process control plane
 	cd e2e && $(E2E_ENV) $(GO) test -count=1 -timeout $(E2E_TIMEOUT) ./...

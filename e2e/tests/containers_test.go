@@ -203,6 +203,26 @@ func checkMPSControl(ctx context.Context, t *testing.T, pod *v1.Pod, ctr v1.Cont
 			t.Errorf("pod %s container %s: the MPS daemon's pinned memory limit of device 0 is %q, the claim asks %s", pod.Name, ctr.Name, mem, wantMem)
 		}
 	}
+
+	// A CUDA program (the simulator's cuda-app) in the container joins an MPS
+	// server through the pipe directory alone (the container keeps its own
+	// PID, IPC and mount namespaces and a private /dev/shm) and runs with the
+	// limits the server got from the claim's daemon.
+	res, err := cluster.Node(pod.Spec.NodeName).Exec(ctx, pod, ctr.Name, "cuda-app")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("pod %s container %s: cuda-app says:\n%s", pod.Name, ctr.Name, res.Stdout)
+	if res.ExitCode != 0 || !strings.Contains(res.Stdout, "MPS server ") {
+		t.Errorf("pod %s container %s: the CUDA program did not join an MPS server (exit %d): %s%s", pod.Name, ctr.Name, res.ExitCode, res.Stdout, res.Stderr)
+		return
+	}
+	if want := "active thread percentage " + pct + "\n"; !strings.Contains(res.Stdout, want) {
+		t.Errorf("pod %s container %s: the CUDA program's MPS server does not run with %q: %s", pod.Name, ctr.Name, want, res.Stdout)
+	}
+	if devices == 1 && wantMem != "" && !strings.Contains(res.Stdout, "pinned memory limit "+wantMem+"\n") {
+		t.Errorf("pod %s container %s: the CUDA program's MPS server does not limit pinned memory to %s: %s", pod.Name, ctr.Name, wantMem, res.Stdout)
+	}
 }
 
 func sorted(s []string) []string {

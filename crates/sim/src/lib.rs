@@ -5,6 +5,7 @@
 //!   the NVML C API the driver calls, with the exact ABI of `nvml.h` ([`ffi`]);
 //! - stand-ins for `nvidia-smi` and `nvidia-cuda-mps-control` that speak the real tools'
 //!   command-line and stdin protocols ([`smi`], [`mps`]);
+//! - `cuda-app`, the stand-in for a CUDA program in a container ([`cuda`]);
 //! - `gpu-sim`, which lays out a self-contained simulated host (libraries, tools, `/dev`,
 //!   `/proc` and `/sys` files, state file) under a directory ([`setup`]).
 //!
@@ -15,6 +16,7 @@
 
 use std::path::PathBuf;
 
+pub mod cuda;
 pub mod driverfiles;
 pub mod ffi;
 pub mod mig;

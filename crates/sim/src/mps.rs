@@ -18,8 +18,17 @@
 //! line ending in `\n`; the daemon answers with a 4-byte little-endian length and that many
 //! bytes of text to print.
 //!
-//! No GPU work is simulated: there are never MPS servers, so `get_server_list` prints
-//! nothing.
+//! MPS servers: as on a real host, the first CUDA client that reaches the daemon starts a
+//! server, which takes the daemon's defaults at that moment (active thread percentage,
+//! pinned memory limits) and keeps them; later clients join it, and `get_server_list`,
+//! `get_active_thread_percentage <pid>`, `get_device_pinned_mem_limit <pid> <dev>`,
+//! `set_active_thread_percentage <pid> <p>`, `get_client_list <pid>` and `shutdown_server
+//! <pid>` act on it. The server is simulated inside the daemon, not as a process: its PID is a
+//! number the daemon picks above its own; its log goes to `server.log` next to
+//! `control.log`. A client (the `cuda-app` stand-in for a CUDA program, see [`crate::cuda`])
+//! reaches the daemon only through the pipe directory's `control` socket, sending
+//! [`CLIENT_HELLO`] with its PID and user, and gets the server's settings back. No GPU work
+//! is simulated.
 
 use std::collections::BTreeMap;
 use std::fs::{self, File, OpenOptions};
@@ -38,6 +47,10 @@ pub const DEFAULT_PIPE_DIR: &str = "/tmp/nvidia-mps";
 pub const DEFAULT_LOG_DIR: &str = "/var/log/nvidia-mps";
 /// Hidden flag with which `-d` re-executes itself as the detached daemon.
 pub const DAEMON_CHILD_FLAG: &str = "--gpu-sim-daemon-child";
+
+/// First bytes of a CUDA client's message on `control`, followed by ` <pid> <uid>`: it starts
+/// with a NUL, which no command typed at the front-end contains (private to the simulator).
+pub const CLIENT_HELLO: &str = "\u{0}cuda-client";
 
 const NO_DAEMON: &str = "Cannot find MPS control daemon process";
 const ALREADY_RUNNING: &str = "An instance of this daemon is already running";
@@ -299,6 +312,151 @@ struct Daemon {
     settings: Mutex<Settings>,
     log: Logger,
     pipe_dir: PathBuf,
+    /// The running MPS server, started by the first client.
+    server: Mutex<Option<Server>>,
+    /// `server.log`, when the log directory is writable.
+    server_log: Option<Mutex<File>>,
+    /// Servers started so far (each gets a new PID).
+    servers_started: Mutex<u32>,
+}
+
+/// A simulated MPS server: the daemon's defaults when it started, and its clients.
+struct Server {
+    pid: u32,
+    uid: u32,
+    active_thread_percentage: f64,
+    /// Pinned memory limit in MiB by device key.
+    pinned: BTreeMap<String, u64>,
+    clients: Vec<u32>,
+}
+
+impl Daemon {
+    fn server_line(&self, pid: u32, msg: &str) {
+        if let Some(f) = &self.server_log {
+            let line = format!("[{} Server {pid:>5}] {msg}\n", timestamp());
+            let mut f = f.lock().unwrap_or_else(|e| e.into_inner());
+            let _ = f.write_all(line.as_bytes());
+        }
+    }
+
+    /// A client attaches: the server is started if none runs (with the current defaults);
+    /// returns the text the client prints.
+    fn attach(&self, hello: &str) -> Result<(u32, String), ()> {
+        let mut words = hello.split_whitespace();
+        let (Some(pid), Some(uid), None) = (
+            words.next().and_then(|w| w.parse::<u32>().ok()),
+            words.next().and_then(|w| w.parse::<u32>().ok()),
+            words.next(),
+        ) else {
+            self.log.line("User did not send valid credentials");
+            return Err(());
+        };
+        let settings = self.settings.lock().unwrap_or_else(|e| e.into_inner());
+        let mut server = self.server.lock().unwrap_or_else(|e| e.into_inner());
+        if server.as_ref().is_some_and(|s| s.uid != uid) {
+            self.log.line(&format!(
+                "NEW CLIENT {pid} from user {uid}: Server is busy with another user, client rejected"
+            ));
+            return Ok((
+                pid,
+                format!(
+                    "MPS server busy with user {}: client rejected\n",
+                    server.as_ref().map_or(0, |s| s.uid)
+                ),
+            ));
+        }
+        if server.is_none() {
+            self.log.line(&format!(
+                "NEW CLIENT {pid} from user {uid}: Server is not ready, push client to pending list"
+            ));
+            let mut started = self
+                .servers_started
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
+            *started += 1;
+            let spid = std::process::id() + *started;
+            self.log
+                .line(&format!("Starting new server {spid} for user {uid}"));
+            let new = Server {
+                pid: spid,
+                uid,
+                active_thread_percentage: settings.active_thread_percentage,
+                pinned: settings.pinned.clone(),
+                clients: Vec::new(),
+            };
+            self.server_line(spid, "Server has started");
+            self.server_line(
+                spid,
+                &format!(
+                    "Active Threads Percentage set to {:.1}",
+                    new.active_thread_percentage
+                ),
+            );
+            for (key, mib) in &new.pinned {
+                self.server_line(
+                    spid,
+                    &format!(
+                        "Device pinned memory limit for device {} set to {:#x} bytes",
+                        device_label(&settings, key),
+                        mib * 1024 * 1024
+                    ),
+                );
+            }
+            *server = Some(new);
+        } else {
+            self.log.line(&format!(
+                "NEW CLIENT {pid} from user {uid}: Server already exists"
+            ));
+        }
+        let Some(srv) = server.as_mut() else {
+            return Err(());
+        };
+        srv.clients.push(pid);
+        self.server_line(
+            srv.pid,
+            &format!("Client {{PID: {pid}, Context ID: 0}} connected"),
+        );
+        let mut reply = format!(
+            "MPS server {}\nactive thread percentage {:.1}\n",
+            srv.pid, srv.active_thread_percentage
+        );
+        let keys: Vec<String> = match &settings.devices {
+            Some(devices) => (0..devices.len()).map(|i| i.to_string()).collect(),
+            None => srv.pinned.keys().cloned().collect(),
+        };
+        for key in keys {
+            let limit = srv
+                .pinned
+                .get(&key)
+                .map_or_else(|| "none".to_string(), |m| format_limit(*m));
+            reply.push_str(&format!(
+                "device {key} {} pinned memory limit {limit}\n",
+                device_label(&settings, &key)
+            ));
+        }
+        Ok((pid, reply))
+    }
+
+    /// A client's connection closed: it left its server.
+    fn detach(&self, pid: u32) {
+        let mut server = self.server.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(srv) = server.as_mut() {
+            srv.clients.retain(|c| *c != pid);
+            self.server_line(
+                srv.pid,
+                &format!("Client {{PID: {pid}, Context ID: 0}} exit"),
+            );
+        }
+    }
+}
+
+/// The UUID of a device key (an ordinal in the daemon's numbering), or the key itself.
+fn device_label(settings: &Settings, key: &str) -> String {
+    settings
+        .devices
+        .as_ref()
+        .and_then(|d| d.get(key.parse::<usize>().ok()?)?.uuid.clone())
+        .unwrap_or_else(|| key.to_string())
 }
 
 const PIPE_FILES: &[&str] = &[
@@ -366,6 +524,12 @@ fn serve(env: &MpsEnv, state: Option<&State>, mode: Mode, out: &mut dyn Write) -
         file: log_file.map(Mutex::new),
         echo: mode == Mode::Foreground,
     };
+    let server_log = OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(log_dir.join("server.log"))
+        .ok()
+        .map(Mutex::new);
 
     let mut pct = 100.0;
     if let Some(v) = &env.active_thread_percentage {
@@ -450,6 +614,9 @@ fn serve(env: &MpsEnv, state: Option<&State>, mode: Mode, out: &mut dyn Write) -
         settings: Mutex::new(settings),
         log,
         pipe_dir,
+        server: Mutex::new(None),
+        server_log,
+        servers_started: Mutex::new(0),
     });
     if mode == Mode::Child {
         // Tell the `-d` parent we listen; nothing else is ever written to this pipe.
@@ -480,17 +647,38 @@ fn accept_loop(listener: &UnixListener, daemon: &Arc<Daemon>) {
 
 fn handle_ui(conn: UnixStream, daemon: &Daemon) {
     daemon.log.line("Accepting connection...");
-    daemon.log.line("NEW UI");
     let Ok(mut writer) = conn.try_clone() else {
         return;
     };
     let mut reader = BufReader::new(conn);
     let mut line = String::new();
+    if reader.read_line(&mut line).is_err() || line.is_empty() {
+        return;
+    }
+    if let Some(hello) = line.strip_prefix(CLIENT_HELLO) {
+        let Ok((pid, reply)) = daemon.attach(hello) else {
+            return;
+        };
+        let frame = [&(reply.len() as u32).to_le_bytes()[..], reply.as_bytes()].concat();
+        let _ = writer.write_all(&frame);
+        let _ = writer.flush();
+        // The client stays attached while its connection is open, as a CUDA context does.
+        let mut rest = Vec::new();
+        let _ = reader.read_to_end(&mut rest);
+        daemon.detach(pid);
+        return;
+    }
+    daemon.log.line("NEW UI");
+    let mut first = Some(std::mem::take(&mut line));
     loop {
-        line.clear();
-        match reader.read_line(&mut line) {
-            Ok(0) | Err(_) => break,
-            Ok(_) => {}
+        if let Some(l) = first.take() {
+            line = l;
+        } else {
+            line.clear();
+            match reader.read_line(&mut line) {
+                Ok(0) | Err(_) => break,
+                Ok(_) => {}
+            }
         }
         let cmd = line.trim();
         if cmd.is_empty() {
@@ -560,15 +748,68 @@ fn device_key(settings: &Settings, dev: &str) -> Option<String> {
     (matches.len() == 1).then(|| matches[0].to_string())
 }
 
+/// The running server if its PID is `pid`.
+fn server_by_pid<'a>(server: &'a mut Option<Server>, pid: &str) -> Option<&'a mut Server> {
+    let pid = pid.parse::<u32>().ok()?;
+    server.as_mut().filter(|srv| srv.pid == pid)
+}
+
 /// Executes one command; returns the text to print and whether the daemon quits.
 fn execute(daemon: &Daemon, cmd: &str) -> (String, bool) {
     let mut words = cmd.split_whitespace();
     let name = words.next().unwrap_or_default();
     let args: Vec<&str> = words.collect();
     let mut s = daemon.settings.lock().unwrap_or_else(|e| e.into_inner());
+    let mut server = daemon.server.lock().unwrap_or_else(|e| e.into_inner());
     let reply = match (name, args.as_slice()) {
-        ("get_server_list", []) => String::new(),
-        ("quit", [] | ["-t", _]) => return (String::new(), true),
+        ("get_server_list", []) => server
+            .as_ref()
+            .map_or_else(String::new, |srv| format!("{}\n", srv.pid)),
+        ("quit", [] | ["-t", _]) => {
+            if let Some(srv) = server.take() {
+                daemon.server_line(srv.pid, "Server exiting");
+            }
+            return (String::new(), true);
+        }
+        ("get_active_thread_percentage", [pid]) => match server_by_pid(&mut server, pid) {
+            Some(srv) => format!("{:.1}\n", srv.active_thread_percentage),
+            None => format!("Server {pid} not found\n"),
+        },
+        ("set_active_thread_percentage", [pid, p]) => {
+            match (server_by_pid(&mut server, pid), parse_percentage(p)) {
+                (None, _) => format!("Server {pid} not found\n"),
+                (Some(_), None) => {
+                    "Invalid percentage, expected between (0.0, 100.0]\n".to_string()
+                }
+                (Some(srv), Some(v)) => {
+                    srv.active_thread_percentage = v;
+                    format!("{v:.1}\n")
+                }
+            }
+        }
+        ("get_device_pinned_mem_limit", [pid, dev]) => {
+            let key = device_key(&s, dev);
+            match (server_by_pid(&mut server, pid), key) {
+                (None, _) => format!("Server {pid} not found\n"),
+                (Some(_), None) => "Invalid device ordinal!\n".to_string(),
+                (Some(srv), Some(key)) => match srv.pinned.get(&key) {
+                    Some(mib) => format!("{}\n", format_limit(*mib)),
+                    None => "No pinned memory limit set for the device!\n".to_string(),
+                },
+            }
+        }
+        ("get_client_list", [pid]) => match server_by_pid(&mut server, pid) {
+            Some(srv) => srv.clients.iter().map(|c| format!("{c}\n")).collect(),
+            None => format!("Server {pid} not found\n"),
+        },
+        ("shutdown_server", [pid] | [pid, "-f"]) => match server_by_pid(&mut server, pid) {
+            Some(srv) => {
+                daemon.server_line(srv.pid, "Server exiting");
+                *server = None;
+                String::new()
+            }
+            None => format!("Server {pid} not found\n"),
+        },
         ("set_default_active_thread_percentage", [p]) => match parse_percentage(p) {
             Some(v) => {
                 s.active_thread_percentage = v;
@@ -610,9 +851,6 @@ fn execute(daemon: &Daemon, cmd: &str) -> (String, bool) {
             _ => "Invalid priority value - must be 0 or 1!\n".to_string(),
         },
         ("get_default_client_priority", []) => format!("{}\n", s.client_priority),
-        ("shutdown_server" | "get_client_list", [pid, ..]) => {
-            format!("Server {pid} not found\n")
-        }
         ("start_server", []) => "A user id (UID) is required to start a new server\n".to_string(),
         _ => format!("Unknown command \"{cmd}\"\n"),
     };

@@ -452,3 +452,115 @@ fn mig_changes_through_nvidia_smi_are_seen_by_nvml() {
     ));
     assert!(!access.exists());
 }
+
+/// Runs the CUDA program stand-in against `host` with the given pipe directory.
+fn cuda_app(host: &SimHost, pipe: &Path) -> (i32, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_cuda-app"))
+        .env("GPU_SIM_STATE", host.state_file().path())
+        .env("CUDA_MPS_PIPE_DIRECTORY", pipe)
+        .output()
+        .expect("spawn cuda-app");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+    )
+}
+
+#[test]
+fn mps_clients_start_a_server_that_keeps_the_limits_it_started_with() {
+    let host = SimHost::new("t4");
+    let gpu = host.profile().gpus[0].uuid.clone();
+    let m = mps_dirs();
+
+    // No daemon, GPU in DEFAULT mode: CUDA runs without MPS.
+    let (code, out) = cuda_app(&host, &m.pipe);
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("MPS: not in use"), "{out}");
+    // No daemon, GPU in EXCLUSIVE_PROCESS (held by an MPS server elsewhere): refused.
+    let (code, out) = smi(&host, &["-i", "0", "-c", "EXCLUSIVE_PROCESS"]);
+    assert_eq!(code, 0, "{out}");
+    let (code, out) = cuda_app(&host, &m.pipe);
+    assert_eq!(code, 1, "{out}");
+    assert!(
+        out.contains("cudaErrorDevicesUnavailable"),
+        "a client that cannot reach the daemon must fail: {out}"
+    );
+
+    let o = mps_cmd(&host, &m)
+        .arg("-d")
+        .env("CUDA_VISIBLE_DEVICES", &gpu)
+        .output()
+        .expect("daemon");
+    assert!(o.status.success(), "{}", text(&o));
+    let o = ui(
+        &host,
+        &m,
+        &format!(
+            "set_default_active_thread_percentage 25\nset_default_device_pinned_mem_limit {gpu} 2048M\nget_server_list\n"
+        ),
+    );
+    // No server before the first client.
+    assert_eq!(text(&o), "");
+
+    let (code, out) = cuda_app(&host, &m.pipe);
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("active thread percentage 25.0\n"), "{out}");
+    assert!(
+        out.contains(&format!("device 0 {gpu} pinned memory limit 2G\n")),
+        "{out}"
+    );
+    let server: u32 = out
+        .lines()
+        .find_map(|l| l.strip_prefix("MPS server "))
+        .and_then(|p| p.parse().ok())
+        .unwrap_or_else(|| panic!("no server PID in {out}"));
+    assert_eq!(
+        text(&ui(&host, &m, "get_server_list\n")),
+        format!("{server}\n")
+    );
+
+    // New defaults do not change a running server; its clients keep its limits.
+    let o = ui(&host, &m, "set_default_active_thread_percentage 50\n");
+    assert_eq!(text(&o), "");
+    let (_, out) = cuda_app(&host, &m.pipe);
+    assert!(out.contains(&format!("MPS server {server}\n")), "{out}");
+    assert!(out.contains("active thread percentage 25.0\n"), "{out}");
+    let o = ui(
+        &host,
+        &m,
+        &format!(
+            "get_active_thread_percentage {server}\nget_device_pinned_mem_limit {server} 0\nget_active_thread_percentage 1\n"
+        ),
+    );
+    assert_eq!(text(&o), "25.0\n2G\nServer 1 not found\n");
+
+    // After the server stops, the next client starts one with the daemon's new defaults.
+    let o = ui(
+        &host,
+        &m,
+        &format!("shutdown_server {server}\nget_server_list\n"),
+    );
+    assert_eq!(text(&o), "");
+    let (_, out) = cuda_app(&host, &m.pipe);
+    assert!(out.contains("active thread percentage 50.0\n"), "{out}");
+    assert!(!out.contains(&format!("MPS server {server}\n")), "{out}");
+
+    let log = std::fs::read_to_string(m.log.join("control.log")).expect("log");
+    assert!(
+        log.contains("Server is not ready, push client to pending list"),
+        "{log}"
+    );
+    let slog = std::fs::read_to_string(m.log.join("server.log")).expect("server log");
+    assert!(
+        slog.contains("Active Threads Percentage set to 25.0"),
+        "{slog}"
+    );
+    assert!(
+        slog.contains(&format!(
+            "Device pinned memory limit for device {gpu} set to 0x80000000 bytes"
+        )),
+        "{slog}"
+    );
+    let o = ui(&host, &m, "quit\n");
+    assert_eq!(o.status.code(), Some(0));
+}
