@@ -82,6 +82,7 @@ type Node struct {
 	Plugin *PluginProcess
 
 	cluster *Cluster
+	opts    NodeOptions
 	simRoot string
 	daemons *daemonSets // nil for LayoutProcess
 	runtime *runtime    // nil with NodeOptions.NoContainers
@@ -112,6 +113,7 @@ func (c *Cluster) AddNode(ctx context.Context, opts NodeOptions) (*Node, error) 
 		cluster:      c,
 		simRoot:      filepath.Join(dir, "sim"),
 		logger:       klog.LoggerWithValues(klog.Background(), "node", opts.Name),
+		opts:         opts,
 	}
 	if opts.Layout != LayoutProcess {
 		if opts.NoContainers {
@@ -127,7 +129,22 @@ func (c *Cluster) AddNode(ctx context.Context, opts NodeOptions) (*Node, error) 
 	if err := n.register(ctx, opts); err != nil {
 		return nil, err
 	}
+	if err := n.startKubelet(ctx); err != nil {
+		return nil, err
+	}
 
+	c.mu.Lock()
+	c.nodes[n.Name] = n
+	c.mu.Unlock()
+	return n, nil
+}
+
+// startKubelet starts what the kubelet runs for this node: the pod informer
+// and loop, the container runtime, the DRA manager (its checkpoint in
+// StateDir survives a restart, as /var/lib/kubelet does), the plugin manager
+// and the status heartbeat. Node.Stop and Node.Reboot stop them.
+func (n *Node) startKubelet(ctx context.Context) error {
+	c, opts := n.cluster, n.opts
 	ctx, n.cancel = context.WithCancel(klog.NewContext(context.WithoutCancel(ctx), n.logger))
 	factory := informers.NewSharedInformerFactoryWithOptions(c.Client, 0,
 		informers.WithTweakListOptions(func(o *metav1.ListOptions) {
@@ -141,12 +158,15 @@ func (c *Cluster) AddNode(ctx context.Context, opts NodeOptions) (*Node, error) 
 	if !opts.NoContainers {
 		var err error
 		if n.runtime, err = newRuntime(n, n.queue.Add); err != nil {
-			return nil, fmt.Errorf("node %s: container runtime: %w", n.Name, err)
+			return fmt.Errorf("node %s: container runtime: %w", n.Name, err)
 		}
 	}
+	// This start's queue, not n.queue: after a restart the old informer's
+	// last events must not reach the new loop.
+	queue := n.queue
 	enqueue := func(obj any) {
 		if key, err := cache.DeletionHandlingMetaNamespaceKeyFunc(obj); err == nil {
-			n.queue.Add(key)
+			queue.Add(key)
 		}
 	}
 	if _, err := podInformer.Informer().AddEventHandler(cache.ResourceEventHandlerFuncs{
@@ -154,7 +174,7 @@ func (c *Cluster) AddNode(ctx context.Context, opts NodeOptions) (*Node, error) 
 		UpdateFunc: func(_, obj any) { enqueue(obj) },
 		DeleteFunc: enqueue,
 	}); err != nil {
-		return nil, err
+		return err
 	}
 	factory.Start(ctx.Done())
 	factory.WaitForCacheSync(ctx.Done())
@@ -162,7 +182,7 @@ func (c *Cluster) AddNode(ctx context.Context, opts NodeOptions) (*Node, error) 
 	var err error
 	n.dra, err = dra.NewManager(n.logger, c.Client, n.StateDir)
 	if err != nil {
-		return nil, fmt.Errorf("node %s: DRA manager: %w", n.Name, err)
+		return fmt.Errorf("node %s: DRA manager: %w", n.Name, err)
 	}
 	sourcesReady := kubeletconfig.NewSourcesReady(func(sets.Set[string]) bool {
 		return podInformer.Informer().HasSynced()
@@ -171,7 +191,7 @@ func (c *Cluster) AddNode(ctx context.Context, opts NodeOptions) (*Node, error) 
 		return c.Client.CoreV1().Nodes().Get(ctx, n.Name, metav1.GetOptions{})
 	}
 	if err := n.dra.Start(ctx, n.activePods, getNode, sourcesReady); err != nil {
-		return nil, fmt.Errorf("node %s: start DRA manager: %w", n.Name, err)
+		return fmt.Errorf("node %s: start DRA manager: %w", n.Name, err)
 	}
 	plugins := pluginmanager.NewPluginManager(n.RegistrarDir, &record.FakeRecorder{})
 	var handler pluginmanagercache.PluginHandler = n.dra.GetWatcherHandler()
@@ -197,12 +217,8 @@ func (c *Cluster) AddNode(ctx context.Context, opts NodeOptions) (*Node, error) 
 		n.wg.Add(1)
 		go func() { defer n.wg.Done(); n.daemons.run(ctx) }()
 	}
-	go func() { <-ctx.Done(); n.queue.ShutDown() }()
-
-	c.mu.Lock()
-	c.nodes[n.Name] = n
-	c.mu.Unlock()
-	return n, nil
+	go func() { <-ctx.Done(); queue.ShutDown() }()
+	return nil
 }
 
 // Node returns a node added with AddNode.
@@ -374,8 +390,12 @@ func (n *Node) syncPod(ctx context.Context, key string) error {
 		return nil
 	}
 	started := n.runtime != nil && n.runtime.has(pod.UID)
-	if pod.Status.Phase == v1.PodRunning && !started {
-		return nil // NoContainers: nothing more to report
+	if pod.Status.Phase == v1.PodRunning && !started && (n.runtime == nil || n.runtime.stopping()) {
+		// NoContainers: nothing more to report; a stopping runtime: its
+		// containers are being killed, not to be started again. A Running pod
+		// that a fresh runtime does not run yet (the kubelet restarted, see
+		// Node.Reboot) is prepared and started again, as the kubelet does.
+		return nil
 	}
 	if !started {
 		if pod, err = n.prepare(ctx, pod); err != nil {

@@ -28,6 +28,9 @@ type PluginOptions struct {
 	Identity *Identity
 	// ExtraArgs are appended to `gpu-kubelet-plugin run`.
 	ExtraArgs []string
+	// BootIDFile is read by the plugin instead of the kernel's boot ID
+	// (--boot-id-file), so a test can simulate a reboot (see Node.Reboot).
+	BootIDFile string
 }
 
 // Identity is a service account in a namespace.
@@ -143,6 +146,9 @@ func (n *Node) StartPlugin(ctx context.Context, opts PluginOptions) (*PluginProc
 		}, opts.ExtraArgs...),
 		LogPath: filepath.Join(n.Dir, "plugin.log"),
 		SimRoot: n.SimRoot(),
+	}
+	if opts.BootIDFile != "" {
+		p.Args = append(p.Args, "--boot-id-file="+opts.BootIDFile)
 	}
 	if err := p.start(); err != nil {
 		return nil, err

@@ -106,6 +106,8 @@ type runtime struct {
 	mu    sync.Mutex
 	pods  map[types.UID][]*Container
 	byKey map[string]types.UID
+	// stopped: stop was called; nothing is started any more.
+	stopped bool
 }
 
 // TestImage is the root filesystem every container runs on:
@@ -151,6 +153,13 @@ func newRuntime(n *Node, changed func(string)) (*runtime, error) {
 }
 
 func podKey(pod *v1.Pod) string { return pod.Namespace + "/" + pod.Name }
+
+// stopping says whether stop was called.
+func (r *runtime) stopping() bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.stopped
+}
 
 // has says whether the pod's containers were started here.
 func (r *runtime) has(uid types.UID) bool {
@@ -480,6 +489,7 @@ func (r *runtime) kill(c *Container) {
 // under the node's root (a container whose start was interrupted).
 func (r *runtime) stop() {
 	r.mu.Lock()
+	r.stopped = true
 	var uids []types.UID
 	for uid := range r.pods {
 		uids = append(uids, uid)
