@@ -170,6 +170,7 @@ func TestHelmLifecycle(t *testing.T) {
 	if err != nil || res.ExitCode != 0 || !strings.Contains(res.Stdout, "GPU 0:") {
 		t.Fatalf("nvidia-smi -L in the pod: %v %+v", err, res)
 	}
+	checkHooksRan(ctx, t, n, pod)
 
 	upgraded := append(layout.HelmValues(), "logLevel=debug")
 	if err := cluster.HelmUpgrade(ctx, upgraded...); err != nil {
@@ -300,18 +301,24 @@ func TestHostInstalledDriver(t *testing.T) {
 	if err != nil || res.ExitCode != 0 || !strings.Contains(res.Stdout, "GPU 0:") {
 		t.Fatalf("nvidia-smi -L in the pod: %v %+v", err, res)
 	}
-	// The hooks ran: the soname link next to the mounted library and the
-	// loader cache entry, as a CUDA program needs them for libcuda.so.1.
-	res, err = n.Exec(ctx, pod, "ctr", "sh", "-c", "test -e /usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1 && ldconfig -p")
-	if err != nil || res.ExitCode != 0 || !strings.Contains(res.Stdout, "libnvidia-ml.so.1") {
-		t.Errorf("no libnvidia-ml.so.1 link or loader cache entry in the container (hooks did not run): %v %+v", err, res)
-	}
+	checkHooksRan(ctx, t, n, pod)
 
 	if err := cluster.Client.CoreV1().Pods(pod.Namespace).Delete(ctx, pod.Name, metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
 	if err := cluster.WaitPodGone(ctx, pod.Namespace, pod.Name, 60*time.Second); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// checkHooksRan asserts the specs' hooks ran in the pod's container "ctr":
+// the soname link next to the mounted NVML library and the loader cache entry,
+// as a CUDA program needs them for libcuda.so.1.
+func checkHooksRan(ctx context.Context, t *testing.T, n *harness.Node, pod *v1.Pod) {
+	t.Helper()
+	res, err := n.Exec(ctx, pod, "ctr", "sh", "-c", "test -e /usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1 && ldconfig -p")
+	if err != nil || res.ExitCode != 0 || !strings.Contains(res.Stdout, "libnvidia-ml.so.1") {
+		t.Errorf("no libnvidia-ml.so.1 link or loader cache entry in the container (hooks did not run): %v %+v", err, res)
 	}
 }
 
