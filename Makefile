@@ -8,7 +8,7 @@ TOOLS := $(CURDIR)/.tools
 HELM_VERSION ?= v3.22.0
 HELM := $(TOOLS)/bin/helm
 
-.PHONY: help build release unit test lint fmt fuzz bench generate chart-check cdi-check e2e e2e-build e2e-bins e2e-tools e2e-runtime e2e-image e2e-kubectl demo bench-e2e toolkit image-rootfs
+.PHONY: help build release unit test lint fmt fuzz bench generate chart-check cdi-check e2e e2e-build e2e-bins e2e-tools e2e-runtime e2e-image e2e-kubectl demo bench-e2e bench-mps toolkit image-rootfs
 
 help: ## list targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | sort
@@ -64,6 +64,9 @@ demo: e2e-bins e2e-tools e2e-image toolkit ## local cluster with an A100 and a T
 
 bench-e2e: e2e-bins toolkit ## scale benchmark: 100 nodes x 8 GPUs, 800 one-GPU pods (not in CI)
 	cd e2e && $(E2E_ENV) $(GO) run ./cmd/bench-e2e
+
+bench-mps: e2e-bins e2e-tools e2e-image toolkit ## MPS claim created -> pod Running, p50/p99 over 24 claims, against whole-GPU claims (root: runs containers)
+	cd e2e && $(E2E_ENV) $(GO) run ./cmd/bench-mps
 
 generate: ## regenerate committed generated files (protobuf bindings, JSON schema)
 	UPDATE_GENERATED=1 $(CARGO) test --workspace --locked generated_
