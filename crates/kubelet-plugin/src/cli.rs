@@ -18,7 +18,9 @@ use crate::discover::HostArgs;
 use crate::driver::{Driver, DriverParts, DriverSettings};
 use crate::failpoint::Failpoints;
 use crate::metrics::Metrics;
-use crate::sharing::{DriverRoot, FileStore, SharingManager, SharingOptions};
+use crate::sharing::{
+    DriverRoot, FileStore, PodDaemons, PodSettings, SharingManager, SharingOptions,
+};
 
 /// Flags of `run`.
 #[derive(Debug, Clone, clap::Args)]
@@ -74,6 +76,22 @@ pub struct RunArgs {
         default_value = "/usr/local/bin/nvidia-cdi-hook"
     )]
     pub cdi_hook_source: PathBuf,
+    /// Image of the pods MPS control daemons run in (the driver's own; the chart sets it).
+    /// With it, each daemon runs in a pod of its own in `--namespace` on this node and outlives
+    /// the plugin's container; without it (or without an API server) daemons are children of
+    /// the plugin process.
+    #[arg(long, env = "MPS_DAEMON_IMAGE", default_value = "")]
+    pub mps_daemon_image: String,
+    /// Namespace of the plugin's pod, where MPS daemon pods are created.
+    #[arg(long, env = "POD_NAMESPACE", default_value = "")]
+    pub namespace: String,
+    /// Priority class of MPS daemon pods (empty: none).
+    #[arg(
+        long,
+        env = "MPS_DAEMON_PRIORITY_CLASS",
+        default_value = "system-node-critical"
+    )]
+    pub mps_daemon_priority_class: String,
     /// Seconds between cleanups of claims gone from the API server.
     #[arg(long, env = "CLEANUP_INTERVAL", default_value_t = 60)]
     pub cleanup_interval: u64,
@@ -236,6 +254,25 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         metrics.sharing.clone(),
     )
     .context("loading the sharing state")?;
+    if let Some(client) = &client
+        && !args.mps_daemon_image.is_empty()
+    {
+        anyhow::ensure!(
+            !args.namespace.is_empty(),
+            "--mps-daemon-image is set but --namespace (POD_NAMESPACE) is empty: MPS daemon pods need the plugin's namespace"
+        );
+        info!(image = %args.mps_daemon_image, namespace = %args.namespace, "MPS control daemons run in pods of their own");
+        sharing.use_pod_daemons(PodDaemons::new(
+            client.clone(),
+            PodSettings {
+                namespace: args.namespace.clone(),
+                node: args.node_name.clone(),
+                image: args.mps_daemon_image.clone(),
+                host_driver_root: args.host.driver_root.clone(),
+                priority_class: args.mps_daemon_priority_class.clone(),
+            },
+        ));
+    }
     // The driver loads (migrates, imports) its checkpoint before sharing recovers, so that
     // recovery knows which MPS directories NVIDIA's driver owns.
     let driver = Arc::new(Driver::new(DriverParts {

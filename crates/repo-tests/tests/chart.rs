@@ -245,13 +245,28 @@ fn default_values() {
             ("".into(), "nodes".into(), vec!["get"]),
         ]
     );
+    // Pods only in its own namespace, for the MPS daemon pods (no update, no watch).
+    let role = find(&objects, "Role", "rel-gpu-dra-driver-kubelet-plugin");
+    assert_eq!(role["metadata"]["namespace"], NAMESPACE);
+    assert_eq!(
+        role["rules"],
+        serde_json::json!([{"apiGroups": [""], "resources": ["pods"],
+            "verbs": ["get", "list", "create", "delete"]}])
+    );
     let bindings: Vec<&Value> = objects
         .iter()
         .filter(|o| o["kind"] == "ClusterRoleBinding" || o["kind"] == "RoleBinding")
         .collect();
-    assert_eq!(bindings.len(), 1, "only the plugin is bound to a role");
-    assert_eq!(bindings[0]["subjects"][0]["name"], sa);
-    assert_eq!(bindings[0]["subjects"][0]["namespace"], NAMESPACE);
+    assert_eq!(bindings.len(), 2, "only the plugin is bound to roles");
+    for b in bindings {
+        assert_eq!(b["subjects"][0]["name"], sa);
+        assert_eq!(b["subjects"][0]["namespace"], NAMESPACE);
+    }
+    // Daemon pods get the chart's image and the plugin's namespace.
+    let image = ds["spec"]["template"]["spec"]["containers"][0]["image"]
+        .as_str()
+        .expect("plugin image");
+    assert_eq!(plugin_env(ds, "MPS_DAEMON_IMAGE"), Some(image));
 
     // Node restriction: the real user name of the plugin's service account, and the node
     // claim of its pod-bound token.
@@ -664,9 +679,17 @@ fn node_policy(
     object: Value,
     old: Value,
 ) -> Option<Vec<String>> {
+    // Pods are told apart by their shape here (a slice has spec.driver).
+    let of = if op == "DELETE" { &old } else { &object };
+    let resource = if of["spec"]["containers"].is_array() {
+        "pods"
+    } else {
+        "resourceslices"
+    };
     let spec = &vap["spec"];
     let mut vars = serde_json::json!({
-        "request": {"operation": op, "userInfo": {"username": user, "extra": extra}},
+        "request": {"operation": op, "resource": {"resource": resource},
+            "userInfo": {"username": user, "extra": extra}},
         "object": object,
         "oldObject": old,
     });
@@ -813,6 +836,68 @@ fn node_restriction_policy_keeps_each_plugin_to_its_node() {
             ),
             None,
             "{user}"
+        );
+    }
+
+    // MPS daemon pods: only on its own node, only daemon pods.
+    let pod = |node: &str, component: Option<&str>| {
+        let labels = match component {
+            Some(c) => serde_json::json!({"app.kubernetes.io/component": c}),
+            None => serde_json::json!({}),
+        };
+        serde_json::json!({"metadata": {"labels": labels},
+            "spec": {"nodeName": node, "containers": [{"name": "mps-control-daemon"}]}})
+    };
+    let daemon = Some("mps-control-daemon");
+    assert_eq!(
+        node_policy(
+            vap,
+            &plugin,
+            on_a.clone(),
+            "CREATE",
+            pod("node-a", daemon),
+            null.clone()
+        ),
+        Some(vec![])
+    );
+    assert_eq!(
+        node_policy(
+            vap,
+            &plugin,
+            on_a.clone(),
+            "DELETE",
+            null.clone(),
+            pod("node-a", daemon)
+        ),
+        Some(vec![])
+    );
+    let refused = node_policy(
+        vap,
+        &plugin,
+        on_a.clone(),
+        "CREATE",
+        pod("node-b", daemon),
+        null.clone(),
+    )
+    .unwrap();
+    assert!(
+        refused.len() == 1 && refused[0].contains("may only write pods with spec.nodeName node-a"),
+        "{refused:?}"
+    );
+    for component in [None, Some("webhook")] {
+        let refused = node_policy(
+            vap,
+            &plugin,
+            on_a.clone(),
+            "CREATE",
+            pod("node-a", component),
+            null.clone(),
+        )
+        .unwrap();
+        assert!(
+            refused.len() == 1
+                && refused[0].contains("only create and delete MPS control daemon pods"),
+            "{component:?}: {refused:?}"
         );
     }
 }

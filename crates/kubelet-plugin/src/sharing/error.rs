@@ -70,6 +70,14 @@ pub enum SharingError {
         /// What nvidia-smi said.
         reason: String,
     },
+    /// The API server refused or failed an operation on an MPS daemon pod.
+    #[error("MPS daemon pod {pod}: {message}")]
+    DaemonPod {
+        /// Pod name.
+        pod: String,
+        /// What failed, with the API server's answer.
+        message: String,
+    },
     /// The MPS control daemon exited or could not start.
     #[error("MPS control daemon {daemon} failed to start: {reason}")]
     MpsStart {

@@ -43,6 +43,7 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::registry::Registry;
 
 use super::error::SharingError;
+use super::pods::PodDaemons;
 use super::state::{SharingState, SharingStore};
 use super::supervise::Supervised;
 use super::tools::DriverRoot;
@@ -124,6 +125,8 @@ pub(super) struct Inner {
     pub(super) metrics: SharingMetrics,
     /// Directory names under `<plugin-dir>/mps` that belong to NVIDIA's driver.
     pub(super) foreign_dirs: Mutex<Vec<String>>,
+    /// When set, MPS daemons run in pods of their own ([`super::pods`]).
+    pub(super) pods: std::sync::OnceLock<Arc<PodDaemons>>,
 }
 
 impl std::fmt::Debug for SharingManager {
@@ -156,8 +159,15 @@ impl SharingManager {
                 supervised: Mutex::new(HashMap::new()),
                 metrics,
                 foreign_dirs: Mutex::new(Vec::new()),
+                pods: std::sync::OnceLock::new(),
             }),
         })
+    }
+
+    /// Runs MPS daemons in pods of their own from now on (see [`super::pods`]). Call before
+    /// [`Self::recover`]; a second call is ignored.
+    pub fn use_pod_daemons(&self, pods: PodDaemons) {
+        let _ = self.inner.pods.set(Arc::new(pods));
     }
 
     /// Names directories under `<plugin-dir>/mps` (NVIDIA MPS daemon IDs of imported claims)

@@ -8,6 +8,8 @@
 //!   process (restarted with backoff when it crashes), with private pipe and log directories
 //!   under `<plugin-dir>/mps/<claimUID>-<group>` ([`supervise`], [`mps`]); after a plugin
 //!   restart [`recovery`] re-adopts or restarts daemons and cleans up what was interrupted.
+//!   With a Kubernetes client and an image, each daemon runs in a pod of its own instead, so
+//!   that it outlives the plugin's container ([`pods`]).
 //!   Client containers get the pipe directory and `CUDA_MPS_PIPE_DIRECTORY`, and keep their own
 //!   `/dev/shm` (see `gpu_dra_core::sharing` for why, and for the GPUs that would need more).
 //!
@@ -24,6 +26,7 @@ pub mod error;
 pub mod executor;
 pub mod manager;
 pub mod mps;
+pub mod pods;
 pub mod recovery;
 pub mod smi;
 pub mod state;
@@ -35,6 +38,7 @@ pub use error::SharingError;
 pub use executor::{Applied, ExclusiveOnly, SharingExecutor};
 pub use gpu_dra_core::sharing::{SharedDevice, daemon_id};
 pub use manager::{SharingManager, SharingMetrics, SharingOptions};
+pub use pods::{PodDaemons, PodSettings};
 pub use recovery::RecoveryReport;
 pub use state::{FileStore, MemoryStore, SharingState, SharingStore};
 pub use tools::DriverRoot;

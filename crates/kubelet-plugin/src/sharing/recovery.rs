@@ -105,6 +105,17 @@ impl SharingManager {
                 continue;
             }
             let timeout = inner.opts.tool_timeout;
+            if let Some(pods) = inner.pods.get() {
+                let name = super::pods::pod_name(&record);
+                if pods.alive(&name).await == Some(true)
+                    && mps::answers(&inner.opts.driver_root, &record, timeout).await
+                {
+                    info!(daemon = %id, pod = %name, "re-adopted MPS control daemon pod");
+                    inner.supervise(&id, Proc::Pod(name));
+                    report.adopted.push(id);
+                    continue;
+                }
+            }
             let alive = record
                 .pid
                 .filter(|pid| mps::is_daemon_for(*pid, &record.pipe_dir()));
@@ -118,7 +129,7 @@ impl SharingManager {
             }
             warn!(daemon = %id, pid = ?record.pid, "MPS control daemon not running or not answering; restarting it");
             let proc = match inner.start_daemon(&id, &record, false).await {
-                Ok(child) => Proc::Child(child),
+                Ok(proc) => proc,
                 Err(e) => {
                     error!(daemon = %id, error = %e, "restart failed; the supervisor keeps retrying");
                     Proc::Dead
@@ -126,6 +137,30 @@ impl SharingManager {
             };
             inner.supervise(&id, proc);
             report.restarted.push(id);
+        }
+
+        // Daemon pods on this node that no record owns: their claim was unprepared or is
+        // gone (also while no plugin ran), or their start was interrupted before the record.
+        if let Some(pods) = inner.pods.get() {
+            match pods.list().await {
+                Ok(found) => {
+                    for (name, id) in found {
+                        if lock(&inner.state).mps.contains_key(&id) {
+                            continue;
+                        }
+                        warn!(pod = %name, daemon = %id, "deleting MPS daemon pod nothing records");
+                        match pods.delete(&name, inner.opts.mps_quit_timeout * 2).await {
+                            Ok(()) => report.cleaned.push(format!("pod {name}")),
+                            Err(e) => {
+                                first_error.get_or_insert(e);
+                            }
+                        }
+                    }
+                }
+                Err(e) => {
+                    first_error.get_or_insert(e);
+                }
+            }
         }
 
         // Directories under <plugin-dir>/mps that no record owns (a crash between creating

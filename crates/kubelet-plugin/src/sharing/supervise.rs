@@ -19,6 +19,7 @@ use tracing::{error, info, warn};
 use super::error::SharingError;
 use super::manager::{Inner, SharingManager, lock};
 use super::mps;
+use super::pods::{self, PodDaemons};
 use super::smi::{self, ComputeMode};
 use super::state::{MpsPhase, MpsRecord};
 
@@ -34,6 +35,8 @@ pub(super) enum Proc {
     Child(tokio::process::Child),
     /// Started by an earlier plugin process: polled through `/proc`.
     Adopted(u32),
+    /// Running in its own pod (see [`super::pods`]): watched through the API server.
+    Pod(String),
     /// Not running (a restart failed); the supervisor retries.
     Dead,
 }
@@ -114,13 +117,13 @@ impl SharingManager {
 
         let started = Instant::now();
         match inner.start_daemon(&id, &record, true).await {
-            Ok(child) => {
+            Ok(proc) => {
                 inner.update(|s| {
                     if let Some(r) = s.mps.get_mut(&id) {
                         r.phase = MpsPhase::Ready;
                     }
                 })?;
-                inner.supervise(&id, Proc::Child(child));
+                inner.supervise(&id, proc);
                 info!(
                     claim.uid = %claim_uid,
                     daemon = %id,
@@ -155,7 +158,7 @@ impl Inner {
         id: &str,
         record: &MpsRecord,
         fresh: bool,
-    ) -> Result<tokio::process::Child, SharingError> {
+    ) -> Result<Proc, SharingError> {
         let root = &self.opts.driver_root;
         for gpu in &record.whole_gpus {
             smi::set_compute_mode(
@@ -165,6 +168,9 @@ impl Inner {
                 self.opts.tool_timeout,
             )
             .await?;
+        }
+        if let Some(pods) = self.pods.get() {
+            return self.start_daemon_pod(pods, id, record, fresh).await;
         }
         // Leftovers of a daemon that lost its pid (or a double start) would hold the pipe.
         for pid in mps::find_daemons(&record.pipe_dir()) {
@@ -199,7 +205,62 @@ impl Inner {
             let _ = child.wait().await;
             return Err(e);
         }
-        Ok(child)
+        Ok(Proc::Child(child))
+    }
+
+    /// [`Self::start_daemon`] with the daemon in its own pod: a pod for this record that
+    /// already runs is kept (its directories too: clients have them mounted); otherwise the
+    /// directories are made and the pod created. Then, as for a child, the limits are applied
+    /// through the pipe and read back. On error a pod this call created is deleted.
+    async fn start_daemon_pod(
+        &self,
+        pods: &PodDaemons,
+        id: &str,
+        record: &MpsRecord,
+        fresh: bool,
+    ) -> Result<Proc, SharingError> {
+        let root = &self.opts.driver_root;
+        let name = pods::pod_name(record);
+        let running = pods.alive(&name).await == Some(true)
+            && mps::answers(root, record, self.opts.tool_timeout).await;
+        if !running {
+            pods.delete(&name, self.opts.mps_quit_timeout * 2).await?;
+            mps::create_dirs(record, fresh)?;
+        }
+        let kept = pods
+            .ensure(root, id, record, self.opts.mps_quit_timeout * 2)
+            .await?;
+        let ready = mps::wait_ready(
+            root,
+            id,
+            record,
+            None,
+            self.opts.mps_ready_timeout,
+            self.opts.tool_timeout,
+        )
+        .await;
+        if let Err(e) = ready {
+            let status = pods.status_message(&name).await;
+            if !kept && let Err(d) = pods.delete(&name, self.opts.mps_quit_timeout * 2).await {
+                warn!(daemon = %id, error = %d, "deleting the daemon pod of a failed start failed; recovery retries it");
+            }
+            return Err(match e {
+                SharingError::MpsNotReady {
+                    daemon,
+                    pipe_dir,
+                    timeout,
+                    last_error,
+                } => SharingError::MpsNotReady {
+                    daemon,
+                    pipe_dir,
+                    timeout,
+                    last_error: format!("{last_error}; {status}"),
+                },
+                other => other,
+            });
+        }
+        info!(daemon = %id, pod = %name, adopted = kept, "MPS control daemon pod ready");
+        Ok(Proc::Pod(name))
     }
 
     /// Starts a supervisor task for daemon `id`.
@@ -270,6 +331,13 @@ impl Inner {
         let root = &self.opts.driver_root;
         let timeout = self.opts.mps_quit_timeout;
         let answered = mps::quit(root, record, timeout).await;
+        if let Some(pods) = self.pods.get() {
+            // `quit` ended the servers; the pod goes, whatever its daemon did.
+            let name = pods::pod_name(record);
+            if let Err(e) = pods.delete(&name, timeout * 2).await {
+                warn!(pod = %name, error = %e, "deleting the MPS daemon pod failed; the next unprepare, cleanup or restart retries it");
+            }
+        }
         let mut pids: Vec<u32> = record
             .pid
             .filter(|p| mps::is_daemon_for(*p, &record.pipe_dir()))
@@ -306,7 +374,7 @@ async fn supervise_loop(
         let exit = tokio::select! {
             biased;
             _ = stop.wait_for(|s| *s) => return,
-            exit = wait_exit(&mut proc, inner.opts.liveness_interval) => exit,
+            exit = wait_exit(&inner, &mut proc, inner.opts.liveness_interval) => exit,
         };
         if up_since.elapsed() >= max {
             backoff = initial;
@@ -323,9 +391,9 @@ async fn supervise_loop(
         };
         inner.metrics.mps_daemon_restarts.inc();
         proc = match inner.start_daemon(&id, &record, false).await {
-            Ok(child) => {
-                info!(daemon = %id, pid = ?child.id(), "MPS control daemon restarted");
-                Proc::Child(child)
+            Ok(proc) => {
+                info!(daemon = %id, "MPS control daemon restarted");
+                proc
             }
             Err(e) => {
                 error!(daemon = %id, error = %e, "MPS control daemon restart failed");
@@ -336,7 +404,7 @@ async fn supervise_loop(
 }
 
 /// Waits until the daemon is gone; returns how it ended, in words.
-async fn wait_exit(proc: &mut Proc, poll: Duration) -> String {
+async fn wait_exit(inner: &Inner, proc: &mut Proc, poll: Duration) -> String {
     match proc {
         Proc::Child(c) => match c.wait().await {
             Ok(status) => status.to_string(),
@@ -347,6 +415,20 @@ async fn wait_exit(proc: &mut Proc, poll: Duration) -> String {
                 tokio::time::sleep(poll).await;
             }
             format!("pid {pid} gone")
+        }
+        Proc::Pod(name) => {
+            // The kubelet restarts a crashed daemon container in place, with the claim's
+            // limits in its environment; only a pod that is gone (deleted, evicted) needs us.
+            // An API server that cannot answer is not a reason to act.
+            let pods = inner.pods.get().cloned();
+            loop {
+                tokio::time::sleep(poll * 4).await;
+                if let Some(pods) = &pods
+                    && pods.alive(name).await == Some(false)
+                {
+                    return format!("pod {name} gone");
+                }
+            }
         }
         Proc::Dead => "not running".to_string(),
     }

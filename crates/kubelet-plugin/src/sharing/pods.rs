@@ -1,0 +1,536 @@
+//! MPS control daemons as pods of their own, so that they outlive the plugin.
+//!
+//! The problem: a daemon started as a child of the plugin lives in the plugin's container. A
+//! plugin crash, an OOM kill, a liveness restart or a DaemonSet rollout ends that container,
+//! and with it every daemon, every MPS server and every client context on the node; the
+//! daemons' memory also counts against the plugin's limit.
+//!
+//! The fix: with a Kubernetes client and an image (`--mps-daemon-image`, set by the chart to
+//! the driver's own image), each claim group's daemon runs in a pod the plugin creates in its
+//! own namespace, bound to this node (`nodeName`), running `nvidia-cuda-mps-control -f` from
+//! the driver root with the daemon's pipe and log directories mounted at their host paths
+//! (the same paths the plugin and the client containers use). The pod's environment carries
+//! the claim's limits (`CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`, `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`:
+//! on the control daemon they are the defaults of every server it starts), so when the
+//! kubelet restarts a crashed daemon container it comes back with the claim's limits without
+//! the plugin. The plugin still applies and reads back the limits through the pipe before a
+//! prepare returns.
+//!
+//! - A plugin restart, crash or rolling update leaves the pods untouched; the next plugin
+//!   re-adopts each daemon whose pod exists and answers on its pipe (`recovery`).
+//! - A daemon whose claim is gone is removed by the unprepare, by the plugin's periodic
+//!   cleanup of claims gone from the API server, and at start (pods on this node that no
+//!   record owns are deleted), so also when the claim went while the plugin was down.
+//! - Admins see them: `kubectl get pods -n <namespace> -l
+//!   app.kubernetes.io/component=mps-control-daemon`, with the claim in the annotations and
+//!   the daemon's log as the container log.
+//!
+//! Alternatives rejected: owner references to the ResourceClaim (an owner must be in the
+//! dependent's namespace, and a privileged daemon pod in the user's namespace would be refused
+//! by Pod Security admission there); a second container in the plugin's pod (a rollout
+//! replaces the pod and ends it too); daemons outside any container via the host's PID
+//! namespace (invisible to `kubectl`, and the plugin's cgroup still owns them).
+//!
+//! Without a client (tests with a claim file) or without an image, daemons stay children of
+//! the plugin (`supervise`).
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::core::v1::{
+    Container, EnvVar, HostPathVolumeSource, Pod, PodSpec, ResourceRequirements, SecurityContext,
+    Toleration, Volume, VolumeMount,
+};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use kube::Api;
+use kube::api::{DeleteParams, ListParams, PostParams};
+
+use super::error::SharingError;
+use super::mps;
+use super::state::MpsRecord;
+use super::tools::{DriverRoot, MPS_CONTROL};
+
+/// `app.kubernetes.io/component` of daemon pods.
+pub const COMPONENT: &str = "mps-control-daemon";
+/// Label naming the claim a daemon pod serves.
+pub const CLAIM_UID_LABEL: &str = "resource.nvidia.com/claim-uid";
+/// Annotation with the daemon id (`<claimUID>-<group>`).
+pub const DAEMON_ID_ANNOTATION: &str = "resource.nvidia.com/mps-daemon-id";
+/// Annotation with a digest of the daemon container, to tell a pod for other devices or
+/// limits from the one wanted.
+pub const SPEC_ANNOTATION: &str = "resource.nvidia.com/mps-spec";
+/// Name of the daemon's container.
+pub const CONTAINER: &str = "mps-control-daemon";
+
+/// Where daemon pods go and what they run.
+#[derive(Clone)]
+pub struct PodDaemons {
+    api: Api<Pod>,
+    settings: PodSettings,
+}
+
+/// The plain settings of daemon pods (everything but the client).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PodSettings {
+    /// The plugin's namespace.
+    pub namespace: String,
+    /// This node.
+    pub node: String,
+    /// The image (the driver's own).
+    pub image: String,
+    /// The driver root on the host (the pod's hostPath).
+    pub host_driver_root: PathBuf,
+    /// Priority class of the pods (empty: none).
+    pub priority_class: String,
+}
+
+impl std::fmt::Debug for PodDaemons {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PodDaemons")
+            .field("settings", &self.settings)
+            .finish_non_exhaustive()
+    }
+}
+
+fn api_error(what: &str, name: &str, e: kube::Error) -> SharingError {
+    SharingError::DaemonPod {
+        pod: name.to_string(),
+        message: format!("{what}: {e}"),
+    }
+}
+
+fn is_not_found(e: &kube::Error) -> bool {
+    matches!(e, kube::Error::Api(s) if s.code == 404)
+}
+
+impl PodDaemons {
+    /// Daemon pods through `client`.
+    pub fn new(client: kube::Client, settings: PodSettings) -> Self {
+        Self {
+            api: Api::namespaced(client, &settings.namespace),
+            settings,
+        }
+    }
+
+    /// The settings.
+    pub fn settings(&self) -> &PodSettings {
+        &self.settings
+    }
+
+    /// Makes the daemon pod of `record` exist as wanted: an existing pod with the same spec
+    /// digest that is not being deleted is kept (`true`: adopted as it is); any other pod of
+    /// that name is deleted first. Returns whether the pod was already there.
+    pub async fn ensure(
+        &self,
+        root: &DriverRoot,
+        id: &str,
+        record: &MpsRecord,
+        timeout: Duration,
+    ) -> Result<bool, SharingError> {
+        let pod = daemon_pod(&self.settings, root, id, record)?;
+        let name = pod_name(record);
+        match self.api.get_opt(&name).await {
+            Ok(Some(old)) if old.metadata.deletion_timestamp.is_none() && same_spec(&old, &pod) => {
+                return Ok(true);
+            }
+            Ok(Some(_)) => self.delete(&name, timeout).await?,
+            Ok(None) => {}
+            Err(e) => return Err(api_error("reading", &name, e)),
+        }
+        match self.api.create(&PostParams::default(), &pod).await {
+            Ok(_) => Ok(false),
+            Err(e) => Err(api_error("creating", &name, e)),
+        }
+    }
+
+    /// Whether the daemon pod exists and is not being deleted; `None` when the API server
+    /// cannot tell (callers must not act on an outage).
+    pub async fn alive(&self, name: &str) -> Option<bool> {
+        match self.api.get_opt(name).await {
+            Ok(Some(p)) => Some(
+                p.metadata.deletion_timestamp.is_none()
+                    && !matches!(
+                        p.status.as_ref().and_then(|s| s.phase.as_deref()),
+                        Some("Failed" | "Succeeded")
+                    ),
+            ),
+            Ok(None) => Some(false),
+            Err(_) => None,
+        }
+    }
+
+    /// Why the daemon container is not running, from the pod's status (for error messages).
+    pub async fn status_message(&self, name: &str) -> String {
+        let Ok(Some(p)) = self.api.get_opt(name).await else {
+            return format!("pod {name} not found");
+        };
+        let status = p.status.unwrap_or_default();
+        let container = status
+            .container_statuses
+            .unwrap_or_default()
+            .into_iter()
+            .find(|c| c.name == CONTAINER);
+        let state = container.and_then(|c| c.state);
+        if let Some(w) = state.as_ref().and_then(|s| s.waiting.as_ref()) {
+            return format!(
+                "pod {name}: container waiting ({}: {})",
+                w.reason.clone().unwrap_or_default(),
+                w.message.clone().unwrap_or_default()
+            );
+        }
+        if let Some(t) = state.as_ref().and_then(|s| s.terminated.as_ref()) {
+            return format!(
+                "pod {name}: container terminated ({}, exit {}: {})",
+                t.reason.clone().unwrap_or_default(),
+                t.exit_code,
+                t.message.clone().unwrap_or_default()
+            );
+        }
+        format!(
+            "pod {name}: phase {}",
+            status.phase.unwrap_or_else(|| "Pending".into())
+        )
+    }
+
+    /// Deletes the pod and waits until it is gone; a missing pod is fine.
+    pub async fn delete(&self, name: &str, timeout: Duration) -> Result<(), SharingError> {
+        match self.api.delete(name, &DeleteParams::default()).await {
+            Ok(_) => {}
+            Err(e) if is_not_found(&e) => return Ok(()),
+            Err(e) => return Err(api_error("deleting", name, e)),
+        }
+        let deadline = Instant::now() + timeout;
+        loop {
+            match self.api.get_opt(name).await {
+                Ok(None) => return Ok(()),
+                Ok(Some(_)) | Err(_) if Instant::now() < deadline => {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                Ok(Some(_)) => {
+                    return Err(SharingError::DaemonPod {
+                        pod: name.to_string(),
+                        message: format!("still there {timeout:?} after its deletion"),
+                    });
+                }
+                Err(e) => return Err(api_error("waiting for the deletion of", name, e)),
+            }
+        }
+    }
+
+    /// Daemon pods on this node: `(pod name, daemon id)`.
+    pub async fn list(&self) -> Result<Vec<(String, String)>, SharingError> {
+        let params = ListParams::default()
+            .labels(&format!("app.kubernetes.io/component={COMPONENT}"))
+            .fields(&format!("spec.nodeName={}", self.settings.node));
+        let pods = self
+            .api
+            .list(&params)
+            .await
+            .map_err(|e| api_error("listing", "daemon pods", e))?;
+        Ok(pods
+            .items
+            .into_iter()
+            .filter_map(|p| {
+                let name = p.metadata.name?;
+                let id = p.metadata.annotations?.get(DAEMON_ID_ANNOTATION)?.clone();
+                Some((name, id))
+            })
+            .collect())
+    }
+}
+
+/// The pod name of `record`'s daemon: `mps-<claimUID>-<digest of the group>` (group names
+/// may hold characters pod names may not).
+pub fn pod_name(record: &MpsRecord) -> String {
+    format!(
+        "mps-{}-{}",
+        record.claim_uid,
+        &hex_digest(&record.group)[..8]
+    )
+}
+
+fn hex_digest(s: &str) -> String {
+    ring::digest::digest(&ring::digest::SHA256, s.as_bytes())
+        .as_ref()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+fn same_spec(old: &Pod, new: &Pod) -> bool {
+    let digest = |p: &Pod| {
+        p.metadata
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get(SPEC_ANNOTATION).cloned())
+    };
+    digest(old).is_some() && digest(old) == digest(new)
+}
+
+/// `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT` for the record: `<ordinal>=<MiB>M,...` in the daemon's
+/// device numbering (its `CUDA_VISIBLE_DEVICES` order).
+pub fn pinned_limit_env(record: &MpsRecord) -> Option<String> {
+    let items: Vec<String> = record
+        .devices
+        .iter()
+        .enumerate()
+        .filter_map(|(i, uuid)| {
+            let mib = record.limits.pinned_memory_mib.get(uuid)?;
+            Some(format!("{i}={mib}M"))
+        })
+        .collect();
+    (!items.is_empty()).then(|| items.join(","))
+}
+
+/// The daemon pod of `record` (pure: the same inputs give the same pod).
+pub fn daemon_pod(
+    settings: &PodSettings,
+    root: &DriverRoot,
+    id: &str,
+    record: &MpsRecord,
+) -> Result<Pod, SharingError> {
+    let tool = root.find_tool(MPS_CONTROL)?;
+    let mut env: Vec<(String, String)> = root.base_env();
+    env.extend(mps::daemon_env(record));
+    if let Some(p) = record.limits.active_thread_percentage {
+        env.push(("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE".into(), p.to_string()));
+    }
+    if let Some(v) = pinned_limit_env(record) {
+        env.push(("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT".into(), v));
+    }
+    let path = |p: &Path| p.to_string_lossy().into_owned();
+    let container = Container {
+        name: CONTAINER.into(),
+        image: Some(settings.image.clone()),
+        command: Some(vec![path(&tool), "-f".into()]),
+        env: Some(
+            env.into_iter()
+                .map(|(name, value)| EnvVar {
+                    name,
+                    value: Some(value),
+                    ..EnvVar::default()
+                })
+                .collect(),
+        ),
+        security_context: Some(SecurityContext {
+            // The daemon and its servers open every GPU device node; root like the plugin.
+            privileged: Some(true),
+            run_as_user: Some(0),
+            run_as_group: Some(0),
+            run_as_non_root: Some(false),
+            ..SecurityContext::default()
+        }),
+        resources: Some(ResourceRequirements {
+            requests: Some(BTreeMap::from([
+                ("cpu".into(), Quantity("10m".into())),
+                ("memory".into(), Quantity("32Mi".into())),
+            ])),
+            ..ResourceRequirements::default()
+        }),
+        volume_mounts: Some(vec![
+            VolumeMount {
+                name: "driver-root".into(),
+                mount_path: path(root.root()),
+                read_only: Some(true),
+                mount_propagation: Some("HostToContainer".into()),
+                ..VolumeMount::default()
+            },
+            VolumeMount {
+                name: "mps".into(),
+                mount_path: path(&record.dir),
+                ..VolumeMount::default()
+            },
+        ]),
+        ..Container::default()
+    };
+    let digest = hex_digest(
+        &serde_json::to_string(&(&container, &settings.host_driver_root, &settings.node))
+            .unwrap_or_default(),
+    );
+    let host_path = |name: &str, p: &Path, kind: &str| Volume {
+        name: name.into(),
+        host_path: Some(HostPathVolumeSource {
+            path: path(p),
+            type_: Some(kind.into()),
+        }),
+        ..Volume::default()
+    };
+    Ok(Pod {
+        metadata: ObjectMeta {
+            name: Some(pod_name(record)),
+            namespace: Some(settings.namespace.clone()),
+            labels: Some(BTreeMap::from([
+                ("app.kubernetes.io/component".into(), COMPONENT.into()),
+                (
+                    "app.kubernetes.io/managed-by".into(),
+                    "gpu-kubelet-plugin".into(),
+                ),
+                (CLAIM_UID_LABEL.into(), record.claim_uid.clone()),
+            ])),
+            annotations: Some(BTreeMap::from([
+                (DAEMON_ID_ANNOTATION.into(), id.to_string()),
+                (SPEC_ANNOTATION.into(), digest),
+                (
+                    "resource.nvidia.com/mps-devices".into(),
+                    record.devices.join(","),
+                ),
+            ])),
+            ..ObjectMeta::default()
+        },
+        spec: Some(PodSpec {
+            node_name: Some(settings.node.clone()),
+            restart_policy: Some("Always".into()),
+            priority_class_name: (!settings.priority_class.is_empty())
+                .then(|| settings.priority_class.clone()),
+            automount_service_account_token: Some(false),
+            enable_service_links: Some(false),
+            termination_grace_period_seconds: Some(10),
+            // Bound to the node: taints must not evict the daemon of running clients.
+            tolerations: Some(vec![Toleration {
+                operator: Some("Exists".into()),
+                ..Toleration::default()
+            }]),
+            containers: vec![container],
+            volumes: Some(vec![
+                host_path("driver-root", &settings.host_driver_root, "Directory"),
+                host_path("mps", &record.dir, "Directory"),
+            ]),
+            ..PodSpec::default()
+        }),
+        status: None,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sharing::state::MpsPhase;
+    use gpu_dra_core::sharing::MpsLimits;
+
+    fn record(dir: &Path) -> MpsRecord {
+        MpsRecord {
+            claim_uid: "0b6e2c46-6e0e-4c1c-9a55-3f6f5e9d1a7b".into(),
+            group: "c_0".into(),
+            phase: MpsPhase::Starting,
+            pid: None,
+            dir: dir.join("mps/0b6e2c46-6e0e-4c1c-9a55-3f6f5e9d1a7b-c_0"),
+            devices: vec!["GPU-a".into(), "GPU-b".into()],
+            whole_gpus: vec!["GPU-a".into(), "GPU-b".into()],
+            limits: MpsLimits {
+                active_thread_percentage: Some(40),
+                pinned_memory_mib: BTreeMap::from([("GPU-b".into(), 2048)]),
+            },
+        }
+    }
+
+    fn settings() -> PodSettings {
+        PodSettings {
+            namespace: "gpu-dra".into(),
+            node: "node-a".into(),
+            image: "registry.example/gpu-dra-driver:1.0".into(),
+            host_driver_root: "/".into(),
+            priority_class: "system-node-critical".into(),
+        }
+    }
+
+    /// A driver root with the MPS tool, as the plugin sees it at /driver-root.
+    fn root(tmp: &Path) -> DriverRoot {
+        let bin = tmp.join("driver-root/usr/bin");
+        std::fs::create_dir_all(&bin).unwrap();
+        let tool = bin.join(MPS_CONTROL);
+        std::fs::write(&tool, "#!/bin/sh\n").unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&tool, std::fs::Permissions::from_mode(0o755)).unwrap();
+        DriverRoot::new(tmp.join("driver-root"), None)
+    }
+
+    fn env_of(pod: &Pod) -> BTreeMap<String, String> {
+        pod.spec.as_ref().unwrap().containers[0]
+            .env
+            .clone()
+            .unwrap()
+            .into_iter()
+            .map(|e| (e.name, e.value.unwrap_or_default()))
+            .collect()
+    }
+
+    #[test]
+    fn the_pod_runs_the_daemon_with_the_claims_limits_on_this_node() {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = root(tmp.path());
+        let rec = record(tmp.path());
+        let pod = daemon_pod(&settings(), &root, "the-id", &rec).unwrap();
+        let spec = pod.spec.as_ref().unwrap();
+        assert_eq!(spec.node_name.as_deref(), Some("node-a"));
+        assert_eq!(pod.metadata.namespace.as_deref(), Some("gpu-dra"));
+        let c = &spec.containers[0];
+        assert_eq!(
+            c.command.as_ref().unwrap(),
+            &vec![
+                root.find_tool(MPS_CONTROL).unwrap().display().to_string(),
+                "-f".to_string()
+            ]
+        );
+        let env = env_of(&pod);
+        assert_eq!(env["CUDA_VISIBLE_DEVICES"], "GPU-a,GPU-b");
+        assert_eq!(env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"], "40");
+        // Ordinal 1 is GPU-b in the daemon's numbering.
+        assert_eq!(env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"], "1=2048M");
+        assert_eq!(
+            env["CUDA_MPS_PIPE_DIRECTORY"],
+            rec.pipe_dir().display().to_string()
+        );
+        // Host paths: the driver root from the host's "/", mounted where the plugin reads it;
+        // the daemon's directory at its own path (the plugin folder is the same on both).
+        let volumes = spec.volumes.as_ref().unwrap();
+        assert_eq!(volumes[0].host_path.as_ref().unwrap().path, "/");
+        let mounts = c.volume_mounts.as_ref().unwrap();
+        assert_eq!(mounts[0].mount_path, root.root().display().to_string());
+        assert_eq!(
+            volumes[1].host_path.as_ref().unwrap().path,
+            rec.dir.display().to_string()
+        );
+        assert_eq!(mounts[1].mount_path, rec.dir.display().to_string());
+        let annotations = pod.metadata.annotations.as_ref().unwrap();
+        assert_eq!(annotations[DAEMON_ID_ANNOTATION], "the-id");
+        let labels = pod.metadata.labels.as_ref().unwrap();
+        assert_eq!(labels[CLAIM_UID_LABEL], rec.claim_uid);
+        assert_eq!(labels["app.kubernetes.io/component"], COMPONENT);
+    }
+
+    #[test]
+    fn names_are_valid_pod_names_and_the_digest_follows_the_spec() {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = root(tmp.path());
+        let rec = record(tmp.path());
+        let name = pod_name(&rec);
+        assert!(name.len() <= 63, "{name}");
+        assert!(
+            name.bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-'),
+            "{name}"
+        );
+        let a = daemon_pod(&settings(), &root, "id", &rec).unwrap();
+        let again = daemon_pod(&settings(), &root, "id", &rec).unwrap();
+        assert!(same_spec(&a, &again));
+        let mut other = rec.clone();
+        other.limits.active_thread_percentage = Some(50);
+        let b = daemon_pod(&settings(), &root, "id", &other).unwrap();
+        assert!(!same_spec(&a, &b), "other limits, other pod");
+        assert_eq!(pod_name(&other), name, "one pod name per daemon");
+    }
+
+    #[test]
+    fn no_limits_no_limit_variables() {
+        let tmp = tempfile::tempdir().unwrap();
+        let mut rec = record(tmp.path());
+        rec.limits = MpsLimits::default();
+        assert_eq!(pinned_limit_env(&rec), None);
+        let pod = daemon_pod(&settings(), &root(tmp.path()), "id", &rec).unwrap();
+        let env = env_of(&pod);
+        assert!(!env.contains_key("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"));
+        assert!(!env.contains_key("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"));
+    }
+}
