@@ -104,8 +104,8 @@ type Cluster struct {
 	wg      sync.WaitGroup
 }
 
-// Start brings up etcd, kube-apiserver, kube-scheduler, the resourceclaim and
-// serviceaccount controllers, and writes an admin kubeconfig.
+// Start brings up etcd, kube-apiserver, kube-scheduler, the resourceclaim,
+// serviceaccount and Job controllers, and writes an admin kubeconfig.
 func Start(ctx context.Context, opts Options) (c *Cluster, err error) {
 	c = &Cluster{Dir: opts.Dir, logf: opts.Logf, nodes: map[string]*Node{}}
 	if c.logf == nil {
@@ -284,6 +284,9 @@ func (c *Cluster) startControllers(ctx context.Context) error {
 	})
 	if err != nil {
 		return fmt.Errorf("resourcequota controller: %w", err)
+	}
+	if err := c.startJobController(ctx, factory); err != nil { // jobs.go
+		return err
 	}
 	factory.Start(ctx.Done())
 	metadataFactory.Start(ctx.Done())

@@ -234,6 +234,9 @@ func (c *Container) fail(err error) {
 // start builds the pod container's OCI spec (with its CDI devices applied)
 // and runs it on the test image.
 func (r *runtime) start(pod *v1.Pod, ctr *v1.Container, c *Container) error {
+	if RunsOnDriverImage(ctr.Image) {
+		return r.startOnDriverImage(pod, c) // imagepods.go
+	}
 	spec := r.ociSpec(pod, ctr)
 	if len(c.CDIDevices) > 0 {
 		if err := r.injectCDI(spec, c.CDIDevices); err != nil {
@@ -457,6 +460,7 @@ func (r *runtime) killPod(uid types.UID) {
 		go func() { defer wg.Done(); r.kill(c) }()
 	}
 	wg.Wait()
+	closeDriverImageNetwork(uid)
 }
 
 // killKey is killPod for a pod known only by namespace/name (it is gone).

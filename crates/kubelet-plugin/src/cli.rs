@@ -295,6 +295,8 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     // after a reboot everything recorded is forgotten; then the driver rolls back
     // half-prepared claims through the same manager.
     sharing.keep_foreign_dirs(driver.imported_mps_daemons());
+    // Sharing of claims the checkpoint does not know is undone (nothing would unprepare it).
+    sharing.keep_claims(driver.checkpoint().claims.keys().cloned().collect());
     if let Err(e) = sharing.recover().await {
         warn!(error = %e, "sharing recovery incomplete; retried by the next unprepare or restart");
     }

@@ -1,7 +1,9 @@
 //! The node plugin `gpu-kubelet-plugin`: kubelet registration and DRA gRPC, prepare/unprepare
 //! with CDI specs and a crash-safe checkpoint, metrics and health endpoints.
 //!
-//! Layout: [`cli`] (flags, `run`), [`discover`] (the `discover` subcommand), [`publish`]
+//! Layout: [`cli`] (flags, `run`), [`discover`] (the `discover` subcommand), [`cleanup`] and
+//! [`uninstall`] (the `cleanup` and `uninstall` subcommands: the node put back as it was on
+//! `helm uninstall`), [`publish`]
 //! (ResourceSlice publisher), [`grpc`] (sockets, services), [`authority`] (grpc-go
 //! `:authority` fix), [`driver`] (prepare/unprepare state machine), [`checkpoint_file`]
 //! (checkpoint migration and NVIDIA import), [`claim_locks`] (one operation per claim),
@@ -16,6 +18,7 @@ pub mod cdi_io;
 pub mod checkpoint_file;
 pub mod claim_locks;
 pub mod claims;
+pub mod cleanup;
 pub mod cli;
 pub mod client;
 pub mod discover;
@@ -28,3 +31,4 @@ pub mod publish;
 pub mod sharing;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;
+pub mod uninstall;

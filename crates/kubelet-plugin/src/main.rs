@@ -20,16 +20,32 @@ enum Command {
     Run(Box<cli::RunArgs>),
     /// Print the GPU inventory and the ResourceSlices this node would publish.
     Discover(gpu_dra_kubelet_plugin::discover::DiscoverArgs),
+    /// Put this node back as it was before the driver (no plugin may run): GPU compute modes
+    /// and time-slices to their defaults, MPS daemons stopped, our files removed.
+    Cleanup(Box<gpu_dra_kubelet_plugin::cleanup::CleanupArgs>),
+    /// The chart's pre-delete hook: stop the node plugins, then run `cleanup` on every node.
+    Uninstall(Box<gpu_dra_kubelet_plugin::uninstall::UninstallArgs>),
+}
+
+fn runtime() -> std::io::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
 }
 
 fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
         Command::Run(args) => {
             gpu_dra_telemetry::init(&args.log)?;
-            tokio::runtime::Builder::new_multi_thread()
-                .enable_all()
-                .build()?
-                .block_on(cli::run(*args))
+            runtime()?.block_on(cli::run(*args))
+        }
+        Command::Cleanup(args) => {
+            gpu_dra_telemetry::init(&args.log)?;
+            runtime()?.block_on(gpu_dra_kubelet_plugin::cleanup::run(*args))
+        }
+        Command::Uninstall(args) => {
+            gpu_dra_telemetry::init(&args.log)?;
+            runtime()?.block_on(gpu_dra_kubelet_plugin::uninstall::run(*args))
         }
         Command::Discover(args) => {
             gpu_dra_telemetry::init(&gpu_dra_telemetry::LogArgs {

@@ -528,8 +528,14 @@ async fn a_crashed_daemon_is_restarted_with_its_limits() {
     // Containers keep their bind mount: the pipe directory is still the same inode.
     assert_eq!(inode(&dir.join("pipe")), pipe_inode);
     let new_pid = m.mps_pid(CLAIM_A, "0").unwrap();
+    assert_eq!(node.compute_mode(4), ComputeMode::ExclusiveProcess);
     m.unprepare(CLAIM_A).await.unwrap();
     assert!(!alive(new_pid));
+    assert_eq!(
+        node.compute_mode(4),
+        ComputeMode::Default,
+        "the last user gone after a crash: compute mode restored"
+    );
     assert_eq!(
         node.metrics.mps_daemon_restarts.get(),
         1,
@@ -743,4 +749,55 @@ async fn after_a_reboot_recorded_sharing_is_forgotten_not_restarted_and_nvidia_d
     .unwrap();
     assert!(m.mps_pid(CLAIM_A, "0").is_some_and(alive));
     m.unprepare(CLAIM_A).await.unwrap();
+}
+
+/// A plugin that starts with sharing recorded for claims its checkpoint does not know (the
+/// checkpoint was lost or replaced while the plugin was down) undoes it: nobody would ever
+/// unprepare those claims. Sharing of known claims stays.
+#[tokio::test]
+async fn sharing_of_claims_the_checkpoint_does_not_know_is_undone_at_start() {
+    let node = Node::new(PROFILE);
+    let m = node.manager();
+    let req = MpsConfig {
+        active_thread_percentage: Some(40),
+        ..Default::default()
+    };
+    prepare(&m, CLAIM_A, &mps(vec![gpu(&node.gpu_uuid(4))], req))
+        .await
+        .unwrap();
+    let shared = ts(vec![gpu(&node.gpu_uuid(5))], Interval::Long);
+    prepare(
+        &m,
+        CLAIM_A,
+        &ts(vec![gpu(&node.gpu_uuid(6))], Interval::Short),
+    )
+    .await
+    .unwrap();
+    prepare(&m, CLAIM_B, &shared).await.unwrap();
+    let pid = m.mps_pid(CLAIM_A, "0").unwrap();
+    m.detach();
+    drop(m);
+    assert_eq!(node.compute_mode(4), ComputeMode::ExclusiveProcess);
+    assert_eq!(node.timeslice(5), 3);
+    assert_eq!(node.timeslice(6), 1);
+
+    // Only claim B is in the checkpoint.
+    let m = node.manager();
+    m.keep_claims([CLAIM_B.to_string()].into());
+    let report = m.recover().await.unwrap();
+    assert_eq!(report.released, [CLAIM_A]);
+    assert!(report.adopted.is_empty() && report.restarted.is_empty());
+    assert!(!alive(pid), "the unknown claim's daemon is stopped");
+    assert_eq!(node.compute_mode(4), ComputeMode::Default);
+    assert_eq!(node.timeslice(6), 0, "its time-sliced GPU is reset");
+    assert_eq!(node.timeslice(5), 3, "the known claim keeps its GPU");
+    assert!(!node.daemon_dir(CLAIM_A, "0").exists());
+
+    // Neither is known: the last time-sliced GPU goes back to default too.
+    drop(m);
+    let m = node.manager();
+    m.keep_claims(Default::default());
+    assert_eq!(m.recover().await.unwrap().released, [CLAIM_B]);
+    assert_eq!(node.timeslice(5), 0);
+    assert_eq!(m.state().time_slicing.len() + m.state().mps.len(), 0);
 }

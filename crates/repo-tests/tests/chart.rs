@@ -256,6 +256,9 @@ fn default_values() {
     let bindings: Vec<&Value> = objects
         .iter()
         .filter(|o| o["kind"] == "ClusterRoleBinding" || o["kind"] == "RoleBinding")
+        // The uninstall hook's exists only while `helm uninstall` runs it (checked in
+        // `uninstall_hook_restores_the_nodes`).
+        .filter(|o| o["metadata"]["annotations"]["helm.sh/hook"].is_null())
         .collect();
     assert_eq!(bindings.len(), 2, "only the plugin is bound to roles");
     for b in bindings {
@@ -639,6 +642,10 @@ fn bad_values_are_refused_by_the_schema() {
             "webhook.topologySpread.whenUnsatisfiable=Sometimes",
             "whenUnsatisfiable",
         ),
+        (
+            "kubeletPlugin.cleanupOnUninstall=maybe",
+            "cleanupOnUninstall",
+        ),
     ] {
         let out = Command::new(&helm)
             .args(["template", "rel"])
@@ -649,6 +656,90 @@ fn bad_values_are_refused_by_the_schema() {
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(!out.status.success(), "{set} accepted");
         assert!(err.contains(want), "{set}: {err}");
+    }
+}
+
+/// `helm uninstall` runs a pre-delete hook Job that stops the node plugins and cleans every
+/// node: its ServiceAccount and RBAC are hook-scoped and created before it, it names the
+/// chart's DaemonSet and runs the chart's image, unprivileged; the value switches it off.
+#[test]
+fn uninstall_hook_restores_the_nodes() {
+    let Some(helm) = helm() else { return };
+    let objects = render(&helm, &[]);
+    let name = "rel-gpu-dra-driver-uninstall";
+    let job = find(&objects, "Job", name);
+    let hook_of = |o: &Value| {
+        let a = &o["metadata"]["annotations"];
+        assert_eq!(a["helm.sh/hook"], "pre-delete", "{o}");
+        let policy = a["helm.sh/hook-delete-policy"].as_str().unwrap_or_default();
+        assert!(
+            policy.split(',').any(|p| p == "before-hook-creation")
+                && policy.split(',').any(|p| p == "hook-succeeded"),
+            "{policy}"
+        );
+        a["helm.sh/hook-weight"]
+            .as_str()
+            .and_then(|w| w.parse::<i32>().ok())
+            .expect("a numeric hook weight")
+    };
+    let job_weight = hook_of(job);
+    for kind in ["ServiceAccount", "Role", "RoleBinding"] {
+        let o = find(&objects, kind, name);
+        assert!(hook_of(o) < job_weight, "{kind} must exist before the Job");
+        assert_eq!(o["metadata"]["namespace"], NAMESPACE);
+    }
+    let role = find(&objects, "Role", name);
+    let rules = role["rules"].as_array().unwrap();
+    let ds_name = "rel-gpu-dra-driver-kubelet-plugin";
+    let ds = find(&objects, "DaemonSet", ds_name);
+    assert!(
+        rules
+            .iter()
+            .any(|r| r["resources"] == serde_json::json!(["daemonsets"])
+                && strs(&r["resourceNames"]) == [ds_name]
+                && strs(&r["verbs"]) == ["get", "patch"]),
+        "{role}"
+    );
+    assert!(
+        rules
+            .iter()
+            .any(|r| r["resources"] == serde_json::json!(["pods"])
+                && ["get", "list", "create", "delete"]
+                    .iter()
+                    .all(|v| strs(&r["verbs"]).contains(v))),
+        "{role}"
+    );
+    let binding = find(&objects, "RoleBinding", name);
+    assert_eq!(binding["subjects"][0]["name"], name);
+    assert_eq!(binding["roleRef"]["name"], name);
+
+    let pod = &job["spec"]["template"]["spec"];
+    assert_eq!(pod["serviceAccountName"], name);
+    assert_eq!(pod["restartPolicy"], "Never");
+    assert_eq!(pod["securityContext"]["runAsNonRoot"], true);
+    let ctr = &pod["containers"][0];
+    assert_eq!(
+        ctr["image"], ds["spec"]["template"]["spec"]["containers"][0]["image"],
+        "the chart's image"
+    );
+    assert_eq!(
+        strs(&ctr["command"]),
+        [
+            "/usr/local/bin/gpu-kubelet-plugin",
+            "uninstall",
+            &format!("--namespace={NAMESPACE}"),
+            &format!("--daemonset={ds_name}"),
+        ]
+    );
+    assert_eq!(ctr["securityContext"]["allowPrivilegeEscalation"], false);
+    assert!(ctr["securityContext"]["privileged"].is_null());
+
+    for off in [
+        "kubeletPlugin.cleanupOnUninstall=false",
+        "kubeletPlugin.enabled=false",
+    ] {
+        let k = kinds(&render(&helm, &[off]));
+        assert!(k.iter().all(|k| !k.ends_with("-uninstall")), "{off}: {k:?}");
     }
 }
 

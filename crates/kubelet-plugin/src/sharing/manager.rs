@@ -31,7 +31,7 @@
 //! "last claim out resets the GPU" decision must not race a new claim setting it). MPS daemons
 //! of different claims start concurrently.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
@@ -127,6 +127,9 @@ pub(super) struct Inner {
     pub(super) foreign_dirs: Mutex<Vec<String>>,
     /// When set, MPS daemons run in pods of their own ([`super::pods`]).
     pub(super) pods: std::sync::OnceLock<Arc<PodDaemons>>,
+    /// The claims the driver's checkpoint knows (`None`: not told); recovery releases the
+    /// sharing of every other claim.
+    pub(super) known_claims: Mutex<Option<BTreeSet<String>>>,
 }
 
 impl std::fmt::Debug for SharingManager {
@@ -160,6 +163,7 @@ impl SharingManager {
                 metrics,
                 foreign_dirs: Mutex::new(Vec::new()),
                 pods: std::sync::OnceLock::new(),
+                known_claims: Mutex::new(None),
             }),
         })
     }
@@ -174,6 +178,15 @@ impl SharingManager {
     /// that [`Self::recover`] must not remove. Call before it.
     pub fn keep_foreign_dirs(&self, ids: Vec<String>) {
         *lock(&self.inner.foreign_dirs) = ids;
+    }
+
+    /// Names the claims the driver's checkpoint knows (prepared or half prepared). Call
+    /// before [`Self::recover`]: sharing recorded for any other claim belongs to a claim whose
+    /// unprepare was lost (the checkpoint entry is removed only after sharing was undone, so
+    /// this takes a lost or replaced checkpoint), and recovery undoes it instead of keeping a
+    /// GPU in `EXCLUSIVE_PROCESS` or time-sliced for nobody.
+    pub fn keep_claims(&self, uids: BTreeSet<String>) {
+        *lock(&self.inner.known_claims) = Some(uids);
     }
 
     /// A copy of the current state (what the checkpoint holds).

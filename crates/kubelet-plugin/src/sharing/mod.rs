@@ -7,11 +7,17 @@
 //! - MPS runs one `nvidia-cuda-mps-control -f` per claim and device group, supervised by this
 //!   process (restarted with backoff when it crashes), with private pipe and log directories
 //!   under `<plugin-dir>/mps/<claimUID>-<group>` ([`supervise`], [`mps`]); after a plugin
-//!   restart [`recovery`] re-adopts or restarts daemons and cleans up what was interrupted.
-//!   With a Kubernetes client and an image, each daemon runs in a pod of its own instead, so
-//!   that it outlives the plugin's container ([`pods`]).
+//!   restart [`recovery`] re-adopts or restarts daemons, cleans up what was interrupted and
+//!   undoes the sharing of claims the checkpoint no longer knows. With a Kubernetes client and
+//!   an image, each daemon runs in a pod of its own instead, so that it outlives the plugin's
+//!   container ([`pods`]).
 //!   Client containers get the pipe directory and `CUDA_MPS_PIPE_DIRECTORY`, and keep their own
 //!   `/dev/shm` (see `gpu_dra_core::sharing` for why, and for the GPUs that would need more).
+//! - Whatever ends a GPU's last use puts it back to compute mode `DEFAULT` and the default
+//!   time-slice: an unprepare, recovery after a plugin crash (above), and on uninstall
+//!   [`restore`] (all recorded sharing undone, run by `gpu-kubelet-plugin cleanup`). A crashed
+//!   MPS daemon is restarted by its supervisor and keeps its GPUs; they go back to `DEFAULT`
+//!   when its claim is unprepared.
 //!
 //! The input is the prepare plan's group: its name, its devices and the api crate's validated
 //! [`gpu_dra_api::Sharing`] value, used as is (no second decoding or validation here). The
@@ -28,6 +34,7 @@ pub mod manager;
 pub mod mps;
 pub mod pods;
 pub mod recovery;
+pub mod restore;
 pub mod smi;
 pub mod state;
 pub mod supervise;
@@ -40,5 +47,6 @@ pub use gpu_dra_core::sharing::{SharedDevice, daemon_id};
 pub use manager::{SharingManager, SharingMetrics, SharingOptions};
 pub use pods::{PodDaemons, PodSettings};
 pub use recovery::RecoveryReport;
+pub use restore::RestoreReport;
 pub use state::{FileStore, MemoryStore, SharingState, SharingStore};
 pub use tools::DriverRoot;

@@ -1,19 +1,22 @@
 //! What a restarted plugin finds and puts right: live daemons of prepared claims re-adopted
 //! (pid alive, command line and pipe directory match, and it answers on its pipe), dead ones
 //! restarted, daemons whose prepare or unprepare was interrupted torn down, directories no
-//! record owns removed, and owed time-slice resets done.
+//! record owns removed, and owed time-slice resets done. Sharing recorded for claims the
+//! driver's checkpoint does not know ([`SharingManager::keep_claims`]) is undone: compute mode
+//! back to `DEFAULT`, time-slice back to default once no known claim uses the GPU.
 //!
 //! After a reboot (the node's boot ID differs from the one the state was saved with) nothing
 //! recorded is real any more: recovery forgets every record without signalling anything and
 //! removes the daemons' directories as strays; the kubelet's next prepare of each claim applies
 //! sharing again.
 
+use std::collections::BTreeSet;
 use std::path::PathBuf;
 
 use tracing::{error, info, warn};
 
 use super::error::SharingError;
-use super::manager::{SharingManager, lock};
+use super::manager::{Inner, SharingManager, lock};
 use super::mps;
 use super::state::{MpsPhase, MpsRecord};
 use super::supervise::Proc;
@@ -31,6 +34,8 @@ pub struct RecoveryReport {
     pub timeslice_reset: Vec<String>,
     /// Records of a previous boot, forgotten without touching any process.
     pub previous_boot: Vec<String>,
+    /// Claims the checkpoint does not know whose sharing was undone.
+    pub released: Vec<String>,
 }
 
 impl SharingManager {
@@ -63,6 +68,29 @@ impl SharingManager {
                 );
             }
             report.previous_boot = forgotten;
+        }
+
+        // Sharing of claims the checkpoint does not know: nobody will unprepare them.
+        let known = lock(&inner.known_claims).clone();
+        if let Some(known) = known {
+            let orphans: BTreeSet<String> = {
+                let s = lock(&inner.state);
+                s.time_slicing
+                    .values()
+                    .flat_map(|r| r.claims.iter().cloned())
+                    .chain(s.mps.values().map(|r| r.claim_uid.clone()))
+                    .filter(|uid| !known.contains(uid))
+                    .collect()
+            };
+            for uid in orphans {
+                warn!(claim.uid = %uid, "sharing recorded for a claim the checkpoint does not know; undoing it");
+                match self.unprepare(&uid).await {
+                    Ok(()) => report.released.push(uid),
+                    Err(e) => {
+                        first_error.get_or_insert(e);
+                    }
+                }
+            }
         }
 
         // Time-slice resets owed by an unprepare that did not finish.
@@ -165,35 +193,10 @@ impl SharingManager {
 
         // Directories under <plugin-dir>/mps that no record owns (a crash between creating
         // them and saving, or state lost): stop any daemon there and remove them.
-        let mps_root = inner.opts.plugin_dir.join("mps");
-        if let Ok(entries) = std::fs::read_dir(&mps_root) {
-            let known: Vec<PathBuf> = lock(&inner.state)
-                .mps
-                .values()
-                .map(|r| r.dir.clone())
-                .collect();
-            let foreign = lock(&inner.foreign_dirs).clone();
-            for entry in entries.flatten() {
-                let dir = entry.path();
-                if known.contains(&dir)
-                    || foreign
-                        .iter()
-                        .any(|id| entry.file_name().to_string_lossy() == id.as_str())
-                {
-                    continue;
-                }
-                for pid in mps::find_daemons(&dir.join("pipe")) {
-                    warn!(pid, dir = %dir.display(), "killing MPS control daemon nothing records");
-                    mps::kill(pid);
-                    mps::wait_gone(pid, inner.opts.mps_quit_timeout).await;
-                }
-                match std::fs::remove_dir_all(&dir) {
-                    Ok(()) => report.cleaned.push(dir.display().to_string()),
-                    Err(e) => {
-                        first_error.get_or_insert(SharingError::io("remove directory", &dir, e));
-                    }
-                }
-            }
+        let (cleaned, error) = inner.remove_stray_dirs().await;
+        report.cleaned.extend(cleaned);
+        if let Some(e) = error {
+            first_error.get_or_insert(e);
         }
         info!(
             adopted = report.adopted.len(),
@@ -213,5 +216,47 @@ impl SharingManager {
         for (_, s) in lock(&self.inner.supervised).drain() {
             s.task.abort();
         }
+    }
+}
+
+impl Inner {
+    /// Removes the directories under `<plugin-dir>/mps` that no record owns and that are not
+    /// NVIDIA's, after killing any MPS control daemon serving them. Returns what was removed
+    /// and the first error.
+    pub(super) async fn remove_stray_dirs(&self) -> (Vec<String>, Option<SharingError>) {
+        let mut cleaned = Vec::new();
+        let mut first_error = None;
+        let mps_root = self.opts.plugin_dir.join("mps");
+        let Ok(entries) = std::fs::read_dir(&mps_root) else {
+            return (cleaned, None);
+        };
+        let known: Vec<PathBuf> = lock(&self.state)
+            .mps
+            .values()
+            .map(|r| r.dir.clone())
+            .collect();
+        let foreign = lock(&self.foreign_dirs).clone();
+        for entry in entries.flatten() {
+            let dir = entry.path();
+            if known.contains(&dir)
+                || foreign
+                    .iter()
+                    .any(|id| entry.file_name().to_string_lossy() == id.as_str())
+            {
+                continue;
+            }
+            for pid in mps::find_daemons(&dir.join("pipe")) {
+                warn!(pid, dir = %dir.display(), "killing MPS control daemon nothing records");
+                mps::kill(pid);
+                mps::wait_gone(pid, self.opts.mps_quit_timeout).await;
+            }
+            match std::fs::remove_dir_all(&dir) {
+                Ok(()) => cleaned.push(dir.display().to_string()),
+                Err(e) => {
+                    first_error.get_or_insert(SharingError::io("remove directory", &dir, e));
+                }
+            }
+        }
+        (cleaned, first_error)
     }
 }

@@ -1,0 +1,640 @@
+//! `gpu-kubelet-plugin cleanup`: puts a node back as it was before the driver, once no node
+//! plugin serves it (uninstall). The chart runs it on every node that ran a plugin pod, from a
+//! `pre-delete` hook ([`crate::uninstall`]), with the plugin's own host paths.
+//!
+//! What it does, from the plugin's own records (`sharing.json` and the checkpoint in the
+//! plugin directory):
+//! - every recorded MPS control daemon is stopped (`quit` through its pipe, then killed if it
+//!   still runs), the compute mode of its GPUs set back to `DEFAULT`, its directories removed;
+//!   every GPU with a recorded time-slice gets compute mode `DEFAULT` and the default interval
+//!   (through the same `nvidia-smi` calls, found under `--driver-root`, as the plugin uses:
+//!   [`crate::sharing::SharingManager::restore_all`]);
+//! - file systems mounted under our MPS directories (a `/dev/shm` tmpfs of earlier versions)
+//!   are unmounted first;
+//! - our claim specs (`k8s.gpu.nvidia.com-claim_<uid>.json`) and their temp files leave the
+//!   CDI root, our files leave the plugin directory (checkpoint, sharing state, sockets, the
+//!   MPS folder) and our registration socket leaves the registrar directory; the plugin
+//!   directory itself goes when nothing else is left in it (in a cleanup pod it is the
+//!   hostPath volume's mount point and stays, empty).
+//!
+//! Invariants: only what this driver wrote is removed. NVIDIA's driver shares the plugin and
+//! CDI folders (its `checkpoint.json`, its `.yaml` specs, the MPS directories of claims
+//! imported from it): those stay. While anything of the sharing state could not be undone,
+//! `sharing.json` and the checkpoint stay too, so running the command again (it is idempotent)
+//! finishes the job; the exit status says whether everything was done. It refuses to run
+//! while a plugin still answers on `dra.sock`, which would re-apply what it undoes.
+//!
+//! Why a subcommand of the plugin binary: it needs exactly the plugin's view of the host (its
+//! flags and their env twins, the chart's hostPath volumes) and the plugin's own code for the
+//! recorded state and the driver tools; a second tool would have to re-implement both.
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use gpu_dra_core::{cdi, checkpoint};
+use gpu_dra_telemetry::LogArgs;
+use tracing::{info, warn};
+
+use crate::discover::HostArgs;
+use crate::sharing::{
+    DriverRoot, FileStore, SharingError, SharingManager, SharingMetrics, SharingOptions,
+};
+
+/// Name of the sharing state file in the plugin directory.
+pub const SHARING_STATE_FILE: &str = "sharing.json";
+
+/// Flags of `cleanup`: the host paths of `run`, with the same env twins, so the cleanup pod
+/// takes the plugin's environment as is.
+#[derive(Debug, Clone, clap::Args)]
+pub struct CleanupArgs {
+    /// DRA driver name (names the registration socket).
+    #[arg(long, env = "DRIVER_NAME", default_value = "gpu.nvidia.com")]
+    pub driver_name: String,
+    /// Folder of dra.sock, the checkpoint and MPS folders.
+    #[arg(
+        long,
+        env = "PLUGIN_DIR",
+        default_value = "/var/lib/kubelet/plugins/gpu.nvidia.com"
+    )]
+    pub plugin_dir: PathBuf,
+    /// Folder of the kubelet's plugin registration sockets.
+    #[arg(
+        long,
+        env = "REGISTRAR_DIR",
+        default_value = "/var/lib/kubelet/plugins_registry"
+    )]
+    pub registrar_dir: PathBuf,
+    /// Folder where CDI specs are written.
+    #[arg(long, env = "CDI_ROOT", default_value = "/var/run/cdi")]
+    pub cdi_root: PathBuf,
+    /// The host's driver (its `nvidia-smi` and MPS control tool restore the GPUs).
+    #[command(flatten)]
+    pub host: HostArgs,
+    /// Logging.
+    #[command(flatten)]
+    pub log: LogArgs,
+}
+
+/// One thing cleanup could not do. Each names the path or step and what to do.
+#[derive(Debug, thiserror::Error)]
+pub enum CleanupError {
+    /// A node plugin still serves the node.
+    #[error(
+        "a node plugin still answers on {socket}; stop it first (delete the DaemonSet's pod on this node), otherwise it re-applies what cleanup undoes"
+    )]
+    PluginRunning {
+        /// The DRA socket that answered.
+        socket: PathBuf,
+    },
+    /// The sharing state could not be read or undone.
+    #[error(
+        "GPU sharing not fully undone: {source}; {state} is kept, run cleanup again once the cause is fixed"
+    )]
+    Sharing {
+        /// The sharing state file.
+        state: PathBuf,
+        /// What failed.
+        #[source]
+        source: SharingError,
+    },
+    /// The checkpoint could not be read, so NVIDIA's MPS directories cannot be told apart
+    /// from ours; stray MPS directories are left.
+    #[error(
+        "cannot read checkpoint {path}: {reason}; stray MPS directories are left in place (they may be NVIDIA's)"
+    )]
+    Checkpoint {
+        /// The checkpoint path.
+        path: PathBuf,
+        /// Why.
+        reason: String,
+    },
+    /// A file, folder or mount could not be removed.
+    #[error("cannot {what} {path}: {source}")]
+    Io {
+        /// What was attempted.
+        what: &'static str,
+        /// The path.
+        path: PathBuf,
+        /// What the OS said.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// What cleanup did, and what it could not do.
+#[derive(Debug, Default)]
+pub struct CleanupReport {
+    /// MPS daemons stopped.
+    pub mps_stopped: Vec<String>,
+    /// GPUs whose time-slice and compute mode were reset.
+    pub timeslice_reset: Vec<String>,
+    /// Mount points unmounted.
+    pub unmounted: Vec<PathBuf>,
+    /// Files and folders removed.
+    pub removed: Vec<PathBuf>,
+    /// What failed; empty when the node is clean.
+    pub failures: Vec<CleanupError>,
+}
+
+/// Cleans the node described by `args` (see the module documentation).
+pub async fn cleanup(args: &CleanupArgs) -> CleanupReport {
+    let mut report = CleanupReport::default();
+    let dra_sock = args.plugin_dir.join("dra.sock");
+    if std::os::unix::net::UnixStream::connect(&dra_sock).is_ok() {
+        report
+            .failures
+            .push(CleanupError::PluginRunning { socket: dra_sock });
+        return report;
+    }
+
+    // NVIDIA's MPS directories (claims imported from its checkpoint) are not ours to remove.
+    let checkpoint_path = args.plugin_dir.join(checkpoint::FILE_NAME);
+    let foreign = match imported_mps_daemons(&checkpoint_path) {
+        Ok(ids) => Some(ids),
+        Err(reason) => {
+            report.failures.push(CleanupError::Checkpoint {
+                path: checkpoint_path.clone(),
+                reason,
+            });
+            None
+        }
+    };
+
+    let mps_root = args.plugin_dir.join("mps");
+    unmount_ours(
+        &mps_root,
+        foreign.as_ref().map_or(&BTreeSet::new(), |f| f),
+        &mut report,
+    );
+
+    let state_path = args.plugin_dir.join(SHARING_STATE_FILE);
+    let sharing_done = restore_sharing(args, &state_path, foreign.as_ref(), &mut report).await;
+
+    // Our claim specs; NVIDIA's (`.yaml`) stay.
+    remove_matching(&args.cdi_root, &mut report, |name| {
+        cdi::claim_uid_of_spec_file(name).is_some()
+    });
+    let prefix = format!("{}-{}_", cdi::CDI_VENDOR, cdi::CDI_CLASS);
+    gpu_dra_fsutil::remove_stale_temps(&args.cdi_root, &prefix);
+
+    // The nvidia-cdi-hook copies the plugin installed (crate::cdi_hook): our specs, which
+    // name them, are gone; running containers do not need them any more.
+    let hook_dir = args.plugin_dir.join(crate::cdi_hook::BIN_DIR);
+    remove_matching(&hook_dir, &mut report, |name| {
+        name.starts_with(crate::cdi_hook::PREFIX)
+    });
+    gpu_dra_fsutil::remove_stale_temps(&hook_dir, crate::cdi_hook::PREFIX);
+
+    let mut ours: Vec<PathBuf> = vec![
+        dra_sock,
+        args.plugin_dir.join("failpoint.reached"),
+        args.registrar_dir
+            .join(format!("{}-reg.sock", args.driver_name)),
+    ];
+    let legacy = args.plugin_dir.join(checkpoint::LEGACY_FILE_NAME);
+    if std::fs::read(&legacy).is_ok_and(|b| checkpoint::is_own_format(&b)) {
+        ours.push(legacy);
+    }
+    if sharing_done && foreign.is_some() {
+        ours.push(state_path);
+        ours.push(checkpoint_path);
+        for name in [SHARING_STATE_FILE, checkpoint::FILE_NAME] {
+            gpu_dra_fsutil::remove_stale_temps(&args.plugin_dir, name);
+        }
+    }
+    for path in ours {
+        remove_file(&path, &mut report);
+    }
+    // Folders go only when empty: what is left is someone else's (or owed).
+    for dir in [&mps_root, &hook_dir, &args.plugin_dir] {
+        match std::fs::remove_dir(dir) {
+            Ok(()) => report.removed.push(dir.clone()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => info!(dir = %dir.display(), reason = %e, "folder kept"),
+        }
+    }
+    report
+}
+
+/// Undoes the recorded sharing; true when all of it is undone (or none was recorded).
+async fn restore_sharing(
+    args: &CleanupArgs,
+    state_path: &Path,
+    foreign: Option<&BTreeSet<String>>,
+    report: &mut CleanupReport,
+) -> bool {
+    let opts = SharingOptions::new(
+        DriverRoot::new(args.host.driver_root_here(), args.host.nvml_lib.clone()),
+        &args.plugin_dir,
+    );
+    let store = Arc::new(FileStore::new(state_path));
+    let manager = match SharingManager::new(opts, store, SharingMetrics::default()) {
+        Ok(m) => m,
+        Err(source) => {
+            report.failures.push(CleanupError::Sharing {
+                state: state_path.to_path_buf(),
+                source,
+            });
+            return false;
+        }
+    };
+    match foreign {
+        Some(ids) => manager.keep_foreign_dirs(ids.iter().cloned().collect()),
+        // Unknown: keep every directory no record owns.
+        None => manager.keep_foreign_dirs(
+            std::fs::read_dir(args.plugin_dir.join("mps"))
+                .into_iter()
+                .flatten()
+                .flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|name| {
+                    !manager
+                        .state()
+                        .mps
+                        .keys()
+                        .any(|id| id.as_str() == name.as_str())
+                })
+                .collect(),
+        ),
+    }
+    match manager.restore_all().await {
+        Ok(r) => {
+            report.mps_stopped = r.mps_stopped;
+            report.timeslice_reset = r.timeslice_reset;
+            report
+                .removed
+                .extend(r.strays_removed.into_iter().map(PathBuf::from));
+            true
+        }
+        Err(source) => {
+            report.failures.push(CleanupError::Sharing {
+                state: state_path.to_path_buf(),
+                source,
+            });
+            false
+        }
+    }
+}
+
+/// MPS daemon IDs of claims imported from NVIDIA's driver, from our checkpoint (read only:
+/// no migration or import is written here). A missing checkpoint has none.
+fn imported_mps_daemons(path: &Path) -> Result<BTreeSet<String>, String> {
+    let bytes = match std::fs::read(path) {
+        Ok(b) => b,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(BTreeSet::new()),
+        Err(e) => return Err(e.to_string()),
+    };
+    let doc = checkpoint::Checkpoint::from_json(&bytes).map_err(|e| e.to_string())?;
+    Ok(doc
+        .claims
+        .values()
+        .filter_map(|e| e.imported.as_ref())
+        .flat_map(|i| i.mps_control_daemons.iter().cloned())
+        .collect())
+}
+
+/// Unmounts what is mounted under `mps_root`, deepest first, except under NVIDIA's `foreign`
+/// daemon directories.
+fn unmount_ours(mps_root: &Path, foreign: &BTreeSet<String>, report: &mut CleanupReport) {
+    let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") else {
+        return;
+    };
+    let mut points: Vec<PathBuf> = mount_points(&info)
+        .into_iter()
+        .filter(|p| {
+            p.strip_prefix(mps_root).is_ok_and(|rel| {
+                rel.components().next().is_some_and(|first| {
+                    !foreign.contains(first.as_os_str().to_string_lossy().as_ref())
+                })
+            })
+        })
+        .collect();
+    points.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
+    points.dedup();
+    for p in points {
+        match rustix::mount::unmount(&p, rustix::mount::UnmountFlags::DETACH) {
+            Ok(()) => {
+                info!(path = %p.display(), "unmounted");
+                report.unmounted.push(p);
+            }
+            Err(e) => report.failures.push(CleanupError::Io {
+                what: "unmount",
+                path: p,
+                source: e.into(),
+            }),
+        }
+    }
+}
+
+/// Mount points of a `/proc/<pid>/mountinfo` text (field 5, with the kernel's octal escapes
+/// of space, tab, newline and backslash decoded).
+pub fn mount_points(mountinfo: &str) -> Vec<PathBuf> {
+    mountinfo
+        .lines()
+        .filter_map(|l| l.split(' ').nth(4))
+        .map(|escaped| {
+            let mut out = Vec::with_capacity(escaped.len());
+            let b = escaped.as_bytes();
+            let mut i = 0;
+            while i < b.len() {
+                if b[i] == b'\\'
+                    && let Some(v) = b
+                        .get(i + 1..i + 4)
+                        .and_then(|d| std::str::from_utf8(d).ok())
+                        .and_then(|d| u8::from_str_radix(d, 8).ok())
+                {
+                    out.push(v);
+                    i += 4;
+                    continue;
+                }
+                out.push(b[i]);
+                i += 1;
+            }
+            PathBuf::from(std::ffi::OsString::from(
+                <std::ffi::OsStr as std::os::unix::ffi::OsStrExt>::from_bytes(&out),
+            ))
+        })
+        .collect()
+}
+
+fn remove_matching(dir: &Path, report: &mut CleanupReport, ours: impl Fn(&str) -> bool) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for e in entries.flatten() {
+        if ours(&e.file_name().to_string_lossy()) && e.file_type().is_ok_and(|t| t.is_file()) {
+            remove_file(&e.path(), report);
+        }
+    }
+}
+
+fn remove_file(path: &Path, report: &mut CleanupReport) {
+    match std::fs::remove_file(path) {
+        Ok(()) => report.removed.push(path.to_path_buf()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(source) => report.failures.push(CleanupError::Io {
+            what: "remove",
+            path: path.to_path_buf(),
+            source,
+        }),
+    }
+}
+
+/// The `cleanup` subcommand: cleans the node, logs what it did and every failure; an error
+/// when anything is left to do.
+pub async fn run(args: CleanupArgs) -> anyhow::Result<()> {
+    let report = cleanup(&args).await;
+    info!(
+        mps_stopped = %report.mps_stopped.join(","),
+        timeslice_reset = %report.timeslice_reset.join(","),
+        unmounted = report.unmounted.len(),
+        removed = report.removed.len(),
+        "node cleanup done"
+    );
+    for f in &report.failures {
+        warn!(error = %f, "cleanup incomplete");
+    }
+    match report.failures.len() {
+        0 => Ok(()),
+        n => anyhow::bail!(
+            "node cleanup incomplete ({n} problem(s)): {}",
+            report
+                .failures
+                .iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
+                .join("; ")
+        ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use gpu_dra_api::{Interval, MpsConfig, Sharing};
+    use gpu_dra_core::sharing::SharedDevice;
+    use gpu_dra_sim::state::ComputeMode;
+    use gpu_dra_sim::testing::SimHost;
+
+    const CLAIM_A: &str = "0b6e2c46-6e0e-4c1c-9a55-3f6f5e9d1a7b";
+    const CLAIM_B: &str = "5f1c7d2a-8b3e-4f6a-9c0d-1e2f3a4b5c6d";
+
+    struct Node {
+        host: SimHost,
+        dir: tempfile::TempDir,
+    }
+
+    impl Node {
+        fn new() -> Node {
+            // dgx-a100-40gb: GPUs 4-7 are whole GPUs.
+            Node {
+                host: SimHost::new("dgx-a100-40gb"),
+                dir: tempfile::tempdir().expect("temp dir"),
+            }
+        }
+        fn args(&self) -> CleanupArgs {
+            let d = self.dir.path();
+            CleanupArgs {
+                driver_name: "gpu.nvidia.com".into(),
+                plugin_dir: d.join("plugins/gpu.nvidia.com"),
+                registrar_dir: d.join("plugins_registry"),
+                cdi_root: d.join("cdi"),
+                host: HostArgs {
+                    driver_root: self.host.root().to_path_buf(),
+                    container_driver_root: None,
+                    dev_root: self.host.root().to_path_buf(),
+                    sysfs_root: self.host.sysfs_root(),
+                    nvml_lib: None,
+                },
+                log: LogArgs {
+                    log_format: gpu_dra_telemetry::LogFormat::Text,
+                    log_level: "info".into(),
+                },
+            }
+        }
+        fn manager(&self) -> SharingManager {
+            let a = self.args();
+            SharingManager::new(
+                SharingOptions::new(DriverRoot::new(self.host.root(), None), &a.plugin_dir),
+                Arc::new(FileStore::new(a.plugin_dir.join(SHARING_STATE_FILE))),
+                SharingMetrics::default(),
+            )
+            .expect("manager")
+        }
+        fn gpu(&self, i: usize) -> String {
+            self.host.profile().gpus[i].uuid.clone()
+        }
+        fn write(&self, path: &Path, text: &str) {
+            std::fs::create_dir_all(path.parent().expect("parent")).expect("mkdir");
+            std::fs::write(path, text).expect("write");
+        }
+    }
+
+    /// A node as an uninstalled plugin leaves it: an MPS daemon still running with its GPU in
+    /// EXCLUSIVE_PROCESS, a time-sliced GPU, our specs and files beside NVIDIA's.
+    async fn node_after_the_plugin_went() -> (Node, u32) {
+        let node = Node::new();
+        let m = node.manager();
+        let mps = Sharing::Mps(MpsConfig {
+            active_thread_percentage: Some(50),
+            ..Default::default()
+        });
+        m.prepare(CLAIM_A, "0", &[SharedDevice::gpu(node.gpu(4))], &mps)
+            .await
+            .expect("MPS prepared");
+        let ts = Sharing::TimeSlicing {
+            interval: Interval::Long,
+        };
+        m.prepare(CLAIM_B, "0", &[SharedDevice::gpu(node.gpu(5))], &ts)
+            .await
+            .expect("time-slicing prepared");
+        let pid = m.mps_pid(CLAIM_A, "0").expect("daemon pid");
+        // The plugin goes without unpreparing (its pod deleted by the uninstall).
+        m.detach();
+        drop(m);
+        let a = node.args();
+        node.write(
+            &a.plugin_dir.join(checkpoint::FILE_NAME),
+            &String::from_utf8(checkpoint::Checkpoint::new().to_json()).expect("utf-8"),
+        );
+        // NVIDIA's checkpoint (no integer version) and spec stay; so does another vendor's.
+        node.write(&a.plugin_dir.join("checkpoint.json"), r#"{"checksum": 1}"#);
+        node.write(&a.cdi_root.join(cdi::spec_file_name(CLAIM_A)), "{}");
+        node.write(&a.cdi_root.join(cdi::spec_file_name(CLAIM_B)), "{}");
+        node.write(&a.cdi_root.join(cdi::nvidia_spec_file_name("nv")), "{}");
+        node.write(&a.cdi_root.join("vendor.com-device.json"), "{}");
+        node.write(&a.registrar_dir.join("gpu.nvidia.com-reg.sock"), "");
+        node.write(&a.registrar_dir.join("other-reg.sock"), "");
+        // The hook copy the plugin installed (crate::cdi_hook).
+        node.write(
+            &a.plugin_dir
+                .join(crate::cdi_hook::BIN_DIR)
+                .join(crate::cdi_hook::copy_name(b"hook")),
+            "hook",
+        );
+        (node, pid)
+    }
+
+    fn names(dir: &Path) -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir(dir)
+            .map(|r| {
+                r.flatten()
+                    .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .collect()
+            })
+            .unwrap_or_default();
+        v.sort();
+        v
+    }
+
+    #[tokio::test]
+    async fn cleanup_restores_the_gpus_and_removes_only_our_files_and_can_run_again() {
+        let (node, pid) = node_after_the_plugin_went().await;
+        assert_eq!(
+            node.host.state().gpus[4].compute_mode,
+            ComputeMode::ExclusiveProcess
+        );
+        assert_eq!(node.host.state().gpus[5].timeslice, 3);
+        let a = node.args();
+
+        let report = cleanup(&a).await;
+        assert!(report.failures.is_empty(), "{:?}", report.failures);
+        assert_eq!(report.mps_stopped, [format!("{CLAIM_A}-0")]);
+        assert_eq!(report.timeslice_reset, [node.gpu(5)]);
+        let state = node.host.state();
+        assert_eq!(state.gpus[4].compute_mode, ComputeMode::Default);
+        assert_eq!(state.gpus[5].compute_mode, ComputeMode::Default);
+        assert_eq!(state.gpus[5].timeslice, 0);
+        assert!(!crate::sharing::mps::pid_alive(pid), "MPS daemon stopped");
+        assert_eq!(
+            names(&a.cdi_root),
+            [
+                cdi::nvidia_spec_file_name("nv"),
+                "vendor.com-device.json".into()
+            ]
+        );
+        assert_eq!(names(&a.plugin_dir), ["checkpoint.json"], "NVIDIA's stays");
+        assert_eq!(names(&a.registrar_dir), ["other-reg.sock"]);
+
+        // Idempotent: a second run finds nothing to do and fails on nothing.
+        let again = cleanup(&a).await;
+        assert!(again.failures.is_empty(), "{:?}", again.failures);
+        assert!(again.removed.is_empty(), "{:?}", again.removed);
+        assert!(again.mps_stopped.is_empty() && again.timeslice_reset.is_empty());
+
+        // Without NVIDIA's file the plugin directory itself goes.
+        std::fs::remove_file(a.plugin_dir.join("checkpoint.json")).expect("remove");
+        assert!(cleanup(&a).await.failures.is_empty());
+        assert!(!a.plugin_dir.exists());
+    }
+
+    #[tokio::test]
+    async fn a_failed_restore_keeps_the_state_so_a_rerun_finishes() {
+        let (node, _) = node_after_the_plugin_went().await;
+        let mut a = node.args();
+        // No driver tools: nothing can be reset.
+        let empty = tempfile::tempdir().expect("temp dir");
+        a.host.driver_root = empty.path().to_path_buf();
+        let report = cleanup(&a).await;
+        assert!(
+            report
+                .failures
+                .iter()
+                .any(|f| matches!(f, CleanupError::Sharing { .. })),
+            "{:?}",
+            report.failures
+        );
+        assert!(a.plugin_dir.join(SHARING_STATE_FILE).exists());
+        assert!(a.plugin_dir.join(checkpoint::FILE_NAME).exists());
+        assert_eq!(
+            node.host.state().gpus[5].timeslice,
+            3,
+            "still owed, still recorded"
+        );
+
+        let a = node.args();
+        let report = cleanup(&a).await;
+        assert!(report.failures.is_empty(), "{:?}", report.failures);
+        assert_eq!(node.host.state().gpus[5].timeslice, 0);
+        assert_eq!(node.host.state().gpus[4].compute_mode, ComputeMode::Default);
+        assert!(!a.plugin_dir.join(SHARING_STATE_FILE).exists());
+    }
+
+    #[tokio::test]
+    async fn a_plugin_still_serving_the_node_refuses_cleanup() {
+        let (node, pid) = node_after_the_plugin_went().await;
+        let a = node.args();
+        let _listener = std::os::unix::net::UnixListener::bind(a.plugin_dir.join("dra.sock"))
+            .expect("bind dra.sock");
+        let report = cleanup(&a).await;
+        assert!(
+            matches!(
+                report.failures.as_slice(),
+                [CleanupError::PluginRunning { .. }]
+            ),
+            "{:?}",
+            report.failures
+        );
+        assert!(report.removed.is_empty());
+        assert!(crate::sharing::mps::pid_alive(pid));
+        assert_eq!(
+            node.host.state().gpus[4].compute_mode,
+            ComputeMode::ExclusiveProcess
+        );
+        crate::sharing::mps::kill(pid);
+    }
+
+    #[test]
+    fn mount_points_are_field_five_with_octal_escapes_decoded() {
+        let info = "36 35 98:0 /mnt1 /mnt/with\\040space rw,noatime master:1 - ext3 /dev/root rw\n\
+                    37 36 0:5 / /var/lib/kubelet/plugins/x/mps/a/shm rw - tmpfs tmpfs rw\n";
+        assert_eq!(
+            mount_points(info),
+            [
+                PathBuf::from("/mnt/with space"),
+                PathBuf::from("/var/lib/kubelet/plugins/x/mps/a/shm")
+            ]
+        );
+    }
+}
