@@ -1,0 +1,214 @@
+package deployed
+
+import (
+	"context"
+	"encoding/json"
+	"strings"
+	"testing"
+	"time"
+
+	v1 "k8s.io/api/core/v1"
+	resourceapi "k8s.io/api/resource/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/util/wait"
+
+	"github.com/gpu-dra/e2e/harness"
+)
+
+const daemonSelector = "app.kubernetes.io/component=mps-control-daemon"
+
+// TestMPSDaemonOutlivesThePlugin: with the chart's defaults an MPS claim's
+// control daemon runs in a pod of its own, visible with kubectl. A crash of
+// the plugin's container and a rolling update of the plugin (helm upgrade)
+// leave that pod, its daemon and its MPS server untouched: the workload's
+// CUDA program keeps the same server and limits, and the new plugin
+// re-adopts the daemon. Deleting the workload unprepares the claim: the
+// daemon pod goes and the GPU is back in compute mode DEFAULT. A daemon pod
+// that no record owns (its claim gone while no plugin ran) is deleted when
+// the plugin starts.
+func TestMPSDaemonOutlivesThePlugin(t *testing.T) {
+	ctx := context.Background()
+	layout := harness.LayoutContainerDriver
+	n := addNode(t, "node-mps-pods", layout, "t4")
+	install(t, layout.HelmValues()...)
+	plugin := waitPlugin(ctx, t, n, "")
+
+	pod := mpsPod(ctx, t, "mps-pods", "mps", n.Name)
+	if _, err := cluster.WaitPodRunning(ctx, pod.Namespace, pod.Name, 90*time.Second); err != nil {
+		t.Fatalf("%v; plugin log:\n%s", err, plugin.Log())
+	}
+	daemon := daemonPod(ctx, t, n.Name)
+	t.Logf("MPS control daemon pod %s/%s (claim %s)", daemon.Namespace, daemon.Name, daemon.Labels["resource.nvidia.com/claim-uid"])
+	server := mpsServer(ctx, t, n, pod, "40.0")
+
+	// A crash of the plugin's container: the harness starts it again.
+	const adopted = "re-adopted MPS control daemon pod"
+	before := strings.Count(plugin.Log(), adopted)
+	plugin.Kill(n)
+	waitLog(ctx, t, plugin, func(log string) bool { return strings.Count(log, adopted) > before })
+	sameDaemon(ctx, t, n, daemon)
+	if got := mpsServer(ctx, t, n, pod, "40.0"); got != server {
+		t.Errorf("after the plugin's crash the workload's MPS server is %s, was %s", got, server)
+	}
+
+	// A rolling update: a new plugin pod replaces the old one.
+	if err := cluster.HelmUpgrade(ctx, append(layout.HelmValues(), "logLevel=debug")...); err != nil {
+		t.Fatal(err)
+	}
+	second := waitPlugin(ctx, t, n, plugin.Pod.UID)
+	waitLog(ctx, t, second, func(log string) bool { return strings.Contains(log, adopted) })
+	sameDaemon(ctx, t, n, daemon)
+	if got := mpsServer(ctx, t, n, pod, "40.0"); got != server {
+		t.Errorf("after the rolling update the workload's MPS server is %s, was %s", got, server)
+	}
+
+	// A daemon pod nothing records (as after its claim went while no plugin
+	// ran): deleted at the next plugin start.
+	stray := daemon.DeepCopy()
+	stray.ObjectMeta = metav1.ObjectMeta{
+		Name:        "mps-stray",
+		Namespace:   daemon.Namespace,
+		Labels:      daemon.Labels,
+		Annotations: map[string]string{"resource.nvidia.com/mps-daemon-id": "00000000-0000-0000-0000-000000000000-c"},
+	}
+	stray.Status = v1.PodStatus{}
+	if _, err := cluster.Client.CoreV1().Pods(stray.Namespace).Create(ctx, stray, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	second.Kill(n)
+	if err := cluster.WaitPodGone(ctx, stray.Namespace, stray.Name, 60*time.Second); err != nil {
+		t.Errorf("the daemon pod nothing records is still there after the plugin's restart: %v; log:\n%s", err, second.Log())
+	}
+	sameDaemon(ctx, t, n, daemon)
+
+	// The claim is unprepared: its daemon pod goes, the GPU is released.
+	if err := cluster.Client.CoreV1().Pods(pod.Namespace).Delete(ctx, pod.Name, metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if err := cluster.WaitPodGone(ctx, pod.Namespace, pod.Name, 60*time.Second); err != nil {
+		t.Fatalf("%v; plugin log:\n%s", err, second.Log())
+	}
+	if err := cluster.WaitPodGone(ctx, daemon.Namespace, daemon.Name, 30*time.Second); err != nil {
+		t.Errorf("daemon pod after its claim was unprepared: %v", err)
+	}
+	if mode, _ := gpuSettings(t, n); mode != "DEFAULT" {
+		t.Errorf("GPU 0 in compute mode %q after the MPS claim was unprepared, want DEFAULT", mode)
+	}
+}
+
+// mpsPod creates a claim for one GPU shared with MPS (40% of the threads,
+// 2Gi of pinned memory) and a pod on the node using it.
+func mpsPod(ctx context.Context, t *testing.T, ns, name, node string) *v1.Pod {
+	t.Helper()
+	if err := cluster.CreateNamespace(ctx, ns); err != nil {
+		t.Fatal(err)
+	}
+	params, err := json.Marshal(map[string]any{
+		"apiVersion": "resource.nvidia.com/v1beta1", "kind": "GpuConfig",
+		"sharing": map[string]any{"strategy": "MPS", "mpsConfig": map[string]any{
+			"defaultActiveThreadPercentage":  40,
+			"defaultPinnedDeviceMemoryLimit": "2Gi",
+		}},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	claim := &resourceapi.ResourceClaim{
+		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns},
+		Spec: resourceapi.ResourceClaimSpec{Devices: resourceapi.DeviceClaim{
+			Requests: []resourceapi.DeviceRequest{{Name: "gpu", Exactly: &resourceapi.ExactDeviceRequest{
+				DeviceClassName: "gpu.nvidia.com", AllocationMode: resourceapi.DeviceAllocationModeExactCount, Count: 1,
+			}}},
+			Config: []resourceapi.DeviceClaimConfiguration{{
+				Requests: []string{"gpu"},
+				DeviceConfiguration: resourceapi.DeviceConfiguration{Opaque: &resourceapi.OpaqueDeviceConfiguration{
+					Driver: harness.DefaultDriver, Parameters: runtime.RawExtension{Raw: params},
+				}},
+			}},
+		}},
+	}
+	if _, err := cluster.Client.ResourceV1().ResourceClaims(ns).Create(ctx, claim, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	pod := &v1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns},
+		Spec: v1.PodSpec{
+			NodeSelector: map[string]string{"kubernetes.io/hostname": node},
+			Containers: []v1.Container{{
+				Name: "ctr", Image: "cuda-sample",
+				Resources: v1.ResourceRequirements{Claims: []v1.ResourceClaim{{Name: "gpu"}}},
+			}},
+			ResourceClaims: []v1.PodResourceClaim{{Name: "gpu", ResourceClaimName: &claim.Name}},
+		},
+	}
+	created, err := cluster.Client.CoreV1().Pods(ns).Create(ctx, pod, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return created
+}
+
+// daemonPod is the one MPS control daemon pod on the node, Running, as an
+// admin finds it with kubectl.
+func daemonPod(ctx context.Context, t *testing.T, node string) *v1.Pod {
+	t.Helper()
+	var found []v1.Pod
+	err := wait.PollUntilContextTimeout(ctx, 200*time.Millisecond, 30*time.Second, true, func(ctx context.Context) (bool, error) {
+		list, err := cluster.Client.CoreV1().Pods(harness.DriverNamespace).List(ctx, metav1.ListOptions{
+			LabelSelector: daemonSelector, FieldSelector: "spec.nodeName=" + node,
+		})
+		if err != nil {
+			return false, nil
+		}
+		found = list.Items
+		return len(found) == 1 && found[0].Status.Phase == v1.PodRunning, nil
+	})
+	if err != nil {
+		t.Fatalf("want one Running MPS control daemon pod on %s (%s), found %d: %v", node, daemonSelector, len(found), err)
+	}
+	return &found[0]
+}
+
+// sameDaemon asserts the daemon pod is still the one found first, running.
+func sameDaemon(ctx context.Context, t *testing.T, n *harness.Node, want *v1.Pod) {
+	t.Helper()
+	got := daemonPod(ctx, t, n.Name)
+	if got.UID != want.UID {
+		t.Errorf("the MPS control daemon pod was replaced (%s, was %s)", got.UID, want.UID)
+	}
+}
+
+// mpsServer runs the CUDA program stand-in in the workload and returns the
+// MPS server it joined, checking the server's active thread percentage.
+func mpsServer(ctx context.Context, t *testing.T, n *harness.Node, pod *v1.Pod, pct string) string {
+	t.Helper()
+	res, err := n.Exec(ctx, pod, "ctr", "cuda-app")
+	if err != nil {
+		t.Fatal(err)
+	}
+	server := ""
+	for _, line := range strings.Split(res.Stdout, "\n") {
+		if s, ok := strings.CutPrefix(line, "MPS server "); ok {
+			server = s
+		}
+	}
+	if res.ExitCode != 0 || server == "" {
+		t.Fatalf("the workload's CUDA program joined no MPS server (exit %d): %s%s", res.ExitCode, res.Stdout, res.Stderr)
+	}
+	if !strings.Contains(res.Stdout, "active thread percentage "+pct+"\n") || !strings.Contains(res.Stdout, "pinned memory limit 2G\n") {
+		t.Errorf("the workload's MPS server does not run with the claim's limits (%s%%, 2G): %s", pct, res.Stdout)
+	}
+	return server
+}
+
+// waitLog waits until the plugin pod's log satisfies ok.
+func waitLog(ctx context.Context, t *testing.T, d *harness.DaemonPod, ok func(string) bool) {
+	t.Helper()
+	err := wait.PollUntilContextTimeout(ctx, 200*time.Millisecond, 60*time.Second, true, func(context.Context) (bool, error) {
+		return ok(d.Log()), nil
+	})
+	if err != nil {
+		t.Fatalf("plugin log never showed what was waited for: %v; log:\n%s", err, d.Log())
+	}
+}
