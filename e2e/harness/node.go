@@ -228,6 +228,14 @@ func (c *Cluster) Node(name string) *Node {
 	return c.nodes[name]
 }
 
+// SetUnschedulable cordons (true) or uncordons (false) a node, as `kubectl
+// cordon` does: the scheduler places no new pod there; running pods stay.
+func (c *Cluster) SetUnschedulable(ctx context.Context, name string, on bool) error {
+	patch := fmt.Sprintf(`{"spec":{"unschedulable":%t}}`, on)
+	_, err := c.Client.CoreV1().Nodes().Patch(ctx, name, types.MergePatchType, []byte(patch), metav1.PatchOptions{})
+	return err
+}
+
 // register creates (or refreshes) the Node object, Ready, without the
 // not-ready taint that the TaintNodesByCondition admission plugin adds at
 // creation (the node lifecycle controller, which would lift it, is not run).

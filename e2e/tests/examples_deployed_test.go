@@ -1,0 +1,203 @@
+package tests
+
+import (
+	"context"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	appsv1 "k8s.io/api/apps/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/apimachinery/pkg/util/wait"
+	"sigs.k8s.io/yaml"
+
+	"github.com/gpu-dra/e2e/harness"
+)
+
+// TestExamplesDeployed runs every scenario in examples/ again, with the node
+// plugin as the chart deploys it: a node whose plugin is the DaemonSet's pod
+// that `helm install` created (the harness runs it in a container on the
+// image content, translated from the pod spec; see e2e/README.md), with the
+// same checks inside every container as TestExamples. The suite's other
+// nodes (plugins run as processes) are cordoned meanwhile, so the scheduler
+// places every pod on the deployed node.
+//
+// Two driver layouts, as the chart supports them:
+//   - driver installed on the host (`nvidiaDriverRoot: /`, the default):
+//     an 8-GPU H100 node without MIG, every scenario that asks for no MIG
+//     device. MIG
+//     devices need the kernel's /proc/driver/nvidia capabilities, which a
+//     host-layout plugin reads from its own procfs; here that is this
+//     machine's kernel, which has none, and runc refuses to mount anything
+//     inside /proc.
+//   - containerized driver (`/run/nvidia/driver`, GPU Operator): an A100
+//     node with MIG on four GPUs, every scenario.
+func TestExamplesDeployed(t *testing.T) {
+	requirePlugins(t)
+	requireChart(t)
+	root, err := harness.RepoPath("examples")
+	if err != nil {
+		t.Fatal(err)
+	}
+	dirs, err := os.ReadDir(root)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cordon(t, nodeA100, nodeT4)
+	// The DaemonSet as the suite installed it, back at the end.
+	t.Cleanup(func() { applyPluginDaemonSet(t) })
+	layouts := []struct {
+		layout  harness.Layout
+		node    string
+		profile string
+		mig     bool
+	}{
+		{harness.LayoutHostDriver, "node-deployed-host", "dgx-h100", false},
+		{harness.LayoutContainerDriver, "node-deployed-operator", "dgx-a100-40gb", true},
+	}
+	for _, l := range layouts {
+		t.Run(string(l.layout), func(t *testing.T) {
+			deployedNode(t, l.node, l.layout, l.profile)
+			ran := 0
+			for _, d := range dirs {
+				if !d.IsDir() || d.Name() == "invalid" {
+					continue
+				}
+				files := yamlFiles(t, filepath.Join(root, d.Name()))
+				if len(files) == 0 || (!l.mig && needsMIG(t, files)) {
+					continue
+				}
+				ran++
+				t.Run(d.Name(), func(t *testing.T) { runExample(t, d.Name(), files) })
+			}
+			if ran == 0 {
+				t.Fatalf("no examples in %s", root)
+			}
+		})
+	}
+}
+
+// applyPluginDaemonSet sets the node-plugin DaemonSet's spec to the chart's,
+// rendered
+// with the given values (and the release's name and namespace).
+func applyPluginDaemonSet(t *testing.T, set ...string) {
+	t.Helper()
+	ctx := context.Background()
+	chart, err := harness.RepoPath(harness.ChartPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	args := []string{"template", harness.HelmRelease, chart, "--namespace", harness.DriverNamespace,
+		"--kube-version", harness.KubernetesVersion, "--show-only", "templates/kubelet-plugin-daemonset.yaml"}
+	for _, s := range set {
+		args = append(args, "--set", s)
+	}
+	out, err := cluster.Helm(ctx, args...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var ds appsv1.DaemonSet
+	if err := yaml.Unmarshal([]byte(out), &ds); err != nil {
+		t.Fatal(err)
+	}
+	// Replaced whole, as `helm upgrade` leaves it: a server-side apply would
+	// keep list items (volume mounts) that the install's field manager owns.
+	dss := cluster.Client.AppsV1().DaemonSets(harness.DriverNamespace)
+	live, err := dss.Get(ctx, ds.Name, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	live.Spec = ds.Spec
+	if _, err := dss.Update(ctx, live, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// needsMIG says whether a scenario asks for MIG devices (their class, their
+// config or a MIG profile).
+func needsMIG(t *testing.T, files []string) bool {
+	t.Helper()
+	for _, f := range files {
+		data, err := os.ReadFile(f)
+		if err != nil {
+			t.Fatal(err)
+		}
+		text := string(data)
+		if strings.Contains(text, "mig.nvidia.com") || strings.Contains(text, "MigDeviceConfig") || strings.Contains(text, ".profile ==") {
+			return true
+		}
+	}
+	return false
+}
+
+// cordon marks the named nodes unschedulable until the test ends.
+func cordon(t *testing.T, names ...string) {
+	t.Helper()
+	ctx := context.Background()
+	set := func(name string, on bool) error {
+		return cluster.SetUnschedulable(ctx, name, on)
+	}
+	for _, name := range names {
+		if err := set(name, true); err != nil {
+			t.Fatalf("cordon %s: %v", name, err)
+		}
+		t.Cleanup(func() {
+			if err := set(name, false); err != nil {
+				t.Errorf("uncordon %s: %v", name, err)
+			}
+		})
+	}
+}
+
+// deployedNode adds a node whose plugin is the chart's DaemonSet pod and
+// waits until it registered and published; the test's end removes the node.
+func deployedNode(t *testing.T, name string, layout harness.Layout, profile string) *harness.Node {
+	t.Helper()
+	ctx := context.Background()
+	n, err := cluster.AddNode(ctx, harness.NodeOptions{Name: name, Layout: layout})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if err := cluster.RemoveNode(context.Background(), name); err != nil {
+			t.Errorf("remove node %s: %v", name, err)
+		}
+	})
+	if err := n.SetupSim(profile); err != nil {
+		t.Fatal(err)
+	}
+	// One release serves every node and its values name the layout: the
+	// plugin DaemonSet as the chart renders it with this layout's values,
+	// applied once the node's driver is in place (a `helm upgrade` would also
+	// reset the webhook registration that the suite points at its local
+	// webhook).
+	applyPluginDaemonSet(t, layout.HelmValues()...)
+	var plugin *harness.DaemonPod
+	err = wait.PollUntilContextTimeout(ctx, 200*time.Millisecond, 90*time.Second, true, func(ctx context.Context) (bool, error) {
+		pods := n.DaemonPods()
+		if len(pods) == 0 {
+			return false, nil
+		}
+		plugin = pods[0]
+		if !n.DriverRegistered(harness.DefaultDriver) {
+			return false, nil
+		}
+		slices, err := nodeSlices(ctx, name)
+		return err == nil && len(slices) > 0, nil
+	})
+	if err != nil {
+		log := ""
+		if plugin != nil {
+			log = plugin.Log()
+		}
+		t.Fatalf("the chart's plugin on %s did not register and publish: %v; pod error: %v; log:\n%s", name, err,
+			n.DaemonPodError(harness.DriverNamespace+"/"+harness.HelmRelease+"-gpu-dra-driver-kubelet-plugin"), log)
+	}
+	if plugin.Pod.UID == types.UID("") {
+		t.Fatalf("plugin pod on %s without UID", name)
+	}
+	return n
+}
