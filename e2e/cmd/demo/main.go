@@ -296,6 +296,19 @@ func runTour(ctx context.Context, c *harness.Cluster, requested string) error {
 					for _, line := range strings.Split(strings.TrimRight(res.Stdout+res.Stderr, "\n"), "\n") {
 						say("         %s", line)
 					}
+					// An MPS client: the limits its CUDA program runs with, seen from
+					// inside through the pipe directory.
+					if mps := mpsClient(node, list); mps {
+						res, err := node.Exec(ctx, pod, ctr, "cuda-app")
+						if err != nil {
+							say("       cuda-app in the container: %v", err)
+							continue
+						}
+						say("       cuda-app (a CUDA program) in the container (exit %d):", res.ExitCode)
+						for _, line := range strings.Split(strings.TrimRight(res.Stdout+res.Stderr, "\n"), "\n") {
+							say("         %s", line)
+						}
+					}
 				}
 			}
 		}
@@ -308,6 +321,23 @@ func runTour(ctx context.Context, c *harness.Cluster, requested string) error {
 		}
 	}
 	return nil
+}
+
+// mpsClient says whether the CDI devices give the container an MPS pipe
+// directory.
+func mpsClient(node *harness.Node, ids []string) bool {
+	for _, id := range ids {
+		r, err := harness.ResolveCDI(node.CDIRoot, id)
+		if err != nil {
+			continue
+		}
+		for _, e := range r.Env() {
+			if strings.HasPrefix(e, "CUDA_MPS_PIPE_DIRECTORY=") {
+				return true
+			}
+		}
+	}
+	return false
 }
 
 func mpsQuery(bin, pipe, command string) string {
