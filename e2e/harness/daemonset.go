@@ -29,6 +29,7 @@ package harness
 // /proc/driver/nvidia from procfs (`devRoot: /`) sees no MIG capabilities.
 
 import (
+	"bufio"
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
@@ -50,6 +51,7 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/labels"
+	"k8s.io/apimachinery/pkg/util/intstr"
 )
 
 // ImageRootfs is the driver's image content the plugin container runs on:
@@ -247,11 +249,28 @@ func (s *daemonSets) sync(ctx context.Context) {
 			s.restartIfExited(ctx, d)
 			continue
 		}
-		// Gone or changed: the old pod goes first (maxSurge 0, as the
-		// chart's RollingUpdate).
-		s.mu.Lock()
-		delete(s.pods, key)
-		s.mu.Unlock()
+		if ok && surges(ds) {
+			// Changed, with maxSurge: the new pod starts first and the old one
+			// goes once the new one is available, as the DaemonSet controller
+			// does it.
+			next, err := s.start(ctx, ds)
+			if err != nil {
+				s.mu.Lock()
+				s.errs[key] = err
+				s.mu.Unlock()
+				continue
+			}
+			s.waitAvailable(ctx, next)
+			s.mu.Lock()
+			delete(s.errs, key)
+			s.pods[key] = next
+			s.mu.Unlock()
+		} else {
+			// Gone or changed without surge: the old pod goes first.
+			s.mu.Lock()
+			delete(s.pods, key)
+			s.mu.Unlock()
+		}
 		s.kill(d)
 		err := c.Client.CoreV1().Pods(d.Pod.Namespace).Delete(ctx, d.Pod.Name, metav1.DeleteOptions{GracePeriodSeconds: new(int64)})
 		if err != nil && !apierrors.IsNotFound(err) {
@@ -275,6 +294,63 @@ func (s *daemonSets) sync(ctx context.Context) {
 		}
 		s.mu.Unlock()
 	}
+}
+
+// surges says whether a DaemonSet's rolling update starts the new pod on a
+// node before the old one stops (maxSurge above zero).
+func surges(ds *appsv1.DaemonSet) bool {
+	ru := ds.Spec.UpdateStrategy.RollingUpdate
+	if ds.Spec.UpdateStrategy.Type != appsv1.RollingUpdateDaemonSetStrategyType || ru == nil || ru.MaxSurge == nil {
+		return false
+	}
+	return ru.MaxSurge.IntValue() > 0 || (ru.MaxSurge.Type == intstr.String && ru.MaxSurge.StrVal != "0%" && ru.MaxSurge.StrVal != "0")
+}
+
+// waitAvailable waits until a new DaemonSet pod is available: its container
+// runs and its readiness probe (an httpGet, run inside the pod's network
+// namespace as the kubelet runs it) answers 2xx; at most 30 s.
+func (s *daemonSets) waitAvailable(ctx context.Context, d *DaemonPod) {
+	deadline := time.Now().Add(30 * time.Second)
+	for time.Now().Before(deadline) && ctx.Err() == nil {
+		if ctr := d.Container(); ctr != nil {
+			if phase, _, _ := ctr.State(); phase == ContainerRunning && d.ready() {
+				return
+			}
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+}
+
+// ready runs the container's readiness probe once (true without one).
+func (d *DaemonPod) ready() bool {
+	ctr := d.Pod.Spec.Containers[0]
+	probe := ctr.ReadinessProbe
+	if probe == nil || probe.HTTPGet == nil || d.network == nil {
+		return true
+	}
+	port := probe.HTTPGet.Port.IntValue()
+	if probe.HTTPGet.Port.Type == intstr.String {
+		for _, p := range ctr.Ports {
+			if p.Name == probe.HTTPGet.Port.StrVal {
+				port = int(p.ContainerPort)
+			}
+		}
+	}
+	conn, err := d.network.dial("tcp", fmt.Sprintf("127.0.0.1:%d", port), time.Second)
+	if err != nil {
+		return false
+	}
+	defer conn.Close()
+	_ = conn.SetDeadline(time.Now().Add(time.Second))
+	if _, err := fmt.Fprintf(conn, "GET %s HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n", probe.HTTPGet.Path); err != nil {
+		return false
+	}
+	status, err := bufio.NewReader(conn).ReadString('\n')
+	if err != nil {
+		return false
+	}
+	fields := strings.Fields(status)
+	return len(fields) >= 2 && strings.HasPrefix(fields[1], "2")
 }
 
 // start creates the DaemonSet's pod for this node and runs its container.

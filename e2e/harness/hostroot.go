@@ -14,6 +14,7 @@ package harness
 import (
 	"context"
 	"fmt"
+	"math/rand/v2"
 	"os"
 	"path/filepath"
 	"strings"
@@ -66,6 +67,33 @@ func (n *Node) useHostTree(root string) {
 	n.simRoot = root
 	if n.Layout == LayoutContainerDriver {
 		n.simRoot = filepath.Join(root, ContainerDriverRoot)
+	}
+}
+
+// shortHostRoot is a symbolic link to the node's tree with a short path
+// (/tmp/h<random>), made once; removing the node (or stopping the cluster)
+// removes it.
+func (n *Node) shortHostRoot() (string, error) {
+	if n.shortRoot != "" {
+		return n.shortRoot, nil
+	}
+	for range 100 {
+		link := fmt.Sprintf("/tmp/h%05d", rand.IntN(100000))
+		if err := os.Symlink(n.HostRoot, link); err == nil {
+			n.shortRoot = link
+			return link, nil
+		} else if !os.IsExist(err) {
+			return "", fmt.Errorf("node %s: short link to its tree: %w", n.Name, err)
+		}
+	}
+	return "", fmt.Errorf("node %s: no free short link name under /tmp", n.Name)
+}
+
+// removeShortRoot removes the short link to the node's tree, if any.
+func (n *Node) removeShortRoot() {
+	if n.shortRoot != "" {
+		_ = os.Remove(n.shortRoot)
+		n.shortRoot = ""
 	}
 }
 

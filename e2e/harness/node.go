@@ -92,6 +92,11 @@ type Node struct {
 	cancel  context.CancelFunc
 	wg      sync.WaitGroup
 	logger  klog.Logger
+
+	draErrMu sync.Mutex
+	draErrs  []string
+	// shortRoot links to HostRoot with a short path (shortHostRoot).
+	shortRoot string
 }
 
 // AddNode creates a Node object and starts the node's kubelet pieces.
@@ -193,11 +198,21 @@ func (n *Node) startKubelet(ctx context.Context) error {
 	if err := n.dra.Start(ctx, n.activePods, getNode, sourcesReady); err != nil {
 		return fmt.Errorf("node %s: start DRA manager: %w", n.Name, err)
 	}
-	plugins := pluginmanager.NewPluginManager(n.RegistrarDir, &record.FakeRecorder{})
+	watched := n.RegistrarDir
 	var handler pluginmanagercache.PluginHandler = n.dra.GetWatcherHandler()
 	if n.HostRoot != "" {
-		handler = hostEndpoints{PluginHandler: handler, root: n.HostRoot}
+		// Socket paths in the tree, seen from this machine, would be longer
+		// than a UNIX socket address allows (108 bytes) where the host's own
+		// are not (per-pod socket names); a short link to the tree keeps
+		// them as short as on the host, plus a few bytes.
+		short, err := n.shortHostRoot()
+		if err != nil {
+			return err
+		}
+		watched = filepath.Join(short, "var/lib/kubelet/plugins_registry")
+		handler = hostEndpoints{PluginHandler: handler, root: short}
 	}
+	plugins := pluginmanager.NewPluginManager(watched, &record.FakeRecorder{})
 	plugins.AddHandler(pluginwatcherapi.DRAPlugin, handler)
 	n.wg.Add(1)
 	go func() { defer n.wg.Done(); plugins.Run(ctx, sourcesReady, ctx.Done()) }()
@@ -226,6 +241,20 @@ func (c *Cluster) Node(name string) *Node {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	return c.nodes[name]
+}
+
+// DRAErrors are the kubelet's failed PrepareResources and UnprepareResources
+// calls on this node so far ("prepare ns/pod: error"), in order.
+func (n *Node) DRAErrors() []string {
+	n.draErrMu.Lock()
+	defer n.draErrMu.Unlock()
+	return append([]string(nil), n.draErrs...)
+}
+
+func (n *Node) recordDRAError(op string, pod *v1.Pod, err error) {
+	n.draErrMu.Lock()
+	defer n.draErrMu.Unlock()
+	n.draErrs = append(n.draErrs, fmt.Sprintf("%s %s/%s: %v", op, pod.Namespace, pod.Name, err))
 }
 
 // SetUnschedulable cordons (true) or uncordons (false) a node, as `kubectl
@@ -382,6 +411,7 @@ func (n *Node) syncPod(ctx context.Context, key string) error {
 			}
 		}
 		if err := n.dra.UnprepareResources(ctx, pod); err != nil {
+			n.recordDRAError("unprepare", pod, err)
 			return err
 		}
 		uid := pod.UID
@@ -424,6 +454,7 @@ func (n *Node) syncPod(ctx context.Context, key string) error {
 // IDs on the pod (CDIAnnotation) and starts the containers with them.
 func (n *Node) prepare(ctx context.Context, pod *v1.Pod) (*v1.Pod, error) {
 	if err := n.dra.PrepareResources(ctx, pod); err != nil {
+		n.recordDRAError("prepare", pod, err)
 		n.setWaiting(ctx, pod, err)
 		return nil, err
 	}
@@ -629,6 +660,7 @@ func (c *Cluster) RemoveNode(ctx context.Context, name string) error {
 	c.mu.Unlock()
 	if n != nil {
 		n.Stop()
+		n.removeShortRoot()
 	}
 	err := c.Client.CoreV1().Nodes().Delete(ctx, name, metav1.DeleteOptions{})
 	if apierrors.IsNotFound(err) {

@@ -7,6 +7,7 @@ import (
 	"os"
 	goruntime "runtime"
 	"sync"
+	"time"
 
 	"golang.org/x/sys/unix"
 )
@@ -62,6 +63,37 @@ func newPodNetwork(apiAddr string) (*podNetwork, error) {
 	}
 	go p.forward(apiAddr)
 	return p, nil
+}
+
+// dial connects to addr from inside the pod's network namespace (as the
+// kubelet's probes reach a pod's address).
+func (p *podNetwork) dial(network, addr string, timeout time.Duration) (net.Conn, error) {
+	type result struct {
+		conn net.Conn
+		err  error
+	}
+	done := make(chan result, 1)
+	go func() {
+		goruntime.LockOSThread()
+		orig, err := os.Open("/proc/thread-self/ns/net")
+		if err != nil {
+			done <- result{nil, err}
+			return
+		}
+		defer orig.Close()
+		if err := unix.Setns(int(p.ns.Fd()), unix.CLONE_NEWNET); err != nil {
+			done <- result{nil, err}
+			return
+		}
+		// The socket belongs to the namespace it was made in.
+		conn, err := net.DialTimeout(network, addr, timeout)
+		if unix.Setns(int(orig.Fd()), unix.CLONE_NEWNET) == nil {
+			goruntime.UnlockOSThread()
+		}
+		done <- result{conn, err}
+	}()
+	r := <-done
+	return r.conn, r.err
 }
 
 // path names the namespace for runc while the harness holds it open.

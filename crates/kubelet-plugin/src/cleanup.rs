@@ -147,6 +147,16 @@ pub async fn cleanup(args: &CleanupArgs) -> CleanupReport {
             .push(CleanupError::PluginRunning { socket: dra_sock });
         return report;
     }
+    // A plugin instance holds the node (also one with per-pod socket names).
+    let lock_path = args.plugin_dir.join(crate::cli::INSTANCE_LOCK);
+    if let Ok(lock) = std::fs::File::open(&lock_path)
+        && matches!(lock.try_lock(), Err(std::fs::TryLockError::WouldBlock))
+    {
+        report
+            .failures
+            .push(CleanupError::PluginRunning { socket: lock_path });
+        return report;
+    }
 
     // NVIDIA's MPS directories (claims imported from its checkpoint) are not ours to remove.
     let checkpoint_path = args.plugin_dir.join(checkpoint::FILE_NAME);
@@ -189,9 +199,18 @@ pub async fn cleanup(args: &CleanupArgs) -> CleanupReport {
     let mut ours: Vec<PathBuf> = vec![
         dra_sock,
         args.plugin_dir.join("failpoint.reached"),
+        args.plugin_dir.join(crate::cli::INSTANCE_LOCK),
         args.registrar_dir
             .join(format!("{}-reg.sock", args.driver_name)),
     ];
+    // Per-pod sockets of rolling updates (`cli::socket_paths`) that an instance left.
+    let driver_prefix = format!("{}-", args.driver_name);
+    remove_matching_sockets(&args.plugin_dir, &mut report, |name| {
+        name.starts_with("dra-") && name.ends_with(".sock")
+    });
+    remove_matching_sockets(&args.registrar_dir, &mut report, |name| {
+        name.starts_with(&driver_prefix) && name.ends_with("-reg.sock")
+    });
     let legacy = args.plugin_dir.join(checkpoint::LEGACY_FILE_NAME);
     if std::fs::read(&legacy).is_ok_and(|b| checkpoint::is_own_format(&b)) {
         ours.push(legacy);
@@ -364,6 +383,23 @@ fn remove_matching(dir: &Path, report: &mut CleanupReport, ours: impl Fn(&str) -
     };
     for e in entries.flatten() {
         if ours(&e.file_name().to_string_lossy()) && e.file_type().is_ok_and(|t| t.is_file()) {
+            remove_file(&e.path(), report);
+        }
+    }
+}
+
+/// Removes the sockets in `dir` whose names match and that nothing answers on.
+fn remove_matching_sockets(dir: &Path, report: &mut CleanupReport, ours: impl Fn(&str) -> bool) {
+    use std::os::unix::fs::FileTypeExt;
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let is_socket = e.file_type().is_ok_and(|t| t.is_socket());
+        if is_socket
+            && ours(&e.file_name().to_string_lossy())
+            && std::os::unix::net::UnixStream::connect(e.path()).is_err()
+        {
             remove_file(&e.path(), report);
         }
     }

@@ -92,6 +92,12 @@ pub struct RunArgs {
         default_value = "system-node-critical"
     )]
     pub mps_daemon_priority_class: String,
+    /// UID of the plugin's pod (the chart passes it): enables rolling updates. The sockets
+    /// are then named per pod (`<driver>-<uid>-reg.sock`, `dra-<uid>.sock`, as the kubelet's
+    /// DRA plugin helper names them) so that a new instance registers while the old one still
+    /// serves; see [`run`] for how the two hand over the node.
+    #[arg(long, env = "POD_UID", default_value = "")]
+    pub pod_uid: String,
     /// Seconds between cleanups of claims gone from the API server.
     #[arg(long, env = "CLEANUP_INTERVAL", default_value_t = 60)]
     pub cleanup_interval: u64,
@@ -135,6 +141,8 @@ pub fn inventory_from_args(args: &RunArgs) -> anyhow::Result<Arc<dyn GpuInventor
 }
 
 async fn kube_client(args: &RunArgs) -> anyhow::Result<kube::Client> {
+    // One TLS provider for the process, whatever features other crates turn on in rustls.
+    let _ = rustls::crypto::ring::default_provider().install_default();
     let config = match &args.kubeconfig {
         Some(path) => {
             let kc = kube::config::Kubeconfig::read_from(path)
@@ -207,13 +215,100 @@ pub fn read_boot_id(path: &Path) -> Option<String> {
     }
 }
 
-/// Socket paths of a run.
+/// Socket paths of a run: `<driver>-reg.sock` and `dra.sock`, or with `--pod-uid` the
+/// per-pod names of the kubelet's DRA plugin helper (registration socket basename in its
+/// order of preference, the first whose full path fits a UNIX socket address).
 pub fn socket_paths(args: &RunArgs) -> (PathBuf, PathBuf) {
+    if args.pod_uid.is_empty() {
+        return (
+            args.registrar_dir
+                .join(format!("{}-reg.sock", args.driver_name)),
+            args.plugin_dir.join("dra.sock"),
+        );
+    }
     (
-        args.registrar_dir
-            .join(format!("{}-reg.sock", args.driver_name)),
-        args.plugin_dir.join("dra.sock"),
+        args.registrar_dir.join(rolling_registrar_socket(
+            &args.registrar_dir,
+            &args.driver_name,
+            &args.pod_uid,
+        )),
+        args.plugin_dir.join(format!("dra-{}.sock", args.pod_uid)),
     )
+}
+
+/// The registration socket basename for rolling updates, as the kubelet's DRA plugin helper
+/// chooses it: `<driver>-<uid>-reg.sock`, else `<driver>-<b64(sha256(uid)[..8])>-reg.sock`,
+/// else `dra-<b64(sha256(driver NUL uid)[..16])>-reg.sock` (unpadded URL-safe base64).
+pub fn rolling_registrar_socket(dir: &Path, driver: &str, uid: &str) -> String {
+    let digest = |data: &str, n: usize| {
+        let d = ring::digest::digest(&ring::digest::SHA256, data.as_bytes());
+        base64_url(&d.as_ref()[..n])
+    };
+    let candidates = [
+        format!("{driver}-{uid}-reg.sock"),
+        format!("{driver}-{}-reg.sock", digest(uid, 8)),
+        format!("dra-{}-reg.sock", digest(&format!("{driver}\0{uid}"), 16)),
+    ];
+    let fits = |name: &String| dir.join(name).as_os_str().len() <= 108;
+    candidates
+        .iter()
+        .find(|c| fits(c))
+        .unwrap_or(&candidates[2])
+        .clone()
+}
+
+/// Unpadded URL-safe base64 (RFC 4648 section 5).
+fn base64_url(bytes: &[u8]) -> String {
+    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
+    let mut out = String::new();
+    for chunk in bytes.chunks(3) {
+        let n = chunk
+            .iter()
+            .enumerate()
+            .fold(0u32, |n, (i, b)| n | u32::from(*b) << (16 - 8 * i));
+        for i in 0..=chunk.len() {
+            out.push(ALPHABET[(n >> (18 - 6 * i) & 63) as usize] as char);
+        }
+    }
+    out
+}
+
+/// The file whose exclusive lock makes one plugin instance the node's (see [`run`]).
+pub const INSTANCE_LOCK: &str = "instance.lock";
+
+/// Takes the node's instance lock: waits while an older instance holds it (it releases the
+/// lock when its process ends). `None` when `stop` fired first.
+async fn take_instance_lock(
+    plugin_dir: &Path,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) -> anyhow::Result<Option<std::fs::File>> {
+    let path = plugin_dir.join(INSTANCE_LOCK);
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .with_context(|| format!("opening {}", path.display()))?;
+    match file.try_lock() {
+        Ok(()) => return Ok(Some(file)),
+        Err(std::fs::TryLockError::WouldBlock) => {}
+        Err(std::fs::TryLockError::Error(e)) => {
+            return Err(e).with_context(|| format!("locking {}", path.display()));
+        }
+    }
+    let started = std::time::Instant::now();
+    info!(lock = %path.display(), "another plugin instance holds the node; waiting for it to stop");
+    let locking = tokio::task::spawn_blocking(move || file.lock().map(|()| file));
+    tokio::select! {
+        locked = locking => {
+            let file = locked
+                .context("lock task")?
+                .with_context(|| format!("locking {}", path.display()))?;
+            info!(waited_ms = started.elapsed().as_millis() as u64, "took over the node from the previous plugin instance");
+            Ok(Some(file))
+        }
+        _ = stop.wait_for(|s| *s) => Ok(None),
+    }
 }
 
 /// The `run` subcommand: serves until SIGTERM/SIGINT.
@@ -228,6 +323,78 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     let (claims, client) = claim_source(&args).await?;
     std::fs::create_dir_all(&args.plugin_dir)
         .with_context(|| format!("creating {}", args.plugin_dir.display()))?;
+
+    // Serve first, then take over the node: during a rolling update the kubelet reaches this
+    // instance (registered under per-pod socket names) while the old one still finishes its
+    // calls; ours wait until this instance holds the node's instance lock, which the old one
+    // releases when its process ends, and has loaded the node's state (checkpoint, sharing)
+    // from disk. So two instances never prepare or unprepare at once, and none answers from
+    // state the other changed.
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    tokio::spawn(async move {
+        shutdown_signal().await;
+        let _ = stop_tx.send(true);
+    });
+    let metrics = Arc::new(Metrics::default());
+    let ready = Arc::new(AtomicBool::new(false));
+    if !args.http_address.is_empty() {
+        let listener = tokio::net::TcpListener::bind(&args.http_address)
+            .await
+            .with_context(|| format!("binding --http-address {}", args.http_address))?;
+        info!(address = %args.http_address, "serving /metrics /healthz /readyz");
+        tokio::spawn(crate::http::serve(listener, metrics.clone(), ready.clone()));
+    }
+    let (reg_path, dra_path) = socket_paths(&args);
+    let dra_listener = crate::grpc::bind_socket(&dra_path)
+        .with_context(|| format!("binding {}", dra_path.display()))?;
+    let reg_listener = crate::grpc::bind_socket(&reg_path)
+        .with_context(|| format!("binding {}", reg_path.display()))?;
+    let (status_tx, mut status_rx) = tokio::sync::watch::channel(None);
+    let registration = crate::grpc::Registration::new(
+        args.driver_name.clone(),
+        dra_path.clone(),
+        Arc::new(status_tx),
+    );
+    let (driver_tx, driver_rx) = tokio::sync::watch::channel(None);
+    let health = crate::health::HealthService::new(
+        args.node_name.clone(),
+        inventory.devices().map(|d| d.name()).collect(),
+        stop_rx.clone(),
+    );
+    let server = tokio::spawn(crate::grpc::serve_deferred(
+        driver_rx,
+        Some(health),
+        registration,
+        reg_listener,
+        dra_listener,
+        {
+            let mut stop = stop_rx.clone();
+            async move {
+                let _ = stop.wait_for(|s| *s).await;
+            }
+        },
+    ));
+    info!(registration = %reg_path.display(), dra = %dra_path.display(), "serving");
+    if !args.pod_uid.is_empty() {
+        // Ready once the kubelet registered this instance, even while it waits for the node:
+        // a surge rollout stops the old instance only when this one is ready, the old one
+        // holds the node until it stops, and from registration on the kubelet sends its
+        // calls here (the newest connected instance), where they wait for the handover.
+        let ready = ready.clone();
+        tokio::spawn(async move {
+            if status_rx.wait_for(|s| *s == Some(true)).await.is_ok() {
+                ready.store(true, Ordering::Relaxed);
+            }
+        });
+    }
+    let Some(_instance) = take_instance_lock(&args.plugin_dir, stop_rx.clone()).await? else {
+        info!("stopped before taking over the node");
+        drop(driver_tx);
+        let _ = server.await;
+        remove_quietly(&reg_path);
+        remove_quietly(&dra_path);
+        return Ok(());
+    };
     let failpoints = Failpoints::parse(
         &args.failpoints,
         Some(args.plugin_dir.join("failpoint.reached")),
@@ -241,7 +408,6 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         &inventory.driver_version,
         hook.as_deref(),
     );
-    let metrics = Arc::new(Metrics::default());
     let boot_id = read_boot_id(&args.boot_id_file);
     let mut sharing_options = SharingOptions::new(
         DriverRoot::new(args.host.driver_root_here(), args.host.nvml_lib.clone()),
@@ -302,27 +468,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     }
     driver.reconcile().await;
 
-    let ready = Arc::new(AtomicBool::new(false));
-    if !args.http_address.is_empty() {
-        let listener = tokio::net::TcpListener::bind(&args.http_address)
-            .await
-            .with_context(|| format!("binding --http-address {}", args.http_address))?;
-        info!(address = %args.http_address, "serving /metrics /healthz /readyz");
-        tokio::spawn(crate::http::serve(listener, metrics, ready.clone()));
-    }
-
-    let (reg_path, dra_path) = socket_paths(&args);
-    let dra_listener = crate::grpc::bind_socket(&dra_path)
-        .with_context(|| format!("binding {}", dra_path.display()))?;
-    let reg_listener = crate::grpc::bind_socket(&reg_path)
-        .with_context(|| format!("binding {}", reg_path.display()))?;
-    let (status_tx, _status_rx) = tokio::sync::watch::channel(None);
-    let registration = crate::grpc::Registration::new(
-        args.driver_name.clone(),
-        dra_path.clone(),
-        Arc::new(status_tx),
-    );
-
+    let _ = driver_tx.send(Some(driver.clone()));
     let cleanup = {
         let driver = driver.clone();
         let every = Duration::from_secs(args.cleanup_interval.max(1));
@@ -335,10 +481,10 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             }
         })
     };
-    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let (publisher_stop, publisher_stopped) = tokio::sync::watch::channel(false);
     let publisher = client.map(|client| {
         let config = crate::publish::PublisherConfig::new(&args.node_name, &args.driver_name);
-        let mut stop = stop_rx.clone();
+        let mut stop = publisher_stopped.clone();
         tokio::spawn(async move {
             let stopped = async move {
                 let _ = stop.wait_for(|s| *s).await;
@@ -349,17 +495,9 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         })
     });
     ready.store(true, Ordering::Relaxed);
-    info!(registration = %reg_path.display(), dra = %dra_path.display(), "serving");
-    crate::grpc::serve(
-        driver,
-        registration,
-        reg_listener,
-        dra_listener,
-        shutdown_signal(),
-    )
-    .await?;
+    server.await.context("gRPC servers")??;
     cleanup.abort();
-    let _ = stop_tx.send(true);
+    let _ = publisher_stop.send(true);
     if let Some(publisher) = publisher {
         let _ = publisher.await;
     }
@@ -390,4 +528,39 @@ async fn shutdown_signal() {
         _ = tokio::signal::ctrl_c() => {}
     }
     info!("shutting down");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const UID: &str = "0b6e2c46-6e0e-4c1c-9a55-3f6f5e9d1a7b";
+
+    #[test]
+    fn rolling_update_sockets_are_named_as_the_kubelets_helper_names_them() {
+        let short = Path::new("/var/lib/kubelet/plugins_registry");
+        assert_eq!(
+            rolling_registrar_socket(short, "gpu.nvidia.com", UID),
+            format!("gpu.nvidia.com-{UID}-reg.sock")
+        );
+        // Too long for a socket address with the UID: a digest of it, then of both.
+        let long = PathBuf::from(format!("/{}", "d".repeat(50)));
+        assert_eq!(
+            rolling_registrar_socket(&long, "gpu.nvidia.com", UID),
+            "gpu.nvidia.com-huEHRTQaikg-reg.sock"
+        );
+        let longer = PathBuf::from(format!("/{}", "d".repeat(80)));
+        assert_eq!(
+            rolling_registrar_socket(&longer, "gpu.nvidia.com", UID),
+            "dra-1FJochElk4UM5n2RSJ6Z_g-reg.sock"
+        );
+    }
+
+    #[test]
+    fn base64_is_unpadded_and_url_safe() {
+        assert_eq!(base64_url(b""), "");
+        assert_eq!(base64_url(b"\xfb\xff"), "-_8");
+        assert_eq!(base64_url(b"foob"), "Zm9vYg");
+        assert_eq!(base64_url(b"foobar"), "Zm9vYmFy");
+    }
 }

@@ -84,6 +84,7 @@ pub struct Registration {
     driver_name: String,
     endpoint: PathBuf,
     registered: Arc<tokio::sync::watch::Sender<Option<bool>>>,
+    health: bool,
 }
 
 impl Registration {
@@ -98,7 +99,14 @@ impl Registration {
             driver_name,
             endpoint,
             registered,
+            health: false,
         }
+    }
+
+    /// Also advertises the DRA health service (which the DRA socket must then serve).
+    pub fn with_health(mut self) -> Self {
+        self.health = true;
+        self
     }
 }
 
@@ -112,10 +120,17 @@ impl reg::registration_server::Registration for Registration {
             r#type: gpu_dra_proto::DRA_PLUGIN_TYPE.to_owned(),
             name: self.driver_name.clone(),
             endpoint: self.endpoint.to_string_lossy().into_owned(),
-            supported_versions: vec![
-                gpu_dra_proto::DRA_V1_SERVICE.to_owned(),
-                gpu_dra_proto::DRA_V1BETA1_SERVICE.to_owned(),
-            ],
+            supported_versions: [
+                gpu_dra_proto::DRA_V1_SERVICE,
+                gpu_dra_proto::DRA_V1BETA1_SERVICE,
+            ]
+            .into_iter()
+            .chain(
+                self.health
+                    .then_some(gpu_dra_proto::HEALTH_V1ALPHA1_SERVICE),
+            )
+            .map(str::to_owned)
+            .collect(),
         }))
     }
 
@@ -134,28 +149,57 @@ impl reg::registration_server::Registration for Registration {
     }
 }
 
+/// The driver a DRA service answers with: set once this plugin instance holds the node (see
+/// `cli::run`); until then calls wait.
+pub type DriverCell = tokio::sync::watch::Receiver<Option<Arc<Driver>>>;
+
+/// What calls get while no driver is set and none will be (the instance is stopping).
+const STOPPING: &str = "the node plugin instance is stopping before it took over the node; the kubelet retries with the next instance";
+
 /// The DRA service, both versions: v1 is implemented, v1beta1 converts to and from it.
 #[derive(Clone)]
 pub struct DraService {
-    driver: Arc<Driver>,
+    driver: DriverCell,
 }
 
 impl DraService {
     /// Serves `driver`.
     pub fn new(driver: Arc<Driver>) -> Self {
-        DraService { driver }
+        let (_set, cell) = tokio::sync::watch::channel(Some(driver));
+        DraService { driver: cell }
+    }
+
+    /// Serves the driver `cell` will hold; calls wait for it.
+    pub fn deferred(cell: DriverCell) -> Self {
+        DraService { driver: cell }
+    }
+
+    async fn driver(&self) -> Result<Arc<Driver>, String> {
+        let mut cell = self.driver.clone();
+        let ready = cell.wait_for(Option::is_some).await;
+        match ready.as_deref() {
+            Ok(Some(driver)) => Ok(driver.clone()),
+            _ => Err(STOPPING.to_string()),
+        }
     }
 
     async fn prepare(
         &self,
         claims: Vec<ClaimRef>,
     ) -> Vec<(String, Result<Vec<v1::Device>, String>)> {
-        join_all(claims.into_iter().map(|c| async move {
+        let driver = self.driver().await;
+        join_all(claims.into_iter().map(|c| {
+            let driver = driver.clone();
+            async move {
             if let Err(error) = check_claim_uid(&c.uid) {
                 warn!(claim = %format!("{}/{}", c.namespace, c.name), %error, "prepare refused");
                 return (c.uid, Err(error));
             }
-            let result = self.driver.prepare(&c).await.map(|devices| {
+            let driver = match driver {
+                Ok(d) => d,
+                Err(e) => return (c.uid, Err(e)),
+            };
+            let result = driver.prepare(&c).await.map(|devices| {
                 devices
                     .into_iter()
                     .map(|d| v1::Device {
@@ -168,24 +212,32 @@ impl DraService {
                     .collect()
             });
             (c.uid, result.map_err(|e| e.to_string()))
+            }
         }))
         .await
     }
 
     async fn unprepare(&self, claims: Vec<ClaimRef>) -> Vec<(String, String)> {
-        join_all(claims.into_iter().map(|c| async move {
+        let driver = self.driver().await;
+        join_all(claims.into_iter().map(|c| {
+            let driver = driver.clone();
+            async move {
             if let Err(error) = check_claim_uid(&c.uid) {
                 warn!(claim = %format!("{}/{}", c.namespace, c.name), %error, "unprepare refused");
                 return (c.uid, error);
             }
-            let error = self
-                .driver
+            let driver = match driver {
+                Ok(d) => d,
+                Err(e) => return (c.uid, e),
+            };
+            let error = driver
                 .unprepare(&c)
                 .await
                 .err()
                 .map(|e| e.to_string())
                 .unwrap_or_default();
             (c.uid, error)
+            }
         }))
         .await
     }
@@ -310,8 +362,52 @@ pub async fn serve(
     dra_listener: UnixListener,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<(), tonic::transport::Error> {
+    serve_service(
+        DraService::new(driver),
+        None,
+        registration,
+        reg_listener,
+        dra_listener,
+        shutdown,
+    )
+    .await
+}
+
+/// [`serve`] with the driver `cell` will hold (calls wait until it does) and, when given, the
+/// health service (advertised through `registration`).
+pub async fn serve_deferred(
+    cell: DriverCell,
+    health: Option<crate::health::HealthService>,
+    registration: Registration,
+    reg_listener: UnixListener,
+    dra_listener: UnixListener,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> Result<(), tonic::transport::Error> {
+    let registration = if health.is_some() {
+        registration.with_health()
+    } else {
+        registration
+    };
+    serve_service(
+        DraService::deferred(cell),
+        health,
+        registration,
+        reg_listener,
+        dra_listener,
+        shutdown,
+    )
+    .await
+}
+
+async fn serve_service(
+    dra: DraService,
+    health: Option<crate::health::HealthService>,
+    registration: Registration,
+    reg_listener: UnixListener,
+    dra_listener: UnixListener,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> Result<(), tonic::transport::Error> {
     let (tx, rx) = tokio::sync::watch::channel(false);
-    let dra = DraService::new(driver);
     let reg_server = tonic::transport::Server::builder()
         .add_service(reg::registration_server::RegistrationServer::new(
             registration,
@@ -320,6 +416,9 @@ pub async fn serve(
     let dra_server = tonic::transport::Server::builder()
         .add_service(v1::dra_plugin_server::DraPluginServer::new(dra.clone()))
         .add_service(v1beta1::dra_plugin_server::DraPluginServer::new(dra))
+        .add_optional_service(health.map(
+            gpu_dra_proto::health::v1alpha1::dra_resource_health_server::DraResourceHealthServer::new,
+        ))
         .serve_with_incoming_shutdown(incoming(dra_listener), wait_true(rx));
     tokio::spawn(async move {
         shutdown.await;

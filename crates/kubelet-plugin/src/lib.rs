@@ -25,6 +25,7 @@ pub mod discover;
 pub mod driver;
 pub mod failpoint;
 pub mod grpc;
+pub mod health;
 pub mod http;
 pub mod metrics;
 pub mod publish;

@@ -473,6 +473,8 @@ fn ended(pod: &Pod) -> String {
 
 /// The `uninstall` subcommand.
 pub async fn run(args: UninstallArgs) -> anyhow::Result<()> {
+    // One TLS provider for the process, whatever features other crates turn on in rustls.
+    let _ = rustls::crypto::ring::default_provider().install_default();
     let config = match &args.kubeconfig {
         Some(path) => {
             let kc = kube::config::Kubeconfig::read_from(path)

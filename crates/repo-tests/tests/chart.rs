@@ -193,6 +193,21 @@ fn default_values() {
         plugin_env(ds, "CONTAINER_DRIVER_ROOT"),
         Some("/driver-root")
     );
+    // Rolling updates with surge: the pod's UID names its sockets.
+    assert_eq!(
+        ds["spec"]["updateStrategy"],
+        serde_json::json!({"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}})
+    );
+    let pod_uid = container["env"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["name"] == "POD_UID")
+        .expect("POD_UID");
+    assert_eq!(
+        pod_uid["valueFrom"]["fieldRef"]["fieldPath"],
+        "metadata.uid"
+    );
     // No hook path by default: the plugin installs the image's nvidia-cdi-hook itself.
     assert_eq!(plugin_env(ds, "NVIDIA_CDI_HOOK_PATH"), None);
     let mounts = mount_paths(ds);
@@ -470,8 +485,8 @@ fn value_combinations() {
             "webhook.networkPolicy.extraFrom[0].namespaceSelector.matchLabels.team=monitoring",
             "nvidiaDriverRoot=/run/nvidia/driver",
             "nvidiaCDIHookPath=/usr/local/nvidia/toolkit/nvidia-cdi-hook",
-            "kubeletPlugin.updateStrategy.rollingUpdate.maxSurge=1",
-            "kubeletPlugin.updateStrategy.rollingUpdate.maxUnavailable=0",
+            "kubeletPlugin.updateStrategy.rollingUpdate.maxSurge=0",
+            "kubeletPlugin.updateStrategy.rollingUpdate.maxUnavailable=1",
             "kubeletPlugin.serviceAccount.name=plugin",
         ],
     );
@@ -561,7 +576,7 @@ fn value_combinations() {
         Some("/usr/local/nvidia/toolkit/nvidia-cdi-hook")
     );
     assert_eq!(ds["spec"]["updateStrategy"]["type"], "RollingUpdate");
-    assert_eq!(ds["spec"]["updateStrategy"]["rollingUpdate"]["maxSurge"], 1);
+    assert_eq!(ds["spec"]["updateStrategy"]["rollingUpdate"]["maxSurge"], 0);
     assert!(mount_paths(ds).contains(&"/run/nvidia/driver"));
     assert!(
         ds["spec"]["template"]["spec"]["volumes"]
