@@ -44,6 +44,20 @@ pub fn daemon_id(claim_uid: &str, group: &str) -> String {
     format!("{claim_uid}-{group}")
 }
 
+/// Directory name of daemon `daemon_id(claim_uid, group)` under `<plugin-dir>/mps`: 16 hex
+/// digits of its 64-bit FNV-1a hash. The control socket (`<dir>/pipe/control_privileged`) must
+/// fit a UNIX socket address (107 bytes): named by the id it would not with the default kubelet
+/// root once the config index has two digits; named by the hash it leaves 23 bytes for a longer
+/// kubelet root or driver name. (Not a security boundary: claim UIDs come from the API server.)
+pub fn daemon_dir_name(claim_uid: &str, group: &str) -> String {
+    let hash = daemon_id(claim_uid, group)
+        .bytes()
+        .fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
+            (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
+        });
+    format!("{hash:016x}")
+}
+
 /// One device of a sharing group, as sharing needs it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SharedDevice {
@@ -149,6 +163,27 @@ pub fn mps_edits(pipe_dir: &str) -> ContainerEdits {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn daemon_dirs_are_short_distinct_and_stable() {
+        let uid = "0b6e2c46-6e0e-4c1c-9a55-3f6f5e9d1a7b";
+        let a = super::daemon_dir_name(uid, "c1");
+        assert_eq!(a.len(), 16);
+        assert!(a.bytes().all(|b| b.is_ascii_hexdigit()));
+        assert_eq!(a, super::daemon_dir_name(uid, "c1"));
+        assert_ne!(a, super::daemon_dir_name(uid, "c10"));
+        assert_ne!(
+            a,
+            super::daemon_dir_name("0b6e2c46-6e0e-4c1c-9a55-3f6f5e9d1a7c", "c1")
+        );
+        // FNV-1a 64 of the empty string is its offset basis (the function is FNV-1a).
+        assert_eq!(
+            "-".bytes()
+                .fold(0xcbf2_9ce4_8422_2325_u64, |h, b| (h ^ u64::from(b))
+                    .wrapping_mul(0x0000_0100_0000_01b3)),
+            u64::from_str_radix(&super::daemon_dir_name("", ""), 16).unwrap()
+        );
+    }
+
     use super::*;
     use gpu_dra_api::DeviceKey;
 

@@ -81,7 +81,7 @@ impl Node {
         self.plugin_dir
             .path()
             .join("mps")
-            .join(daemon_id(claim, group))
+            .join(gpu_dra_core::sharing::daemon_dir_name(claim, group))
     }
 
     /// Runs the MPS client against a daemon's pipe and returns its exit code and stdout.

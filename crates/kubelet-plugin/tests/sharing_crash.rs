@@ -39,7 +39,10 @@ impl Layout {
         self.plugin_dir().join("dra.sock")
     }
     fn pipe_dir(&self) -> PathBuf {
-        self.plugin_dir().join("mps").join(format!("{UID}-c0/pipe"))
+        self.plugin_dir()
+            .join("mps")
+            .join(gpu_dra_core::sharing::daemon_dir_name(UID, "c0"))
+            .join("pipe")
     }
 
     fn start(&self, failpoints: &str) -> Plugin {

@@ -421,6 +421,24 @@ mod tests {
             ))
             .is_ok()
         );
+        // The plugin's own naming: a two-digit config index and a kubelet root 20 bytes longer
+        // than the default still fit.
+        let root = format!(
+            "/var/lib/{}/kubelet/plugins/gpu.nvidia.com/mps",
+            "k".repeat(19)
+        );
+        let dir = format!(
+            "{root}/{}",
+            gpu_dra_core::sharing::daemon_dir_name("0b6e2c46-6e0e-4c1c-9a55-3f6f5e9d1a7b", "c10")
+        );
+        check_socket_path(&record(&dir)).unwrap();
+        // Named by the id, the same daemon did not fit even the default root.
+        assert!(
+            check_socket_path(&record(
+                "/var/lib/kubelet/plugins/gpu.nvidia.com/mps/0b6e2c46-6e0e-4c1c-9a55-3f6f5e9d1a7b-c10"
+            ))
+            .is_err()
+        );
         let long = format!("/{}", "x".repeat(100));
         let err = check_socket_path(&record(&long)).unwrap_err().to_string();
         assert!(err.contains("--plugin-dir"), "{err}");
