@@ -103,11 +103,22 @@ fn nvidia_smi_without_a_host_fails_like_without_a_driver() {
     let dir = tempfile::tempdir().expect("tmp");
     let lone = dir.path().join("nvidia-smi");
     std::fs::copy(host.tool("nvidia-smi"), &lone).expect("copy");
-    let out = Command::new(&lone)
-        .arg("-L")
-        .env_remove("GPU_SIM_STATE")
-        .output()
-        .expect("spawn");
+    // Another test thread forking while the copy's write descriptor was open makes that child
+    // hold it until it execs: exec then fails with ETXTBSY for a moment. Retry briefly.
+    let mut attempt = 0;
+    let out = loop {
+        match Command::new(&lone)
+            .arg("-L")
+            .env_remove("GPU_SIM_STATE")
+            .output()
+        {
+            Err(e) if e.kind() == std::io::ErrorKind::ExecutableFileBusy && attempt < 50 => {
+                attempt += 1;
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            other => break other.expect("spawn"),
+        }
+    };
     assert_eq!(out.status.code(), Some(9));
 }
 
