@@ -56,12 +56,7 @@ pub enum HookError {
 
 /// The name of the copy of a binary with this content.
 pub fn copy_name(content: &[u8]) -> String {
-    let digest = ring::digest::digest(&ring::digest::SHA256, content);
-    let hex: String = digest.as_ref()[..8]
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect();
-    format!("{PREFIX}{hex}")
+    format!("{PREFIX}{}", &crate::digest::sha256_hex(content)[..16])
 }
 
 /// Installs `source` under `<plugin_dir>/bin/` (see the module doc) and returns the copy's

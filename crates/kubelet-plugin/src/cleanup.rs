@@ -36,6 +36,7 @@ use gpu_dra_core::{cdi, checkpoint};
 use gpu_dra_telemetry::LogArgs;
 use tracing::{info, warn};
 
+use crate::cli::NodeFolders;
 use crate::discover::HostArgs;
 use crate::sharing::{
     DriverRoot, FileStore, SharingError, SharingManager, SharingMetrics, SharingOptions,
@@ -51,23 +52,9 @@ pub struct CleanupArgs {
     /// DRA driver name (names the registration socket).
     #[arg(long, env = "DRIVER_NAME", default_value = "gpu.nvidia.com")]
     pub driver_name: String,
-    /// Folder of dra.sock, the checkpoint and MPS folders.
-    #[arg(
-        long,
-        env = "PLUGIN_DIR",
-        default_value = "/var/lib/kubelet/plugins/gpu.nvidia.com"
-    )]
-    pub plugin_dir: PathBuf,
-    /// Folder of the kubelet's plugin registration sockets.
-    #[arg(
-        long,
-        env = "REGISTRAR_DIR",
-        default_value = "/var/lib/kubelet/plugins_registry"
-    )]
-    pub registrar_dir: PathBuf,
-    /// Folder where CDI specs are written.
-    #[arg(long, env = "CDI_ROOT", default_value = "/var/run/cdi")]
-    pub cdi_root: PathBuf,
+    /// The node's folders: plugin, registration, CDI.
+    #[command(flatten)]
+    pub folders: NodeFolders,
     /// The host's driver (its `nvidia-smi` and MPS control tool restore the GPUs).
     #[command(flatten)]
     pub host: HostArgs,
@@ -140,7 +127,7 @@ pub struct CleanupReport {
 /// Cleans the node described by `args` (see the module documentation).
 pub async fn cleanup(args: &CleanupArgs) -> CleanupReport {
     let mut report = CleanupReport::default();
-    let dra_sock = args.plugin_dir.join("dra.sock");
+    let dra_sock = args.folders.plugin_dir.join("dra.sock");
     if std::os::unix::net::UnixStream::connect(&dra_sock).is_ok() {
         report
             .failures
@@ -148,7 +135,7 @@ pub async fn cleanup(args: &CleanupArgs) -> CleanupReport {
         return report;
     }
     // A plugin instance holds the node (also one with per-pod socket names).
-    let lock_path = args.plugin_dir.join(crate::cli::INSTANCE_LOCK);
+    let lock_path = args.folders.plugin_dir.join(crate::cli::INSTANCE_LOCK);
     if let Ok(lock) = std::fs::File::open(&lock_path)
         && matches!(lock.try_lock(), Err(std::fs::TryLockError::WouldBlock))
     {
@@ -159,7 +146,7 @@ pub async fn cleanup(args: &CleanupArgs) -> CleanupReport {
     }
 
     // NVIDIA's MPS directories (claims imported from its checkpoint) are not ours to remove.
-    let checkpoint_path = args.plugin_dir.join(checkpoint::FILE_NAME);
+    let checkpoint_path = args.folders.plugin_dir.join(checkpoint::FILE_NAME);
     let foreign = match imported_mps_daemons(&checkpoint_path) {
         Ok(ids) => Some(ids),
         Err(reason) => {
@@ -171,26 +158,26 @@ pub async fn cleanup(args: &CleanupArgs) -> CleanupReport {
         }
     };
 
-    let mps_root = args.plugin_dir.join("mps");
+    let mps_root = args.folders.plugin_dir.join("mps");
     unmount_ours(
         &mps_root,
         foreign.as_ref().map_or(&BTreeSet::new(), |f| f),
         &mut report,
     );
 
-    let state_path = args.plugin_dir.join(SHARING_STATE_FILE);
+    let state_path = args.folders.plugin_dir.join(SHARING_STATE_FILE);
     let sharing_done = restore_sharing(args, &state_path, foreign.as_ref(), &mut report).await;
 
     // Our claim specs; NVIDIA's (`.yaml`) stay.
-    remove_matching(&args.cdi_root, &mut report, |name| {
+    remove_matching(&args.folders.cdi_root, &mut report, |name| {
         cdi::claim_uid_of_spec_file(name).is_some()
     });
     let prefix = format!("{}-{}_", cdi::CDI_VENDOR, cdi::CDI_CLASS);
-    gpu_dra_fsutil::remove_stale_temps(&args.cdi_root, &prefix);
+    gpu_dra_fsutil::remove_stale_temps(&args.folders.cdi_root, &prefix);
 
     // The nvidia-cdi-hook copies the plugin installed (crate::cdi_hook): our specs, which
     // name them, are gone; running containers do not need them any more.
-    let hook_dir = args.plugin_dir.join(crate::cdi_hook::BIN_DIR);
+    let hook_dir = args.folders.plugin_dir.join(crate::cdi_hook::BIN_DIR);
     remove_matching(&hook_dir, &mut report, |name| {
         name.starts_with(crate::cdi_hook::PREFIX)
     });
@@ -198,20 +185,21 @@ pub async fn cleanup(args: &CleanupArgs) -> CleanupReport {
 
     let mut ours: Vec<PathBuf> = vec![
         dra_sock,
-        args.plugin_dir.join("failpoint.reached"),
-        args.plugin_dir.join(crate::cli::INSTANCE_LOCK),
-        args.registrar_dir
+        args.folders.plugin_dir.join("failpoint.reached"),
+        args.folders.plugin_dir.join(crate::cli::INSTANCE_LOCK),
+        args.folders
+            .registrar_dir
             .join(format!("{}-reg.sock", args.driver_name)),
     ];
     // Per-pod sockets of rolling updates (`cli::socket_paths`) that an instance left.
     let driver_prefix = format!("{}-", args.driver_name);
-    remove_matching_sockets(&args.plugin_dir, &mut report, |name| {
+    remove_matching_sockets(&args.folders.plugin_dir, &mut report, |name| {
         name.starts_with("dra-") && name.ends_with(".sock")
     });
-    remove_matching_sockets(&args.registrar_dir, &mut report, |name| {
+    remove_matching_sockets(&args.folders.registrar_dir, &mut report, |name| {
         name.starts_with(&driver_prefix) && name.ends_with("-reg.sock")
     });
-    let legacy = args.plugin_dir.join(checkpoint::LEGACY_FILE_NAME);
+    let legacy = args.folders.plugin_dir.join(checkpoint::LEGACY_FILE_NAME);
     if std::fs::read(&legacy).is_ok_and(|b| checkpoint::is_own_format(&b)) {
         ours.push(legacy);
     }
@@ -219,14 +207,14 @@ pub async fn cleanup(args: &CleanupArgs) -> CleanupReport {
         ours.push(state_path);
         ours.push(checkpoint_path);
         for name in [SHARING_STATE_FILE, checkpoint::FILE_NAME] {
-            gpu_dra_fsutil::remove_stale_temps(&args.plugin_dir, name);
+            gpu_dra_fsutil::remove_stale_temps(&args.folders.plugin_dir, name);
         }
     }
     for path in ours {
         remove_file(&path, &mut report);
     }
     // Folders go only when empty: what is left is someone else's (or owed).
-    for dir in [&mps_root, &hook_dir, &args.plugin_dir] {
+    for dir in [&mps_root, &hook_dir, &args.folders.plugin_dir] {
         match std::fs::remove_dir(dir) {
             Ok(()) => report.removed.push(dir.clone()),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
@@ -245,7 +233,7 @@ async fn restore_sharing(
 ) -> bool {
     let opts = SharingOptions::new(
         DriverRoot::new(args.host.driver_root_here(), args.host.nvml_lib.clone()),
-        &args.plugin_dir,
+        &args.folders.plugin_dir,
     );
     let store = Arc::new(FileStore::new(state_path));
     let manager = match SharingManager::new(opts, store, SharingMetrics::default()) {
@@ -262,7 +250,7 @@ async fn restore_sharing(
         Some(ids) => manager.keep_foreign_dirs(ids.iter().cloned().collect()),
         // Unknown: keep every directory no record owns.
         None => manager.keep_foreign_dirs(
-            std::fs::read_dir(args.plugin_dir.join("mps"))
+            std::fs::read_dir(args.folders.plugin_dir.join("mps"))
                 .into_iter()
                 .flatten()
                 .flatten()
@@ -377,29 +365,34 @@ pub fn mount_points(mountinfo: &str) -> Vec<PathBuf> {
         .collect()
 }
 
+/// Removes the regular files in `dir` whose names match.
 fn remove_matching(dir: &Path, report: &mut CleanupReport, ours: impl Fn(&str) -> bool) {
-    let Ok(entries) = std::fs::read_dir(dir) else {
-        return;
-    };
-    for e in entries.flatten() {
-        if ours(&e.file_name().to_string_lossy()) && e.file_type().is_ok_and(|t| t.is_file()) {
-            remove_file(&e.path(), report);
-        }
-    }
+    remove_entries(dir, report, |e, name| {
+        e.file_type().is_ok_and(|t| t.is_file()) && ours(name)
+    });
 }
 
 /// Removes the sockets in `dir` whose names match and that nothing answers on.
 fn remove_matching_sockets(dir: &Path, report: &mut CleanupReport, ours: impl Fn(&str) -> bool) {
     use std::os::unix::fs::FileTypeExt;
+    remove_entries(dir, report, |e, name| {
+        e.file_type().is_ok_and(|t| t.is_socket())
+            && ours(name)
+            && std::os::unix::net::UnixStream::connect(e.path()).is_err()
+    });
+}
+
+/// Removes the entries of `dir` that `ours` picks (a missing folder has none).
+fn remove_entries(
+    dir: &Path,
+    report: &mut CleanupReport,
+    ours: impl Fn(&std::fs::DirEntry, &str) -> bool,
+) {
     let Ok(entries) = std::fs::read_dir(dir) else {
         return;
     };
     for e in entries.flatten() {
-        let is_socket = e.file_type().is_ok_and(|t| t.is_socket());
-        if is_socket
-            && ours(&e.file_name().to_string_lossy())
-            && std::os::unix::net::UnixStream::connect(e.path()).is_err()
-        {
+        if ours(&e, &e.file_name().to_string_lossy()) {
             remove_file(&e.path(), report);
         }
     }
@@ -473,9 +466,11 @@ mod tests {
             let d = self.dir.path();
             CleanupArgs {
                 driver_name: "gpu.nvidia.com".into(),
-                plugin_dir: d.join("plugins/gpu.nvidia.com"),
-                registrar_dir: d.join("plugins_registry"),
-                cdi_root: d.join("cdi"),
+                folders: NodeFolders {
+                    plugin_dir: d.join("plugins/gpu.nvidia.com"),
+                    registrar_dir: d.join("plugins_registry"),
+                    cdi_root: d.join("cdi"),
+                },
                 host: HostArgs {
                     driver_root: self.host.root().to_path_buf(),
                     container_driver_root: None,
@@ -492,8 +487,13 @@ mod tests {
         fn manager(&self) -> SharingManager {
             let a = self.args();
             SharingManager::new(
-                SharingOptions::new(DriverRoot::new(self.host.root(), None), &a.plugin_dir),
-                Arc::new(FileStore::new(a.plugin_dir.join(SHARING_STATE_FILE))),
+                SharingOptions::new(
+                    DriverRoot::new(self.host.root(), None),
+                    &a.folders.plugin_dir,
+                ),
+                Arc::new(FileStore::new(
+                    a.folders.plugin_dir.join(SHARING_STATE_FILE),
+                )),
                 SharingMetrics::default(),
             )
             .expect("manager")
@@ -531,20 +531,27 @@ mod tests {
         drop(m);
         let a = node.args();
         node.write(
-            &a.plugin_dir.join(checkpoint::FILE_NAME),
+            &a.folders.plugin_dir.join(checkpoint::FILE_NAME),
             &String::from_utf8(checkpoint::Checkpoint::new().to_json()).expect("utf-8"),
         );
         // NVIDIA's checkpoint (no integer version) and spec stay; so does another vendor's.
-        node.write(&a.plugin_dir.join("checkpoint.json"), r#"{"checksum": 1}"#);
-        node.write(&a.cdi_root.join(cdi::spec_file_name(CLAIM_A)), "{}");
-        node.write(&a.cdi_root.join(cdi::spec_file_name(CLAIM_B)), "{}");
-        node.write(&a.cdi_root.join(cdi::nvidia_spec_file_name("nv")), "{}");
-        node.write(&a.cdi_root.join("vendor.com-device.json"), "{}");
-        node.write(&a.registrar_dir.join("gpu.nvidia.com-reg.sock"), "");
-        node.write(&a.registrar_dir.join("other-reg.sock"), "");
+        node.write(
+            &a.folders.plugin_dir.join("checkpoint.json"),
+            r#"{"checksum": 1}"#,
+        );
+        node.write(&a.folders.cdi_root.join(cdi::spec_file_name(CLAIM_A)), "{}");
+        node.write(&a.folders.cdi_root.join(cdi::spec_file_name(CLAIM_B)), "{}");
+        node.write(
+            &a.folders.cdi_root.join(cdi::nvidia_spec_file_name("nv")),
+            "{}",
+        );
+        node.write(&a.folders.cdi_root.join("vendor.com-device.json"), "{}");
+        node.write(&a.folders.registrar_dir.join("gpu.nvidia.com-reg.sock"), "");
+        node.write(&a.folders.registrar_dir.join("other-reg.sock"), "");
         // The hook copy the plugin installed (crate::cdi_hook).
         node.write(
-            &a.plugin_dir
+            &a.folders
+                .plugin_dir
                 .join(crate::cdi_hook::BIN_DIR)
                 .join(crate::cdi_hook::copy_name(b"hook")),
             "hook",
@@ -584,14 +591,18 @@ mod tests {
         assert_eq!(state.gpus[5].timeslice, 0);
         assert!(!crate::sharing::mps::pid_alive(pid), "MPS daemon stopped");
         assert_eq!(
-            names(&a.cdi_root),
+            names(&a.folders.cdi_root),
             [
                 cdi::nvidia_spec_file_name("nv"),
                 "vendor.com-device.json".into()
             ]
         );
-        assert_eq!(names(&a.plugin_dir), ["checkpoint.json"], "NVIDIA's stays");
-        assert_eq!(names(&a.registrar_dir), ["other-reg.sock"]);
+        assert_eq!(
+            names(&a.folders.plugin_dir),
+            ["checkpoint.json"],
+            "NVIDIA's stays"
+        );
+        assert_eq!(names(&a.folders.registrar_dir), ["other-reg.sock"]);
 
         // Idempotent: a second run finds nothing to do and fails on nothing.
         let again = cleanup(&a).await;
@@ -600,9 +611,9 @@ mod tests {
         assert!(again.mps_stopped.is_empty() && again.timeslice_reset.is_empty());
 
         // Without NVIDIA's file the plugin directory itself goes.
-        std::fs::remove_file(a.plugin_dir.join("checkpoint.json")).expect("remove");
+        std::fs::remove_file(a.folders.plugin_dir.join("checkpoint.json")).expect("remove");
         assert!(cleanup(&a).await.failures.is_empty());
-        assert!(!a.plugin_dir.exists());
+        assert!(!a.folders.plugin_dir.exists());
     }
 
     #[tokio::test]
@@ -621,8 +632,8 @@ mod tests {
             "{:?}",
             report.failures
         );
-        assert!(a.plugin_dir.join(SHARING_STATE_FILE).exists());
-        assert!(a.plugin_dir.join(checkpoint::FILE_NAME).exists());
+        assert!(a.folders.plugin_dir.join(SHARING_STATE_FILE).exists());
+        assert!(a.folders.plugin_dir.join(checkpoint::FILE_NAME).exists());
         assert_eq!(
             node.host.state().gpus[5].timeslice,
             3,
@@ -634,15 +645,16 @@ mod tests {
         assert!(report.failures.is_empty(), "{:?}", report.failures);
         assert_eq!(node.host.state().gpus[5].timeslice, 0);
         assert_eq!(node.host.state().gpus[4].compute_mode, ComputeMode::Default);
-        assert!(!a.plugin_dir.join(SHARING_STATE_FILE).exists());
+        assert!(!a.folders.plugin_dir.join(SHARING_STATE_FILE).exists());
     }
 
     #[tokio::test]
     async fn a_plugin_still_serving_the_node_refuses_cleanup() {
         let (node, pid) = node_after_the_plugin_went().await;
         let a = node.args();
-        let _listener = std::os::unix::net::UnixListener::bind(a.plugin_dir.join("dra.sock"))
-            .expect("bind dra.sock");
+        let _listener =
+            std::os::unix::net::UnixListener::bind(a.folders.plugin_dir.join("dra.sock"))
+                .expect("bind dra.sock");
         let report = cleanup(&a).await;
         assert!(
             matches!(

@@ -22,18 +22,10 @@ use crate::sharing::{
     DriverRoot, FileStore, PodDaemons, PodSettings, SharingManager, SharingOptions,
 };
 
-/// Flags of `run`.
+/// The node's folders the plugin writes to, as the kubelet and the container runtime see them;
+/// flags shared by `run` and `cleanup`, so that both name the same files.
 #[derive(Debug, Clone, clap::Args)]
-pub struct RunArgs {
-    /// Name of this node (pool name of its devices).
-    #[arg(long, env = "NODE_NAME")]
-    pub node_name: String,
-    /// DRA driver name.
-    #[arg(long, env = "DRIVER_NAME", default_value = "gpu.nvidia.com")]
-    pub driver_name: String,
-    /// Kubeconfig file; in-cluster config when unset.
-    #[arg(long, env = "KUBECONFIG")]
-    pub kubeconfig: Option<PathBuf>,
+pub struct NodeFolders {
     /// Folder of dra.sock, the checkpoint and MPS folders.
     #[arg(
         long,
@@ -51,6 +43,23 @@ pub struct RunArgs {
     /// Folder where CDI specs are written.
     #[arg(long, env = "CDI_ROOT", default_value = "/var/run/cdi")]
     pub cdi_root: PathBuf,
+}
+
+/// Flags of `run`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct RunArgs {
+    /// Name of this node (pool name of its devices).
+    #[arg(long, env = "NODE_NAME")]
+    pub node_name: String,
+    /// DRA driver name.
+    #[arg(long, env = "DRIVER_NAME", default_value = "gpu.nvidia.com")]
+    pub driver_name: String,
+    /// Kubeconfig file; in-cluster config when unset.
+    #[arg(long, env = "KUBECONFIG")]
+    pub kubeconfig: Option<PathBuf>,
+    /// The node's folders: plugin, registration, CDI.
+    #[command(flatten)]
+    pub folders: NodeFolders,
     /// The host's driver, device nodes and sysfs.
     #[command(flatten)]
     pub host: HostArgs,
@@ -187,7 +196,7 @@ pub fn cdi_hook_path(args: &RunArgs) -> Option<PathBuf> {
         );
         return None;
     }
-    match crate::cdi_hook::install(&args.cdi_hook_source, &args.plugin_dir) {
+    match crate::cdi_hook::install(&args.cdi_hook_source, &args.folders.plugin_dir) {
         Ok(path) => {
             info!(path = %path.display(), "installed nvidia-cdi-hook for CDI hooks");
             Some(path)
@@ -221,18 +230,21 @@ pub fn read_boot_id(path: &Path) -> Option<String> {
 pub fn socket_paths(args: &RunArgs) -> (PathBuf, PathBuf) {
     if args.pod_uid.is_empty() {
         return (
-            args.registrar_dir
+            args.folders
+                .registrar_dir
                 .join(format!("{}-reg.sock", args.driver_name)),
-            args.plugin_dir.join("dra.sock"),
+            args.folders.plugin_dir.join("dra.sock"),
         );
     }
     (
-        args.registrar_dir.join(rolling_registrar_socket(
-            &args.registrar_dir,
+        args.folders.registrar_dir.join(rolling_registrar_socket(
+            &args.folders.registrar_dir,
             &args.driver_name,
             &args.pod_uid,
         )),
-        args.plugin_dir.join(format!("dra-{}.sock", args.pod_uid)),
+        args.folders
+            .plugin_dir
+            .join(format!("dra-{}.sock", args.pod_uid)),
     )
 }
 
@@ -321,8 +333,8 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         "inventory"
     );
     let (claims, client) = claim_source(&args).await?;
-    std::fs::create_dir_all(&args.plugin_dir)
-        .with_context(|| format!("creating {}", args.plugin_dir.display()))?;
+    std::fs::create_dir_all(&args.folders.plugin_dir)
+        .with_context(|| format!("creating {}", args.folders.plugin_dir.display()))?;
 
     // Serve first, then take over the node: during a rolling update the kubelet reaches this
     // instance (registered under per-pod socket names) while the old one still finishes its
@@ -387,7 +399,8 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             }
         });
     }
-    let Some(_instance) = take_instance_lock(&args.plugin_dir, stop_rx.clone()).await? else {
+    let Some(_instance) = take_instance_lock(&args.folders.plugin_dir, stop_rx.clone()).await?
+    else {
         info!("stopped before taking over the node");
         drop(driver_tx);
         let _ = server.await;
@@ -397,12 +410,12 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     };
     let failpoints = Failpoints::parse(
         &args.failpoints,
-        Some(args.plugin_dir.join("failpoint.reached")),
+        Some(args.folders.plugin_dir.join("failpoint.reached")),
     )
     .map_err(anyhow::Error::msg)?;
     let hook = cdi_hook_path(&args);
     let cdi = CdiHost::discover(
-        args.cdi_root.clone(),
+        args.folders.cdi_root.clone(),
         &args.host.driver_roots(),
         &args.host.dev_root,
         &inventory.driver_version,
@@ -411,12 +424,12 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     let boot_id = read_boot_id(&args.boot_id_file);
     let mut sharing_options = SharingOptions::new(
         DriverRoot::new(args.host.driver_root_here(), args.host.nvml_lib.clone()),
-        &args.plugin_dir,
+        &args.folders.plugin_dir,
     );
     sharing_options.boot_id.clone_from(&boot_id);
     let sharing = SharingManager::new(
         sharing_options,
-        Arc::new(FileStore::new(args.plugin_dir.join("sharing.json"))),
+        Arc::new(FileStore::new(args.folders.plugin_dir.join("sharing.json"))),
         metrics.sharing.clone(),
     )
     .context("loading the sharing state")?;
@@ -445,7 +458,10 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         settings: DriverSettings {
             driver_name: args.driver_name.clone(),
             node_name: args.node_name.clone(),
-            checkpoint_path: args.plugin_dir.join(gpu_dra_core::checkpoint::FILE_NAME),
+            checkpoint_path: args
+                .folders
+                .plugin_dir
+                .join(gpu_dra_core::checkpoint::FILE_NAME),
             boot_id,
         },
         inventory: Arc::new(inventory),

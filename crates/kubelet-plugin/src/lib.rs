@@ -21,6 +21,7 @@ pub mod claims;
 pub mod cleanup;
 pub mod cli;
 pub mod client;
+pub mod digest;
 pub mod discover;
 pub mod driver;
 pub mod failpoint;

@@ -51,6 +51,7 @@ use super::error::SharingError;
 use super::mps;
 use super::state::MpsRecord;
 use super::tools::{DriverRoot, MPS_CONTROL};
+use crate::digest::sha256_hex;
 
 /// `app.kubernetes.io/component` of daemon pods.
 pub const COMPONENT: &str = "mps-control-daemon";
@@ -247,16 +248,8 @@ pub fn pod_name(record: &MpsRecord) -> String {
     format!(
         "mps-{}-{}",
         record.claim_uid,
-        &hex_digest(&record.group)[..8]
+        &sha256_hex(record.group.as_bytes())[..8]
     )
-}
-
-fn hex_digest(s: &str) -> String {
-    ring::digest::digest(&ring::digest::SHA256, s.as_bytes())
-        .as_ref()
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
 }
 
 fn same_spec(old: &Pod, new: &Pod) -> bool {
@@ -345,9 +338,10 @@ pub fn daemon_pod(
         ]),
         ..Container::default()
     };
-    let digest = hex_digest(
-        &serde_json::to_string(&(&container, &settings.host_driver_root, &settings.node))
-            .unwrap_or_default(),
+    let digest = sha256_hex(
+        serde_json::to_string(&(&container, &settings.host_driver_root, &settings.node))
+            .unwrap_or_default()
+            .as_bytes(),
     );
     let host_path = |name: &str, p: &Path, kind: &str| Volume {
         name: name.into(),
