@@ -14,6 +14,7 @@ import (
 	resourceapi "k8s.io/api/resource/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/wait"
 
@@ -82,6 +83,17 @@ func gpuPod(ctx context.Context, t *testing.T, ns, name, node string) *v1.Pod {
 	if err := cluster.CreateNamespace(ctx, ns); err != nil {
 		t.Fatal(err)
 	}
+	pod, err := createClaimPod(ctx, ns, name, node, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return pod
+}
+
+// createClaimPod creates a claim for one GPU (with an opaque config of our
+// driver when params is not nil) and a pod on the node whose one container
+// uses it.
+func createClaimPod(ctx context.Context, ns, name, node string, params []byte) (*v1.Pod, error) {
 	claim := &resourceapi.ResourceClaim{
 		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns},
 		Spec: resourceapi.ResourceClaimSpec{Devices: resourceapi.DeviceClaim{
@@ -90,8 +102,16 @@ func gpuPod(ctx context.Context, t *testing.T, ns, name, node string) *v1.Pod {
 			}}},
 		}},
 	}
+	if params != nil {
+		claim.Spec.Devices.Config = []resourceapi.DeviceClaimConfiguration{{
+			Requests: []string{"gpu"},
+			DeviceConfiguration: resourceapi.DeviceConfiguration{Opaque: &resourceapi.OpaqueDeviceConfiguration{
+				Driver: harness.DefaultDriver, Parameters: runtime.RawExtension{Raw: params},
+			}},
+		}}
+	}
 	if _, err := cluster.Client.ResourceV1().ResourceClaims(ns).Create(ctx, claim, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
+		return nil, err
 	}
 	pod := &v1.Pod{
 		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns},
@@ -104,11 +124,7 @@ func gpuPod(ctx context.Context, t *testing.T, ns, name, node string) *v1.Pod {
 			ResourceClaims: []v1.PodResourceClaim{{Name: "gpu", ResourceClaimName: &claim.Name}},
 		},
 	}
-	created, err := cluster.Client.CoreV1().Pods(ns).Create(ctx, pod, metav1.CreateOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	return created
+	return cluster.Client.CoreV1().Pods(ns).Create(ctx, pod, metav1.CreateOptions{})
 }
 
 func envOf(d *harness.DaemonPod, key string) string {

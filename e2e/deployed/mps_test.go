@@ -8,9 +8,7 @@ import (
 	"time"
 
 	v1 "k8s.io/api/core/v1"
-	resourceapi "k8s.io/api/resource/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/util/wait"
 
 	"github.com/gpu-dra/e2e/harness"
@@ -34,13 +32,7 @@ func TestMPSDaemonOutlivesThePlugin(t *testing.T) {
 	install(t, layout.HelmValues()...)
 	plugin := waitPlugin(ctx, t, n, "")
 
-	pod := mpsPod(ctx, t, "mps-pods", "mps", n.Name)
-	if _, err := cluster.WaitPodRunning(ctx, pod.Namespace, pod.Name, 90*time.Second); err != nil {
-		t.Fatalf("%v; plugin log:\n%s", err, plugin.Log())
-	}
-	daemon := daemonPod(ctx, t, n.Name)
-	t.Logf("MPS control daemon pod %s/%s (claim %s)", daemon.Namespace, daemon.Name, daemon.Labels["resource.nvidia.com/claim-uid"])
-	server := mpsServer(ctx, t, n, pod, "40.0")
+	pod, daemon, server := runMPSWorkload(ctx, t, n, plugin, "mps-pods")
 
 	// A crash of the plugin's container: the harness starts it again.
 	const adopted = "re-adopted MPS control daemon pod"
@@ -97,8 +89,21 @@ func TestMPSDaemonOutlivesThePlugin(t *testing.T) {
 	}
 }
 
-// mpsPod creates a claim for one GPU shared with MPS (40% of the threads,
-// 2Gi of pinned memory) and a pod on the node using it.
+// runMPSWorkload runs, in namespace ns, a pod with a claim for one GPU shared
+// with MPS (40% of the threads, 2Gi of pinned memory) and returns it, its
+// control daemon's pod and the MPS server its CUDA program joined.
+func runMPSWorkload(ctx context.Context, t *testing.T, n *harness.Node, plugin *harness.DaemonPod, ns string) (*v1.Pod, *v1.Pod, string) {
+	t.Helper()
+	pod := mpsPod(ctx, t, ns, "mps", n.Name)
+	if _, err := cluster.WaitPodRunning(ctx, pod.Namespace, pod.Name, 90*time.Second); err != nil {
+		t.Fatalf("%v; plugin log:\n%s", err, plugin.Log())
+	}
+	daemon := daemonPod(ctx, t, n.Name)
+	t.Logf("MPS control daemon pod %s/%s (claim %s)", daemon.Namespace, daemon.Name, daemon.Labels["resource.nvidia.com/claim-uid"])
+	return pod, daemon, mpsServer(ctx, t, n, pod, "40.0")
+}
+
+// mpsPod creates the claim and pod of runMPSWorkload.
 func mpsPod(ctx context.Context, t *testing.T, ns, name, node string) *v1.Pod {
 	t.Helper()
 	if err := cluster.CreateNamespace(ctx, ns); err != nil {
@@ -114,39 +119,11 @@ func mpsPod(ctx context.Context, t *testing.T, ns, name, node string) *v1.Pod {
 	if err != nil {
 		t.Fatal(err)
 	}
-	claim := &resourceapi.ResourceClaim{
-		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns},
-		Spec: resourceapi.ResourceClaimSpec{Devices: resourceapi.DeviceClaim{
-			Requests: []resourceapi.DeviceRequest{{Name: "gpu", Exactly: &resourceapi.ExactDeviceRequest{
-				DeviceClassName: "gpu.nvidia.com", AllocationMode: resourceapi.DeviceAllocationModeExactCount, Count: 1,
-			}}},
-			Config: []resourceapi.DeviceClaimConfiguration{{
-				Requests: []string{"gpu"},
-				DeviceConfiguration: resourceapi.DeviceConfiguration{Opaque: &resourceapi.OpaqueDeviceConfiguration{
-					Driver: harness.DefaultDriver, Parameters: runtime.RawExtension{Raw: params},
-				}},
-			}},
-		}},
-	}
-	if _, err := cluster.Client.ResourceV1().ResourceClaims(ns).Create(ctx, claim, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	pod := &v1.Pod{
-		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns},
-		Spec: v1.PodSpec{
-			NodeSelector: map[string]string{"kubernetes.io/hostname": node},
-			Containers: []v1.Container{{
-				Name: "ctr", Image: "cuda-sample",
-				Resources: v1.ResourceRequirements{Claims: []v1.ResourceClaim{{Name: "gpu"}}},
-			}},
-			ResourceClaims: []v1.PodResourceClaim{{Name: "gpu", ResourceClaimName: &claim.Name}},
-		},
-	}
-	created, err := cluster.Client.CoreV1().Pods(ns).Create(ctx, pod, metav1.CreateOptions{})
+	pod, err := createClaimPod(ctx, ns, name, node, params)
 	if err != nil {
 		t.Fatal(err)
 	}
-	return created
+	return pod
 }
 
 // daemonPod is the one MPS control daemon pod on the node, Running, as an

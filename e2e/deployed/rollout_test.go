@@ -13,7 +13,6 @@ import (
 	"time"
 
 	v1 "k8s.io/api/core/v1"
-	resourceapi "k8s.io/api/resource/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/gpu-dra/e2e/harness"
@@ -37,12 +36,7 @@ func TestRollingUpgrade(t *testing.T) {
 	install(t, layout.HelmValues()...)
 	first := waitPlugin(ctx, t, n, "")
 
-	mps := mpsPod(ctx, t, "rollout-mps", "mps", n.Name)
-	if _, err := cluster.WaitPodRunning(ctx, mps.Namespace, mps.Name, 90*time.Second); err != nil {
-		t.Fatalf("%v; plugin log:\n%s", err, first.Log())
-	}
-	daemon := daemonPod(ctx, t, n.Name)
-	server := mpsServer(ctx, t, n, mps, "40.0")
+	mps, daemon, server := runMPSWorkload(ctx, t, n, first, "rollout-mps")
 
 	const ns = "rollout"
 	if err := cluster.CreateNamespace(ctx, ns); err != nil {
@@ -188,30 +182,8 @@ func TestRollingUpgrade(t *testing.T) {
 // pod runs, then deletes both and waits until the pod is gone; returns the
 // time from creation to Running.
 func claimRoundTrip(ctx context.Context, ns, name, node string) (time.Duration, error) {
-	claim := &resourceapi.ResourceClaim{
-		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns},
-		Spec: resourceapi.ResourceClaimSpec{Devices: resourceapi.DeviceClaim{
-			Requests: []resourceapi.DeviceRequest{{Name: "gpu", Exactly: &resourceapi.ExactDeviceRequest{
-				DeviceClassName: "gpu.nvidia.com", AllocationMode: resourceapi.DeviceAllocationModeExactCount, Count: 1,
-			}}},
-		}},
-	}
-	pod := &v1.Pod{
-		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns},
-		Spec: v1.PodSpec{
-			NodeSelector: map[string]string{"kubernetes.io/hostname": node},
-			Containers: []v1.Container{{
-				Name: "ctr", Image: "cuda-sample",
-				Resources: v1.ResourceRequirements{Claims: []v1.ResourceClaim{{Name: "gpu"}}},
-			}},
-			ResourceClaims: []v1.PodResourceClaim{{Name: "gpu", ResourceClaimName: &claim.Name}},
-		},
-	}
 	start := time.Now()
-	if _, err := cluster.Client.ResourceV1().ResourceClaims(ns).Create(ctx, claim, metav1.CreateOptions{}); err != nil {
-		return 0, err
-	}
-	if _, err := cluster.Client.CoreV1().Pods(ns).Create(ctx, pod, metav1.CreateOptions{}); err != nil {
+	if _, err := createClaimPod(ctx, ns, name, node, nil); err != nil {
 		return 0, err
 	}
 	if _, err := cluster.WaitPodRunning(ctx, ns, name, 60*time.Second); err != nil {

@@ -2,7 +2,6 @@ package tests
 
 import (
 	"context"
-	"encoding/json"
 	"os"
 	"reflect"
 	"strings"
@@ -235,27 +234,8 @@ func allRunning(ctrs []*harness.Container, want int) bool {
 }
 
 // computeMode reads a GPU's compute mode (DEFAULT, EXCLUSIVE_PROCESS, ...)
-// from the simulator state, as timeSlice reads its time slice.
+// from the simulator state.
 func computeMode(t *testing.T, n *harness.Node, uuid string) string {
 	t.Helper()
-	var state struct {
-		Profile struct {
-			Gpus []struct {
-				UUID string `json:"uuid"`
-			} `json:"gpus"`
-		} `json:"profile"`
-		Gpus []struct {
-			ComputeMode string `json:"computeMode"`
-		} `json:"gpus"`
-	}
-	if err := json.Unmarshal([]byte(n.SimStateRaw()), &state); err != nil {
-		t.Fatalf("simulator state of %s: %v", n.Name, err)
-	}
-	for i, g := range state.Profile.Gpus {
-		if g.UUID == uuid && i < len(state.Gpus) {
-			return state.Gpus[i].ComputeMode
-		}
-	}
-	t.Fatalf("GPU %s not in the simulator state of %s", uuid, n.Name)
-	return ""
+	return gpuSettings(t, n, uuid).ComputeMode
 }

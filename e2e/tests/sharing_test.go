@@ -126,9 +126,15 @@ func TestTimeSlicingSetAndReset(t *testing.T) {
 }
 
 // timeSlice reads a GPU's time-slice setting (0..3: Default, Short, Medium,
-// Long) from the simulator state: profile.gpus[i].uuid names GPU i,
-// gpus[i].timeslice holds its setting.
+// Long) from the simulator state.
 func timeSlice(t *testing.T, n *harness.Node, uuid string) string {
+	t.Helper()
+	return fmt.Sprint(gpuSettings(t, n, uuid).Timeslice)
+}
+
+// gpuSettings is a GPU's settings in the simulator state: profile.gpus[i].uuid
+// names GPU i, gpus[i] holds its settings.
+func gpuSettings(t *testing.T, n *harness.Node, uuid string) gpuSettingsState {
 	t.Helper()
 	var state struct {
 		Profile struct {
@@ -136,18 +142,22 @@ func timeSlice(t *testing.T, n *harness.Node, uuid string) string {
 				UUID string `json:"uuid"`
 			} `json:"gpus"`
 		} `json:"profile"`
-		Gpus []struct {
-			Timeslice int `json:"timeslice"`
-		} `json:"gpus"`
+		Gpus []gpuSettingsState `json:"gpus"`
 	}
 	if err := json.Unmarshal([]byte(n.SimStateRaw()), &state); err != nil {
 		t.Fatalf("simulator state of %s: %v", n.Name, err)
 	}
 	for i, g := range state.Profile.Gpus {
 		if g.UUID == uuid && i < len(state.Gpus) {
-			return fmt.Sprint(state.Gpus[i].Timeslice)
+			return state.Gpus[i]
 		}
 	}
 	t.Fatalf("GPU %s not in the simulator state of %s", uuid, n.Name)
-	return ""
+	return gpuSettingsState{}
+}
+
+// gpuSettingsState is what the tests read of a simulated GPU's settings.
+type gpuSettingsState struct {
+	ComputeMode string `json:"computeMode"`
+	Timeslice   int    `json:"timeslice"`
 }
