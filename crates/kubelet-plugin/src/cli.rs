@@ -325,6 +325,14 @@ async fn take_instance_lock(
 
 /// The `run` subcommand: serves until SIGTERM/SIGINT.
 pub async fn run(args: RunArgs) -> anyhow::Result<()> {
+    // The pod UID names socket files: the same form as the API server writes it, or nothing.
+    if !args.pod_uid.is_empty() {
+        crate::grpc::check_uuid(&args.pod_uid).map_err(|problem| {
+            anyhow::anyhow!(
+                "--pod-uid (POD_UID) {problem}: set it from the pod's metadata.uid (the chart's DaemonSet does), or leave it empty for fixed socket names"
+            )
+        })?;
+    }
     let backend = inventory_from_args(&args)?;
     let inventory = backend.discover().context("discovering GPUs")?;
     info!(

@@ -249,6 +249,16 @@ impl DraService {
 /// refused before it can reach the disk. Uppercase is refused too: the API server never
 /// generates it, and one spelling per claim keeps its files and checkpoint entry unique.
 pub fn check_claim_uid(uid: &str) -> Result<(), String> {
+    check_uuid(uid).map_err(|problem| {
+        format!(
+            "claim UID {problem}; refused before touching any file: check what sent this request"
+        )
+    })
+}
+
+/// Checks that `uid` is a UUID in the API server's form (see [`check_claim_uid`]); the error
+/// quotes it (at most 64 characters) and says what form is expected.
+pub fn check_uuid(uid: &str) -> Result<(), String> {
     let b = uid.as_bytes();
     let well_formed = b.len() == 36
         && b.iter().enumerate().all(|(i, c)| match i {
@@ -266,9 +276,8 @@ pub fn check_claim_uid(uid: &str) -> Result<(), String> {
         String::new()
     };
     Err(format!(
-        "claim UID {shown:?}{cut} is not a UUID in the API server's form \
-         (8-4-4-4-12 lowercase hex digits, e.g. 0f8e3c52-6a1b-4c7d-9e2f-3a4b5c6d7e8f); \
-         refused before touching any file: check what sent this request"
+        "{shown:?}{cut} is not a UUID in the API server's form \
+         (8-4-4-4-12 lowercase hex digits, e.g. 0f8e3c52-6a1b-4c7d-9e2f-3a4b5c6d7e8f)"
     ))
 }
 

@@ -90,3 +90,28 @@ fn a_root_without_nvml_fails_with_a_hint() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("NVIDIA_DRIVER_ROOT"), "{err}");
 }
+
+#[test]
+fn a_pod_uid_that_is_not_a_uuid_is_refused_before_anything_is_created() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let plugin_dir = dir.path().join("plugin");
+    let out = Command::new(env!("CARGO_BIN_EXE_gpu-kubelet-plugin"))
+        .args(["run", "--node-name", "node-a", "--pod-uid", "../escape"])
+        .arg("--plugin-dir")
+        .arg(&plugin_dir)
+        .arg("--registrar-dir")
+        .arg(dir.path().join("registry"))
+        .output()
+        .expect("running the binary");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--pod-uid (POD_UID) \"../escape\" is not a UUID")
+            && err.contains("metadata.uid"),
+        "{err}"
+    );
+    assert!(
+        !plugin_dir.exists(),
+        "nothing created for a refused pod UID"
+    );
+}
