@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"sort"
+	"strings"
 	"sync"
 	"syscall"
 	"time"
@@ -227,6 +229,8 @@ func (n *Node) startKubelet(ctx context.Context) error {
 	}
 	n.wg.Add(1)
 	go func() { defer n.wg.Done(); n.heartbeat(ctx) }()
+	n.wg.Add(1)
+	go func() { defer n.wg.Done(); n.watchHealthUpdates(ctx, queue) }()
 	if n.Layout != LayoutProcess {
 		n.daemons = newDaemonSets(n)
 		n.wg.Add(1)
@@ -444,10 +448,64 @@ func (n *Node) syncPod(ctx context.Context, key string) error {
 		return n.setRunning(ctx, pod)
 	}
 	phase, statuses := n.runtime.podStatus(pod)
-	if statusSignature(phase, statuses) == statusSignature(pod.Status.Phase, pod.Status.ContainerStatuses) {
+	statuses = n.withResourceHealth(pod, statuses)
+	if statusSignature(phase, statuses) == statusSignature(pod.Status.Phase, pod.Status.ContainerStatuses) &&
+		healthSignature(statuses) == healthSignature(pod.Status.ContainerStatuses) {
 		return nil
 	}
 	return n.setStatus(ctx, pod, phase, statuses)
+}
+
+// withResourceHealth fills each container's allocatedResourcesStatus from
+// the DRA manager's health cache (what the plugins' health streams
+// reported), as the kubelet's status manager does.
+func (n *Node) withResourceHealth(pod *v1.Pod, statuses []v1.ContainerStatus) []v1.ContainerStatus {
+	status := v1.PodStatus{ContainerStatuses: statuses}
+	n.dra.UpdateAllocatedResourcesStatus(n.logger, pod, &status)
+	return status.ContainerStatuses
+}
+
+// healthSignature is the device health in container statuses, comparable.
+func healthSignature(statuses []v1.ContainerStatus) string {
+	var parts []string
+	for _, s := range statuses {
+		for _, r := range s.AllocatedResourcesStatus {
+			for _, h := range r.Resources {
+				msg := ""
+				if h.Message != nil {
+					msg = *h.Message
+				}
+				parts = append(parts, fmt.Sprintf("%s/%s/%s=%s:%s", s.Name, r.Name, h.ResourceID, h.Health, msg))
+			}
+		}
+	}
+	sort.Strings(parts)
+	return strings.Join(parts, "|")
+}
+
+// watchHealthUpdates re-syncs the pods whose devices' health changed (the
+// DRA manager names them by UID), as the kubelet's sync loop does.
+func (n *Node) watchHealthUpdates(ctx context.Context, queue workqueue.TypedRateLimitingInterface[string]) {
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case update, ok := <-n.dra.Updates():
+			if !ok {
+				return
+			}
+			uids := sets.New(update.PodUIDs...)
+			pods, err := n.pods.List(labels.Everything())
+			if err != nil {
+				continue
+			}
+			for _, p := range pods {
+				if uids.Has(string(p.UID)) {
+					queue.Add(p.Namespace + "/" + p.Name)
+				}
+			}
+		}
+	}
 }
 
 // prepare prepares the pod's claims, records each container's CDI device
@@ -548,6 +606,7 @@ func (n *Node) setRunning(ctx context.Context, pod *v1.Pod) error {
 			State:       v1.ContainerState{Running: &v1.ContainerStateRunning{StartedAt: now}},
 		})
 	}
+	running.Status.ContainerStatuses = n.withResourceHealth(pod, running.Status.ContainerStatuses)
 	_, err := n.cluster.Client.CoreV1().Pods(pod.Namespace).UpdateStatus(ctx, running, metav1.UpdateOptions{})
 	return err
 }

@@ -8,6 +8,7 @@
 
 pub mod cdi;
 pub mod checkpoint;
+pub mod health;
 pub mod ldcache;
 pub mod nvidia_checkpoint;
 pub mod plan;

@@ -23,13 +23,17 @@ use std::collections::BTreeMap;
 use gpu_dra_api::quantity::Format;
 use gpu_dra_device::{DeviceRef, Gpu, Inventory, MigDevice};
 use k8s_openapi::api::resource::v1::{
-    Device, DeviceAttribute, DeviceCapacity, ResourcePool, ResourceSlice, ResourceSliceSpec,
+    Device, DeviceAttribute, DeviceCapacity, DeviceTaint, ResourcePool, ResourceSlice,
+    ResourceSliceSpec,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
 
 /// Most devices one ResourceSlice may hold (without taints, counters or list attributes).
 pub const MAX_DEVICES_PER_SLICE: usize = 128;
+/// Most devices one ResourceSlice may hold when any of them has taints, counters or list
+/// attributes.
+pub const MAX_DEVICES_PER_SLICE_WITH_TAINTS: usize = 64;
 /// Most attributes plus capacities one device may have.
 pub const MAX_ATTRIBUTES_AND_CAPACITIES: usize = 32;
 /// Longest string attribute value the API accepts.
@@ -263,12 +267,35 @@ pub fn render_devices(inventory: &Inventory) -> (Vec<Device>, Vec<RenderWarning>
 /// An inventory without devices still yields one (empty) slice, so the pool exists and its
 /// generation keeps advancing.
 pub fn render_slices(inventory: &Inventory, params: &SliceParams<'_>) -> Rendered {
-    let (devices, warnings) = render_devices(inventory);
+    render_slices_tainted(inventory, params, &BTreeMap::new())
+}
+
+/// [`render_slices`] with device taints (device name -> taints, from
+/// [`crate::health::HealthView`]). A pool with any tainted device is split into slices of at
+/// most [`MAX_DEVICES_PER_SLICE_WITH_TAINTS`], the API's limit for such slices.
+pub fn render_slices_tainted(
+    inventory: &Inventory,
+    params: &SliceParams<'_>,
+    taints: &BTreeMap<String, Vec<crate::health::Taint>>,
+) -> Rendered {
+    let (mut devices, warnings) = render_devices(inventory);
+    let mut tainted = false;
+    for device in &mut devices {
+        if let Some(list) = taints.get(&device.name).filter(|l| !l.is_empty()) {
+            tainted = true;
+            device.taints = Some(list.iter().map(device_taint).collect());
+        }
+    }
+    let per_slice = if tainted {
+        MAX_DEVICES_PER_SLICE_WITH_TAINTS
+    } else {
+        MAX_DEVICES_PER_SLICE
+    };
     let chunks: Vec<Vec<Device>> = if devices.is_empty() {
         vec![Vec::new()]
     } else {
         devices
-            .chunks(MAX_DEVICES_PER_SLICE)
+            .chunks(per_slice)
             .map(<[Device]>::to_vec)
             .collect()
     };
@@ -295,6 +322,19 @@ pub fn render_slices(inventory: &Inventory, params: &SliceParams<'_>) -> Rendere
         })
         .collect();
     Rendered { slices, warnings }
+}
+
+/// A taint as the API spells it; `timeAdded` is the condition's start (whole seconds), so an
+/// unchanged condition renders identically on every pass.
+fn device_taint(t: &crate::health::Taint) -> DeviceTaint {
+    DeviceTaint {
+        key: t.key.clone(),
+        value: t.value.clone(),
+        effect: t.effect.as_str().to_string(),
+        time_added: k8s_openapi::jiff::Timestamp::from_second(t.since)
+            .ok()
+            .map(Time),
+    }
 }
 
 /// The deterministic name of slice `n` of a node's pool: `<node>-<driver, dots as dashes>-<n>`.

@@ -7,11 +7,13 @@
 //! it; a test in `gpu-dra-core` checks its dependency tree).
 
 pub mod fixture;
+pub mod health;
 pub mod model;
 pub mod names;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;
 
+pub use health::{HealthEvent, HealthObservation, HealthSource, InstanceId};
 pub use model::{ComputeCapability, DeviceRef, Gpu, Inventory, MigDevice, MigMode, Placement};
 
 /// Errors while discovering GPUs.

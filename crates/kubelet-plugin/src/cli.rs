@@ -7,8 +7,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use anyhow::Context;
-use gpu_dra_device::GpuInventory;
+use gpu_dra_core::health::{HealthPolicy, TaintEffect};
 use gpu_dra_device::fixture::FixtureInventory;
+use gpu_dra_device::{GpuInventory, HealthSource};
 use gpu_dra_telemetry::LogArgs;
 use tracing::{info, warn};
 
@@ -17,6 +18,7 @@ use crate::claims::{ClaimSource, FileClaims, KubeClaims};
 use crate::discover::HostArgs;
 use crate::driver::{Driver, DriverParts, DriverSettings};
 use crate::failpoint::Failpoints;
+use crate::inventory::LiveInventory;
 use crate::metrics::Metrics;
 use crate::sharing::{
     DriverRoot, FileStore, PodDaemons, PodSettings, SharingManager, SharingOptions,
@@ -107,6 +109,29 @@ pub struct RunArgs {
     /// serves; see [`run`] for how the two hand over the node.
     #[arg(long, env = "POD_UID", default_value = "")]
     pub pod_uid: String,
+    /// Watch GPU health through NVML (XID errors, uncorrectable ECC errors, GPUs fallen off
+    /// the bus, the driver's recovery action): affected devices get taints in this node's
+    /// ResourceSlices and are reported unhealthy to the kubelet.
+    #[arg(long, env = "DEVICE_HEALTH", default_value_t = true, action = clap::ArgAction::Set)]
+    pub device_health: bool,
+    /// XIDs that do not make a device unhealthy, besides those NVIDIA's tools ignore as caused
+    /// by applications (13, 31, 43, 45, 68, 109): comma-separated numbers, or `all`.
+    #[arg(long, env = "IGNORED_XIDS", default_value = "")]
+    pub ignored_xids: String,
+    /// Seconds between probes of each GPU (reachable, recovery action).
+    #[arg(long, env = "HEALTH_PROBE_INTERVAL", default_value_t = 10)]
+    pub health_probe_interval: u64,
+    /// Seconds an XID or ECC condition lasts when the driver asks for no recovery action.
+    #[arg(long, env = "HEALTH_HOLD", default_value_t = 300)]
+    pub health_hold: u64,
+    /// Taint effect for a GPU that fell off the bus or needs a node reboot: `NoExecute`
+    /// (workloads are evicted by the device taint eviction controller) or `NoSchedule`.
+    #[arg(long, env = "FATAL_TAINT_EFFECT", default_value = "NoExecute", value_parser = ["NoExecute", "NoSchedule"])]
+    pub fatal_taint_effect: String,
+    /// Seconds between rediscoveries of the GPUs (a MIG layout changed by hand); prepare also
+    /// rediscovers before every claim.
+    #[arg(long, env = "REDISCOVER_INTERVAL", default_value_t = 60)]
+    pub rediscover_interval: u64,
     /// Seconds between cleanups of claims gone from the API server.
     #[arg(long, env = "CLEANUP_INTERVAL", default_value_t = 60)]
     pub cleanup_interval: u64,
@@ -133,20 +158,48 @@ pub struct RunArgs {
     pub log: LogArgs,
 }
 
-/// THE place where the inventory backend is chosen from the flags.
+/// The hardware seams chosen from the flags.
+pub struct Backends {
+    /// Discovers the GPUs.
+    pub inventory: Arc<dyn GpuInventory>,
+    /// Watches their health (NVML only; none with a fixture).
+    pub health: Option<Arc<dyn HealthSource>>,
+}
+
+/// THE place where the hardware backends are chosen from the flags.
 ///
-/// `--inventory-fixture` (hidden, tests) gives a fixture; otherwise NVML, loaded from
-/// `--nvml-lib` or the first `libnvidia-ml.so.1` under `--driver-root`.
-pub fn inventory_from_args(args: &RunArgs) -> anyhow::Result<Arc<dyn GpuInventory>> {
+/// `--inventory-fixture` (hidden, tests) gives a fixture and no health source; otherwise NVML,
+/// loaded from `--nvml-lib` or the first `libnvidia-ml.so.1` under `--driver-root`, for both.
+pub fn backends_from_args(args: &RunArgs) -> anyhow::Result<Backends> {
     if let Some(path) = &args.inventory_fixture {
         let json = std::fs::read_to_string(path)
             .with_context(|| format!("cannot read inventory fixture {}", path.display()))?;
         let source = path.display().to_string();
-        return Ok(Arc::new(FixtureInventory::from_json_named(&json, &source)?));
+        return Ok(Backends {
+            inventory: Arc::new(FixtureInventory::from_json_named(&json, &source)?),
+            health: None,
+        });
     }
     let (lib_path, backend) = args.host.nvml_inventory()?;
     info!(library = %lib_path.display(), "using NVML");
-    Ok(Arc::new(backend))
+    let backend = Arc::new(backend);
+    Ok(Backends {
+        inventory: backend.clone(),
+        health: Some(backend),
+    })
+}
+
+/// The health policy from the flags.
+pub fn health_policy(args: &RunArgs) -> anyhow::Result<HealthPolicy> {
+    let mut policy = HealthPolicy::new(&args.driver_name)
+        .with_ignored_xids(&args.ignored_xids)
+        .map_err(|problem| anyhow::anyhow!("--ignored-xids (IGNORED_XIDS): {problem}"))?;
+    policy.hold_secs = i64::try_from(args.health_hold).unwrap_or(i64::MAX);
+    policy.fatal_effect = match args.fatal_taint_effect.as_str() {
+        "NoSchedule" => TaintEffect::NoSchedule,
+        _ => TaintEffect::NoExecute,
+    };
+    Ok(policy)
 }
 
 async fn kube_client(args: &RunArgs) -> anyhow::Result<kube::Client> {
@@ -333,8 +386,10 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             )
         })?;
     }
-    let backend = inventory_from_args(&args)?;
-    let inventory = backend.discover().context("discovering GPUs")?;
+    let backends = backends_from_args(&args)?;
+    let live = LiveInventory::discover(backends.inventory.clone(), health_policy(&args)?)
+        .context("discovering GPUs")?;
+    let inventory = live.current();
     info!(
         gpus = inventory.gpus.len(),
         devices = inventory.devices().count(),
@@ -378,7 +433,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     let (driver_tx, driver_rx) = tokio::sync::watch::channel(None);
     let health = crate::health::HealthService::new(
         args.node_name.clone(),
-        inventory.devices().map(|d| d.name()).collect(),
+        live.subscribe(),
         stop_rx.clone(),
     );
     let server = tokio::spawn(crate::grpc::serve_deferred(
@@ -472,7 +527,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
                 .join(gpu_dra_core::checkpoint::FILE_NAME),
             boot_id,
         },
-        inventory: Arc::new(inventory),
+        inventory: live.clone(),
         claims,
         sharing: Arc::new(sharing.clone()),
         decoder: Arc::new(gpu_dra_core::plan::ApiDecoder),
@@ -505,15 +560,34 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             }
         })
     };
+    // Health is watched by the instance that holds the node only.
+    let health_watch = match (&backends.health, args.device_health) {
+        (Some(source), true) => Some(tokio::spawn(crate::health::watch(
+            source.clone(),
+            live.clone(),
+            Duration::from_secs(args.health_probe_interval.max(1)),
+            stop_rx.clone(),
+        ))),
+        (None, true) => {
+            info!("no NVML health source (inventory fixture): devices are reported healthy");
+            None
+        }
+        (_, false) => {
+            info!("device health watching is off (--device-health=false)");
+            None
+        }
+    };
     let (publisher_stop, publisher_stopped) = tokio::sync::watch::channel(false);
     let publisher = client.map(|client| {
-        let config = crate::publish::PublisherConfig::new(&args.node_name, &args.driver_name);
+        let mut config = crate::publish::PublisherConfig::new(&args.node_name, &args.driver_name);
+        config.rediscover_interval = Duration::from_secs(args.rediscover_interval.max(1));
+        let live = live.clone();
         let mut stop = publisher_stopped.clone();
         tokio::spawn(async move {
             let stopped = async move {
                 let _ = stop.wait_for(|s| *s).await;
             };
-            if let Err(e) = crate::publish::run(client, config, backend, stopped).await {
+            if let Err(e) = crate::publish::run(client, config, live, stopped).await {
                 warn!(error = %e, "ResourceSlice publisher ended");
             }
         })
@@ -524,6 +598,9 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     let _ = publisher_stop.send(true);
     if let Some(publisher) = publisher {
         let _ = publisher.await;
+    }
+    if let Some(watcher) = health_watch {
+        let _ = watcher.await;
     }
     // MPS daemons keep serving their claims across a plugin restart.
     sharing.detach();

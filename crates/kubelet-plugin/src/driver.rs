@@ -33,7 +33,7 @@ use std::time::Instant;
 use gpu_dra_core::cdi::{SpecDevice, cdi_device_id};
 use gpu_dra_core::checkpoint::{Checkpoint, ClaimEntry, PrepareState, PreparedDevice};
 use gpu_dra_core::plan::{self, ConfigDecoder, Plan, PlanError};
-use gpu_dra_device::Inventory;
+use crate::inventory::{LiveInventory, ResolveError};
 use serde_json::Value;
 use tracing::{info, warn};
 
@@ -102,6 +102,9 @@ pub enum DriverError {
     /// A blocking task panicked or was cancelled.
     #[error("internal task failed: {0}")]
     Task(String),
+    /// The allocated device is not the one published under its name, or discovery failed.
+    #[error(transparent)]
+    Resolve(#[from] ResolveError),
 }
 
 /// Identity of a claim as the kubelet sends it.
@@ -144,7 +147,7 @@ struct CheckpointState {
 /// The prepare/unprepare engine behind the gRPC services.
 pub struct Driver {
     settings: DriverSettings,
-    inventory: Arc<Inventory>,
+    inventory: Arc<LiveInventory>,
     claims: Arc<dyn ClaimSource>,
     sharing: Arc<dyn SharingExecutor>,
     decoder: Arc<dyn ConfigDecoder + Send + Sync>,
@@ -162,8 +165,8 @@ pub struct Driver {
 pub struct DriverParts {
     /// Settings.
     pub settings: DriverSettings,
-    /// Node inventory.
-    pub inventory: Arc<Inventory>,
+    /// The node's live inventory (prepare resolves devices in it).
+    pub inventory: Arc<LiveInventory>,
     /// Claim source.
     pub claims: Arc<dyn ClaimSource>,
     /// Sharing executor.
@@ -411,7 +414,11 @@ impl Driver {
             &self.settings.driver_name,
             &self.settings.node_name,
         )?;
-        let plan = plan::plan(&input, &self.inventory, self.decoder.as_ref())?;
+        // Planned against the hardware of now, and refused for a device that is not the one
+        // this node published under its name (see crate::inventory).
+        let names: Vec<&str> = input.devices.iter().map(|d| d.device.as_str()).collect();
+        let inventory = self.inventory.resolve(&names).await?;
+        let plan = plan::plan(&input, &inventory, self.decoder.as_ref())?;
         refuse_sharing_with_admin_access(&plan)?;
         self.failpoints.hit("prepare.after_plan").await?;
         self.reserve(claim, &plan)?;

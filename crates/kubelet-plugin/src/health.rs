@@ -1,67 +1,91 @@
-//! The DRA health service (`v1alpha1.DRAResourceHealth`, `NodeWatchResources`): the kubelet
-//! opens one stream per registered plugin instance and shows each device's health in the
-//! status of the pods using it.
+//! Device health: the DRA health service (`v1alpha1.DRAResourceHealth`,
+//! `NodeWatchResources`) and the task that feeds NVML's observations into the live inventory.
 //!
-//! What is reported: every device this node publishes, `HEALTHY`, as a full snapshot when the
-//! stream opens; the stream then stays open until the plugin stops. Health events (XID errors,
-//! a GPU fallen off the bus, uncorrectable ECC) are not watched yet: no device is ever reported
-//! unhealthy (`docs/STATUS.md`).
+//! The stream: the kubelet opens one per registered plugin instance and shows each device's
+//! health in the status of the pods using it (`allocatedResourcesStatus`). Every response is a
+//! full report of the node's devices. The kubelet turns a device it has not heard of for 30
+//! seconds into `Unknown`, so the report is sent when the stream opens, whenever a device's
+//! health changes, and every [`RESEND`] otherwise.
 //!
-//! Why serve it already: the kubelet connects to a plugin instance as soon as it registers when
-//! that instance offers this service, and it sends its calls to the newest *connected*
-//! instance. During a rolling update that makes the kubelet switch to the new instance at once,
-//! while the old one is still up, instead of when the old one's connection breaks (which would
-//! fail the calls sent in that moment). The new instance's calls then wait until it holds the
-//! node (`cli::run`).
+//! Why serve it even without health events: the kubelet connects to a plugin instance as soon
+//! as it registers when that instance offers this service, and it sends its calls to the
+//! newest *connected* instance. During a rolling update that makes the kubelet switch to the
+//! new instance at once, while the old one is still up, instead of when the old one's
+//! connection breaks (which would fail the calls sent in that moment). The new instance's
+//! calls then wait until it holds the node (`cli::run`).
+//!
+//! The watcher ([`watch`]): a [`HealthSource`] blocks in NVML's event wait, so it runs on a
+//! thread of its own and hands observations over a channel to the live inventory, which
+//! keeps the conditions ([`gpu_dra_core::health`]) and republishes taints.
 
 use std::pin::Pin;
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use futures::Stream;
+use gpu_dra_device::{HealthObservation, HealthSource};
 use gpu_dra_proto::health::v1alpha1 as h;
+use tokio::sync::watch;
 use tonic::{Request, Response, Status};
 
-/// Serves the health of the devices named at start.
+use crate::inventory::{LiveInventory, Snapshot};
+
+/// How often an unchanged report is sent again (the kubelet's timeout is 30 s).
+pub const RESEND: Duration = Duration::from_secs(10);
+
+/// Serves the health of the live inventory's devices.
 #[derive(Debug, Clone)]
 pub struct HealthService {
     pool: String,
-    devices: Vec<String>,
-    stop: tokio::sync::watch::Receiver<bool>,
+    snapshots: watch::Receiver<Snapshot>,
+    stop: watch::Receiver<bool>,
+    resend: Duration,
 }
 
 impl HealthService {
-    /// Reports `devices` (ResourceSlice device names) of pool `pool` as healthy; streams end
-    /// when `stop` turns true.
+    /// Reports the devices of `snapshots` in pool `pool`; streams end when `stop` turns true.
     pub fn new(
         pool: String,
-        devices: Vec<String>,
-        stop: tokio::sync::watch::Receiver<bool>,
+        snapshots: watch::Receiver<Snapshot>,
+        stop: watch::Receiver<bool>,
     ) -> Self {
         Self {
             pool,
-            devices,
+            snapshots,
             stop,
+            resend: RESEND,
         }
     }
 
-    /// The snapshot sent when a stream opens.
-    pub fn snapshot(&self) -> h::NodeWatchResourcesResponse {
+    /// Sets how often an unchanged report is sent again (tests).
+    pub fn resend_every(mut self, every: Duration) -> Self {
+        self.resend = every;
+        self
+    }
+
+    fn report(pool: &str, snapshot: &Snapshot) -> h::NodeWatchResourcesResponse {
         let now = SystemTime::now()
             .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| d.as_secs() as i64);
+            .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX));
         h::NodeWatchResourcesResponse {
-            devices: self
+            devices: snapshot
+                .health
                 .devices
                 .iter()
-                .map(|name| h::DeviceHealth {
+                .map(|(name, health)| h::DeviceHealth {
                     device: Some(h::DeviceIdentifier {
-                        pool_name: self.pool.clone(),
+                        pool_name: pool.to_string(),
                         device_name: name.clone(),
                     }),
-                    health: h::HealthStatus::Healthy as i32,
+                    health: if health.healthy {
+                        h::HealthStatus::Healthy
+                    } else {
+                        h::HealthStatus::Unhealthy
+                    } as i32,
                     last_updated_time: now,
                     health_check_timeout_seconds: 0,
-                    message: String::new(),
+                    message: health.message.clone(),
                 })
                 .collect(),
         }
@@ -79,62 +103,162 @@ impl h::dra_resource_health_server::DraResourceHealth for HealthService {
         &self,
         _request: Request<h::NodeWatchResourcesRequest>,
     ) -> Result<Response<Self::NodeWatchResourcesStream>, Status> {
-        let first = self.snapshot();
-        let mut stop = self.stop.clone();
-        let stream = futures::stream::once(async move { Ok(first) }).chain(
-            futures::stream::once(async move {
-                let _ = stop.wait_for(|s| *s).await;
-                None
-            })
-            .filter_map(
-                |x: Option<Result<h::NodeWatchResourcesResponse, Status>>| async move { x },
-            ),
-        );
+        struct State {
+            pool: String,
+            snapshots: watch::Receiver<Snapshot>,
+            stop: watch::Receiver<bool>,
+            tick: tokio::time::Interval,
+            first: bool,
+        }
+        let mut tick = tokio::time::interval(self.resend);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let state = State {
+            pool: self.pool.clone(),
+            snapshots: self.snapshots.clone(),
+            stop: self.stop.clone(),
+            tick,
+            first: true,
+        };
+        let stream = futures::stream::unfold(state, |mut st| async move {
+            if st.first {
+                st.first = false;
+                st.tick.tick().await;
+            } else {
+                tokio::select! {
+                    _ = st.stop.wait_for(|s| *s) => return None,
+                    changed = st.snapshots.changed() => if changed.is_err() { return None },
+                    _ = st.tick.tick() => {}
+                }
+            }
+            if *st.stop.borrow() {
+                return None;
+            }
+            let snapshot = st.snapshots.borrow_and_update().clone();
+            let report = HealthService::report(&st.pool, &snapshot);
+            Some((Ok(report), st))
+        });
         Ok(Response::new(Box::pin(stream)))
     }
 }
 
-use futures::StreamExt;
+/// Watches GPU health with `source` until `stop` turns true, feeding `live`. Runs the source
+/// on a thread of its own; ends the conditions whose time is over every second.
+pub async fn watch(
+    source: Arc<dyn HealthSource>,
+    live: Arc<LiveInventory>,
+    probe_interval: Duration,
+    mut stop: watch::Receiver<bool>,
+) {
+    let gpus: Vec<String> = live
+        .current()
+        .gpus
+        .iter()
+        .map(|g| g.uuid.clone())
+        .collect();
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<HealthObservation>();
+    let stopping = Arc::new(AtomicBool::new(false));
+    let thread_stop = stopping.clone();
+    let thread = std::thread::Builder::new()
+        .name("gpu-health".into())
+        .spawn(move || {
+            let mut sink = |o: HealthObservation| {
+                let _ = tx.send(o);
+            };
+            if let Err(e) = source.watch(&gpus, probe_interval, &thread_stop, &mut sink) {
+                tracing::warn!(error = %e, "cannot watch GPU health; devices are reported healthy");
+            }
+        });
+    if let Err(e) = thread {
+        tracing::warn!(error = %e, "cannot start the GPU health thread");
+        return;
+    }
+    let mut expire = tokio::time::interval(Duration::from_secs(1));
+    loop {
+        tokio::select! {
+            _ = stop.wait_for(|s| *s) => break,
+            observation = rx.recv() => match observation {
+                Some(o) => {
+                    tracing::debug!(?o, "health observation");
+                    live.observe(&o);
+                }
+                None => break,
+            },
+            _ = expire.tick() => live.expire_health(),
+        }
+    }
+    stopping.store(true, Ordering::Relaxed);
+}
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use futures::StreamExt;
+    use gpu_dra_core::health::HealthPolicy;
+    use gpu_dra_device::HealthEvent;
+    use gpu_dra_device::fixture::FixtureInventory;
+    use gpu_dra_device::testing::t4_inventory;
     use h::dra_resource_health_server::DraResourceHealth;
 
+    fn live() -> Arc<LiveInventory> {
+        let inv = t4_inventory(2);
+        LiveInventory::with_inventory(
+            Arc::new(FixtureInventory::new(inv.clone())),
+            inv,
+            HealthPolicy::new("gpu.nvidia.com"),
+        )
+    }
+
+    fn states(r: &h::NodeWatchResourcesResponse) -> Vec<(String, i32)> {
+        r.devices
+            .iter()
+            .map(|d| {
+                let id = d.device.as_ref().expect("device");
+                (format!("{}/{}", id.pool_name, id.device_name), d.health)
+            })
+            .collect()
+    }
+
     #[tokio::test]
-    async fn a_stream_starts_with_every_device_healthy_and_ends_on_stop() {
-        let (stop, stopped) = tokio::sync::watch::channel(false);
-        let svc = HealthService::new(
-            "node-a".into(),
-            vec!["gpu-0".into(), "gpu-1".into()],
-            stopped,
-        );
+    async fn reports_health_at_once_on_change_and_again_before_the_kubelet_times_out() {
+        let live = live();
+        let (stop, stopped) = watch::channel(false);
+        let svc = HealthService::new("node-a".into(), live.subscribe(), stopped)
+            .resend_every(Duration::from_millis(100));
         let mut stream = svc
             .node_watch_resources(Request::new(h::NodeWatchResourcesRequest {}))
             .await
-            .unwrap()
+            .expect("stream")
             .into_inner();
-        let first = stream.next().await.unwrap().unwrap();
-        let names: Vec<_> = first
-            .devices
-            .iter()
-            .map(|d| {
-                let id = d.device.as_ref().unwrap();
-                (id.pool_name.as_str(), id.device_name.as_str(), d.health)
-            })
-            .collect();
+        let healthy = h::HealthStatus::Healthy as i32;
+        let first = stream.next().await.expect("report").expect("ok");
         assert_eq!(
-            names,
-            [
-                ("node-a", "gpu-0", h::HealthStatus::Healthy as i32),
-                ("node-a", "gpu-1", h::HealthStatus::Healthy as i32)
-            ]
+            states(&first),
+            [("node-a/gpu-0".to_string(), healthy), ("node-a/gpu-1".to_string(), healthy)]
         );
-        // Open until the plugin stops.
-        let pending =
-            tokio::time::timeout(std::time::Duration::from_millis(50), stream.next()).await;
-        assert!(pending.is_err(), "the stream ended early");
-        stop.send(true).unwrap();
-        assert!(stream.next().await.is_none());
+        // Unchanged: sent again.
+        let again = tokio::time::timeout(Duration::from_secs(2), stream.next()).await;
+        assert!(again.is_ok(), "no resend");
+        // An XID on GPU 0: reported unhealthy with the reason.
+        let uuid = live.current().gpus[0].uuid.clone();
+        live.observe(&HealthObservation::Event {
+            gpu_uuid: uuid,
+            event: HealthEvent::Xid(48),
+            instance: None,
+        });
+        let report = loop {
+            let r = stream.next().await.expect("report").expect("ok");
+            if r.devices[0].health != healthy {
+                break r;
+            }
+        };
+        assert_eq!(report.devices[0].health, h::HealthStatus::Unhealthy as i32);
+        assert!(report.devices[0].message.contains("XID error 48"), "{report:?}");
+        assert_eq!(report.devices[1].health, healthy);
+        stop.send(true).expect("stop");
+        let end = tokio::time::timeout(Duration::from_secs(2), async {
+            while stream.next().await.is_some() {}
+        })
+        .await;
+        assert!(end.is_ok(), "the stream did not end on stop");
     }
 }

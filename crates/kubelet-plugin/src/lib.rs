@@ -28,6 +28,7 @@ pub mod failpoint;
 pub mod grpc;
 pub mod health;
 pub mod http;
+pub mod inventory;
 pub mod metrics;
 pub mod publish;
 pub mod sharing;

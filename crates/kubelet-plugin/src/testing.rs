@@ -226,7 +226,13 @@ impl DriverBuilder {
                 checkpoint_path: self.checkpoint_path,
                 boot_id: self.boot_id,
             },
-            inventory: Arc::new(self.inventory),
+            inventory: crate::inventory::LiveInventory::with_inventory(
+                Arc::new(gpu_dra_device::fixture::FixtureInventory::new(
+                    self.inventory.clone(),
+                )),
+                self.inventory,
+                gpu_dra_core::health::HealthPolicy::new(DRIVER_NAME),
+            ),
             claims: self.claims,
             sharing: self.sharing,
             decoder: Arc::new(gpu_dra_core::plan::ApiDecoder),

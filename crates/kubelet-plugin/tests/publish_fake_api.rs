@@ -12,6 +12,8 @@ use std::time::Duration;
 
 use gpu_dra_device::fixture::FixtureInventory;
 use gpu_dra_device::testing::h100_inventory as inventory;
+use gpu_dra_core::health::HealthPolicy;
+use gpu_dra_kubelet_plugin::inventory::LiveInventory;
 use gpu_dra_kubelet_plugin::publish::{self, PublishStatus, PublisherConfig};
 use http::{Request, Response, StatusCode};
 use http_body_util::combinators::BoxBody;
@@ -255,7 +257,9 @@ async fn publisher_publishes_restores_and_republishes() {
     config.refresh = Some(Arc::clone(&refresh));
     config.status = Some(status_tx);
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let task = tokio::spawn(publish::run(client, config, fixture.clone(), async {
+    let live = LiveInventory::discover(fixture.clone(), HealthPolicy::new("gpu.nvidia.com"))
+        .expect("first discovery");
+    let task = tokio::spawn(publish::run(client, config, live, async {
         let _ = stop_rx.await;
     }));
 

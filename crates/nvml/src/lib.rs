@@ -18,6 +18,7 @@
 //! through the raw bindings here, and this is the only module of the crate allowed `unsafe`.
 #![allow(unsafe_code)]
 
+pub mod health;
 pub mod sysfs;
 
 use std::collections::HashMap;

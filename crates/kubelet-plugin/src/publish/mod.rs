@@ -1,8 +1,10 @@
 //! The ResourceSlice publisher: keeps the node's pool on the API server equal to the inventory.
 //!
-//! A thin async shell around [`plan::plan`]: it discovers the inventory (blocking NVML calls
-//! run on the blocking pool), lists the node's slices, applies the planned operations, and
+//! A thin async shell around [`plan::plan`]: it takes the inventory and device taints from the
+//! node's [`LiveInventory`], lists the node's slices, applies the planned operations, and
 //! repeats whenever
+//! - the live inventory has a snapshot that renders other slices (a prepare or the periodic
+//!   rediscovery found another layout, a device's health changed);
 //! - one of our slices changes on the server (a watch with the field selector
 //!   `spec.nodeName=<node>,spec.driver=<driver>`): someone deleted or edited one, so restore it;
 //! - the periodic rediscovery (default 60 s) or an on-demand refresh ([`PublisherConfig::refresh`])
@@ -21,7 +23,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt;
-use gpu_dra_device::{DeviceError, GpuInventory, Inventory};
+use gpu_dra_device::DeviceError;
 use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::api::resource::v1::ResourceSlice;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
@@ -32,6 +34,7 @@ use tokio::sync::{Notify, watch};
 use tokio::time::Instant;
 
 use self::plan::{Op, PlanParams};
+use crate::inventory::{LiveInventory, Snapshot};
 
 /// Publisher settings.
 #[derive(Debug, Clone)]
@@ -152,10 +155,14 @@ impl Backoff {
 
 /// Publishes the node's ResourceSlices until `shutdown` completes. Returns `Ok(())` on
 /// shutdown; errors are logged and retried, so the only error is the end of the watch stream.
+///
+/// The inventory and the device taints come from `live`: the publisher asks it to rediscover
+/// on its interval and on [`PublisherConfig::refresh`], and republishes whenever a snapshot
+/// renders other slices (a discovery by prepare, a health change).
 pub async fn run(
     client: kube::Client,
     config: PublisherConfig,
-    inventory: Arc<dyn GpuInventory>,
+    live: Arc<LiveInventory>,
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), PublishError> {
     let slices: Api<ResourceSlice> = Api::all(client.clone());
@@ -171,7 +178,8 @@ pub async fn run(
     let mut backoff = Backoff::new(config.backoff_initial, config.backoff_max);
     let mut rediscover = tokio::time::interval(config.rediscover_interval);
     rediscover.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut current: Option<Inventory> = None;
+    let mut snapshots = live.subscribe();
+    let mut rendered: Option<Snapshot> = None;
     let mut last_generation = 0i64;
     let mut need_discovery = true;
     let mut dirty = false;
@@ -198,6 +206,12 @@ pub async fn run(
             _ = rediscover.tick() => need_discovery = true,
             () = refresh => need_discovery = true,
             () = retry => retry_at = None,
+            changed = snapshots.changed() => {
+                if changed.is_err() {
+                    // The owner is gone: the plugin is stopping.
+                    return Ok(());
+                }
+            }
             event = events.next() => match event {
                 Some(Ok(Event::Apply(_) | Event::Delete(_) | Event::InitDone)) => dirty = true,
                 Some(Ok(Event::Init | Event::InitApply(_))) => {}
@@ -211,28 +225,23 @@ pub async fn run(
 
         let result: Result<Option<(i64, usize)>, PublishError> = async {
             if need_discovery {
-                let inv = discover(&inventory).await?;
+                live.rediscover().await?;
                 need_discovery = false;
-                if current.as_ref() != Some(&inv) {
-                    tracing::info!(
-                        gpus = inv.gpus.len(),
-                        devices = inv.devices().count(),
-                        "inventory changed"
-                    );
-                    current = Some(inv);
-                    dirty = true;
-                }
             }
-            match (&current, dirty) {
-                (Some(inv), true) => {
-                    let generation =
-                        reconcile(&slices, &nodes, &config, inv, last_generation).await?;
-                    last_generation = last_generation.max(generation);
-                    dirty = false;
-                    Ok(Some((generation, inv.devices().count())))
-                }
-                _ => Ok(None),
+            let snapshot = snapshots.borrow_and_update().clone();
+            if !rendered.as_ref().is_some_and(|r| r.same_slices(&snapshot)) {
+                dirty = true;
             }
+            if !dirty {
+                return Ok(None);
+            }
+            let generation = reconcile(&slices, &nodes, &config, &snapshot, last_generation).await?;
+            last_generation = last_generation.max(generation);
+            dirty = false;
+            live.mark_published(&snapshot.inventory);
+            let devices = snapshot.inventory.devices().count();
+            rendered = Some(snapshot);
+            Ok(Some((generation, devices)))
         }
         .await;
 
@@ -273,24 +282,12 @@ fn send_status(config: &PublisherConfig, f: impl FnOnce(&mut PublishStatus)) {
     }
 }
 
-async fn discover(inventory: &Arc<dyn GpuInventory>) -> Result<Inventory, PublishError> {
-    let inventory = Arc::clone(inventory);
-    match tokio::task::spawn_blocking(move || inventory.discover()).await {
-        Ok(result) => Ok(result?),
-        Err(join) => Err(PublishError::Discovery(DeviceError::Query {
-            call: "discover",
-            target: "the inventory backend".into(),
-            reason: format!("discovery task failed: {join}"),
-        })),
-    }
-}
-
 /// One reconcile: read the Node and our slices, plan, apply. Returns the pool generation.
 async fn reconcile(
     slices: &Api<ResourceSlice>,
     nodes: &Api<Node>,
     config: &PublisherConfig,
-    inventory: &Inventory,
+    snapshot: &Snapshot,
     last_generation: i64,
 ) -> Result<i64, PublishError> {
     let node = nodes
@@ -319,12 +316,13 @@ async fn reconcile(
         .filter(|s| s.spec.pool.name == config.node_name)
         .collect();
     let plan = plan::plan(
-        inventory,
+        &snapshot.inventory,
         &PlanParams {
             node_name: &config.node_name,
             driver_name: &config.driver_name,
             owner: &owner,
             last_generation,
+            taints: &snapshot.health.taints,
         },
         &observed,
     );

@@ -14,6 +14,9 @@
 //! Updates come before creations and deletions last, so a newer generation is complete as
 //! early as possible and no device disappears before its replacement exists.
 
+use std::collections::BTreeMap;
+
+use gpu_dra_core::health::Taint;
 use gpu_dra_core::slices::{self, Rendered, SliceParams};
 use gpu_dra_device::Inventory;
 use k8s_openapi::api::resource::v1::{ResourceSlice, ResourceSliceSpec};
@@ -68,6 +71,8 @@ pub struct PlanParams<'a> {
     /// Highest generation this process has written (0 if none); a bump never goes below it, so
     /// the generation never moves backwards even if all slices were deleted meanwhile.
     pub last_generation: i64,
+    /// Device taints from the health view (device name -> taints).
+    pub taints: &'a BTreeMap<String, Vec<Taint>>,
 }
 
 /// Decides the operations that turn `observed` (our pool's slices on the server) into the
@@ -77,13 +82,14 @@ pub fn plan(inventory: &Inventory, params: &PlanParams<'_>, observed: &[Resource
         let Rendered {
             mut slices,
             warnings,
-        } = slices::render_slices(
+        } = slices::render_slices_tainted(
             inventory,
             &SliceParams {
                 node_name: params.node_name,
                 driver_name: params.driver_name,
                 generation,
             },
+            params.taints,
         );
         for s in &mut slices {
             s.metadata.owner_references = Some(vec![params.owner.clone()]);
@@ -237,12 +243,15 @@ mod tests {
         }
     }
 
+    static NO_TAINTS: BTreeMap<String, Vec<Taint>> = BTreeMap::new();
+
     fn params(owner: &OwnerReference, last: i64) -> PlanParams<'_> {
         PlanParams {
             node_name: "node-a",
             driver_name: "gpu.nvidia.com",
             owner,
             last_generation: last,
+            taints: &NO_TAINTS,
         }
     }
 

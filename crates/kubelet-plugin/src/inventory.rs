@@ -1,0 +1,378 @@
+//! The node's one live inventory: what the publisher publishes, what prepare plans against,
+//! and the health conditions of its devices.
+//!
+//! The problem it solves: prepare used to plan against the inventory found at start while the
+//! publisher rediscovered on its own. After a MIG re-layout a device name
+//! (`gpu-0-mig-1g5gb-19-0`: profile, profile ID, placement) can name a different GPU instance
+//! than the one published, and the container would get another instance's capability nodes.
+//!
+//! Now there is one owner. [`LiveInventory::rediscover`] is the only discovery (the
+//! publisher's periodic one, and one per prepare); every discovery that finds a change
+//! replaces the snapshot, which wakes the publisher. Prepare calls [`LiveInventory::resolve`]:
+//! it discovers live (so GI/CI IDs, UUIDs and capability nodes are the hardware's now) and
+//! refuses a device whose identity (UUID) differs from what this node last published, or which
+//! is gone, with a message that says why. The refusal republishes at once (the discovery
+//! changed the snapshot); the kubelet's retry then prepares the device as it is now, or keeps
+//! failing for a device that no longer exists until the claim is allocated again.
+//!
+//! Discoveries are coalesced: a caller that waited while another discovery ran, one that
+//! began after the caller asked, takes that result (NVML init and enumeration cost a few
+//! milliseconds per GPU; concurrent prepares need not each pay it).
+//!
+//! Health: observations of a [`gpu_dra_device::HealthSource`] go into one
+//! [`HealthBook`]; the snapshot carries its [`HealthView`] for the inventory of the moment
+//! (taints for the publisher, health for the kubelet's health stream).
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+
+use gpu_dra_core::health::{HealthBook, HealthPolicy, HealthView};
+use gpu_dra_device::{DeviceError, GpuInventory, HealthObservation, Inventory};
+use tokio::sync::watch;
+use tokio::time::Instant;
+use tracing::{info, warn};
+
+/// The inventory and device health of one moment.
+#[derive(Debug, Clone)]
+pub struct Snapshot {
+    /// The GPUs and their allocatable devices.
+    pub inventory: Arc<Inventory>,
+    /// Taints and health of those devices.
+    pub health: Arc<HealthView>,
+}
+
+impl Snapshot {
+    /// Whether two snapshots render the same ResourceSlices.
+    pub fn same_slices(&self, other: &Snapshot) -> bool {
+        self.inventory == other.inventory && self.health.taints == other.health.taints
+    }
+}
+
+/// Why prepare refuses a device.
+#[derive(Debug, thiserror::Error)]
+pub enum ResolveError {
+    /// The live discovery failed.
+    #[error("cannot read this node's GPUs to prepare the claim: {0}")]
+    Discovery(#[from] DeviceError),
+    /// The device is not allocatable on the node now.
+    #[error(
+        "device {device} is no longer on this node (published {published}; the MIG layout or MIG mode changed since): this node's ResourceSlices are being republished; delete the claim's pod (or the claim) so that it is allocated again"
+    )]
+    Gone {
+        /// Device name.
+        device: String,
+        /// What was published under that name.
+        published: String,
+    },
+    /// The device under that name is another one now.
+    #[error(
+        "device {device} changed since this node published it (published as {published}, now {now}: its MIG instance was destroyed and created again); refusing to prepare another device than the one allocated: this node's ResourceSlices are being republished, the kubelet's next attempt prepares the device as it is now"
+    )]
+    Changed {
+        /// Device name.
+        device: String,
+        /// UUID published.
+        published: String,
+        /// UUID now.
+        now: String,
+    },
+}
+
+/// The one owner of the node's inventory.
+pub struct LiveInventory {
+    backend: Arc<dyn GpuInventory>,
+    tx: watch::Sender<Snapshot>,
+    book: Mutex<HealthBook>,
+    /// Device name -> UUID as last published (`None` until the first publication, or when no
+    /// publisher runs).
+    published: Mutex<Option<BTreeMap<String, String>>>,
+    /// The last discovery: when it started and what it found.
+    last: tokio::sync::Mutex<Option<(Instant, Arc<Inventory>)>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+fn now_secs() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX))
+}
+
+impl LiveInventory {
+    /// Starts from a first discovery by `backend` (blocking).
+    pub fn discover(
+        backend: Arc<dyn GpuInventory>,
+        policy: HealthPolicy,
+    ) -> Result<Arc<Self>, DeviceError> {
+        let inventory = backend.discover()?;
+        Ok(Self::with_inventory(backend, inventory, policy))
+    }
+
+    /// Starts from an inventory discovered already.
+    pub fn with_inventory(
+        backend: Arc<dyn GpuInventory>,
+        inventory: Inventory,
+        policy: HealthPolicy,
+    ) -> Arc<Self> {
+        let book = HealthBook::new(policy);
+        let inventory = Arc::new(inventory);
+        let health = Arc::new(book.view(&inventory));
+        let (tx, _) = watch::channel(Snapshot { inventory, health });
+        Arc::new(Self {
+            backend,
+            tx,
+            book: Mutex::new(book),
+            published: Mutex::new(None),
+            last: tokio::sync::Mutex::new(None),
+        })
+    }
+
+    /// The snapshot of now.
+    pub fn snapshot(&self) -> Snapshot {
+        self.tx.borrow().clone()
+    }
+
+    /// The inventory of now.
+    pub fn current(&self) -> Arc<Inventory> {
+        self.tx.borrow().inventory.clone()
+    }
+
+    /// Notified on every new snapshot.
+    pub fn subscribe(&self) -> watch::Receiver<Snapshot> {
+        self.tx.subscribe()
+    }
+
+    /// Discovers the GPUs now (or takes a discovery that began after this call) and makes it
+    /// the current inventory.
+    pub async fn rediscover(&self) -> Result<Arc<Inventory>, DeviceError> {
+        let asked = Instant::now();
+        let mut last = self.last.lock().await;
+        if let Some((started, inventory)) = last.as_ref()
+            && *started >= asked
+        {
+            return Ok(inventory.clone());
+        }
+        let started = Instant::now();
+        let backend = Arc::clone(&self.backend);
+        let found = tokio::task::spawn_blocking(move || backend.discover())
+            .await
+            .map_err(|join| DeviceError::Query {
+                call: "discover",
+                target: "the inventory backend".into(),
+                reason: format!("discovery task failed: {join}"),
+            })??;
+        let found = Arc::new(found);
+        *last = Some((started, found.clone()));
+        drop(last);
+        self.replace_inventory(found.clone());
+        Ok(found)
+    }
+
+    fn replace_inventory(&self, inventory: Arc<Inventory>) {
+        if *self.tx.borrow().inventory == *inventory {
+            return;
+        }
+        info!(
+            gpus = inventory.gpus.len(),
+            devices = inventory.devices().count(),
+            "inventory changed"
+        );
+        let health = Arc::new(lock(&self.book).view(&inventory));
+        self.tx.send_replace(Snapshot { inventory, health });
+    }
+
+    /// Recomputes the health view of the current inventory; sends a snapshot if it changed.
+    fn refresh_health(&self) {
+        let book = lock(&self.book);
+        self.tx.send_if_modified(|snap| {
+            let view = book.view(&snap.inventory);
+            if *snap.health == view {
+                return false;
+            }
+            snap.health = Arc::new(view);
+            true
+        });
+    }
+
+    /// Takes one health observation.
+    pub fn observe(&self, observation: &HealthObservation) {
+        let changed = lock(&self.book).observe(observation, now_secs());
+        if changed {
+            info!(?observation, "device health changed");
+            self.refresh_health();
+        }
+    }
+
+    /// Ends health conditions whose time is over.
+    pub fn expire_health(&self) {
+        if lock(&self.book).expire(now_secs()) {
+            info!("device health conditions expired");
+            self.refresh_health();
+        }
+    }
+
+    /// The publisher published `inventory`: the identities prepare checks against.
+    pub fn mark_published(&self, inventory: &Inventory) {
+        let map = inventory
+            .devices()
+            .map(|d| (d.name(), d.uuid().to_string()))
+            .collect();
+        *lock(&self.published) = Some(map);
+    }
+
+    /// The live inventory for preparing `devices`, after checking that each is still the
+    /// device this node published under its name.
+    pub async fn resolve(&self, devices: &[&str]) -> Result<Arc<Inventory>, ResolveError> {
+        let live = self.rediscover().await?;
+        let published = lock(&self.published).clone();
+        for &name in devices {
+            let was = published.as_ref().and_then(|p| p.get(name));
+            let Some(now) = live.device(name) else {
+                // Unknown names are the planner's to refuse (with the list of known devices);
+                // a published one that is gone is ours.
+                if let Some(uuid) = was {
+                    warn!(device = %name, published = %uuid, "allocated device is gone");
+                    return Err(ResolveError::Gone {
+                        device: name.to_string(),
+                        published: format!("as {uuid}"),
+                    });
+                }
+                continue;
+            };
+            if let Some(uuid) = was
+                && uuid != now.uuid()
+            {
+                warn!(device = %name, published = %uuid, now = %now.uuid(), "allocated device changed identity");
+                return Err(ResolveError::Changed {
+                    device: name.to_string(),
+                    published: uuid.clone(),
+                    now: now.uuid().to_string(),
+                });
+            }
+        }
+        Ok(live)
+    }
+}
+
+impl std::fmt::Debug for LiveInventory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LiveInventory")
+            .field("snapshot", &*self.tx.borrow())
+            .finish_non_exhaustive()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use gpu_dra_device::fixture::FixtureInventory;
+    use gpu_dra_device::testing::{a100, inventory, mig_1g5gb};
+    use gpu_dra_device::{HealthEvent, MigDevice};
+
+    fn relayout(mut inv: Inventory, f: impl FnOnce(&mut Vec<MigDevice>)) -> Inventory {
+        f(&mut inv.gpus[0].mig_devices);
+        inv
+    }
+
+    #[tokio::test]
+    async fn prepare_sees_the_layout_of_now_and_refuses_changed_or_gone_devices() {
+        let first = inventory([a100(0).mig(mig_1g5gb(0)).mig(mig_1g5gb(1)).build()]);
+        let fixture = Arc::new(FixtureInventory::new(first.clone()));
+        let live = LiveInventory::with_inventory(
+            fixture.clone(),
+            first.clone(),
+            HealthPolicy::new("gpu.nvidia.com"),
+        );
+        let gpu = &first.gpus[0];
+        let (n0, n1) = (
+            gpu.mig_devices[0].device_name(gpu),
+            gpu.mig_devices[1].device_name(gpu),
+        );
+        // Nothing published yet (no publisher): the live device is taken as it is.
+        assert!(live.resolve(&[&n0]).await.is_ok());
+        live.mark_published(&first);
+        let mut changes = live.subscribe();
+        changes.borrow_and_update();
+
+        // Placement 0 recreated (new GI ID and UUID), placement 1 destroyed.
+        let second = relayout(first.clone(), |migs| {
+            migs[0].gi_id = 9;
+            migs[0].uuid = "MIG-00000000-0000-5000-8000-000000000099".into();
+            migs.remove(1);
+        });
+        fixture.set(second.clone());
+        let err = live.resolve(&[&n0]).await.expect_err("changed");
+        assert!(matches!(err, ResolveError::Changed { .. }), "{err}");
+        assert!(err.to_string().contains("MIG-00000000-0000-5000-8000-000000000099"));
+        assert!(changes.has_changed().expect("sender alive"), "republish wakes");
+        let err = live.resolve(&[&n1]).await.expect_err("gone");
+        assert!(matches!(err, ResolveError::Gone { .. }), "{err}");
+
+        // Republished: the new identity is prepared, with its own GI ID.
+        live.mark_published(&second);
+        let inv = live.resolve(&[&n0]).await.expect("republished");
+        assert_eq!(inv.device(&n0).map(|d| d.uuid()), second.device(&n0).map(|d| d.uuid()));
+        assert_eq!(*live.current(), second);
+    }
+
+    #[tokio::test]
+    async fn discoveries_are_coalesced_and_failures_reported() {
+        let first = inventory([a100(0).build()]);
+        let fixture = Arc::new(FixtureInventory::new(first.clone()));
+        let live = LiveInventory::with_inventory(
+            fixture.clone(),
+            first,
+            HealthPolicy::new("gpu.nvidia.com"),
+        );
+        let (a, b) = tokio::join!(live.rediscover(), live.rediscover());
+        assert!(a.is_ok() && b.is_ok());
+        fixture.fail("driver unloaded");
+        let err = live.resolve(&["gpu-0"]).await.expect_err("discovery fails");
+        assert!(err.to_string().contains("driver unloaded"), "{err}");
+    }
+
+    #[tokio::test]
+    async fn health_observations_change_the_snapshot() {
+        let inv = inventory([a100(0).build()]);
+        let uuid = inv.gpus[0].uuid.clone();
+        let live = LiveInventory::with_inventory(
+            Arc::new(FixtureInventory::new(inv.clone())),
+            inv,
+            HealthPolicy::new("gpu.nvidia.com"),
+        );
+        let mut changes = live.subscribe();
+        changes.borrow_and_update();
+        live.observe(&HealthObservation::Event {
+            gpu_uuid: uuid.clone(),
+            event: HealthEvent::Xid(13),
+            instance: None,
+        });
+        assert!(!changes.has_changed().expect("alive"), "application XID ignored");
+        live.observe(&HealthObservation::Event {
+            gpu_uuid: uuid.clone(),
+            event: HealthEvent::Xid(48),
+            instance: None,
+        });
+        assert!(changes.has_changed().expect("alive"));
+        let snap = live.snapshot();
+        assert_eq!(snap.health.taints["gpu-0"][0].key, "gpu.nvidia.com/xid");
+        assert!(!snap.health.devices["gpu-0"].healthy);
+        live.observe(&HealthObservation::Probe {
+            gpu_uuid: uuid,
+            reachable: true,
+            recovery_action: Some(1),
+        });
+        live.observe(&HealthObservation::Probe {
+            gpu_uuid: inv_uuid(&live),
+            reachable: true,
+            recovery_action: Some(0),
+        });
+        assert!(live.snapshot().health.taints.is_empty());
+    }
+
+    fn inv_uuid(live: &LiveInventory) -> String {
+        live.current().gpus[0].uuid.clone()
+    }
+}
