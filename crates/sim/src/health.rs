@@ -4,8 +4,8 @@
 //! The state lives in the state file like everything else ([`crate::state`]): each GPU has a
 //! [`GpuHealth`] record and the node has one bounded [`EventLog`]. Faults are injected with
 //! the `State` methods here (`gpu-sim xid|ecc|fall-off-bus|reset` and tests call them through
-//! `StateFile::update`); NVML event sets (`ffi`) poll the log and deliver each event whose
-//! sequence number is at or past the set's cursor for that GPU.
+//! `StateFile::update`); NVML event sets ([`crate::ffi::events`]) poll the log and deliver
+//! each event whose sequence number is at or past the set's cursor for that GPU.
 //!
 //! Invariants:
 //! - Sequence numbers grow by one per event and are never reused, so "events since
@@ -189,7 +189,7 @@ impl EventLog {
 pub enum HealthError {
     /// The GPU argument names no GPU of the node.
     #[error(
-        "no GPU {id:?} on this host: use an index below {count} or a GPU UUID (GPU-…) listed by `nvidia-smi -L`"
+        "no GPU {id:?} on this host: use an index below {count}, a GPU UUID (GPU-…), a PCI bus ID or a serial, as `nvidia-smi -L` lists them"
     )]
     UnknownGpu {
         /// What was asked for.
@@ -290,16 +290,11 @@ impl State {
         })
     }
 
-    /// Resolves a GPU argument: an index, or a `GPU-…` UUID (any case).
+    /// Resolves a GPU argument as `nvidia-smi -i` does ([`State::gpu_by_id`]).
     pub fn resolve_gpu(&self, id: &str) -> Result<usize, HealthError> {
-        let gpus = &self.profile.gpus;
-        let found = match id.parse::<usize>() {
-            Ok(n) => (n < gpus.len()).then_some(n),
-            Err(_) => gpus.iter().position(|g| g.uuid.eq_ignore_ascii_case(id)),
-        };
-        found.ok_or_else(|| HealthError::UnknownGpu {
+        self.gpu_by_id(id).ok_or_else(|| HealthError::UnknownGpu {
             id: id.to_string(),
-            count: gpus.len(),
+            count: self.gpus.len(),
         })
     }
 
@@ -586,9 +581,10 @@ mod tests {
     #[test]
     fn gpu_arguments_are_indices_or_uuids() {
         let s = a100();
-        let uuid = s.profile.gpus[3].uuid.to_ascii_lowercase();
+        let uuid = format!("GPU-{}", s.profile.gpus[3].uuid[4..].to_ascii_uppercase());
         assert_eq!(s.resolve_gpu("3"), Ok(3));
         assert_eq!(s.resolve_gpu(&uuid), Ok(3));
+        assert_eq!(s.resolve_gpu("0000:4e:00.0"), Ok(3));
         let err = s.resolve_gpu("8").expect_err("8 GPUs");
         assert!(err.to_string().contains("below 8"), "{err}");
         assert!(s.resolve_gpu("GPU-nope").is_err());

@@ -29,7 +29,7 @@ use serde::{Deserialize, Serialize};
 use crate::SimError;
 use crate::health::{EventLog, GpuHealth};
 use crate::mig;
-use crate::profile::{GpuSpec, Profile};
+use crate::profile::{GpuSpec, PciAddress, Profile};
 
 /// Path of the state file relative to a simulated root.
 pub const STATE_RELATIVE: &str = "etc/gpu-sim/state.json";
@@ -272,6 +272,24 @@ impl State {
     /// Finds a GPU by UUID; returns its index.
     pub fn gpu_by_uuid(&self, uuid: &str) -> Option<usize> {
         self.profile.gpus.iter().position(|g| g.uuid == uuid)
+    }
+
+    /// Finds a GPU the way `nvidia-smi -i` names one: an index, a `GPU-` UUID (any case), a
+    /// PCI bus ID in any of its forms, or a board serial. Returns its index.
+    pub fn gpu_by_id(&self, id: &str) -> Option<usize> {
+        let gpus = &self.profile.gpus;
+        if let Ok(n) = id.parse::<usize>() {
+            // A long all-digit string is a serial number, not an index.
+            (n < gpus.len() && id.len() < 6)
+                .then_some(n)
+                .or_else(|| gpus.iter().position(|g| g.serial.as_deref() == Some(id)))
+        } else if id.starts_with("GPU-") {
+            gpus.iter().position(|g| g.uuid.eq_ignore_ascii_case(id))
+        } else if let Some(addr) = PciAddress::parse(id) {
+            gpus.iter().position(|g| g.pci() == addr)
+        } else {
+            None
+        }
     }
 
     /// Finds a MIG device by UUID; returns (GPU index, GI ID, CI ID).

@@ -85,7 +85,8 @@ struct Target {
     /// The host's root directory.
     #[arg(long, env = "GPU_SIM_ROOT")]
     root: PathBuf,
-    /// The GPU: an index or a GPU UUID (GPU-...).
+    /// The GPU: an index, a GPU UUID (GPU-...), a PCI bus ID or a board serial, as
+    /// `nvidia-smi -i` takes it.
     #[arg(long, env = "GPU_SIM_GPU")]
     gpu: String,
 }

@@ -19,7 +19,6 @@ use std::io::Write;
 mod mig;
 
 use crate::SimError;
-use crate::profile::PciAddress;
 use crate::state::{ComputeMode, State, StateFile};
 
 /// Exit code: success.
@@ -199,20 +198,7 @@ pub(crate) fn no_driver(out: &mut dyn Write) -> std::io::Result<i32> {
 pub(crate) fn resolve_ids(state: &State, ids: &str) -> Option<Vec<usize>> {
     let mut out = Vec::new();
     for id in ids.split(',').map(str::trim).filter(|s| !s.is_empty()) {
-        let gpus = &state.profile.gpus;
-        let found = if let Ok(n) = id.parse::<usize>() {
-            // A long all-digit string is a serial number, not an index.
-            (n < gpus.len() && id.len() < 6)
-                .then_some(n)
-                .or_else(|| gpus.iter().position(|g| g.serial.as_deref() == Some(id)))
-        } else if id.starts_with("GPU-") {
-            gpus.iter().position(|g| g.uuid.eq_ignore_ascii_case(id))
-        } else if let Some(addr) = PciAddress::parse(id) {
-            gpus.iter().position(|g| g.pci() == addr)
-        } else {
-            None
-        };
-        let i = found?;
+        let i = state.gpu_by_id(id)?;
         if !out.contains(&i) {
             out.push(i);
         }
