@@ -12,6 +12,10 @@
 //!   address) without ever being dereferenced.
 //! - Answers come from the state file (see [`crate::state`]); it is re-read only when its
 //!   inode, size or mtime changed, so other processes' changes are seen on the next call.
+//! - A GPU marked lost ([`crate::health`]) answers `NVML_ERROR_GPU_IS_LOST` to every call
+//!   that resolves it, through a handle or a lookup; `nvmlDeviceGetCount` still counts it.
+//!
+//! Health events and field values are in [`events`].
 
 // This module is the C ABI surface: reading and writing caller-owned memory through raw
 // pointers and asking the dynamic loader where this library lives cannot be done without
@@ -28,6 +32,8 @@ use std::sync::{Arc, LazyLock, Mutex, MutexGuard};
 
 use crate::mig;
 use crate::state::{self, ComputeMode, MigDeviceRef, State, StateFile};
+
+pub mod events;
 
 /// `nvmlReturn_t`.
 pub type NvmlReturn = c_uint;
@@ -53,6 +59,10 @@ pub mod ret {
     pub const INSUFFICIENT_SIZE: NvmlReturn = 7;
     /// NVIDIA driver is not loaded.
     pub const DRIVER_NOT_LOADED: NvmlReturn = 9;
+    /// User provided timeout passed.
+    pub const TIMEOUT: NvmlReturn = 10;
+    /// The GPU has fallen off the bus or has otherwise become inaccessible.
+    pub const GPU_IS_LOST: NvmlReturn = 15;
     /// An internal driver error occurred.
     pub const UNKNOWN: NvmlReturn = 999;
 }
@@ -526,12 +536,26 @@ fn find_mig(st: &State, gpu: usize, gi: u32, ci: u32) -> Option<MigDeviceRef<'_>
         .find(|m| m.gi.id == gi && m.ci.id == ci)
 }
 
+/// `GPU_IS_LOST` when GPU `i` has fallen off the bus.
+fn alive(st: &State, i: usize) -> Result<(), NvmlReturn> {
+    if st.gpus.get(i).is_some_and(|g| g.health.lost) {
+        return Err(ret::GPU_IS_LOST);
+    }
+    Ok(())
+}
+
 fn dev(st: &State, h: Handle) -> Result<Dev<'_>, NvmlReturn> {
     match key_of(h)? {
-        Key::Gpu(i) if (i as usize) < st.gpus.len() => Ok(Dev::Gpu(i as usize)),
-        Key::Mig(i, gi, ci) => find_mig(st, i as usize, gi, ci)
-            .map(|m| Dev::Mig(i as usize, m))
-            .ok_or(ret::INVALID_ARGUMENT),
+        Key::Gpu(i) if (i as usize) < st.gpus.len() => {
+            alive(st, i as usize)?;
+            Ok(Dev::Gpu(i as usize))
+        }
+        Key::Mig(i, gi, ci) => {
+            alive(st, i as usize)?;
+            find_mig(st, i as usize, gi, ci)
+                .map(|m| Dev::Mig(i as usize, m))
+                .ok_or(ret::INVALID_ARGUMENT)
+        }
         _ => Err(ret::INVALID_ARGUMENT),
     }
 }
@@ -551,7 +575,11 @@ fn full_gpu(st: &State, h: Handle) -> Result<usize, NvmlReturn> {
 }
 
 fn gi_handle(st: &State, h: Handle) -> Result<(usize, u32), NvmlReturn> {
-    match key_of(h)? {
+    let key = key_of(h)?;
+    if let Key::Gi(i, _) = key {
+        alive(st, i as usize)?;
+    }
+    match key {
         Key::Gi(i, gi)
             if st
                 .gpus
@@ -770,6 +798,7 @@ pub unsafe extern "C" fn nvmlDeviceGetHandleByIndex_v2(
         if index as usize >= st.gpus.len() {
             return Err(ret::INVALID_ARGUMENT);
         }
+        alive(&st, index as usize)?;
         // SAFETY: caller contract (out-parameter).
         unsafe { put(device, handle(Key::Gpu(index))) }
     })
@@ -802,8 +831,10 @@ pub unsafe extern "C" fn nvmlDeviceGetHandleByUUID(
         // SAFETY: caller contract (C string).
         let uuid = unsafe { get_str(uuid) }?;
         let key = if let Some(i) = st.gpu_by_uuid(&uuid) {
+            alive(&st, i)?;
             Key::Gpu(i as u32)
         } else if let Some((i, gi, ci)) = st.mig_by_uuid(&uuid) {
+            alive(&st, i)?;
             Key::Mig(i as u32, gi, ci)
         } else {
             return Err(ret::NOT_FOUND);
@@ -834,9 +865,23 @@ pub unsafe extern "C" fn nvmlDeviceGetHandleByPciBusId_v2(
             .iter()
             .position(|g| g.pci() == want)
             .ok_or(ret::NOT_FOUND)?;
+        alive(&st, i)?;
         // SAFETY: caller contract (out-parameter).
         unsafe { put(device, handle(Key::Gpu(i as u32))) }
     })
+}
+
+/// `nvmlDeviceGetHandleByPciBusId` (the `_v1` name; same forms as `_v2`).
+///
+/// # Safety
+/// `bus_id` must be null or NUL-terminated; `device` null or writable.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetHandleByPciBusId(
+    bus_id: *const c_char,
+    device: *mut Handle,
+) -> NvmlReturn {
+    // SAFETY: same contract.
+    unsafe { nvmlDeviceGetHandleByPciBusId_v2(bus_id, device) }
 }
 
 /// `nvmlDeviceGetIndex` (full GPUs only).
@@ -1582,6 +1627,7 @@ pub unsafe extern "C" fn nvmlComputeInstanceGetInfo_v2(
         let Key::Ci(i, gi, ci) = key_of(compute_instance)? else {
             return Err(ret::INVALID_ARGUMENT);
         };
+        alive(&st, i as usize)?;
         let m = find_mig(&st, i as usize, gi, ci).ok_or(ret::INVALID_ARGUMENT)?;
         let v = ComputeInstanceInfo {
             device: handle(Key::Mig(i, gi, ci)),

@@ -7,7 +7,8 @@
 //!   command-line and stdin protocols ([`smi`], [`mps`]);
 //! - `cuda-app`, the stand-in for a CUDA program in a container ([`cuda`]);
 //! - `gpu-sim`, which lays out a self-contained simulated host (libraries, tools, `/dev`,
-//!   `/proc` and `/sys` files, state file) under a directory ([`setup`]).
+//!   `/proc` and `/sys` files, state file) under a directory ([`setup`]) and injects GPU
+//!   faults (XID, ECC, fallen off the bus) for tests ([`health`]).
 //!
 //! Invariants: every process that looks at one simulated root sees one fleet, because all
 //! mutable state lives in `etc/gpu-sim/state.json` under that root ([`state`]), found from
@@ -19,6 +20,7 @@ use std::path::PathBuf;
 pub mod cuda;
 pub mod driverfiles;
 pub mod ffi;
+pub mod health;
 pub mod mig;
 pub mod mps;
 pub mod profile;

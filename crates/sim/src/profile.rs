@@ -11,6 +11,7 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 
 use crate::SimError;
+use crate::health;
 use crate::mig;
 
 /// Built-in profiles: (name, JSON text).
@@ -142,10 +143,18 @@ pub struct GpuSpec {
     /// boards such as the Tesla P4).
     #[serde(default = "yes")]
     pub timeslice_supported: bool,
+    /// `nvmlDeviceGetSupportedEventTypes` (`nvmlEventType*` bits); default
+    /// [`health::DEFAULT_SUPPORTED_EVENTS`] (ECC, P-state, XID, clock, power source).
+    #[serde(default = "default_supported_events")]
+    pub supported_event_types: u64,
 }
 
 fn yes() -> bool {
     true
+}
+
+fn default_supported_events() -> u64 {
+    health::DEFAULT_SUPPORTED_EVENTS
 }
 
 /// A MIG device (a GPU instance with its full-size compute instance) present at boot.
@@ -397,6 +406,16 @@ impl Profile {
                     format!("must be one of {}", names.join(", ")),
                 ));
             }
+            if g.supported_event_types & !health::event_type::ALL != 0 {
+                return Err(bad(
+                    f("supportedEventTypes"),
+                    format!(
+                        "{:#x} has bits no NVML event type uses (valid bits: {:#x})",
+                        g.supported_event_types,
+                        health::event_type::ALL
+                    ),
+                ));
+            }
             if architecture_value(&g.architecture).is_none() {
                 let names: Vec<&str> = ARCHITECTURES.iter().map(|(n, _)| *n).collect();
                 return Err(bad(
@@ -560,6 +579,25 @@ mod tests {
             "{msg}"
         );
         assert!(msg.contains("overlaps"), "{msg}");
+    }
+
+    #[test]
+    fn supported_event_types_default_and_are_checked() {
+        for name in builtin_names() {
+            let p = Profile::load(name).expect(name);
+            assert!(
+                p.gpus.iter().all(|g| g.supported_event_types == 0x9F),
+                "{name}"
+            );
+        }
+        let mut p = Profile::load("t4").expect("t4");
+        p.gpus[0].supported_event_types = 0x20;
+        let text = serde_json::to_string(&p).expect("json");
+        let err = Profile::from_json(&text, "x.json").expect_err("bit 0x20");
+        assert!(
+            err.to_string().contains("gpus[0].supportedEventTypes"),
+            "{err}"
+        );
     }
 
     #[test]

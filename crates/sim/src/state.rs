@@ -1,7 +1,8 @@
 //! The simulated host's mutable state and the file that shares it between processes.
 //!
 //! `etc/gpu-sim/state.json` holds the profile plus what tools and NVML calls change:
-//! compute mode, time-slice policy, MIG mode and the GPU/compute instances. Every process
+//! compute mode, time-slice policy, MIG mode, the GPU/compute instances and GPU health
+//! (lost GPUs, recovery actions, the event log of [`crate::health`]). Every process
 //! that touches the fleet (the NVML library, the `nvidia-smi` stand-in, tests) goes through
 //! [`StateFile`]: reads take a shared `flock` on a sibling lock file, updates an exclusive
 //! one and replace the file atomically with `gpu_dra_fsutil::write_atomic` (write temp, fsync,
@@ -26,8 +27,9 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use crate::SimError;
+use crate::health::{EventLog, GpuHealth};
 use crate::mig;
-use crate::profile::{GpuSpec, Profile};
+use crate::profile::{GpuSpec, PciAddress, Profile};
 
 /// Path of the state file relative to a simulated root.
 pub const STATE_RELATIVE: &str = "etc/gpu-sim/state.json";
@@ -107,6 +109,9 @@ pub struct State {
     /// Incremented on every MIG device creation so a recreated device gets a new UUID.
     #[serde(default)]
     pub generation: u64,
+    /// Recent health events of the node's GPUs ([`crate::health`]).
+    #[serde(default)]
+    pub events: EventLog,
 }
 
 /// Mutable state of one GPU.
@@ -126,6 +131,9 @@ pub struct GpuState {
     pub persistence: bool,
     /// GPU instances, sorted by ID.
     pub gpu_instances: Vec<GpuInstance>,
+    /// XID/ECC/bus health ([`crate::health`]).
+    #[serde(default)]
+    pub health: GpuHealth,
 }
 
 /// A GPU instance.
@@ -222,6 +230,7 @@ impl State {
                     mig_pending: g.mig_enabled,
                     persistence: false,
                     gpu_instances: gis,
+                    health: GpuHealth::default(),
                 }
             })
             .collect();
@@ -229,6 +238,7 @@ impl State {
             profile,
             gpus,
             generation,
+            events: EventLog::default(),
         }
     }
 
@@ -264,6 +274,24 @@ impl State {
         self.profile.gpus.iter().position(|g| g.uuid == uuid)
     }
 
+    /// Finds a GPU the way `nvidia-smi -i` names one: an index, a `GPU-` UUID (any case), a
+    /// PCI bus ID in any of its forms, or a board serial. Returns its index.
+    pub fn gpu_by_id(&self, id: &str) -> Option<usize> {
+        let gpus = &self.profile.gpus;
+        if let Ok(n) = id.parse::<usize>() {
+            // A long all-digit string is a serial number, not an index.
+            (n < gpus.len() && id.len() < 6)
+                .then_some(n)
+                .or_else(|| gpus.iter().position(|g| g.serial.as_deref() == Some(id)))
+        } else if id.starts_with("GPU-") {
+            gpus.iter().position(|g| g.uuid.eq_ignore_ascii_case(id))
+        } else if let Some(addr) = PciAddress::parse(id) {
+            gpus.iter().position(|g| g.pci() == addr)
+        } else {
+            None
+        }
+    }
+
     /// Finds a MIG device by UUID; returns (GPU index, GI ID, CI ID).
     pub fn mig_by_uuid(&self, uuid: &str) -> Option<(usize, u32, u32)> {
         (0..self.gpus.len()).find_map(|i| {
@@ -286,6 +314,8 @@ impl State {
             },
             gpus: Vec::new(),
             generation: self.generation,
+            // Events name GPUs by UUID, so the log needs no renumbering.
+            events: self.events.clone(),
         };
         for (spec, st) in self.profile.gpus.iter().zip(&self.gpus) {
             if !present(&format!("nvidia{}", spec.minor)) {
@@ -804,6 +834,26 @@ mod tests {
         );
         let mut t4 = State::from_profile(Profile::load("t4").expect("t4"));
         assert_eq!(t4.set_mig_mode(0, true), Err(MigError::NotCapable));
+    }
+
+    #[test]
+    fn state_files_without_health_load_healthy() {
+        let mut s = State::from_profile(Profile::load("dgx-h100").expect("profile"));
+        s.inject_xid(1, 48, None, None).expect("xid");
+        let mut json = serde_json::to_value(&s).expect("json");
+        let obj = json.as_object_mut().expect("object");
+        assert!(obj.remove("events").is_some());
+        for g in obj["gpus"].as_array_mut().expect("gpus") {
+            assert!(g.as_object_mut().expect("gpu").remove("health").is_some());
+        }
+        for g in obj["profile"]["gpus"].as_array_mut().expect("spec") {
+            let g = g.as_object_mut().expect("spec");
+            assert!(g.remove("supportedEventTypes").is_some());
+        }
+        let old: State = serde_json::from_value(json).expect("old format");
+        assert_eq!(old.events, crate::health::EventLog::default());
+        assert!(old.gpus.iter().all(|g| g.health == GpuHealth::default()));
+        assert_eq!(old.profile, s.profile);
     }
 
     #[test]

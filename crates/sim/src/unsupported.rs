@@ -2,7 +2,7 @@
 //! returns `NVML_ERROR_NOT_SUPPORTED`, as NVML does for a feature the GPU lacks, so that
 //! consumers binding NVML lazily degrade instead of dying at a missing symbol.
 //!
-//! Generated from `nvml-exports.txt` minus the functions of `ffi.rs` by
+//! Generated from `nvml-exports.txt` minus the functions of `ffi.rs` and `ffi/` by
 //! `tests/generated_nvml_exports.rs` (`make generate`); do not edit.
 
 // The exports must keep NVML's names; `no_mangle` is what makes them exports. They take
@@ -98,7 +98,6 @@ not_supported!(
     nvmlDeviceGetFanSpeed,
     nvmlDeviceGetFanSpeedRPM,
     nvmlDeviceGetFanSpeed_v2,
-    nvmlDeviceGetFieldValues,
     nvmlDeviceGetGpcClkMinMaxVfOffset,
     nvmlDeviceGetGpcClkVfOffset,
     nvmlDeviceGetGpuFabricInfo,
@@ -118,7 +117,6 @@ not_supported!(
     nvmlDeviceGetGridLicensableFeatures_v4,
     nvmlDeviceGetGspFirmwareMode,
     nvmlDeviceGetGspFirmwareVersion,
-    nvmlDeviceGetHandleByPciBusId,
     nvmlDeviceGetHandleBySerial,
     nvmlDeviceGetHandleByUUIDV,
     nvmlDeviceGetHostVgpuMode,
@@ -199,7 +197,6 @@ not_supported!(
     nvmlDeviceGetSramUniqueUncorrectedEccErrorCounts,
     nvmlDeviceGetSupportedClocksEventReasons,
     nvmlDeviceGetSupportedClocksThrottleReasons,
-    nvmlDeviceGetSupportedEventTypes,
     nvmlDeviceGetSupportedGraphicsClocks,
     nvmlDeviceGetSupportedMemoryClocks,
     nvmlDeviceGetSupportedPerformanceStates,
@@ -241,7 +238,6 @@ not_supported!(
     nvmlDeviceQueryDrainState,
     nvmlDeviceReadPRMCounters_v1,
     nvmlDeviceReadWritePRM_v1,
-    nvmlDeviceRegisterEvents,
     nvmlDeviceRemoveGpu,
     nvmlDeviceRemoveGpu_v2,
     nvmlDeviceResetApplicationsClocks,
@@ -294,15 +290,11 @@ not_supported!(
     nvmlDeviceWorkloadPowerProfileGetProfilesInfo,
     nvmlDeviceWorkloadPowerProfileSetRequestedProfiles,
     nvmlDeviceWorkloadPowerProfileUpdateProfiles_v1,
-    nvmlEventSetCreate,
-    nvmlEventSetFree,
     nvmlEventSetGetContextCount_v1,
     nvmlEventSetGetContextData_v1,
     nvmlEventSetGetContextInfo_v1,
     nvmlEventSetGetGpuOperationalEventContextLegacyXid_v1,
     nvmlEventSetRegisterGpuOperationalEvents_v1,
-    nvmlEventSetWait,
-    nvmlEventSetWait_v2,
     nvmlEventSetWait_v3,
     nvmlGetExcludedDeviceCount,
     nvmlGetExcludedDeviceInfoByIndex,

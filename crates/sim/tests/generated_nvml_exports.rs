@@ -90,13 +90,30 @@ fn simulated(ffi_source: &str) -> BTreeSet<String> {
         .collect()
 }
 
+/// `src/ffi.rs` and its submodules under `src/ffi/`, concatenated.
+fn ffi_sources() -> String {
+    let src = Path::new(MANIFEST).join("src");
+    let mut text = std::fs::read_to_string(src.join("ffi.rs")).expect("ffi.rs");
+    let mut subs: Vec<PathBuf> = std::fs::read_dir(src.join("ffi"))
+        .map(|d| d.filter_map(|e| e.ok().map(|e| e.path())).collect())
+        .unwrap_or_default();
+    subs.sort();
+    for p in subs
+        .iter()
+        .filter(|p| p.extension().is_some_and(|e| e == "rs"))
+    {
+        text.push_str(&std::fs::read_to_string(p).expect("ffi submodule"));
+    }
+    text
+}
+
 fn stubs_text(names: &[&String]) -> String {
     let mut s = String::from(
         "//! NVML functions go-nvml binds that the simulator does not simulate: each exists and\n\
          //! returns `NVML_ERROR_NOT_SUPPORTED`, as NVML does for a feature the GPU lacks, so that\n\
          //! consumers binding NVML lazily degrade instead of dying at a missing symbol.\n\
          //!\n\
-         //! Generated from `nvml-exports.txt` minus the functions of `ffi.rs` by\n\
+         //! Generated from `nvml-exports.txt` minus the functions of `ffi.rs` and `ffi/` by\n\
          //! `tests/generated_nvml_exports.rs` (`make generate`); do not edit.\n\
          \n\
          // The exports must keep NVML's names; `no_mangle` is what makes them exports. They take\n\
@@ -146,8 +163,7 @@ fn generated_nvml_exports_are_fresh() {
         .filter(|l| !l.starts_with('#') && !l.is_empty())
         .map(str::to_owned)
         .collect();
-    let ffi = std::fs::read_to_string(Path::new(MANIFEST).join("src/ffi.rs")).expect("ffi.rs");
-    let done = simulated(&ffi);
+    let done = simulated(&ffi_sources());
     for n in NOT_RETURNING_STATUS {
         assert!(done.contains(*n), "{n} must be simulated by hand in ffi.rs");
     }

@@ -995,6 +995,27 @@ fn struct_layouts_match_nvml_wrapper_sys() {
         placement = placement
     );
     same!(
+        ffi::events::EventData,
+        sys::nvmlEventData_t,
+        device = device,
+        event_type = eventType,
+        event_data = eventData,
+        gpu_instance_id = gpuInstanceId,
+        compute_instance_id = computeInstanceId
+    );
+    same!(
+        ffi::events::FieldValue,
+        sys::nvmlFieldValue_t,
+        field_id = fieldId,
+        scope_id = scopeId,
+        timestamp = timestamp,
+        latency_usec = latencyUsec,
+        value_type = valueType,
+        nvml_return = nvmlReturn,
+        value = value
+    );
+    same!(ffi::events::Value, sys::nvmlValue_t,);
+    same!(
         ffi::ComputeInstanceInfo,
         sys::nvmlComputeInstanceInfo_t,
         device = device,

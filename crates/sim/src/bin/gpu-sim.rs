@@ -1,10 +1,11 @@
-//! `gpu-sim`: creates and inspects simulated GPU hosts.
+//! `gpu-sim`: creates and inspects simulated GPU hosts, and injects GPU faults into them.
 
 use std::io::Write;
 use std::path::PathBuf;
 
 use anyhow::Context;
-use clap::{Parser, Subcommand};
+use clap::{Args as ClapArgs, Parser, Subcommand};
+use gpu_dra_sim::health::{Fault, RecoveryAction};
 use gpu_dra_sim::profile::{self, Profile};
 use gpu_dra_sim::setup::{self, Artefacts};
 use gpu_dra_sim::state::StateFile;
@@ -42,6 +43,78 @@ enum Cmd {
         #[arg(long, env = "GPU_SIM_ROOT")]
         root: PathBuf,
     },
+    /// Report an XID error on a GPU (an NVML XidCriticalError event) and set its recovery
+    /// action.
+    Xid {
+        #[command(flatten)]
+        target: Target,
+        #[command(flatten)]
+        instance: Instance,
+        /// Recovery action NVML reports afterwards; default: none for the application XIDs
+        /// 13, 31, 43, 45, 68 and 109, reset for the others.
+        #[arg(long, value_enum)]
+        recovery: Option<RecoveryAction>,
+        /// The XID number (48 double-bit ECC, 79 fallen off the bus, ...).
+        xid: u64,
+    },
+    /// Report an uncorrectable ECC error on a GPU (an NVML DoubleBitEccError event): the
+    /// volatile uncorrectable count grows by one and the recovery action becomes reset.
+    Ecc {
+        #[command(flatten)]
+        target: Target,
+        #[command(flatten)]
+        instance: Instance,
+    },
+    /// Make a GPU fall off the bus: an XID 79 event, then NVML answers GPU_IS_LOST for it and
+    /// the recovery action becomes reboot.
+    FallOffBus {
+        #[command(flatten)]
+        target: Target,
+    },
+    /// Reset a GPU's health as `nvidia-smi -r` does: not lost, recovery action none, volatile
+    /// ECC counts cleared (MIG instances stay).
+    Reset {
+        #[command(flatten)]
+        target: Target,
+    },
+}
+
+/// The GPU a fault command acts on.
+#[derive(ClapArgs)]
+struct Target {
+    /// The host's root directory.
+    #[arg(long, env = "GPU_SIM_ROOT")]
+    root: PathBuf,
+    /// The GPU: an index, a GPU UUID (GPU-...), a PCI bus ID or a board serial, as
+    /// `nvidia-smi -i` takes it.
+    #[arg(long, env = "GPU_SIM_GPU")]
+    gpu: String,
+}
+
+/// The MIG device a fault hit; both IDs or neither.
+#[derive(ClapArgs)]
+struct Instance {
+    /// GPU-instance ID of the MIG device the fault hit (needs --ci).
+    #[arg(long, requires = "ci", env = "GPU_SIM_GI")]
+    gi: Option<u32>,
+    /// Compute-instance ID of the MIG device the fault hit (needs --gi).
+    #[arg(long, requires = "gi", env = "GPU_SIM_CI")]
+    ci: Option<u32>,
+}
+
+impl Instance {
+    fn ids(&self) -> Option<(u32, u32)> {
+        self.gi.zip(self.ci)
+    }
+}
+
+/// Applies `fault` to the GPU `target` names, under the state file's lock.
+fn inject(target: &Target, fault: &Fault) -> anyhow::Result<String> {
+    let file = StateFile::under_root(&target.root);
+    let line = file
+        .update(|s| s.apply_fault(&target.gpu, fault))
+        .with_context(|| format!("simulated host under {}", target.root.display()))??;
+    Ok(line)
 }
 
 fn main() -> anyhow::Result<()> {
@@ -81,6 +154,31 @@ fn main() -> anyhow::Result<()> {
         Cmd::State { root } => {
             let state = StateFile::under_root(&root).load()?;
             writeln!(out, "{}", serde_json::to_string_pretty(&state)?)?;
+        }
+        Cmd::Xid {
+            target,
+            instance,
+            recovery,
+            xid,
+        } => {
+            let fault = Fault::Xid {
+                xid,
+                instance: instance.ids(),
+                recovery,
+            };
+            writeln!(out, "{}", inject(&target, &fault)?)?;
+        }
+        Cmd::Ecc { target, instance } => {
+            let fault = Fault::Ecc {
+                instance: instance.ids(),
+            };
+            writeln!(out, "{}", inject(&target, &fault)?)?;
+        }
+        Cmd::FallOffBus { target } => {
+            writeln!(out, "{}", inject(&target, &Fault::FallOffBus)?)?;
+        }
+        Cmd::Reset { target } => {
+            writeln!(out, "{}", inject(&target, &Fault::Reset)?)?;
         }
     }
     Ok(())

@@ -2,7 +2,8 @@
 //! messages and exit codes (NVIDIA_FACTS §B.2).
 //!
 //! Supported: `-L`, `--version`, `-q` (short summary), `-i <id[,id…]>` with `-c <mode>`,
-//! `-pm <0|1>`, `-mig <0|1>`, `--query-gpu=<fields> --format=csv[,noheader][,nounits]`,
+//! `-pm <0|1>`, `-mig <0|1>`, `-r` (GPU reset: health only, see [`crate::health`]),
+//! `--query-gpu=<fields> --format=csv[,noheader][,nounits]`,
 //! `compute-policy [-i <ids>] (--set-timeslice <0..3> | -l)` and
 //! `mig [-i <ids>] (-lgip | -lgipp | -lgi | -cgi <profiles>[-C] | -dci | -dgi)` ([`mig`]). `<id>` is an index, a GPU
 //! UUID, a PCI bus ID in any of its forms, or a board serial.
@@ -10,14 +11,14 @@
 //! Invariant: every change goes to the simulator state file, so NVML reads through the
 //! simulated library agree with what this tool set. Messages go to stdout, as the real tool
 //! prints them there; exit codes follow the man page (2 invalid argument, 3 not supported,
-//! 6 not found, 9 driver not loaded).
+//! 6 not found, 9 driver not loaded, 15 GPU fallen off the bus). A lost GPU makes `-L` and
+//! the summaries print the real "Unable to determine the device handle" line for it.
 
 use std::io::Write;
 
 mod mig;
 
 use crate::SimError;
-use crate::profile::PciAddress;
 use crate::state::{ComputeMode, State, StateFile};
 
 /// Exit code: success.
@@ -30,6 +31,8 @@ pub const EXIT_NOT_SUPPORTED: i32 = 3;
 pub const EXIT_NOT_FOUND: i32 = 6;
 /// Exit code: the driver is not loaded.
 pub const EXIT_NO_DRIVER: i32 = 9;
+/// Exit code: a GPU has fallen off the bus.
+pub const EXIT_GPU_LOST: i32 = 15;
 /// Exit code: other error.
 pub const EXIT_OTHER: i32 = 255;
 
@@ -58,6 +61,7 @@ struct Opts {
     list: bool,
     version: bool,
     query: bool,
+    reset: bool,
     help: bool,
 }
 
@@ -89,6 +93,7 @@ fn parse_opts(args: &[String]) -> Result<Opts, String> {
             "-L" | "--list-gpus" => o.list = true,
             "--version" => o.version = true,
             "-q" | "--query" => o.query = true,
+            "-r" | "--gpu-reset" => o.reset = true,
             "-h" | "--help" => o.help = true,
             _ => return Err(INVALID_COMBINATION.to_string()),
         }
@@ -155,6 +160,9 @@ fn run_inner(
             }
         },
     };
+    if o.reset {
+        return reset(&file, &targets, out);
+    }
     if o.list {
         return list(&state, &targets, out);
     }
@@ -190,20 +198,7 @@ pub(crate) fn no_driver(out: &mut dyn Write) -> std::io::Result<i32> {
 pub(crate) fn resolve_ids(state: &State, ids: &str) -> Option<Vec<usize>> {
     let mut out = Vec::new();
     for id in ids.split(',').map(str::trim).filter(|s| !s.is_empty()) {
-        let gpus = &state.profile.gpus;
-        let found = if let Ok(n) = id.parse::<usize>() {
-            // A long all-digit string is a serial number, not an index.
-            (n < gpus.len() && id.len() < 6)
-                .then_some(n)
-                .or_else(|| gpus.iter().position(|g| g.serial.as_deref() == Some(id)))
-        } else if id.starts_with("GPU-") {
-            gpus.iter().position(|g| g.uuid.eq_ignore_ascii_case(id))
-        } else if let Some(addr) = PciAddress::parse(id) {
-            gpus.iter().position(|g| g.pci() == addr)
-        } else {
-            None
-        };
-        let i = found?;
+        let i = state.gpu_by_id(id)?;
         if !out.contains(&i) {
             out.push(i);
         }
@@ -211,16 +206,53 @@ pub(crate) fn resolve_ids(state: &State, ids: &str) -> Option<Vec<usize>> {
     (!out.is_empty()).then_some(out)
 }
 
+/// The line nvidia-smi prints for a GPU NVML answers `GPU_IS_LOST` for.
+fn lost_line(state: &State, i: usize) -> String {
+    format!(
+        "Unable to determine the device handle for GPU {}: GPU is lost. Reboot the system to recover this GPU",
+        state.profile.gpus[i].pci().legacy()
+    )
+}
+
+/// `-r`: resets the health of each target GPU ([`State::reset_gpu`]).
+fn reset(file: &StateFile, targets: &[usize], out: &mut dyn Write) -> std::io::Result<i32> {
+    let mut lines = Vec::new();
+    let res = file.update(|s| {
+        for &i in targets {
+            s.reset_gpu(i)?;
+            lines.push(format!(
+                "GPU {} was successfully reset.",
+                s.profile.gpus[i].pci().long()
+            ));
+        }
+        Ok::<(), crate::health::HealthError>(())
+    });
+    if !matches!(res, Ok(Ok(()))) {
+        return no_driver(out);
+    }
+    for l in lines {
+        writeln!(out, "{l}")?;
+    }
+    writeln!(out, "All done.")?;
+    Ok(EXIT_OK)
+}
+
 fn list(state: &State, targets: &[usize], out: &mut dyn Write) -> std::io::Result<i32> {
+    let mut code = EXIT_OK;
     for &i in targets {
         let g = &state.profile.gpus[i];
+        if state.gpus[i].health.lost {
+            writeln!(out, "{}", lost_line(state, i))?;
+            code = EXIT_GPU_LOST;
+            continue;
+        }
         writeln!(out, "GPU {i}: {} (UUID: {})", g.name, g.uuid)?;
         for (k, m) in state.mig_devices(i).iter().enumerate() {
             let name = format!("MIG {}", m.name());
             writeln!(out, "  {name:<15} Device {k:>2}: (UUID: {})", m.ci.uuid)?;
         }
     }
-    Ok(EXIT_OK)
+    Ok(code)
 }
 
 fn parse_mode(s: &str) -> Option<ComputeMode> {
@@ -444,6 +476,17 @@ fn summary(
     detailed: bool,
     out: &mut dyn Write,
 ) -> std::io::Result<i32> {
+    let lost: Vec<usize> = targets
+        .iter()
+        .copied()
+        .filter(|i| state.gpus[*i].health.lost)
+        .collect();
+    if !lost.is_empty() {
+        for i in lost {
+            writeln!(out, "{}", lost_line(state, i))?;
+        }
+        return Ok(EXIT_GPU_LOST);
+    }
     let p = &state.profile;
     let cuda = format!(
         "{}.{}",
@@ -533,6 +576,7 @@ const HELP: &str = "NVIDIA System Management Interface -- v580.95.05 (GPU simula
     -h,   --help                Print usage information and exit.
     -L,   --list-gpus           Display a list of GPUs connected to the system.
     -q,   --query               Display GPU or Unit info.
+    -r,   --gpu-reset           Trigger reset of the GPU.
     -i,   --id=                 Target a specific GPU.
           --query-gpu=          Information about GPU (index, uuid, name, pci.bus_id,
                                 memory.total, compute_mode, mig.mode.current, ...).
@@ -736,6 +780,49 @@ mod tests {
         );
         assert!(lines[3].starts_with("  MIG 1g.5gb      Device  2: (UUID: MIG-"));
         assert!(lines[5].starts_with("GPU 4: "));
+    }
+
+    #[test]
+    fn a_lost_gpu_is_reported_until_reset() {
+        let h = host("dgx-a100-40gb");
+        h.file
+            .update(|s| s.fall_off_bus(4).map(|_| ()))
+            .expect("update")
+            .expect("fall");
+        let lost = "Unable to determine the device handle for GPU 0000:87:00.0: GPU is lost. \
+                    Reboot the system to recover this GPU";
+        let (code, out) = smi(&h, "-L -i 3,4");
+        assert_eq!(code, EXIT_GPU_LOST, "{out}");
+        let lines: Vec<&str> = out.lines().collect();
+        assert!(lines[0].starts_with("GPU 3: "), "{out}");
+        assert_eq!(
+            lines.len(),
+            6,
+            "GPU 3, its 4 MIG devices, the lost GPU 4: {out}"
+        );
+        assert_eq!(lines[5], lost);
+        let (code, out) = smi(&h, "-q");
+        assert_eq!(
+            (code, out.as_str()),
+            (EXIT_GPU_LOST, format!("{lost}\n").as_str())
+        );
+        let (code, out) = smi(&h, "-q -i 3");
+        assert_eq!(code, EXIT_OK, "other GPUs answer: {out}");
+        h.file
+            .update(|s| s.inject_ecc(2, None).map(|_| ()))
+            .expect("update")
+            .expect("ecc");
+        let (code, out) = smi(&h, "-r -i 4,2");
+        assert_eq!(code, EXIT_OK, "{out}");
+        assert_eq!(
+            out,
+            "GPU 00000000:87:00.0 was successfully reset.\n\
+             GPU 00000000:47:00.0 was successfully reset.\nAll done.\n"
+        );
+        let st = h.file.load().expect("state");
+        assert_eq!(st.gpus[4].health, crate::health::GpuHealth::default());
+        assert_eq!(st.gpus[2].health, crate::health::GpuHealth::default());
+        assert_eq!(smi(&h, "-L").0, EXIT_OK);
     }
 
     #[test]
