@@ -12,7 +12,9 @@ pub mod names;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;
 
-pub use model::{ComputeCapability, DeviceRef, Gpu, Inventory, MigDevice, MigMode, Placement};
+pub use model::{
+    ComputeCapability, DeviceRef, Gpu, Inventory, MigDevice, MigMode, MigProfile, Placement,
+};
 
 /// Errors while discovering GPUs.
 #[derive(Debug, thiserror::Error)]
