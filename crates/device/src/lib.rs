@@ -14,7 +14,9 @@ pub mod names;
 pub mod testing;
 
 pub use health::{HealthEvent, HealthObservation, HealthSource, InstanceId};
-pub use model::{ComputeCapability, DeviceRef, Gpu, Inventory, MigDevice, MigMode, Placement};
+pub use model::{
+    ComputeCapability, DeviceRef, Gpu, Inventory, MigDevice, MigMode, MigProfile, Placement,
+};
 
 /// Errors while discovering GPUs.
 #[derive(Debug, thiserror::Error)]

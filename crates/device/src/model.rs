@@ -55,6 +55,12 @@ pub struct Gpu {
     pub mig: Option<MigMode>,
     /// MIG devices that currently exist on this GPU (empty unless MIG is enabled).
     pub mig_devices: Vec<MigDevice>,
+    /// Filled when the GPU is MIG capable: what dynamic MIG can create, every GPU-instance
+    /// profile the GPU offers with its placements. Discovery fills it only while MIG mode is
+    /// enabled (on an A100 with MIG disabled the profile queries fail, and NVIDIA's driver does
+    /// not offer dynamic MIG there either); empty otherwise, and then left out of the JSON.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub mig_profiles: Vec<MigProfile>,
 }
 
 /// CUDA compute capability `major.minor`.
@@ -105,6 +111,41 @@ pub struct MigDevice {
     pub jpeg_engines: u32,
     /// Optical flow accelerators.
     pub ofa_engines: u32,
+}
+
+/// A GPU-instance profile a MIG-capable GPU offers, as NVML describes it
+/// (`nvmlDeviceGetGpuInstanceProfileInfo` and `nvmlDeviceGetGpuInstancePossiblePlacements_v2`):
+/// what a GPU instance of this profile, with its full-size compute instance, provides, and where
+/// it may sit.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct MigProfile {
+    /// GPU instance profile ID as `nvidia-smi -lgip` shows it (19 for `1g.*`, 0 for `7g.*`);
+    /// the ID NVML's create call takes.
+    pub gi_profile_id: u32,
+    /// Profile name without the `MIG ` prefix, named as discovery names MIG devices, e.g.
+    /// `3g.20gb`, `1g.5gb+me`.
+    pub name: String,
+    /// Memory slices one instance occupies (the placements' size; 8 per GPU).
+    pub memory_slices: u32,
+    /// Compute slices (`sliceCount`; 7 per GPU).
+    pub compute_slices: u32,
+    /// Memory in bytes.
+    pub memory_bytes: u64,
+    /// Streaming multiprocessors.
+    pub multiprocessors: u32,
+    /// Copy engines.
+    pub copy_engines: u32,
+    /// Video decoders.
+    pub decoders: u32,
+    /// Video encoders.
+    pub encoders: u32,
+    /// JPEG engines.
+    pub jpeg_engines: u32,
+    /// Optical flow accelerators.
+    pub ofa_engines: u32,
+    /// Every placement an instance of this profile may have, in memory slices.
+    pub placements: Vec<Placement>,
 }
 
 /// Placement of a GPU instance: first memory slice and number of slices.
@@ -207,7 +248,40 @@ impl Inventory {
 
 #[cfg(test)]
 mod tests {
+    use super::{MigProfile, Placement};
     use crate::testing::{MigBuilder, a100, inventory, mig_1g5gb, t4};
+
+    #[test]
+    fn mig_profiles_are_optional_in_json_and_left_out_when_empty() {
+        let mut gpu = a100(0).build();
+        let json = serde_json::to_value(&gpu).expect("serialise");
+        assert!(json.get("migProfiles").is_none(), "{json}");
+        // Inventories written before the field existed still read.
+        let back: super::Gpu = serde_json::from_value(json).expect("parse");
+        assert_eq!(back, gpu);
+        gpu.mig_profiles.push(MigProfile {
+            gi_profile_id: 9,
+            name: "3g.20gb".into(),
+            memory_slices: 4,
+            compute_slices: 3,
+            memory_bytes: 19968 << 20,
+            multiprocessors: 42,
+            copy_engines: 3,
+            decoders: 2,
+            encoders: 0,
+            jpeg_engines: 0,
+            ofa_engines: 0,
+            placements: vec![
+                Placement { start: 0, size: 4 },
+                Placement { start: 4, size: 4 },
+            ],
+        });
+        let json = serde_json::to_value(&gpu).expect("serialise");
+        assert_eq!(json["migProfiles"][0]["giProfileId"], 9);
+        assert_eq!(json["migProfiles"][0]["placements"][1]["start"], 4);
+        let back: super::Gpu = serde_json::from_value(json).expect("parse");
+        assert_eq!(back, gpu);
+    }
 
     #[test]
     fn mig_enabled_gpu_is_published_as_its_mig_devices_only() {

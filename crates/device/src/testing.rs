@@ -59,6 +59,7 @@ fn base(minor: u32, product: &str, architecture: &str, cc: (u32, u32), memory: u
         addressing_mode: None,
         mig: None,
         mig_devices: Vec::new(),
+        mig_profiles: Vec::new(),
     }
 }
 

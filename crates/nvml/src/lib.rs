@@ -19,7 +19,10 @@
 #![allow(unsafe_code)]
 
 pub mod health;
+pub mod mig_ops;
 pub mod sysfs;
+
+pub use mig_ops::{CreatedMig, MigInstance, MigOps, MigOpsError};
 
 use std::collections::HashMap;
 use std::ffi::c_uint;
@@ -225,12 +228,19 @@ impl NvmlInventory {
             addressing_mode: addressing_mode(nvml, device),
             mig,
             mig_devices: Vec::new(),
+            mig_profiles: Vec::new(),
         };
         if gpu.mig_enabled() {
             gpu.mig_devices = mig_devices(nvml, device, &gpu)?;
             if gpu.mig_devices.is_empty() {
                 tracing::warn!(gpu = %gpu.device_name(), "MIG is enabled but no MIG devices exist; nothing to publish for this GPU");
             }
+            let at = target();
+            // SAFETY: the handle of `device`, live for this discovery's NVML session, is only
+            // used during the call.
+            let handle = unsafe { device.handle() };
+            gpu.mig_profiles = mig_ops::profiles_of(nvml.lib(), handle, gpu.memory_bytes, &at)
+                .map_err(|e| e.into_device_error(&at))?;
         }
         Ok(gpu)
     }

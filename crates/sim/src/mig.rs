@@ -403,6 +403,38 @@ pub fn overlaps(a: u32, asize: u32, b: u32, bsize: u32) -> bool {
     a < b + bsize && b < a + asize
 }
 
+/// `NVML_COMPUTE_INSTANCE_PROFILE_COUNT`: CI profile constants at or above it are invalid.
+pub const CI_PROFILE_INDEX_COUNT: u32 = 0x9;
+
+/// Compute slices of the compute-instance profile constants A100/H100/H200 offer
+/// (`_1_SLICE` .. `_7_SLICE`); the others (`_8_SLICE`, `_6_SLICE`, `_1_SLICE_REV1`,
+/// `_7_SLICE_NVL`) are not offered. A CI profile's ID equals its constant.
+pub fn ci_profile_slices(index: u32) -> Option<u32> {
+    match index {
+        0 => Some(1),
+        1 => Some(2),
+        2 => Some(3),
+        3 => Some(4),
+        4 => Some(7),
+        _ => None,
+    }
+}
+
+/// Placement starts, in compute slices, of a `ci_slices`-slice compute instance inside a GPU
+/// instance of `gi_slices` compute slices: multiples of the CI size that fit, so a GI holds
+/// `gi_slices / ci_slices` of them, as `instanceCount` says (NVIDIA_FACTS A.0). The exact
+/// starts for sizes that do not divide the GI (3c in 7g) are not documented; aligned starts
+/// are this simulator's choice.
+pub fn ci_placement_starts(ci_slices: u32, gi_slices: u32) -> Vec<u32> {
+    if ci_slices == 0 || ci_slices > gi_slices {
+        return Vec::new();
+    }
+    (0..gi_slices)
+        .step_by(ci_slices as usize)
+        .filter(|s| s + ci_slices <= gi_slices)
+        .collect()
+}
+
 /// GPU instance IDs a GPU can have (0..15, the driver's `mig-minors` table).
 pub const MAX_GPU_INSTANCES: u32 = 15;
 /// Compute instance IDs a GPU instance can have (0..8).
@@ -473,6 +505,25 @@ mod tests {
         assert_eq!(ci_cap_minor(3, 3, 3), 439);
         assert_eq!(ci_cap_minor(6, 11, 7), 920);
         assert_eq!(ci_cap_minor(31, 14, 7), 4322);
+    }
+
+    #[test]
+    fn compute_instances_fill_their_gpu_instance_instance_count_times() {
+        assert_eq!(ci_placement_starts(1, 7), [0, 1, 2, 3, 4, 5, 6]);
+        assert_eq!(ci_placement_starts(2, 7), [0, 2, 4]);
+        assert_eq!(ci_placement_starts(3, 7), [0, 3]);
+        assert_eq!(ci_placement_starts(7, 7), [0]);
+        assert_eq!(ci_placement_starts(2, 3), [0]);
+        assert_eq!(ci_placement_starts(2, 4), [0, 2]);
+        assert!(ci_placement_starts(4, 3).is_empty());
+        for index in 0..CI_PROFILE_INDEX_COUNT {
+            if let Some(c) = ci_profile_slices(index) {
+                for g in [1, 2, 3, 4, 7] {
+                    let n = ci_placement_starts(c, g).len() as u32;
+                    assert_eq!(n, if c <= g { g / c } else { 0 }, "{c}c in {g}g");
+                }
+            }
+        }
     }
 
     #[test]

@@ -421,6 +421,28 @@ pub fn sync_mig_files(root: &Path, state: &State) -> Result<(), SimError> {
     Ok(())
 }
 
+/// Applies a MIG layout change `f` to `file` under its exclusive lock and, when `f`
+/// succeeds, brings the capability files under the state's root in line with the result
+/// before the lock is released, so no other process of the node sees the new layout without
+/// its nodes. The one path for every MIG change: `nvidia-smi mig` and the NVML create/destroy
+/// calls both come here. Writing the files is best effort (their failure does not undo the
+/// change): the state is what NVML answers from; the files are for CDI specs and for which
+/// MIG devices a process sees. Only a laid-out root (one with its `dev/` folder) gets files:
+/// creating `dev/` under a bare state file would hide every GPU from its own processes.
+pub fn change_mig_layout<T, E>(
+    file: &StateFile,
+    f: impl FnOnce(&mut State) -> Result<T, E>,
+) -> Result<Result<T, E>, SimError> {
+    let root = file.dev_dir().and_then(|_| file.root());
+    file.update(|s| {
+        let out = f(s)?;
+        if let Some(root) = &root {
+            let _ = sync_mig_files(root, s);
+        }
+        Ok(out)
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -346,7 +346,8 @@ pub enum MigError {
     /// MIG mode is disabled on the GPU (NVML `NOT_SUPPORTED`).
     #[error("MIG mode is not enabled")]
     NotEnabled,
-    /// The GPU does not offer this profile ID (NVML `INVALID_ARGUMENT`).
+    /// The GPU does not offer this GI profile ID, or the GPU instance does not offer this
+    /// CI profile (NVML `INVALID_ARGUMENT`).
     #[error("Invalid Argument")]
     UnknownProfile,
     /// The placement start is not valid for the profile (NVML `INVALID_ARGUMENT`).
@@ -390,9 +391,59 @@ impl State {
         Ok(())
     }
 
+    /// The table and state of a MIG-capable GPU (read only).
+    fn mig_gpu_ref(&self, gpu: usize) -> Result<(&'static [mig::GiProfile], &GpuState), MigError> {
+        let spec = self.profile.gpus.get(gpu).ok_or(MigError::NotFound)?;
+        let table = spec.mig_profiles().ok_or(MigError::NotCapable)?;
+        let st = self.gpus.get(gpu).ok_or(MigError::NotFound)?;
+        Ok((table, st))
+    }
+
+    /// The starts of `p`'s placements that no existing GPU instance overlaps, ascending.
+    fn free_gi_starts(table: &[mig::GiProfile], st: &GpuState, p: &mig::GiProfile) -> Vec<u32> {
+        let used: Vec<(u32, u32)> = st
+            .gpu_instances
+            .iter()
+            .filter_map(|gi| {
+                mig::by_id(table, gi.profile_id).map(|q| (gi.placement_start, q.placement_size))
+            })
+            .collect();
+        p.placement_starts
+            .iter()
+            .copied()
+            .filter(|s| {
+                !used
+                    .iter()
+                    .any(|(u, z)| mig::overlaps(*u, *z, *s, p.placement_size))
+            })
+            .collect()
+    }
+
+    /// How many more GPU instances of `profile_id` GPU `gpu` can take now
+    /// (`nvmlDeviceGetGpuInstanceRemainingCapacity`, the "Free" of `nvidia-smi mig -lgip`):
+    /// the free placements, capped by what the profile's `instanceCount` leaves. A profile's
+    /// own placements never overlap each other, so each free one can be used.
+    pub fn gpu_instance_capacity(&self, gpu: usize, profile_id: u32) -> Result<u32, MigError> {
+        let (table, st) = self.mig_gpu_ref(gpu)?;
+        if !st.mig_current {
+            return Err(MigError::NotEnabled);
+        }
+        let p = mig::by_id(table, profile_id).ok_or(MigError::UnknownProfile)?;
+        let existing = st
+            .gpu_instances
+            .iter()
+            .filter(|gi| gi.profile_id == profile_id)
+            .count() as u32;
+        let free = State::free_gi_starts(table, st, p).len() as u32;
+        Ok(free.min(p.instance_count.saturating_sub(existing)))
+    }
+
     /// Creates a GPU instance of `profile_id`, at `start` or at the first free placement
     /// (tried from the highest start down, as drivers fill from the top). Returns its ID:
     /// the lowest free ID, deliberately unrelated to the placement.
+    ///
+    /// The one implementation of the placement rules: `nvidia-smi mig -cgi` and
+    /// `nvmlDeviceCreateGpuInstance[WithPlacement]` both come here.
     pub fn create_gpu_instance(
         &mut self,
         gpu: usize,
@@ -404,43 +455,31 @@ impl State {
             return Err(MigError::NotEnabled);
         }
         let p = mig::by_id(table, profile_id).ok_or(MigError::UnknownProfile)?;
-        let used: Vec<(u32, u32)> = st
-            .gpu_instances
-            .iter()
-            .filter_map(|gi| {
-                mig::by_id(table, gi.profile_id).map(|q| (gi.placement_start, q.placement_size))
-            })
-            .collect();
-        let free = |s: u32| {
-            !used
-                .iter()
-                .any(|(u, z)| mig::overlaps(*u, *z, s, p.placement_size))
-        };
         let count = st
             .gpu_instances
             .iter()
             .filter(|gi| gi.profile_id == profile_id)
             .count();
+        if let Some(s) = start
+            && !p.is_valid_start(s)
+        {
+            return Err(MigError::BadPlacement);
+        }
         if count >= p.instance_count as usize {
             return Err(MigError::Insufficient);
         }
+        let free = State::free_gi_starts(table, st, p);
         let start = match start {
-            Some(s) if !p.is_valid_start(s) => return Err(MigError::BadPlacement),
-            Some(s) if !free(s) => return Err(MigError::Insufficient),
+            Some(s) if !free.contains(&s) => return Err(MigError::Insufficient),
             Some(s) => s,
-            None => *p
-                .placement_starts
-                .iter()
-                .rev()
-                .find(|s| free(**s))
-                .ok_or(MigError::Insufficient)?,
+            None => *free.last().ok_or(MigError::Insufficient)?,
         };
         let first = if p.placement_size == mig::MEMORY_SLICES {
             0
         } else {
             1
         };
-        let id = (first..=14)
+        let id = (first..mig::MAX_GPU_INSTANCES)
             .find(|id| st.gpu_instances.iter().all(|gi| gi.id != *id))
             .ok_or(MigError::Insufficient)?;
         st.gpu_instances.push(GpuInstance {
@@ -453,35 +492,110 @@ impl State {
         Ok(id)
     }
 
+    /// GPU instance `gi` of a MIG-enabled GPU and its profile.
+    fn gpu_instance_ref(
+        &self,
+        gpu: usize,
+        gi: u32,
+    ) -> Result<(&GpuInstance, &'static mig::GiProfile), MigError> {
+        let (table, st) = self.mig_gpu_ref(gpu)?;
+        if !st.mig_current {
+            return Err(MigError::NotEnabled);
+        }
+        let inst = st
+            .gpu_instances
+            .iter()
+            .find(|x| x.id == gi)
+            .ok_or(MigError::NotFound)?;
+        let p = mig::by_id(table, inst.profile_id).ok_or(MigError::UnknownProfile)?;
+        Ok((inst, p))
+    }
+
+    /// Compute slices of CI profile `ci_profile` inside a GI of profile `p`, if it offers it.
+    fn ci_slices_in(p: &mig::GiProfile, ci_profile: u32) -> Result<u32, MigError> {
+        mig::ci_profile_slices(ci_profile)
+            .filter(|c| *c <= p.slice_count)
+            .ok_or(MigError::UnknownProfile)
+    }
+
+    /// The compute-slice starts for a `c`-slice CI that no compute instance of `inst` overlaps.
+    fn free_ci_starts(inst: &GpuInstance, p: &mig::GiProfile, c: u32) -> Vec<u32> {
+        mig::ci_placement_starts(c, p.slice_count)
+            .into_iter()
+            .filter(|s| {
+                !inst
+                    .compute_instances
+                    .iter()
+                    .any(|ci| mig::overlaps(ci.placement_start, ci.slice_count, *s, c))
+            })
+            .collect()
+    }
+
+    /// How many more compute instances of CI profile `ci_profile` GPU instance `gi` can
+    /// take now (`nvmlGpuInstanceGetComputeInstanceRemainingCapacity`).
+    pub fn compute_instance_capacity(
+        &self,
+        gpu: usize,
+        gi: u32,
+        ci_profile: u32,
+    ) -> Result<u32, MigError> {
+        let (inst, p) = self.gpu_instance_ref(gpu, gi)?;
+        let c = State::ci_slices_in(p, ci_profile)?;
+        Ok(State::free_ci_starts(inst, p, c).len() as u32)
+    }
+
     /// Creates the full-size (default) compute instance in GPU instance `gi`; returns its ID.
     pub fn create_compute_instance(&mut self, gpu: usize, gi: u32) -> Result<u32, MigError> {
+        let (_, p) = self.gpu_instance_ref(gpu, gi)?;
+        self.create_compute_instance_with(gpu, gi, p.default_ci_profile(), None)
+    }
+
+    /// Creates a compute instance of CI profile `ci_profile` (the NVML constant, which is also
+    /// its ID) in GPU instance `gi`, at compute slice `start` or the first free placement;
+    /// returns its ID (the lowest free one). Refused: a profile the GI does not offer
+    /// (`UnknownProfile`), a start that is not one of the profile's (`BadPlacement`), slices
+    /// taken by another compute instance (`Insufficient`).
+    pub fn create_compute_instance_with(
+        &mut self,
+        gpu: usize,
+        gi: u32,
+        ci_profile: u32,
+        start: Option<u32>,
+    ) -> Result<u32, MigError> {
+        let (inst, p) = self.gpu_instance_ref(gpu, gi)?;
+        let c = State::ci_slices_in(p, ci_profile)?;
+        if let Some(s) = start
+            && !mig::ci_placement_starts(c, p.slice_count).contains(&s)
+        {
+            return Err(MigError::BadPlacement);
+        }
+        let free = State::free_ci_starts(inst, p, c);
+        let start = match start {
+            Some(s) if !free.contains(&s) => return Err(MigError::Insufficient),
+            Some(s) => s,
+            None => *free.first().ok_or(MigError::Insufficient)?,
+        };
+        let id = (0..mig::MAX_COMPUTE_INSTANCES)
+            .find(|id| inst.compute_instances.iter().all(|ci| ci.id != *id))
+            .ok_or(MigError::Insufficient)?;
+        let parent = self.profile.gpus[gpu].uuid.clone();
         self.generation += 1;
-        let generation = self.generation;
-        let parent = self
-            .profile
-            .gpus
-            .get(gpu)
-            .map(|g| g.uuid.clone())
-            .ok_or(MigError::NotFound)?;
-        let (table, st) = self.mig_gpu(gpu)?;
+        let uuid = mig_uuid(&parent, gi, id, self.generation);
+        let (_, st) = self.mig_gpu(gpu)?;
         let inst = st
             .gpu_instances
             .iter_mut()
             .find(|x| x.id == gi)
             .ok_or(MigError::NotFound)?;
-        let p = mig::by_id(table, inst.profile_id).ok_or(MigError::UnknownProfile)?;
-        // Only full-size compute instances are simulated, so a GI holds at most one.
-        if !inst.compute_instances.is_empty() {
-            return Err(MigError::Insufficient);
-        }
         inst.compute_instances.push(ComputeInstance {
-            id: 0,
-            profile_id: p.default_ci_profile(),
-            placement_start: 0,
-            slice_count: p.slice_count,
-            uuid: mig_uuid(&parent, gi, 0, generation),
+            id,
+            profile_id: ci_profile,
+            placement_start: start,
+            slice_count: c,
+            uuid,
         });
-        Ok(0)
+        inst.compute_instances.sort_by_key(|ci| ci.id);
+        Ok(id)
     }
 
     /// Destroys compute instance `ci` of GPU instance `gi`.

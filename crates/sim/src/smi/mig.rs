@@ -1,44 +1,26 @@
 //! `nvidia-smi -mig` and `nvidia-smi mig`: MIG mode and GPU/compute instances, so tests and
 //! demos can change a simulated node's MIG layout the way an operator changes a real one.
 //!
-//! Only full-size compute instances exist in the simulator (`-cgi … -C`, `-cci` without a
-//! profile). After every change the capability files under `proc/` and `dev/nvidia-caps/`
-//! of the simulated root are brought in line with the new layout.
+//! The stand-in creates only full-size compute instances (`-cgi … -C`, `-cci` without a
+//! profile; smaller ones come through NVML). The rules are the state's
+//! ([`State::create_gpu_instance`] and friends), shared with the NVML exports, and after every
+//! change the capability files under `proc/` and `dev/nvidia-caps/` of the simulated root are
+//! brought in line with the new layout.
 
 use std::io::Write;
-use std::path::PathBuf;
 
 use super::{EXIT_INVALID, EXIT_NOT_FOUND, EXIT_NOT_SUPPORTED, EXIT_OK, EXIT_OTHER};
 use super::{INVALID_COMBINATION, no_driver, resolve_ids, switch_value};
 use crate::mig as tables;
-use crate::state::{MigError, STATE_RELATIVE, State, StateFile};
+use crate::state::{MigError, State, StateFile};
 
-/// The simulated root a state file belongs to, if it sits at `<root>/etc/gpu-sim/state.json`.
-fn root_of(file: &StateFile) -> Option<PathBuf> {
-    let mut p = file.path().to_path_buf();
-    if !p.ends_with(STATE_RELATIVE) {
-        return None;
-    }
-    for _ in 0..3 {
-        p.pop();
-    }
-    Some(p)
-}
-
-/// Applies `f` under the state lock, then refreshes the capability files.
+/// Applies `f` under the state lock, with the capability files brought in line
+/// ([`crate::setup::change_mig_layout`]); `None` when the state cannot be changed.
 fn change<T>(file: &StateFile, f: impl FnOnce(&mut State) -> T) -> Option<T> {
-    let res = file
-        .update(|s| Ok::<T, std::convert::Infallible>(f(s)))
-        .ok()?;
-    let value = match res {
-        Ok(v) => v,
+    match crate::setup::change_mig_layout(file, |s| Ok::<T, std::convert::Infallible>(f(s))).ok()? {
+        Ok(v) => Some(v),
         Err(never) => match never {},
-    };
-    if let (Some(root), Ok(state)) = (root_of(file), file.load()) {
-        // Best effort: the state is the source of truth for NVML; the files are for CDI.
-        let _ = crate::setup::sync_mig_files(&root, &state);
     }
-    Some(value)
 }
 
 fn exit_for(e: &MigError) -> i32 {
@@ -197,16 +179,9 @@ fn listing(table: &'static [tables::GiProfile]) -> Vec<&'static tables::GiProfil
     v
 }
 
-fn free_count(state: &State, gpu: usize, p: &tables::GiProfile) -> usize {
-    let mut trial = state.clone();
-    let mut n = 0;
-    if !trial.gpus[gpu].mig_current {
-        return 0;
-    }
-    while trial.create_gpu_instance(gpu, p.id, None).is_ok() {
-        n += 1;
-    }
-    n
+fn free_count(state: &State, gpu: usize, p: &tables::GiProfile) -> u32 {
+    // MIG off (or any other refusal): nothing is free, as the real listing shows.
+    state.gpu_instance_capacity(gpu, p.id).unwrap_or(0)
 }
 
 fn list_profiles(state: &State, gpus: &[usize], out: &mut dyn Write) -> std::io::Result<i32> {
