@@ -149,6 +149,12 @@ func TestNodeReboot(t *testing.T) {
 // the test ends.
 func addBootNode(ctx context.Context, t *testing.T, name, profile string, before func(*harness.Node)) *harness.Node {
 	t.Helper()
+	return addPluginNode(ctx, t, name, profile, nil, before)
+}
+
+// addPluginNode is addBootNode with extra plugin flags.
+func addPluginNode(ctx context.Context, t *testing.T, name, profile string, extraArgs []string, before func(*harness.Node)) *harness.Node {
+	t.Helper()
 	n, err := cluster.AddNode(ctx, harness.NodeOptions{Name: name})
 	if err != nil {
 		t.Fatal(err)
@@ -173,7 +179,7 @@ func addBootNode(ctx context.Context, t *testing.T, name, profile string, before
 	if before != nil {
 		before(n)
 	}
-	if _, err := n.StartPlugin(ctx, harness.PluginOptions{Profile: profile, BootIDFile: n.BootIDFile()}); err != nil {
+	if _, err := n.StartPlugin(ctx, harness.PluginOptions{Profile: profile, BootIDFile: n.BootIDFile(), ExtraArgs: extraArgs}); err != nil {
 		t.Fatal(err)
 	}
 	if !eventually(ctx, 60*time.Second, func() bool { return n.DriverRegistered(harness.DefaultDriver) }) {

@@ -240,6 +240,10 @@ impl HealthBook {
                 let gpu = self.gpus.entry(gpu_uuid.clone()).or_default();
                 if !reachable {
                     gpu.lost_since.get_or_insert(now);
+                    // Whatever happened before ends when the GPU is back (reset or reboot).
+                    for c in &mut gpu.conditions {
+                        c.escalated = true;
+                    }
                 } else {
                     gpu.lost_since = None;
                     gpu.reports_recovery = recovery_action.is_some();
@@ -435,7 +439,14 @@ mod tests {
             .get(device)
             .map(|t| {
                 t.iter()
-                    .map(|t| format!("{}={}:{}", t.key, t.value.clone().unwrap_or_default(), t.effect.as_str()))
+                    .map(|t| {
+                        format!(
+                            "{}={}:{}",
+                            t.key,
+                            t.value.clone().unwrap_or_default(),
+                            t.effect.as_str()
+                        )
+                    })
                     .collect()
             })
             .unwrap_or_default()
@@ -455,9 +466,14 @@ mod tests {
         }
         assert!(b.view(&inv).taints.is_empty());
         assert!(b.observe(&xid(&uuid, 48, None), 10));
-        assert_eq!(keys(&b.view(&inv), "gpu-0"), ["gpu.nvidia.com/xid=48:NoSchedule"]);
+        assert_eq!(
+            keys(&b.view(&inv), "gpu-0"),
+            ["gpu.nvidia.com/xid=48:NoSchedule"]
+        );
         assert!(HealthPolicy::new("d").with_ignored_xids("12,x").is_err());
-        let all = HealthPolicy::new("d").with_ignored_xids("all").expect("all");
+        let all = HealthPolicy::new("d")
+            .with_ignored_xids("all")
+            .expect("all");
         assert!(all.ignores(48));
     }
 
@@ -487,7 +503,10 @@ mod tests {
             101
         ));
         let view = b.view(&inv);
-        assert_eq!(keys(&view, &n2), ["gpu.nvidia.com/ecc=uncorrectable:NoSchedule"]);
+        assert_eq!(
+            keys(&view, &n2),
+            ["gpu.nvidia.com/ecc=uncorrectable:NoSchedule"]
+        );
         assert_eq!(keys(&view, &n1).len(), 2);
     }
 
@@ -503,6 +522,18 @@ mod tests {
         assert!(view.devices["gpu-1"].healthy);
         assert!(!b.observe(&probe(&uuid, false, None), 6), "same state");
         assert!(b.observe(&probe(&uuid, true, Some(0)), 7));
+        assert!(b.view(&inv).taints.is_empty());
+        // The fall arrives as XID 79, then the GPU is unreachable; back after a reset, both end.
+        b.observe(&xid(&uuid, XID_FALLEN_OFF_BUS, None), 8);
+        b.observe(&probe(&uuid, false, None), 8);
+        assert_eq!(
+            keys(&b.view(&inv), "gpu-0"),
+            [
+                "gpu.nvidia.com/gpu-lost=:NoExecute",
+                "gpu.nvidia.com/xid=79:NoExecute"
+            ]
+        );
+        b.observe(&probe(&uuid, true, Some(0)), 9);
         assert!(b.view(&inv).taints.is_empty());
     }
 

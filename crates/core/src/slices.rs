@@ -294,10 +294,7 @@ pub fn render_slices_tainted(
     let chunks: Vec<Vec<Device>> = if devices.is_empty() {
         vec![Vec::new()]
     } else {
-        devices
-            .chunks(per_slice)
-            .map(<[Device]>::to_vec)
-            .collect()
+        devices.chunks(per_slice).map(<[Device]>::to_vec).collect()
     };
     let count = chunks.len() as i64;
     let slices = chunks

@@ -18,6 +18,10 @@ pub struct Inventory {
     pub cuda_driver_version: String,
     /// GPUs ordered by NVML index.
     pub gpus: Vec<Gpu>,
+    /// NVML indexes of GPUs that answered `NVML_ERROR_GPU_IS_LOST` (fallen off the bus):
+    /// counted by the driver, not readable, so not in `gpus`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub lost_gpus: Vec<u32>,
 }
 
 /// One physical GPU.

@@ -293,6 +293,7 @@ pub fn inventory(gpus: impl IntoIterator<Item = Gpu>) -> Inventory {
         driver_version: DRIVER_VERSION.into(),
         cuda_driver_version: CUDA_DRIVER_VERSION.into(),
         gpus: gpus.into_iter().collect(),
+        lost_gpus: Vec::new(),
     }
 }
 

@@ -30,10 +30,10 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
+use crate::inventory::{LiveInventory, ResolveError};
 use gpu_dra_core::cdi::{SpecDevice, cdi_device_id};
 use gpu_dra_core::checkpoint::{Checkpoint, ClaimEntry, PrepareState, PreparedDevice};
 use gpu_dra_core::plan::{self, ConfigDecoder, Plan, PlanError};
-use crate::inventory::{LiveInventory, ResolveError};
 use serde_json::Value;
 use tracing::{info, warn};
 
@@ -417,7 +417,7 @@ impl Driver {
         // Planned against the hardware of now, and refused for a device that is not the one
         // this node published under its name (see crate::inventory).
         let names: Vec<&str> = input.devices.iter().map(|d| d.device.as_str()).collect();
-        let inventory = self.inventory.resolve(&names).await?;
+        let inventory = self.inventory.resolve(&claim.uid, &names).await?;
         let plan = plan::plan(&input, &inventory, self.decoder.as_ref())?;
         refuse_sharing_with_admin_access(&plan)?;
         self.failpoints.hit("prepare.after_plan").await?;
@@ -587,7 +587,10 @@ impl Driver {
         self.metrics
             .observe("unprepare", started.elapsed().as_secs_f64(), result.is_ok());
         match &result {
-            Ok(()) => info!(claim.uid = %claim.uid, "unprepared"),
+            Ok(()) => {
+                self.inventory.forget(&claim.uid);
+                info!(claim.uid = %claim.uid, "unprepared");
+            }
             Err(e) => warn!(claim.uid = %claim.uid, error = %e, "unprepare failed"),
         }
         result

@@ -149,12 +149,7 @@ pub async fn watch(
     probe_interval: Duration,
     mut stop: watch::Receiver<bool>,
 ) {
-    let gpus: Vec<String> = live
-        .current()
-        .gpus
-        .iter()
-        .map(|g| g.uuid.clone())
-        .collect();
+    let gpus: Vec<String> = live.current().gpus.iter().map(|g| g.uuid.clone()).collect();
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<HealthObservation>();
     let stopping = Arc::new(AtomicBool::new(false));
     let thread_stop = stopping.clone();
@@ -233,7 +228,10 @@ mod tests {
         let first = stream.next().await.expect("report").expect("ok");
         assert_eq!(
             states(&first),
-            [("node-a/gpu-0".to_string(), healthy), ("node-a/gpu-1".to_string(), healthy)]
+            [
+                ("node-a/gpu-0".to_string(), healthy),
+                ("node-a/gpu-1".to_string(), healthy)
+            ]
         );
         // Unchanged: sent again.
         let again = tokio::time::timeout(Duration::from_secs(2), stream.next()).await;
@@ -252,7 +250,10 @@ mod tests {
             }
         };
         assert_eq!(report.devices[0].health, h::HealthStatus::Unhealthy as i32);
-        assert!(report.devices[0].message.contains("XID error 48"), "{report:?}");
+        assert!(
+            report.devices[0].message.contains("XID error 48"),
+            "{report:?}"
+        );
         assert_eq!(report.devices[1].health, healthy);
         stop.send(true).expect("stop");
         let end = tokio::time::timeout(Duration::from_secs(2), async {

@@ -64,9 +64,19 @@ pub enum ResolveError {
         /// What was published under that name.
         published: String,
     },
+    /// The device's GPU fell off the bus.
+    #[error(
+        "device {device} is on GPU {gpu}, which is lost (fallen off the bus); the device is tainted; delete the claim's pod (or the claim) so that it is allocated elsewhere"
+    )]
+    Lost {
+        /// Device name.
+        device: String,
+        /// GPU UUID.
+        gpu: String,
+    },
     /// The device under that name is another one now.
     #[error(
-        "device {device} changed since this node published it (published as {published}, now {now}: its MIG instance was destroyed and created again); refusing to prepare another device than the one allocated: this node's ResourceSlices are being republished, the kubelet's next attempt prepares the device as it is now"
+        "device {device} changed since this node published it (published as {published}, now {now}: its MIG instance was destroyed and created again); refusing to prepare another device than the one the claim was allocated: this node's ResourceSlices are being republished; delete the claim's pod (or the claim) so that it is allocated again"
     )]
     Changed {
         /// Device name.
@@ -88,6 +98,25 @@ pub struct LiveInventory {
     published: Mutex<Option<BTreeMap<String, String>>>,
     /// The last discovery: when it started and what it found.
     last: tokio::sync::Mutex<Option<(Instant, Arc<Inventory>)>>,
+    /// Claims refused because a device changed under them: claim UID -> the refusal. Kept
+    /// until the claim is unprepared: after the republication the device's name is valid
+    /// again, but the claim was allocated for the old identity (its selector may have named
+    /// it), so its retries are refused too.
+    refused: Mutex<BTreeMap<String, (String, String, String)>>,
+}
+
+/// A GPU that fell off the bus cannot be read, but its devices stay published (tainted by the
+/// health view, refused by prepare) instead of vanishing: the last record of the GPU at that
+/// NVML index is kept.
+fn keep_lost_gpus(previous: &Inventory, found: &Inventory) -> Inventory {
+    let mut merged = found.clone();
+    for index in &found.lost_gpus {
+        if let Some(gpu) = previous.gpus.iter().find(|g| g.index == *index) {
+            merged.gpus.push(gpu.clone());
+        }
+    }
+    merged.gpus.sort_by_key(|g| g.index);
+    merged
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -126,6 +155,7 @@ impl LiveInventory {
             book: Mutex::new(book),
             published: Mutex::new(None),
             last: tokio::sync::Mutex::new(None),
+            refused: Mutex::new(BTreeMap::new()),
         })
     }
 
@@ -163,17 +193,21 @@ impl LiveInventory {
                 target: "the inventory backend".into(),
                 reason: format!("discovery task failed: {join}"),
             })??;
-        let found = Arc::new(found);
-        *last = Some((started, found.clone()));
-        drop(last);
-        self.replace_inventory(found.clone());
-        Ok(found)
+        self.replace_inventory(Arc::new(found));
+        let current = self.current();
+        *last = Some((started, current.clone()));
+        Ok(current)
     }
 
-    fn replace_inventory(&self, inventory: Arc<Inventory>) {
-        if *self.tx.borrow().inventory == *inventory {
-            return;
-        }
+    fn replace_inventory(&self, found: Arc<Inventory>) {
+        let inventory = {
+            let current = self.tx.borrow();
+            let merged = keep_lost_gpus(&current.inventory, &found);
+            if *current.inventory == merged {
+                return;
+            }
+            Arc::new(merged)
+        };
         info!(
             gpus = inventory.gpus.len(),
             devices = inventory.devices().count(),
@@ -222,13 +256,32 @@ impl LiveInventory {
         *lock(&self.published) = Some(map);
     }
 
-    /// The live inventory for preparing `devices`, after checking that each is still the
-    /// device this node published under its name.
-    pub async fn resolve(&self, devices: &[&str]) -> Result<Arc<Inventory>, ResolveError> {
+    /// The live inventory for preparing `devices` of claim `claim_uid`, after checking that
+    /// each is still the device this node published under its name.
+    pub async fn resolve(
+        &self,
+        claim_uid: &str,
+        devices: &[&str],
+    ) -> Result<Arc<Inventory>, ResolveError> {
+        if let Some((device, published, now)) = lock(&self.refused).get(claim_uid).cloned() {
+            return Err(ResolveError::Changed {
+                device,
+                published,
+                now,
+            });
+        }
         let live = self.rediscover().await?;
         let published = lock(&self.published).clone();
         for &name in devices {
             let was = published.as_ref().and_then(|p| p.get(name));
+            if let Some(d) = live.device(name)
+                && live.lost_gpus.contains(&d.gpu().index)
+            {
+                return Err(ResolveError::Lost {
+                    device: name.to_string(),
+                    gpu: d.gpu().uuid.clone(),
+                });
+            }
             let Some(now) = live.device(name) else {
                 // Unknown names are the planner's to refuse (with the list of known devices);
                 // a published one that is gone is ours.
@@ -244,15 +297,22 @@ impl LiveInventory {
             if let Some(uuid) = was
                 && uuid != now.uuid()
             {
-                warn!(device = %name, published = %uuid, now = %now.uuid(), "allocated device changed identity");
+                warn!(claim.uid = %claim_uid, device = %name, published = %uuid, now = %now.uuid(), "allocated device changed identity");
+                let refusal = (name.to_string(), uuid.clone(), now.uuid().to_string());
+                lock(&self.refused).insert(claim_uid.to_string(), refusal.clone());
                 return Err(ResolveError::Changed {
-                    device: name.to_string(),
-                    published: uuid.clone(),
-                    now: now.uuid().to_string(),
+                    device: refusal.0,
+                    published: refusal.1,
+                    now: refusal.2,
                 });
             }
         }
         Ok(live)
+    }
+
+    /// The claim was unprepared: its refusal (if any) is over.
+    pub fn forget(&self, claim_uid: &str) {
+        lock(&self.refused).remove(claim_uid);
     }
 }
 
@@ -291,7 +351,7 @@ mod tests {
             gpu.mig_devices[1].device_name(gpu),
         );
         // Nothing published yet (no publisher): the live device is taken as it is.
-        assert!(live.resolve(&[&n0]).await.is_ok());
+        assert!(live.resolve("c0", &[&n0]).await.is_ok());
         live.mark_published(&first);
         let mut changes = live.subscribe();
         changes.borrow_and_update();
@@ -303,18 +363,57 @@ mod tests {
             migs.remove(1);
         });
         fixture.set(second.clone());
-        let err = live.resolve(&[&n0]).await.expect_err("changed");
+        let err = live.resolve("c1", &[&n0]).await.expect_err("changed");
         assert!(matches!(err, ResolveError::Changed { .. }), "{err}");
-        assert!(err.to_string().contains("MIG-00000000-0000-5000-8000-000000000099"));
-        assert!(changes.has_changed().expect("sender alive"), "republish wakes");
-        let err = live.resolve(&[&n1]).await.expect_err("gone");
+        assert!(
+            err.to_string()
+                .contains("MIG-00000000-0000-5000-8000-000000000099")
+        );
+        assert!(
+            changes.has_changed().expect("sender alive"),
+            "republish wakes"
+        );
+        let err = live.resolve("c2", &[&n1]).await.expect_err("gone");
         assert!(matches!(err, ResolveError::Gone { .. }), "{err}");
 
-        // Republished: the new identity is prepared, with its own GI ID.
+        // Republished: the claim allocated for the old identity stays refused until it is
+        // unprepared; a claim allocated now gets the new identity, with its own GI ID.
         live.mark_published(&second);
-        let inv = live.resolve(&[&n0]).await.expect("republished");
-        assert_eq!(inv.device(&n0).map(|d| d.uuid()), second.device(&n0).map(|d| d.uuid()));
+        let err = live
+            .resolve("c1", &[&n0])
+            .await
+            .expect_err("still the old allocation");
+        assert!(matches!(err, ResolveError::Changed { .. }), "{err}");
+        live.forget("c1");
+        assert!(live.resolve("c1", &[&n0]).await.is_ok());
+        let inv = live.resolve("c3", &[&n0]).await.expect("republished");
+        assert_eq!(
+            inv.device(&n0).map(|d| d.uuid()),
+            second.device(&n0).map(|d| d.uuid())
+        );
         assert_eq!(*live.current(), second);
+    }
+
+    #[tokio::test]
+    async fn a_lost_gpu_stays_published_and_is_refused() {
+        let first = inventory([a100(0).build(), a100(1).build()]);
+        let fixture = Arc::new(FixtureInventory::new(first.clone()));
+        let live = LiveInventory::with_inventory(
+            fixture.clone(),
+            first.clone(),
+            HealthPolicy::new("gpu.nvidia.com"),
+        );
+        let mut lost = first.clone();
+        lost.gpus.remove(1);
+        lost.lost_gpus = vec![first.gpus[1].index];
+        fixture.set(lost);
+        let err = live.resolve("c", &["gpu-1"]).await.expect_err("lost");
+        assert!(matches!(err, ResolveError::Lost { .. }), "{err}");
+        assert_eq!(live.current().gpus.len(), 2, "still published");
+        assert!(live.resolve("c", &["gpu-0"]).await.is_ok());
+        fixture.set(first.clone());
+        assert!(live.resolve("c", &["gpu-1"]).await.is_ok());
+        assert!(live.current().lost_gpus.is_empty());
     }
 
     #[tokio::test]
@@ -329,7 +428,10 @@ mod tests {
         let (a, b) = tokio::join!(live.rediscover(), live.rediscover());
         assert!(a.is_ok() && b.is_ok());
         fixture.fail("driver unloaded");
-        let err = live.resolve(&["gpu-0"]).await.expect_err("discovery fails");
+        let err = live
+            .resolve("c", &["gpu-0"])
+            .await
+            .expect_err("discovery fails");
         assert!(err.to_string().contains("driver unloaded"), "{err}");
     }
 
@@ -349,7 +451,10 @@ mod tests {
             event: HealthEvent::Xid(13),
             instance: None,
         });
-        assert!(!changes.has_changed().expect("alive"), "application XID ignored");
+        assert!(
+            !changes.has_changed().expect("alive"),
+            "application XID ignored"
+        );
         live.observe(&HealthObservation::Event {
             gpu_uuid: uuid.clone(),
             event: HealthEvent::Xid(48),

@@ -10,9 +10,9 @@ use std::convert::Infallible;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use gpu_dra_core::health::HealthPolicy;
 use gpu_dra_device::fixture::FixtureInventory;
 use gpu_dra_device::testing::h100_inventory as inventory;
-use gpu_dra_core::health::HealthPolicy;
 use gpu_dra_kubelet_plugin::inventory::LiveInventory;
 use gpu_dra_kubelet_plugin::publish::{self, PublishStatus, PublisherConfig};
 use http::{Request, Response, StatusCode};

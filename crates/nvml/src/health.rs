@@ -252,7 +252,10 @@ impl<'a> EventSet<'a> {
         // SAFETY: live handle and event set.
         let ret = unsafe { register(device, mask, self.set) };
         if ret != nvmlReturn_enum_NVML_SUCCESS {
-            return Err(format!("nvmlDeviceRegisterEvents: {}", NvmlError::from(ret)));
+            return Err(format!(
+                "nvmlDeviceRegisterEvents: {}",
+                NvmlError::from(ret)
+            ));
         }
         Ok(())
     }

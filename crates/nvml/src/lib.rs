@@ -135,19 +135,35 @@ impl GpuInventory for NvmlInventory {
             .device_count()
             .map_err(query("nvmlDeviceGetCount_v2", system))?;
         let mut gpus = Vec::with_capacity(count as usize);
+        let mut lost_gpus = Vec::new();
         for index in 0..count {
-            let device = nvml
-                .device_by_index(index)
-                .map_err(query("nvmlDeviceGetHandleByIndex_v2", || {
+            // A GPU that fell off the bus is reported, not fatal: the rest of the node works.
+            let device = match nvml.device_by_index(index) {
+                Err(NvmlError::GpuLost) => {
+                    tracing::warn!(gpu = index, "GPU is lost (fallen off the bus)");
+                    lost_gpus.push(index);
+                    continue;
+                }
+                other => other.map_err(query("nvmlDeviceGetHandleByIndex_v2", || {
                     format!("GPU index {index}")
-                }))?;
-            gpus.push(self.gpu(&nvml, index, &device)?);
+                }))?,
+            };
+            match self.gpu(&nvml, index, &device) {
+                Err(DeviceError::Query { reason, .. })
+                    if reason == NvmlError::GpuLost.to_string() =>
+                {
+                    tracing::warn!(gpu = index, "GPU is lost (fallen off the bus)");
+                    lost_gpus.push(index);
+                }
+                other => gpus.push(other?),
+            }
         }
         tracing::debug!(gpus = gpus.len(), driver = %driver_version, "discovered GPUs through NVML");
         Ok(Inventory {
             driver_version,
             cuda_driver_version: names::cuda_driver_version(cuda),
             gpus,
+            lost_gpus,
         })
     }
 }

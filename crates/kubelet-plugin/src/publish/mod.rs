@@ -235,7 +235,8 @@ pub async fn run(
             if !dirty {
                 return Ok(None);
             }
-            let generation = reconcile(&slices, &nodes, &config, &snapshot, last_generation).await?;
+            let generation =
+                reconcile(&slices, &nodes, &config, &snapshot, last_generation).await?;
             last_generation = last_generation.max(generation);
             dirty = false;
             live.mark_published(&snapshot.inventory);
