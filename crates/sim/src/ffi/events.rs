@@ -88,7 +88,10 @@ pub const FI_DEV_GET_GPU_RECOVERY_ACTION: c_uint = 230;
 /// `NVML_VALUE_TYPE_UNSIGNED_INT`.
 pub const VALUE_TYPE_UNSIGNED_INT: c_uint = 1;
 
-const POLL: Duration = Duration::from_millis(10);
+/// How often a waiting set reads the state file: each read parses the whole node state, and
+/// every plugin of a test cluster waits all the time; a tenth of a second is quick enough for
+/// health events.
+const POLL: Duration = Duration::from_millis(100);
 
 /// One GPU's registration in a set.
 struct Registration {
