@@ -48,10 +48,16 @@
 //! [`MAX_COUNTER_SETS_PER_SLICE`], [`MAX_COUNTERS_PER_COUNTER_SET`],
 //! [`MAX_COUNTER_CONSUMPTIONS_PER_DEVICE`], [`MAX_COUNTERS_PER_CONSUMPTION`],
 //! [`MAX_DEVICES_PER_SLICE_WITH_COUNTERS`]; set and counter names must be DNS labels
-//! ([`MAX_DNS_LABEL_LENGTH`]). 1.37.1 has no limit on the total counters consumed per slice
-//! (earlier alphas had one). A device consumes from one set only and at most as many counters as
-//! the set has, so the per-device limits follow from the per-set one. An A100 needs 8 + 6
-//! counters and 20 devices. A GPU that would need more than [`MAX_COUNTERS_PER_COUNTER_SET`]
+//! ([`MAX_DNS_LABEL_LENGTH`]). The 1.37.1 validation sets no limit on the total counters
+//! consumed per slice. A device consumes from one set only and at most as many counters as the
+//! set has, so the per-device limits follow from the per-set one. An A100-40GB needs 8 + 6
+//! counters and 26 devices (25 placements and the whole GPU).
+//!
+//! # Order
+//! Devices follow discovery order: the whole GPU, then each profile's placements from slice 0.
+//! The allocator is first-fit, so small requests take the low placements first; ordering them
+//! to keep large placements free (NVIDIA's driver creates `1g` instances from slice 6 down) is
+//! left for later. A GPU that would need more than [`MAX_COUNTERS_PER_COUNTER_SET`]
 //! counters (or whose profiles are unusable, see [`StaticReason`]) is rendered statically, with
 //! a [`RenderWarning`] saying why: never an invalid slice, which would fail the whole publish.
 //!
