@@ -2,12 +2,14 @@
 //!
 //! - [`plan`]: a ResourceClaim + the node inventory + opaque configs -> a prepare plan.
 //! - [`cdi`]: CDI spec documents for a prepared claim, built from plain inputs.
+//! - [`dynamic_mig`]: dynamic MIG GPUs as partitionable devices (counter sets + placements).
 //! - [`checkpoint`]: the node plugin's checkpoint model, versioned and tolerant of unknown fields.
 //! - [`sharing`]: sharing group names, MPS limits per device UUID, MPS client container edits.
 //! - [`nvidia_checkpoint`]: NVIDIA's driver's checkpoint, read into our entries for an in-place switch.
 
 pub mod cdi;
 pub mod checkpoint;
+pub mod dynamic_mig;
 pub mod health;
 pub mod ldcache;
 pub mod nvidia_checkpoint;

@@ -6,7 +6,9 @@
 //! Compatibility contract (selectors written for the NVIDIA driver must select the same
 //! devices): device names `gpu-<minor>` and
 //! `gpu-<minor>-mig-<profile>-<giProfileId>-<placementStart>`, and the attribute and capacity
-//! names below. A GPU with MIG enabled is published as its MIG devices only.
+//! names below. A GPU with MIG enabled is published as its MIG devices only; a GPU the admin
+//! marks for dynamic MIG is published as partitionable devices by
+//! [`crate::dynamic_mig::render_pool`], which renders every other GPU through this module.
 //!
 //! API limits honoured here:
 //! - at most [`MAX_DEVICES_PER_SLICE`] devices per slice: devices are split, in publication
@@ -23,7 +25,7 @@ use std::collections::BTreeMap;
 use gpu_dra_api::quantity::Format;
 use gpu_dra_device::{DeviceRef, Gpu, Inventory, MigDevice};
 use k8s_openapi::api::resource::v1::{
-    Device, DeviceAttribute, DeviceCapacity, DeviceTaint, ResourcePool, ResourceSlice,
+    CounterSet, Device, DeviceAttribute, DeviceCapacity, DeviceTaint, ResourcePool, ResourceSlice,
     ResourceSliceSpec,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
@@ -279,46 +281,78 @@ pub fn render_slices_tainted(
     taints: &BTreeMap<String, Vec<crate::health::Taint>>,
 ) -> Rendered {
     let (mut devices, warnings) = render_devices(inventory);
-    let mut tainted = false;
-    for device in &mut devices {
-        if let Some(list) = taints.get(&device.name).filter(|l| !l.is_empty()) {
-            tainted = true;
-            device.taints = Some(list.iter().map(device_taint).collect());
-        }
-    }
-    let per_slice = if tainted {
-        MAX_DEVICES_PER_SLICE_WITH_TAINTS
-    } else {
-        MAX_DEVICES_PER_SLICE
-    };
-    let chunks: Vec<Vec<Device>> = if devices.is_empty() {
-        vec![Vec::new()]
-    } else {
-        devices.chunks(per_slice).map(<[Device]>::to_vec).collect()
-    };
+    let chunks = device_chunks(&mut devices, taints, true);
     let count = chunks.len() as i64;
     let slices = chunks
         .into_iter()
         .enumerate()
-        .map(|(n, devices)| ResourceSlice {
-            metadata: ObjectMeta {
-                name: Some(slice_name(params.node_name, params.driver_name, n)),
-                ..ObjectMeta::default()
-            },
-            spec: ResourceSliceSpec {
-                driver: params.driver_name.to_string(),
-                node_name: Some(params.node_name.to_string()),
-                pool: ResourcePool {
-                    name: params.node_name.to_string(),
-                    generation: params.generation,
-                    resource_slice_count: count,
-                },
-                devices: Some(devices),
-                ..ResourceSliceSpec::default()
-            },
-        })
+        .map(|(n, devices)| pool_slice(params, n, count, Some(devices), None))
         .collect();
     Rendered { slices, warnings }
+}
+
+/// Sets the taints of `devices` from `taints` and splits them into slice-sized chunks: at most
+/// [`MAX_DEVICES_PER_SLICE_WITH_TAINTS`] when any device is tainted or `consumes_counters`,
+/// else [`MAX_DEVICES_PER_SLICE`]. No devices give one empty chunk when `keep_empty`, none
+/// otherwise.
+pub(crate) fn device_chunks(
+    devices: &mut [Device],
+    taints: &BTreeMap<String, Vec<crate::health::Taint>>,
+    keep_empty: bool,
+) -> Vec<Vec<Device>> {
+    let mut advanced = false;
+    for device in devices.iter_mut() {
+        if let Some(list) = taints.get(&device.name).filter(|l| !l.is_empty()) {
+            advanced = true;
+            device.taints = Some(list.iter().map(device_taint).collect());
+        }
+        advanced |= device
+            .consumes_counters
+            .as_ref()
+            .is_some_and(|c| !c.is_empty());
+    }
+    let per_slice = if advanced {
+        MAX_DEVICES_PER_SLICE_WITH_TAINTS
+    } else {
+        MAX_DEVICES_PER_SLICE
+    };
+    if devices.is_empty() {
+        return if keep_empty {
+            vec![Vec::new()]
+        } else {
+            Vec::new()
+        };
+    }
+    devices.chunks(per_slice).map(<[Device]>::to_vec).collect()
+}
+
+/// Slice `n` of `count` of the node's pool, holding `devices` or `shared_counters` (the API
+/// allows one of the two per slice).
+pub(crate) fn pool_slice(
+    params: &SliceParams<'_>,
+    n: usize,
+    count: i64,
+    devices: Option<Vec<Device>>,
+    shared_counters: Option<Vec<CounterSet>>,
+) -> ResourceSlice {
+    ResourceSlice {
+        metadata: ObjectMeta {
+            name: Some(slice_name(params.node_name, params.driver_name, n)),
+            ..ObjectMeta::default()
+        },
+        spec: ResourceSliceSpec {
+            driver: params.driver_name.to_string(),
+            node_name: Some(params.node_name.to_string()),
+            pool: ResourcePool {
+                name: params.node_name.to_string(),
+                generation: params.generation,
+                resource_slice_count: count,
+            },
+            devices,
+            shared_counters,
+            ..ResourceSliceSpec::default()
+        },
+    }
 }
 
 /// A taint as the API spells it; `timeAdded` is the condition's start (whole seconds), so an
@@ -357,7 +391,7 @@ fn fnv1a(bytes: &[u8]) -> u32 {
     })
 }
 
-fn render_device(
+pub(crate) fn render_device(
     inventory: &Inventory,
     device: DeviceRef<'_>,
     warnings: &mut Vec<RenderWarning>,

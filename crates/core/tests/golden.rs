@@ -4,10 +4,13 @@
 //! attributes or capacities shows up as a diff there. `UPDATE_GENERATED=1` (`make generate`)
 //! rewrites them; otherwise the test fails on any difference.
 
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 
+use gpu_dra_core::dynamic_mig;
 use gpu_dra_core::slices::{self, SliceParams};
 use gpu_dra_device::GpuInventory;
+use gpu_dra_device::testing::{a100, a100_dynamic, inventory, mig_1g5gb};
 use gpu_dra_nvml::{NvmlInventory, NvmlOptions};
 use gpu_dra_sim::testing::SimHost;
 
@@ -35,14 +38,46 @@ fn render(profile: &str) -> String {
     text
 }
 
+/// A node with one dynamic MIG A100 (MIG on, no instances, every profile), one whole A100 and
+/// one A100 with a static `1g.5gb`: the three ways a GPU is published, in one pool. Also read by
+/// the Go test `e2e/harness/slices_validation_test.go`, which runs Kubernetes' own validation
+/// on it.
+const DYNAMIC_MIG_GOLDEN: &str = "dynamic-mig-a100";
+
+fn render_dynamic_mig() -> String {
+    let gpus = [
+        a100_dynamic(0).build(),
+        a100(1).build(),
+        a100(2).mig(mig_1g5gb(0)).build(),
+    ];
+    let dynamic = BTreeSet::from([gpus[0].uuid.clone()]);
+    let rendered = dynamic_mig::render_pool(
+        &inventory(gpus),
+        &SliceParams {
+            node_name: "sim-node",
+            driver_name: "gpu.nvidia.com",
+            generation: 1,
+        },
+        &BTreeMap::new(),
+        &dynamic,
+    );
+    assert!(rendered.warnings.is_empty(), "{:?}", rendered.warnings);
+    let mut text = serde_json::to_string_pretty(&rendered.slices).expect("serialisable");
+    text.push('\n');
+    text
+}
+
 #[test]
 fn generated_golden_slices_are_fresh() {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/golden");
     let update = std::env::var_os("UPDATE_GENERATED").is_some_and(|v| v == "1");
     let mut stale = Vec::new();
-    for profile in PROFILES {
-        let path = dir.join(format!("{profile}.json"));
-        let want = render(profile);
+    let renderings = PROFILES
+        .iter()
+        .map(|profile| (*profile, render(profile)))
+        .chain([(DYNAMIC_MIG_GOLDEN, render_dynamic_mig())]);
+    for (name, want) in renderings {
+        let path = dir.join(format!("{name}.json"));
         let have = std::fs::read_to_string(&path).unwrap_or_default();
         if have == want {
             continue;

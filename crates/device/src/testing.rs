@@ -15,7 +15,7 @@
 //! - adding a MIG device turns MIG on (current and pending) for that GPU, as a real GPU has
 //!   MIG devices only with MIG enabled.
 
-use crate::{ComputeCapability, Gpu, Inventory, MigDevice, MigMode, Placement};
+use crate::{ComputeCapability, Gpu, Inventory, MigDevice, MigMode, MigProfile, Placement};
 
 /// Driver version of the fixture inventories.
 pub const DRIVER_VERSION: &str = "580.95.05";
@@ -80,6 +80,57 @@ pub fn a100(minor: u32) -> GpuBuilder {
         gpu,
         migs: Vec::new(),
     }
+}
+
+/// An A100-40GB with MIG on, no MIG devices and every GPU-instance profile it offers, as
+/// discovery fills [`Gpu::mig_profiles`]: a GPU ready for dynamic MIG.
+pub fn a100_dynamic(minor: u32) -> GpuBuilder {
+    a100(minor)
+        .mig_enabled(true)
+        .mig_profiles(a100_40gb_profiles())
+}
+
+/// Name, profile ID, compute slices, memory (MiB), engines (SM, CE, DEC, ENC, JPEG, OFA),
+/// placement starts, memory slices per placement.
+type ProfileRow = (&'static str, u32, u32, u64, [u32; 6], &'static [u32], u32);
+
+/// The GPU-instance profiles of an A100-SXM4-40GB as NVML reports them (profile IDs, memory,
+/// engines and placements of the MIG user guide and NVIDIA's A100 NVML values), in NVML
+/// profile-index order as discovery lists them.
+pub fn a100_40gb_profiles() -> Vec<MigProfile> {
+    #[rustfmt::skip]
+    let table: [ProfileRow; 7] = [
+        // name, ID, compute slices, MiB, [SM, CE, DEC, ENC, JPEG, OFA], starts, memory slices
+        ("1g.5gb", 19, 1, 4864, [14, 1, 0, 0, 0, 0], &[0, 1, 2, 3, 4, 5, 6], 1),
+        ("2g.10gb", 14, 2, 9856, [28, 2, 1, 0, 0, 0], &[0, 2, 4], 2),
+        ("3g.20gb", 9, 3, 19968, [42, 3, 2, 0, 0, 0], &[0, 4], 4),
+        ("4g.20gb", 5, 4, 19968, [56, 4, 2, 0, 0, 0], &[0], 4),
+        ("7g.40gb", 0, 7, 40192, [98, 7, 5, 0, 1, 1], &[0], 8),
+        ("1g.5gb+me", 20, 1, 4864, [14, 1, 1, 0, 1, 1], &[0, 1, 2, 3, 4, 5, 6], 1),
+        ("1g.10gb", 15, 1, 9856, [14, 1, 1, 0, 0, 0], &[0, 2, 4, 6], 2),
+    ];
+    table
+        .into_iter()
+        .map(
+            |(name, id, compute, mib, [sm, ce, dec, enc, jpeg, ofa], starts, size)| MigProfile {
+                gi_profile_id: id,
+                name: name.into(),
+                memory_slices: size,
+                compute_slices: compute,
+                memory_bytes: mib * MIB,
+                multiprocessors: sm,
+                copy_engines: ce,
+                decoders: dec,
+                encoders: enc,
+                jpeg_engines: jpeg,
+                ofa_engines: ofa,
+                placements: starts
+                    .iter()
+                    .map(|&start| Placement { start, size })
+                    .collect(),
+            },
+        )
+        .collect()
 }
 
 /// An `NVIDIA H100 80GB HBM3` (Hopper, 9.0, 81559 MiB) whose driver reports no MIG mode, as
@@ -164,6 +215,12 @@ impl GpuBuilder {
             current: on,
             pending: on,
         });
+        self
+    }
+
+    /// Sets the GPU-instance profiles dynamic MIG may create (see [`a100_40gb_profiles`]).
+    pub fn mig_profiles(mut self, profiles: Vec<MigProfile>) -> Self {
+        self.gpu.mig_profiles = profiles;
         self
     }
 
