@@ -13,6 +13,7 @@ pub mod dynamic_mig;
 pub mod health;
 pub mod ldcache;
 pub mod nvidia_checkpoint;
+pub mod partitioning;
 pub mod plan;
 pub mod sharing;
 pub mod slices;

@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use gpu_dra_core::health::{HealthPolicy, TaintEffect};
+use gpu_dra_core::partitioning::{GpuSelection, Partitioning};
 use gpu_dra_device::fixture::FixtureInventory;
 use gpu_dra_device::{GpuInventory, HealthSource};
 use gpu_dra_telemetry::LogArgs;
@@ -128,6 +129,16 @@ pub struct RunArgs {
     /// (workloads are evicted by the device taint eviction controller) or `NoSchedule`.
     #[arg(long, env = "FATAL_TAINT_EFFECT", default_value = "NoExecute", value_parser = ["NoExecute", "NoSchedule"])]
     pub fatal_taint_effect: String,
+    /// GPUs offered as dynamic MIG: every MIG profile placement published as a partitionable
+    /// device, the instance created when a claim is prepared (`all`, or GPU indexes, `gpu-<minor>`
+    /// names or UUIDs, comma-separated; MIG mode must be on). The Node annotation
+    /// `gpu.nvidia.com/dynamic-mig-gpus` overrides it for one node.
+    #[arg(long, env = "DYNAMIC_MIG_GPUS", default_value = "")]
+    pub dynamic_mig_gpus: String,
+    /// GPUs offered as memory shares: several claims each get an amount of the GPU's memory
+    /// (same syntax; Node annotation `gpu.nvidia.com/memory-share-gpus`).
+    #[arg(long, env = "MEMORY_SHARE_GPUS", default_value = "")]
+    pub memory_share_gpus: String,
     /// Seconds between rediscoveries of the GPUs (a MIG layout changed by hand); prepare also
     /// rediscovers before every claim.
     #[arg(long, env = "REDISCOVER_INTERVAL", default_value_t = 60)]
@@ -186,6 +197,16 @@ pub fn backends_from_args(args: &RunArgs) -> anyhow::Result<Backends> {
     Ok(Backends {
         inventory: backend.clone(),
         health: Some(backend),
+    })
+}
+
+/// The partitioning settings from the flags.
+pub fn partitioning(args: &RunArgs) -> anyhow::Result<Partitioning> {
+    Ok(Partitioning {
+        dynamic_mig: GpuSelection::parse(&args.dynamic_mig_gpus)
+            .map_err(|p| anyhow::anyhow!("--dynamic-mig-gpus (DYNAMIC_MIG_GPUS): {p}"))?,
+        memory_shares: GpuSelection::parse(&args.memory_share_gpus)
+            .map_err(|p| anyhow::anyhow!("--memory-share-gpus (MEMORY_SHARE_GPUS): {p}"))?,
     })
 }
 
@@ -389,6 +410,8 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     let backends = backends_from_args(&args)?;
     let live = LiveInventory::discover(backends.inventory.clone(), health_policy(&args)?)
         .context("discovering GPUs")?;
+    let partitioning_flags = partitioning(&args)?;
+    live.set_partitioning(partitioning_flags.clone());
     let inventory = live.current();
     info!(
         gpus = inventory.gpus.len(),
@@ -581,6 +604,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     let publisher = client.map(|client| {
         let mut config = crate::publish::PublisherConfig::new(&args.node_name, &args.driver_name);
         config.rediscover_interval = Duration::from_secs(args.rediscover_interval.max(1));
+        config.partitioning = partitioning_flags.clone();
         let live = live.clone();
         let mut stop = publisher_stopped.clone();
         tokio::spawn(async move {

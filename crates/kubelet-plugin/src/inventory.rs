@@ -27,6 +27,7 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
 use gpu_dra_core::health::{HealthBook, HealthPolicy, HealthView};
+use gpu_dra_core::partitioning::Partitioning;
 use gpu_dra_device::{DeviceError, GpuInventory, HealthObservation, Inventory};
 use tokio::sync::watch;
 use tokio::time::Instant;
@@ -39,12 +40,16 @@ pub struct Snapshot {
     pub inventory: Arc<Inventory>,
     /// Taints and health of those devices.
     pub health: Arc<HealthView>,
+    /// How each GPU is offered.
+    pub partitioning: Arc<Partitioning>,
 }
 
 impl Snapshot {
     /// Whether two snapshots render the same ResourceSlices.
     pub fn same_slices(&self, other: &Snapshot) -> bool {
-        self.inventory == other.inventory && self.health.taints == other.health.taints
+        self.inventory == other.inventory
+            && self.health.taints == other.health.taints
+            && self.partitioning == other.partitioning
     }
 }
 
@@ -148,7 +153,11 @@ impl LiveInventory {
         let book = HealthBook::new(policy);
         let inventory = Arc::new(inventory);
         let health = Arc::new(book.view(&inventory));
-        let (tx, _) = watch::channel(Snapshot { inventory, health });
+        let (tx, _) = watch::channel(Snapshot {
+            inventory,
+            health,
+            partitioning: Arc::default(),
+        });
         Arc::new(Self {
             backend,
             tx,
@@ -214,7 +223,28 @@ impl LiveInventory {
             "inventory changed"
         );
         let health = Arc::new(lock(&self.book).view(&inventory));
-        self.tx.send_replace(Snapshot { inventory, health });
+        self.tx.send_modify(|snap| {
+            snap.inventory = inventory;
+            snap.health = health;
+        });
+    }
+
+    /// Sets how each GPU is offered (flags, then the node's annotations); wakes the publisher
+    /// when it changed.
+    pub fn set_partitioning(&self, partitioning: Partitioning) {
+        self.tx.send_if_modified(|snap| {
+            if *snap.partitioning == partitioning {
+                return false;
+            }
+            info!(?partitioning, "GPU partitioning changed");
+            snap.partitioning = Arc::new(partitioning);
+            true
+        });
+    }
+
+    /// How each GPU is offered now.
+    pub fn partitioning(&self) -> Arc<Partitioning> {
+        self.tx.borrow().partitioning.clone()
     }
 
     /// Recomputes the health view of the current inventory; sends a snapshot if it changed.

@@ -35,6 +35,7 @@ use tokio::time::Instant;
 
 use self::plan::{Op, PlanParams};
 use crate::inventory::{LiveInventory, Snapshot};
+use gpu_dra_core::partitioning::Partitioning;
 
 /// Publisher settings.
 #[derive(Debug, Clone)]
@@ -53,6 +54,8 @@ pub struct PublisherConfig {
     pub refresh: Option<Arc<Notify>>,
     /// Receives the publication status after every reconcile (for readiness and metrics).
     pub status: Option<watch::Sender<PublishStatus>>,
+    /// How GPUs are offered unless the Node's annotations say otherwise (the plugin's flags).
+    pub partitioning: Partitioning,
 }
 
 impl PublisherConfig {
@@ -66,6 +69,7 @@ impl PublisherConfig {
             backoff_max: Duration::from_secs(60),
             refresh: None,
             status: None,
+            partitioning: Partitioning::default(),
         }
     }
 
@@ -236,7 +240,7 @@ pub async fn run(
                 return Ok(None);
             }
             let generation =
-                reconcile(&slices, &nodes, &config, &snapshot, last_generation).await?;
+                reconcile(&slices, &nodes, &config, &live, &snapshot, last_generation).await?;
             last_generation = last_generation.max(generation);
             dirty = false;
             live.mark_published(&snapshot.inventory);
@@ -288,6 +292,7 @@ async fn reconcile(
     slices: &Api<ResourceSlice>,
     nodes: &Api<Node>,
     config: &PublisherConfig,
+    live: &LiveInventory,
     snapshot: &Snapshot,
     last_generation: i64,
 ) -> Result<i64, PublishError> {
@@ -299,6 +304,21 @@ async fn reconcile(
         .metadata
         .uid
         .ok_or_else(|| PublishError::NodeWithoutUid(config.node_name.clone()))?;
+    // The node's annotations override the flags' partitioning (an admin marks one node).
+    let (partitioning, problems) = config.partitioning.with_node_annotations(|key| {
+        node.metadata
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get(key))
+            .map(String::as_str)
+    });
+    for problem in &problems {
+        tracing::warn!(%problem, "ignoring a partitioning annotation");
+    }
+    for gpu in partitioning.conflicts(&snapshot.inventory) {
+        tracing::warn!(gpu = %gpu.uuid, "GPU selected for both dynamic MIG and memory shares; offered statically");
+    }
+    live.set_partitioning(partitioning.clone());
     let owner = OwnerReference {
         api_version: "v1".into(),
         kind: "Node".into(),
@@ -324,6 +344,7 @@ async fn reconcile(
             owner: &owner,
             last_generation,
             taints: &snapshot.health.taints,
+            partitioning: &partitioning,
         },
         &observed,
     );

@@ -17,6 +17,7 @@
 use std::collections::BTreeMap;
 
 use gpu_dra_core::health::Taint;
+use gpu_dra_core::partitioning::Partitioning;
 use gpu_dra_core::slices::{self, Rendered, SliceParams};
 use gpu_dra_device::Inventory;
 use k8s_openapi::api::resource::v1::{ResourceSlice, ResourceSliceSpec};
@@ -73,6 +74,8 @@ pub struct PlanParams<'a> {
     pub last_generation: i64,
     /// Device taints from the health view (device name -> taints).
     pub taints: &'a BTreeMap<String, Vec<Taint>>,
+    /// How each GPU is offered (static, dynamic MIG, memory shares).
+    pub partitioning: &'a Partitioning,
 }
 
 /// Decides the operations that turn `observed` (our pool's slices on the server) into the
@@ -82,7 +85,7 @@ pub fn plan(inventory: &Inventory, params: &PlanParams<'_>, observed: &[Resource
         let Rendered {
             mut slices,
             warnings,
-        } = slices::render_slices_tainted(
+        } = gpu_dra_core::partitioning::render(
             inventory,
             &SliceParams {
                 node_name: params.node_name,
@@ -90,6 +93,7 @@ pub fn plan(inventory: &Inventory, params: &PlanParams<'_>, observed: &[Resource
                 generation,
             },
             params.taints,
+            params.partitioning,
         );
         for s in &mut slices {
             s.metadata.owner_references = Some(vec![params.owner.clone()]);
@@ -244,6 +248,10 @@ mod tests {
     }
 
     static NO_TAINTS: BTreeMap<String, Vec<Taint>> = BTreeMap::new();
+    static STATIC: Partitioning = Partitioning {
+        dynamic_mig: gpu_dra_core::partitioning::GpuSelection::None,
+        memory_shares: gpu_dra_core::partitioning::GpuSelection::None,
+    };
 
     fn params(owner: &OwnerReference, last: i64) -> PlanParams<'_> {
         PlanParams {
@@ -252,6 +260,7 @@ mod tests {
             owner,
             last_generation: last,
             taints: &NO_TAINTS,
+            partitioning: &STATIC,
         }
     }
 

@@ -1,0 +1,224 @@
+//! How each GPU of a node is offered: statically (as it is: a whole GPU, or its existing MIG
+//! devices), as **dynamic MIG** (every MIG profile placement, created at prepare), or as
+//! **memory shares** (one GPU allocated to several claims, each consuming an amount of its
+//! memory).
+//!
+//! Static is the default. The chart sets a node-wide default through the plugin's flags
+//! (`--dynamic-mig-gpus`, `--memory-share-gpus`); a node overrides it with the annotations
+//! [`DYNAMIC_MIG_ANNOTATION`] / [`MEMORY_SHARE_ANNOTATION`] on its Node object (an admin marks
+//! one node's GPUs without a chart change). Each setting is a [`GpuSelection`]: empty (none),
+//! `all`, or a comma-separated list of GPU indexes, minor numbers (`gpu-<minor>` names them) or
+//! UUIDs. A GPU selected for both is refused for both (static), with a warning: the two ways
+//! of sharing a GPU exclude each other.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use gpu_dra_device::{Gpu, Inventory};
+
+use crate::health::Taint;
+use crate::slices::{Rendered, SliceParams};
+
+/// Node annotation selecting dynamic MIG GPUs (overrides `--dynamic-mig-gpus`).
+pub const DYNAMIC_MIG_ANNOTATION: &str = "gpu.nvidia.com/dynamic-mig-gpus";
+/// Node annotation selecting memory-share GPUs (overrides `--memory-share-gpus`).
+pub const MEMORY_SHARE_ANNOTATION: &str = "gpu.nvidia.com/memory-share-gpus";
+
+/// A set of GPUs named by index, minor (`gpu-<minor>` or the number) or UUID.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum GpuSelection {
+    /// No GPU.
+    #[default]
+    None,
+    /// Every GPU.
+    All,
+    /// The GPUs named.
+    Some(BTreeSet<String>),
+}
+
+impl GpuSelection {
+    /// Parses `""`, `all`, `none` or a comma-separated list; says what is wrong with an entry.
+    pub fn parse(text: &str) -> Result<Self, String> {
+        let text = text.trim();
+        if text.is_empty() || text.eq_ignore_ascii_case("none") {
+            return Ok(GpuSelection::None);
+        }
+        if text.eq_ignore_ascii_case("all") {
+            return Ok(GpuSelection::All);
+        }
+        let mut names = BTreeSet::new();
+        for item in text.split(',').map(str::trim) {
+            let valid = !item.is_empty()
+                && (item.bytes().all(|b| b.is_ascii_digit())
+                    || item
+                        .strip_prefix("gpu-")
+                        .is_some_and(|m| !m.is_empty() && m.bytes().all(|b| b.is_ascii_digit()))
+                    || item.starts_with("GPU-"));
+            if !valid {
+                return Err(format!(
+                    "{item:?} names no GPU (expected all, none, or a comma-separated list of GPU indexes, gpu-<minor> names or GPU-... UUIDs)"
+                ));
+            }
+            names.insert(item.to_string());
+        }
+        Ok(GpuSelection::Some(names))
+    }
+
+    /// Whether `gpu` is selected.
+    pub fn contains(&self, gpu: &Gpu) -> bool {
+        match self {
+            GpuSelection::None => false,
+            GpuSelection::All => true,
+            GpuSelection::Some(names) => {
+                names.contains(&gpu.uuid)
+                    || names.contains(&gpu.index.to_string())
+                    || names.contains(&gpu.device_name())
+            }
+        }
+    }
+}
+
+/// How one GPU is offered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GpuMode {
+    /// As it is (whole GPU, or its existing MIG devices).
+    Static,
+    /// MIG instances created on demand at every profile placement.
+    DynamicMig,
+    /// Several claims, each an amount of its memory.
+    MemoryShares,
+}
+
+/// The node's partitioning settings.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Partitioning {
+    /// GPUs offered as dynamic MIG.
+    pub dynamic_mig: GpuSelection,
+    /// GPUs offered as memory shares.
+    pub memory_shares: GpuSelection,
+}
+
+impl Partitioning {
+    /// The mode of `gpu` (static when selected for both).
+    pub fn mode(&self, gpu: &Gpu) -> GpuMode {
+        match (
+            self.dynamic_mig.contains(gpu),
+            self.memory_shares.contains(gpu),
+        ) {
+            (true, false) => GpuMode::DynamicMig,
+            (false, true) => GpuMode::MemoryShares,
+            _ => GpuMode::Static,
+        }
+    }
+
+    /// UUIDs of the GPUs in `mode`.
+    pub fn uuids(&self, inventory: &Inventory, mode: GpuMode) -> BTreeSet<String> {
+        inventory
+            .gpus
+            .iter()
+            .filter(|g| self.mode(g) == mode)
+            .map(|g| g.uuid.clone())
+            .collect()
+    }
+
+    /// GPUs selected for both modes (offered statically): for warnings.
+    pub fn conflicts<'a>(&self, inventory: &'a Inventory) -> Vec<&'a Gpu> {
+        inventory
+            .gpus
+            .iter()
+            .filter(|g| self.dynamic_mig.contains(g) && self.memory_shares.contains(g))
+            .collect()
+    }
+
+    /// The settings with a node's annotations applied over these defaults: each annotation
+    /// present replaces its flag. Returns what was wrong with an annotation (which is then
+    /// ignored).
+    pub fn with_node_annotations<'a>(
+        &self,
+        get: impl Fn(&str) -> Option<&'a str>,
+    ) -> (Partitioning, Vec<String>) {
+        let mut out = self.clone();
+        let mut problems = Vec::new();
+        for (key, slot) in [
+            (DYNAMIC_MIG_ANNOTATION, &mut out.dynamic_mig),
+            (MEMORY_SHARE_ANNOTATION, &mut out.memory_shares),
+        ] {
+            if let Some(value) = get(key) {
+                match GpuSelection::parse(value) {
+                    Ok(sel) => *slot = sel,
+                    Err(e) => problems.push(format!("node annotation {key}: {e}")),
+                }
+            }
+        }
+        (out, problems)
+    }
+}
+
+/// Renders the node's pool as `partitioning` says: dynamic MIG GPUs as partitionable devices
+/// ([`crate::dynamic_mig::render_pool`]; the MIG instances that exist on them are claims' and
+/// are left out of the rendering: the scheduler tracks those allocations on the partitionable
+/// devices), every other GPU statically.
+pub fn render(
+    inventory: &Inventory,
+    params: &SliceParams<'_>,
+    taints: &BTreeMap<String, Vec<Taint>>,
+    partitioning: &Partitioning,
+) -> Rendered {
+    let dynamic = partitioning.uuids(inventory, GpuMode::DynamicMig);
+    if dynamic.is_empty() {
+        return crate::slices::render_slices_tainted(inventory, params, taints);
+    }
+    let mut offered = inventory.clone();
+    for gpu in offered
+        .gpus
+        .iter_mut()
+        .filter(|g| dynamic.contains(&g.uuid))
+    {
+        gpu.mig_devices.clear();
+    }
+    crate::dynamic_mig::render_pool(&offered, params, taints, &dynamic)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use gpu_dra_device::testing::{a100, inventory};
+
+    #[test]
+    fn selections_parse_and_match_by_index_minor_or_uuid() {
+        let inv = inventory([a100(0).build(), a100(1).build(), a100(2).build()]);
+        let uuid2 = inv.gpus[2].uuid.clone();
+        let sel = GpuSelection::parse(&format!("0, gpu-1,{uuid2}")).expect("parse");
+        assert!(inv.gpus.iter().all(|g| sel.contains(g)));
+        assert_eq!(GpuSelection::parse(" ").expect("empty"), GpuSelection::None);
+        assert_eq!(GpuSelection::parse("ALL").expect("all"), GpuSelection::All);
+        let err = GpuSelection::parse("0,,x").expect_err("bad");
+        assert!(err.contains("names no GPU"), "{err}");
+    }
+
+    #[test]
+    fn modes_annotations_and_conflicts() {
+        let inv = inventory([a100(0).build(), a100(1).build()]);
+        let flags = Partitioning {
+            dynamic_mig: GpuSelection::All,
+            memory_shares: GpuSelection::None,
+        };
+        assert_eq!(flags.mode(&inv.gpus[1]), GpuMode::DynamicMig);
+        let (node, problems) = flags.with_node_annotations(|k| match k {
+            MEMORY_SHARE_ANNOTATION => Some("1"),
+            DYNAMIC_MIG_ANNOTATION => Some("0"),
+            _ => None,
+        });
+        assert!(problems.is_empty());
+        assert_eq!(node.mode(&inv.gpus[0]), GpuMode::DynamicMig);
+        assert_eq!(node.mode(&inv.gpus[1]), GpuMode::MemoryShares);
+        let both = Partitioning {
+            dynamic_mig: GpuSelection::All,
+            memory_shares: GpuSelection::All,
+        };
+        assert_eq!(both.mode(&inv.gpus[0]), GpuMode::Static);
+        assert_eq!(both.conflicts(&inv).len(), 2);
+        let (kept, problems) = flags.with_node_annotations(|_| Some("nonsense"));
+        assert_eq!(kept, flags);
+        assert_eq!(problems.len(), 2);
+    }
+}
