@@ -3,6 +3,7 @@ package tests
 import (
 	"context"
 	"fmt"
+	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
@@ -160,7 +161,27 @@ func TestMIGRelayoutWhilePluginRuns(t *testing.T) {
 	for _, ctr := range pod.Spec.Containers {
 		checkContainerSees(ctx, t, pod, ctr)
 	}
+	// The admin view names the claim and its partition.
+	if !strings.Contains(runUsage(t, "--node", name), recreated+"  "+ns+"/fresh  MIG 1g.5gb") {
+		t.Errorf("gpu-dra usage does not show %s/fresh on %s:\n%s", ns, recreated, runUsage(t, "--node", name))
+	}
 	deleteClaimAndPod(ctx, t, pod)
+}
+
+// runUsage runs `gpu-dra usage` against the test cluster.
+func runUsage(t *testing.T, args ...string) string {
+	t.Helper()
+	bin, err := harness.Binary("gpu-dra")
+	if err != nil {
+		t.Fatal(err)
+	}
+	cmd := exec.Command(bin, append([]string{"usage"}, args...)...)
+	cmd.Env = append(os.Environ(), "KUBECONFIG="+cluster.Kubeconfig)
+	out, err := cmd.CombinedOutput()
+	if err != nil {
+		t.Fatalf("gpu-dra usage %v: %v: %s", args, err, out)
+	}
+	return string(out)
 }
 
 // resourceHealth is the health the pod's container status reports per

@@ -19,6 +19,7 @@
 //! files, an unreachable cluster or a missing claim).
 
 pub mod explain;
+pub mod usage;
 
 use std::io::{Read, Write};
 use std::path::PathBuf;
@@ -49,6 +50,9 @@ pub enum Command {
     Validate(ValidateArgs),
     /// Show which devices of the cluster a ResourceClaim's requests can get, and why not.
     Explain(explain::ExplainArgs),
+    /// Show, per node and GPU, which claims hold a whole GPU, a MIG partition or a memory
+    /// share (from the cluster's ResourceSlices and ResourceClaims).
+    Usage(usage::UsageArgs),
 }
 
 /// `gpu-dra validate` arguments.
@@ -136,6 +140,7 @@ pub fn run(
     match &cli.command {
         Command::Validate(args) => validate(args, stdin, out, err),
         Command::Explain(args) => explain::run(args, out),
+        Command::Usage(args) => usage::run(args, out),
     }
 }
 
