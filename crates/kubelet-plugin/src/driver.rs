@@ -61,7 +61,7 @@ pub enum DriverError {
     Plan(#[from] PlanError),
     /// A device is held by another prepared claim.
     #[error(
-        "device {device} is already prepared for claim {holder} (uid {holder_uid}); a device is prepared for one claim at a time, besides claims with adminAccess"
+        "device {device} is already prepared for claim {holder} (uid {holder_uid}); a device is prepared for one claim at a time, besides claims with adminAccess (when that claim's pod has just ended, the kubelet unprepares it shortly and its retry of this prepare succeeds)"
     )]
     DeviceBusy {
         /// Device name.
