@@ -23,6 +23,9 @@ enum Command {
     /// Put this node back as it was before the driver (no plugin may run): GPU compute modes
     /// and time-slices to their defaults, MPS daemons stopped, our files removed.
     Cleanup(Box<gpu_dra_kubelet_plugin::cleanup::CleanupArgs>),
+    /// Watch this node's GPU health through NVML for a while and print what the plugin would
+    /// report (events, probes, then each device's taints and health).
+    Health(gpu_dra_kubelet_plugin::health::HealthArgs),
     /// The chart's pre-delete hook: stop the node plugins, then run `cleanup` on every node.
     Uninstall(Box<gpu_dra_kubelet_plugin::uninstall::UninstallArgs>),
 }
@@ -46,6 +49,13 @@ fn main() -> anyhow::Result<()> {
         Command::Uninstall(args) => {
             gpu_dra_telemetry::init(&args.log)?;
             runtime()?.block_on(gpu_dra_kubelet_plugin::uninstall::run(*args))
+        }
+        Command::Health(args) => {
+            gpu_dra_telemetry::init(&gpu_dra_telemetry::LogArgs {
+                log_format: gpu_dra_telemetry::LogFormat::Text,
+                log_level: "info".into(),
+            })?;
+            gpu_dra_kubelet_plugin::health::run_watch(args, &mut std::io::stdout().lock())
         }
         Command::Discover(args) => {
             gpu_dra_telemetry::init(&gpu_dra_telemetry::LogArgs {
