@@ -286,6 +286,20 @@ func TestDeviceHealth(t *testing.T) {
 		t.Fatalf("pod %s: device health %v, want Unhealthy with XID 48", running.Name, resourceHealth(ctx, t, running))
 	}
 
+	// The plugin crashes and restarts: the conditions it saw are kept (the XID
+	// event is not delivered again).
+	n.Plugin.Kill()
+	if err := n.Plugin.Restart(); err != nil {
+		t.Fatal(err)
+	}
+	if !eventually(ctx, 60*time.Second, func() bool { return n.DriverRegistered(harness.DefaultDriver) }) {
+		t.Fatalf("plugin did not register again; log:\n%s", n.Plugin.Log())
+	}
+	time.Sleep(3 * time.Second)
+	if ts := strings.Join(taintsOf(poolDevices(ctx, t, name)[busy]), " "); !strings.Contains(ts, "gpu.nvidia.com/xid=48:NoSchedule") {
+		t.Fatalf("after a plugin restart device %s has taints %q, want the XID 48 taint kept", busy, ts)
+	}
+
 	// An ECC error on a free GPU: a claim pinned to it is not allocated.
 	sim("ecc", "--gpu", freeUUID)
 	if !deviceWith(free, func(ts []string) bool { return strings.Contains(strings.Join(ts, " "), "gpu.nvidia.com/ecc=uncorrectable:NoSchedule") }) {

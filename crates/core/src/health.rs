@@ -27,6 +27,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use gpu_dra_device::{DeviceRef, HealthEvent, HealthObservation, InstanceId, Inventory};
+use serde::{Deserialize, Serialize};
 
 /// XIDs NVIDIA's tools treat as caused by an application: the GPU stays healthy.
 /// 13 graphics engine exception, 31 GPU memory page fault, 43 GPU stopped processing,
@@ -138,13 +139,15 @@ fn recovery_advice(action: u32) -> &'static str {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
 enum Cause {
     Xid(u64),
     Ecc,
 }
 
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
 struct Condition {
     cause: Cause,
     instance: Option<InstanceId>,
@@ -153,7 +156,8 @@ struct Condition {
     escalated: bool,
 }
 
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", default)]
 struct GpuHealth {
     conditions: Vec<Condition>,
     lost_since: Option<i64>,
@@ -194,6 +198,32 @@ impl HealthBook {
         Self {
             policy,
             gpus: BTreeMap::new(),
+        }
+    }
+
+    /// The conditions as JSON, to keep them across plugin restarts (`{version, gpus}`; unknown
+    /// fields are ignored when read back, so a newer plugin's file loads).
+    pub fn to_json(&self) -> String {
+        serde_json::json!({ "version": 1, "gpus": self.gpus }).to_string()
+    }
+
+    /// A book holding the conditions of [`HealthBook::to_json`]; what cannot be read is
+    /// reported and an empty book returned.
+    pub fn from_json(policy: HealthPolicy, json: &str) -> (Self, Option<String>) {
+        #[derive(Deserialize)]
+        struct Saved {
+            #[serde(default)]
+            gpus: BTreeMap<String, GpuHealth>,
+        }
+        match serde_json::from_str::<Saved>(json) {
+            Ok(saved) => (
+                Self {
+                    policy,
+                    gpus: saved.gpus,
+                },
+                None,
+            ),
+            Err(e) => (Self::new(policy), Some(e.to_string())),
         }
     }
 
@@ -576,6 +606,22 @@ mod tests {
         b.observe(&probe(&uuid, true, None), 500);
         assert!(!b.expire(1_000_000));
         assert_eq!(keys(&b.view(&inv), "gpu-0").len(), 1);
+    }
+
+    #[test]
+    fn conditions_survive_a_round_trip_through_json() {
+        let inv = inventory([t4(0).build()]);
+        let uuid = inv.gpus[0].uuid.clone();
+        let mut b = book();
+        b.observe(&xid(&uuid, 62, None), 100);
+        b.observe(&probe(&uuid, true, Some(0)), 100);
+        let (restored, problem) =
+            HealthBook::from_json(HealthPolicy::new("gpu.nvidia.com"), &b.to_json());
+        assert!(problem.is_none(), "{problem:?}");
+        assert_eq!(restored.view(&inv), b.view(&inv));
+        let (empty, problem) = HealthBook::from_json(HealthPolicy::new("gpu.nvidia.com"), "{");
+        assert!(problem.is_some());
+        assert!(empty.view(&inv).taints.is_empty());
     }
 
     #[test]

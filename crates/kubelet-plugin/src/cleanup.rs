@@ -199,6 +199,18 @@ pub async fn cleanup(args: &CleanupArgs) -> CleanupReport {
     remove_matching_sockets(&args.folders.registrar_dir, &mut report, |name| {
         name.starts_with(&driver_prefix) && name.ends_with("-reg.sock")
     });
+    // Device health conditions: only the plugin reads them.
+    let health = args
+        .folders
+        .plugin_dir
+        .join(crate::inventory::HEALTH_STATE_FILE);
+    if health.exists() {
+        ours.push(health);
+    }
+    gpu_dra_fsutil::remove_stale_temps(
+        &args.folders.plugin_dir,
+        crate::inventory::HEALTH_STATE_FILE,
+    );
     let legacy = args.folders.plugin_dir.join(checkpoint::LEGACY_FILE_NAME);
     if std::fs::read(&legacy).is_ok_and(|b| checkpoint::is_own_format(&b)) {
         ours.push(legacy);

@@ -583,7 +583,13 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             }
         })
     };
-    // Health is watched by the instance that holds the node only.
+    // Health is watched by the instance that holds the node only; the conditions a previous
+    // instance saw are taken over.
+    live.keep_health_in(
+        args.folders
+            .plugin_dir
+            .join(crate::inventory::HEALTH_STATE_FILE),
+    );
     let health_watch = match (&backends.health, args.device_health) {
         (Some(source), true) => Some(tokio::spawn(crate::health::watch(
             source.clone(),

@@ -33,6 +33,9 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 use tracing::{info, warn};
 
+/// File in the plugin folder that keeps the device health conditions across restarts.
+pub const HEALTH_STATE_FILE: &str = "device-health.json";
+
 /// The inventory and device health of one moment.
 #[derive(Debug, Clone)]
 pub struct Snapshot {
@@ -108,6 +111,8 @@ pub struct LiveInventory {
     /// again, but the claim was allocated for the old identity (its selector may have named
     /// it), so its retries are refused too.
     refused: Mutex<BTreeMap<String, (String, String, String)>>,
+    /// Where the health conditions are kept across restarts (none in tests).
+    health_file: Mutex<Option<std::path::PathBuf>>,
 }
 
 /// A GPU that fell off the bus cannot be read, but its devices stay published (tainted by the
@@ -165,6 +170,7 @@ impl LiveInventory {
             published: Mutex::new(None),
             last: tokio::sync::Mutex::new(None),
             refused: Mutex::new(BTreeMap::new()),
+            health_file: Mutex::new(None),
         })
     }
 
@@ -260,11 +266,44 @@ impl LiveInventory {
         });
     }
 
+    /// Keeps the health conditions in `path` (written on every change, crash-safe) and takes
+    /// the conditions a previous plugin instance left there: an XID seen before a restart or
+    /// an upgrade still taints its device.
+    pub fn keep_health_in(&self, path: std::path::PathBuf) {
+        match std::fs::read_to_string(&path) {
+            Ok(json) => {
+                let policy = lock(&self.book).policy().clone();
+                let (book, problem) = HealthBook::from_json(policy, &json);
+                if let Some(problem) = problem {
+                    warn!(file = %path.display(), %problem, "cannot read the saved device health; starting without it");
+                }
+                *lock(&self.book) = book;
+                self.refresh_health();
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => {
+                warn!(file = %path.display(), error = %e, "cannot read the saved device health")
+            }
+        }
+        *lock(&self.health_file) = Some(path);
+    }
+
+    fn save_health(&self) {
+        let Some(path) = lock(&self.health_file).clone() else {
+            return;
+        };
+        let json = lock(&self.book).to_json();
+        if let Err(e) = gpu_dra_fsutil::write_atomic(&path, json.as_bytes(), 0o644) {
+            warn!(file = %path.display(), error = %e, "cannot save the device health");
+        }
+    }
+
     /// Takes one health observation.
     pub fn observe(&self, observation: &HealthObservation) {
         let changed = lock(&self.book).observe(observation, now_secs());
         if changed {
             info!(?observation, "device health changed");
+            self.save_health();
             self.refresh_health();
         }
     }
@@ -273,6 +312,7 @@ impl LiveInventory {
     pub fn expire_health(&self) {
         if lock(&self.book).expire(now_secs()) {
             info!("device health conditions expired");
+            self.save_health();
             self.refresh_health();
         }
     }
