@@ -158,7 +158,7 @@ pub fn share_env(share: &MemoryShare) -> String {
 
 /// A pinned memory limit in MPS syntax: `<n>G` when a whole number of GiB, else `<n>M`.
 pub fn mps_limit(mib: u64) -> String {
-    if mib % 1024 == 0 {
+    if mib.is_multiple_of(1024) {
         format!("{}G", mib / 1024)
     } else {
         format!("{mib}M")

@@ -353,9 +353,15 @@ impl Driver {
         let mut holders = lock(&self.holders);
         for d in &plan.devices {
             let shareable = d.share_id.is_some() && memory_share_devices.contains(&d.device);
-            if let Some(h) = holders.get(&d.device).into_iter().flatten().find(|h| {
-                h.uid != claim.uid && !h.admin && !d.admin_access && !(shareable && h.share)
-            }) {
+            let compatible = |h: &&Holder| {
+                h.uid == claim.uid || h.admin || d.admin_access || (shareable && h.share)
+            };
+            if let Some(h) = holders
+                .get(&d.device)
+                .into_iter()
+                .flatten()
+                .find(|h| !compatible(h))
+            {
                 return Err(DriverError::DeviceBusy {
                     device: d.device.clone(),
                     holder: h.claim.clone(),
