@@ -8,6 +8,7 @@ import (
 	"testing"
 
 	resourcev1 "k8s.io/api/resource/v1"
+	apiresource "k8s.io/apimachinery/pkg/api/resource"
 	k8sruntime "k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/kubernetes/pkg/apis/resource"
 	"k8s.io/kubernetes/pkg/apis/resource/install"
@@ -192,3 +193,73 @@ func TestRenderedSlicesValidate(t *testing.T) {
 		}
 	})
 }
+
+// memoryShareGolden is the pool with a memory-share GPU: a device that allows
+// multiple allocations, with a request policy on its memory.
+const memoryShareGolden = "memory-shares-a100.json"
+
+// TestMemoryShareSliceValidates: the memory-share device passes Kubernetes'
+// validation with its request policy, and the same validation refuses the
+// policy mistakes the renderer is built to avoid.
+func TestMemoryShareSliceValidates(t *testing.T) {
+	slices := readGolden(t, memoryShareGolden)
+	var shared *resourcev1.ResourceSlice
+	var at int
+	for i := range slices {
+		for j, d := range slices[i].Spec.Devices {
+			if d.AllowMultipleAllocations != nil && *d.AllowMultipleAllocations {
+				shared, at = &slices[i], j
+			}
+		}
+	}
+	if shared == nil {
+		t.Fatalf("%s has no device that allows multiple allocations", memoryShareGolden)
+	}
+	memory := shared.Spec.Devices[at].Capacity["memory"]
+	if memory.RequestPolicy == nil || memory.RequestPolicy.ValidRange == nil || memory.RequestPolicy.Default == nil {
+		t.Fatalf("%s: device %s has no memory request policy with a range and a default", memoryShareGolden, shared.Spec.Devices[at].Name)
+	}
+	if errs := validate(t, shared); len(errs) > 0 {
+		t.Fatalf("%s is invalid:\n  %s", memoryShareGolden, strings.Join(errs, "\n  "))
+	}
+
+	cases := map[string]struct {
+		mutate func(d *resourcev1.Device)
+		want   string
+	}{
+		"policy on a single-allocation device": {
+			mutate: func(d *resourcev1.Device) { d.AllowMultipleAllocations = nil },
+			want:   "allowMultipleAllocations must be true",
+		},
+		"default off the step": {
+			mutate: func(d *resourcev1.Device) {
+				c := d.Capacity["memory"]
+				q := resourceapiQuantity("1536Mi")
+				step := resourceapiQuantity("1Gi")
+				c.RequestPolicy.Default = &q
+				c.RequestPolicy.ValidRange.Step = &step
+				d.Capacity["memory"] = c
+			},
+			want: "multiple of a given step",
+		},
+		"min above the capacity": {
+			mutate: func(d *resourcev1.Device) {
+				c := d.Capacity["memory"]
+				q := resourceapiQuantity("41Gi")
+				c.RequestPolicy.ValidRange.Min = &q
+				d.Capacity["memory"] = c
+			},
+			want: "min is larger than capacity value",
+		},
+	}
+	for name, c := range cases {
+		s := shared.DeepCopy()
+		c.mutate(&s.Spec.Devices[at])
+		errs := validate(t, s)
+		if !strings.Contains(strings.Join(errs, "\n"), c.want) {
+			t.Errorf("%s: want an error mentioning %q, got %q", name, c.want, errs)
+		}
+	}
+}
+
+func resourceapiQuantity(s string) apiresource.Quantity { return apiresource.MustParse(s) }

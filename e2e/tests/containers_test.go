@@ -142,8 +142,18 @@ func checkMPSControl(ctx context.Context, t *testing.T, pod *v1.Pod, ctr v1.Cont
 	t.Helper()
 	wantPct, wantMem := "", ""
 	devices := 0
+	// A share of a memory-share GPU: the daemon is the GPU's, shared with
+	// other claims and without defaults; the client's own limits come from
+	// its environment (its share, unless the config says less).
+	var share, total int64
 	for _, use := range containerClaims(ctx, t, pod, ctr) {
 		devices += len(use.claim.Status.Allocation.Devices.Results)
+		for _, res := range use.claim.Status.Allocation.Devices.Results {
+			if q, ok := res.ConsumedCapacity["memory"]; ok && res.ShareID != nil && res.Driver == harness.DefaultDriver {
+				capacity := sliceDevice(ctx, t, res.Pool, res.Device).Capacity["memory"]
+				share, total = q.Value(), capacity.Value.Value()
+			}
+		}
 		for _, cfg := range use.claim.Status.Allocation.Devices.Config {
 			if cfg.Opaque == nil || cfg.Opaque.Driver != harness.DefaultDriver {
 				continue
@@ -181,6 +191,21 @@ func checkMPSControl(ctx context.Context, t *testing.T, pod *v1.Pod, ctr v1.Cont
 			}
 		}
 	}
+	if share > 0 {
+		if wantPct == "" {
+			wantPct = fmt.Sprintf("%d.0", max(share*100/total, 1))
+		}
+		if wantMem == "" {
+			if mib := share >> 20; mib%1024 == 0 {
+				wantMem = fmt.Sprintf("%dG", mib/1024)
+			} else {
+				wantMem = fmt.Sprintf("%dM", mib)
+			}
+		}
+		t.Logf("pod %s container %s: a memory share of %d of %d bytes: want %s%% of the threads and %s pinned memory", pod.Name, ctr.Name, share, total, wantPct, wantMem)
+		checkMPSClient(ctx, t, pod, ctr, wantPct, wantMem, devices == 1)
+		return
+	}
 	ask := func(command string) string {
 		res, err := cluster.Node(pod.Spec.NodeName).Exec(ctx, pod, ctr.Name, "sh", "-c", "echo "+command+" | nvidia-cuda-mps-control")
 		if err != nil {
@@ -204,10 +229,16 @@ func checkMPSControl(ctx context.Context, t *testing.T, pod *v1.Pod, ctr v1.Cont
 		}
 	}
 
-	// A CUDA program (the simulator's cuda-app) in the container joins an MPS
-	// server through the pipe directory alone (the container keeps its own
-	// PID, IPC and mount namespaces and a private /dev/shm) and runs with the
-	// limits the server got from the claim's daemon.
+	checkMPSClient(ctx, t, pod, ctr, pct, wantMem, devices == 1)
+}
+
+// checkMPSClient: a CUDA program (the simulator's cuda-app) in the container
+// joins an MPS server through the pipe directory alone (the container keeps
+// its own PID, IPC and mount namespaces and a private /dev/shm) and runs with
+// active thread percentage pct and, when oneDevice, pinned memory wantMem
+// (unless empty).
+func checkMPSClient(ctx context.Context, t *testing.T, pod *v1.Pod, ctr v1.Container, pct, wantMem string, oneDevice bool) {
+	t.Helper()
 	res, err := cluster.Node(pod.Spec.NodeName).Exec(ctx, pod, ctr.Name, "cuda-app")
 	if err != nil {
 		t.Fatal(err)
@@ -220,7 +251,7 @@ func checkMPSControl(ctx context.Context, t *testing.T, pod *v1.Pod, ctr v1.Cont
 	if want := "active thread percentage " + pct + "\n"; !strings.Contains(res.Stdout, want) {
 		t.Errorf("pod %s container %s: the CUDA program's MPS server does not run with %q: %s", pod.Name, ctr.Name, want, res.Stdout)
 	}
-	if devices == 1 && wantMem != "" && !strings.Contains(res.Stdout, "pinned memory limit "+wantMem+"\n") {
+	if oneDevice && wantMem != "" && !strings.Contains(res.Stdout, "pinned memory limit "+wantMem+"\n") {
 		t.Errorf("pod %s container %s: the CUDA program's MPS server does not limit pinned memory to %s: %s", pod.Name, ctr.Name, wantMem, res.Stdout)
 	}
 }

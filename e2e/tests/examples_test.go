@@ -2,6 +2,7 @@ package tests
 
 import (
 	"context"
+	"fmt"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -13,6 +14,7 @@ import (
 	v1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/gpu-dra/e2e/harness"
 )
@@ -45,10 +47,58 @@ func TestExamples(t *testing.T) {
 			continue
 		}
 		ran++
-		t.Run(d.Name(), func(t *testing.T) { runExample(t, d.Name(), files) })
+		t.Run(d.Name(), func(t *testing.T) {
+			if needsMemoryShares(t, files) {
+				addMemoryShareNode(t)
+			}
+			runExample(t, d.Name(), files)
+		})
 	}
 	if ran == 0 {
 		t.Fatalf("no examples: no scenario folder with manifests in %s", root)
+	}
+}
+
+// needsMemoryShares says whether a scenario asks for consumable capacity,
+// which only a memory-share GPU offers.
+func needsMemoryShares(t *testing.T, files []string) bool {
+	t.Helper()
+	for _, f := range files {
+		data, err := os.ReadFile(f)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if strings.Contains(string(data), "allowMultipleAllocations") {
+			return true
+		}
+	}
+	return false
+}
+
+// exampleShareGPU is the GPU the examples' memory-share node offers as
+// memory shares, named in the examples' READMEs.
+const exampleShareGPU = "gpu-7"
+
+// addMemoryShareNode adds a dgx-a100-40gb node for the rest of the test whose
+// gpu-7 is offered as memory shares through the Node annotation, set as an
+// admin sets it (the plugin reads it when it publishes; set here before it
+// starts).
+func addMemoryShareNode(t *testing.T) {
+	t.Helper()
+	ctx := context.Background()
+	const name = "node-ex-memshare"
+	annotate := func(n *harness.Node) {
+		patch := fmt.Sprintf(`{"metadata":{"annotations":{"gpu.nvidia.com/memory-share-gpus":%q}}}`, exampleShareGPU)
+		if _, err := cluster.Client.CoreV1().Nodes().Patch(ctx, n.Name, types.MergePatchType, []byte(patch), metav1.PatchOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	addPluginNode(ctx, t, name, "dgx-a100-40gb", nil, annotate)
+	if !eventually(ctx, 60*time.Second, func() bool {
+		d, ok := poolDevices(ctx, t, name)[exampleShareGPU]
+		return ok && d.AllowMultipleAllocations != nil && *d.AllowMultipleAllocations
+	}) {
+		t.Fatalf("%s on %s not offered as memory shares with the annotation; plugin log:\n%s", exampleShareGPU, name, cluster.Node(name).Plugin.Log())
 	}
 }
 

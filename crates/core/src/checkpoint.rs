@@ -153,6 +153,10 @@ pub struct PreparedDevice {
     /// Share ID, when allocated as a share.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub share_id: Option<String>,
+    /// The share of a memory-share GPU the allocation consumes (`consumedCapacity.memory`),
+    /// in bytes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_share_bytes: Option<u64>,
     /// Fields of a newer format, kept as they were.
     #[serde(flatten)]
     pub extra: Map<String, Value>,

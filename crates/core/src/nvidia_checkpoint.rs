@@ -401,6 +401,7 @@ fn prepared_device(
         uuid,
         admin_access: result.is_some_and(|r| r.admin),
         share_id: (!share_id.is_empty()).then(|| share_id.to_owned()),
+        memory_share_bytes: None,
         extra: Map::new(),
     })
 }

@@ -156,7 +156,8 @@ impl Partitioning {
 /// Renders the node's pool as `partitioning` says: dynamic MIG GPUs as partitionable devices
 /// ([`crate::dynamic_mig::render_pool`]; the MIG instances that exist on them are claims' and
 /// are left out of the rendering: the scheduler tracks those allocations on the partitionable
-/// devices), every other GPU statically.
+/// devices), memory-share GPUs as whole GPUs several claims may hold
+/// ([`crate::memory_shares::apply`]), every other GPU statically.
 pub fn render(
     inventory: &Inventory,
     params: &SliceParams<'_>,
@@ -164,18 +165,22 @@ pub fn render(
     partitioning: &Partitioning,
 ) -> Rendered {
     let dynamic = partitioning.uuids(inventory, GpuMode::DynamicMig);
-    if dynamic.is_empty() {
-        return crate::slices::render_slices_tainted(inventory, params, taints);
-    }
-    let mut offered = inventory.clone();
-    for gpu in offered
-        .gpus
-        .iter_mut()
-        .filter(|g| dynamic.contains(&g.uuid))
-    {
-        gpu.mig_devices.clear();
-    }
-    crate::dynamic_mig::render_pool(&offered, params, taints, &dynamic)
+    let mut rendered = if dynamic.is_empty() {
+        crate::slices::render_slices_tainted(inventory, params, taints)
+    } else {
+        let mut offered = inventory.clone();
+        for gpu in offered
+            .gpus
+            .iter_mut()
+            .filter(|g| dynamic.contains(&g.uuid))
+        {
+            gpu.mig_devices.clear();
+        }
+        crate::dynamic_mig::render_pool(&offered, params, taints, &dynamic)
+    };
+    let shared = partitioning.uuids(inventory, GpuMode::MemoryShares);
+    crate::memory_shares::apply(&mut rendered, inventory, &shared);
+    rendered
 }
 
 #[cfg(test)]

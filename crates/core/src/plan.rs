@@ -17,6 +17,8 @@
 
 use gpu_dra_api::{ClaimDevice, Config, Errors, Sharing};
 use gpu_dra_device::{DeviceRef, Inventory};
+
+use crate::memory_shares::MemoryShare;
 use k8s_openapi::api::resource::v1::ResourceClaim;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -121,6 +123,9 @@ pub struct AllocatedDevice {
     pub admin_access: bool,
     /// Share ID when the device was allocated as one share (consumable capacity).
     pub share_id: Option<String>,
+    /// `consumedCapacity.memory` of the allocation, in bytes (set by the scheduler for
+    /// devices that allow multiple allocations).
+    pub consumed_memory: Option<u64>,
 }
 
 /// The parts of a ResourceClaim that planning needs.
@@ -183,6 +188,12 @@ pub fn claim_input(
             device: r.device,
             admin_access: r.admin_access.unwrap_or(false),
             share_id: r.share_id,
+            consumed_memory: r
+                .consumed_capacity
+                .as_ref()
+                .and_then(|c| c.get(crate::slices::cap::MEMORY))
+                .and_then(|q| gpu_dra_api::quantity::Quantity::parse(&q.0).ok())
+                .and_then(|q| q.to_bytes_ceil().ok()),
         })
         .collect();
     let configs = devices
@@ -266,6 +277,9 @@ pub struct DevicePlan {
     pub admin_access: bool,
     /// Share ID, when allocated as a share.
     pub share_id: Option<String>,
+    /// The claim's share of a memory-share GPU: a whole GPU allocated with a share ID and a
+    /// consumed amount of memory.
+    pub memory_share: Option<MemoryShare>,
     /// Index of the sharing group in [`Plan::groups`].
     pub group: usize,
 }
@@ -340,6 +354,13 @@ pub fn plan(
                 known: known.join(", "),
             });
         };
+        let memory_share = match (dev, &result.share_id, result.consumed_memory) {
+            (DeviceRef::Gpu(g), Some(_), Some(bytes)) => Some(MemoryShare {
+                bytes,
+                total_bytes: g.memory_bytes,
+            }),
+            _ => None,
+        };
         let nodes = match dev {
             DeviceRef::Gpu(g) => DeviceNodesNeed {
                 gpu_minor: g.minor,
@@ -361,6 +382,7 @@ pub fn plan(
             nodes,
             admin_access: result.admin_access,
             share_id: result.share_id.clone(),
+            memory_share,
             group: 0,
         });
         chosen.push(config);
@@ -406,6 +428,9 @@ pub fn plan(
         group.sharing = decoded.sharing().cloned();
     }
     check_one_mps_daemon(&groups, &devices)?;
+    for group in &groups {
+        check_mps_share(group, &devices)?;
+    }
     Ok(Plan {
         claim_uid: input.uid.clone(),
         devices,
@@ -440,6 +465,74 @@ fn check_one_mps_daemon(groups: &[SharingGroup], devices: &[DevicePlan]) -> Resu
         index: second.config_index.unwrap_or_default(),
         message: gpu_dra_api::two_mps_configs_message(&requests(first), &requests(second)),
     })
+}
+
+/// Checks an MPS group that holds a memory share: the share is served by the GPU's one MPS
+/// daemon, shared by every claim on it, so the group must be that one device (another device
+/// would need a daemon of the claim's own, and a container can mount only one pipe
+/// directory), and a pinned memory limit the config sets must fit in the share.
+fn check_mps_share(group: &SharingGroup, devices: &[DevicePlan]) -> Result<(), PlanError> {
+    let (Some(Sharing::Mps(config)), Some(index)) = (&group.sharing, group.config_index) else {
+        return Ok(());
+    };
+    let Some(share_device) = group
+        .devices
+        .iter()
+        .map(|&d| &devices[d])
+        .find(|d| d.memory_share.is_some())
+    else {
+        return Ok(());
+    };
+    let mut errors = Errors::new();
+    if group.devices.len() > 1 {
+        errors.push(
+            "sharing.mpsConfig",
+            format!(
+                "applies to {} devices, one of them the memory share {} (request {}): an MPS config on a memory share must apply to that device alone; give its request a config of its own",
+                group.devices.len(),
+                share_device.device,
+                share_device.request_names.join(", ")
+            ),
+        );
+        return Err(PlanError::Config { index, errors });
+    }
+    let share = share_device.memory_share.unwrap_or(MemoryShare {
+        bytes: 0,
+        total_bytes: 0,
+    });
+    let share_text = crate::slices::capacity_quantity(share.bytes).0;
+    let uuids = [share_device.uuid.as_str()];
+    let mut overridden = false;
+    for (key, mib) in &config.per_device_pinned_memory_limit_mib {
+        if key.resolve(&uuids).is_none() {
+            continue;
+        }
+        overridden = true;
+        if *mib > share.mib() {
+            errors.push(
+                format!("sharing.mpsConfig.defaultPerDevicePinnedMemoryLimit[{key}]"),
+                format!(
+                    "{mib}Mi is more than the claim's memory share of {} ({share_text}, consumedCapacity.memory); request more memory (capacity.requests.memory) or lower the limit",
+                    share_device.device
+                ),
+            );
+        }
+    }
+    if let Some(mib) = config.pinned_memory_limit_mib
+        && !overridden
+        && mib > share.mib()
+    {
+        errors.push(
+            "sharing.mpsConfig.defaultPinnedDeviceMemoryLimit",
+            format!(
+                "{mib}Mi is more than the claim's memory share of {} ({share_text}, consumedCapacity.memory); request more memory (capacity.requests.memory) or lower the limit",
+                share_device.device
+            ),
+        );
+    }
+    errors
+        .into_result(())
+        .map_err(|errors| PlanError::Config { index, errors })
 }
 
 /// The decoder the driver runs: the `api` crate's strict decoding and validation, then its
@@ -484,6 +577,7 @@ mod tests {
             device: device.into(),
             admin_access: false,
             share_id: None,
+            consumed_memory: None,
         }
     }
 
@@ -765,6 +859,100 @@ mod tests {
         assert_eq!(
             err.to_string(),
             "status.allocation.devices.config[2].opaque.parameters.sharing.mpsConfig.defaultActiveThreadPercentage: 150 is out of range 1..=100"
+        );
+    }
+
+    fn share(index: usize, request: &str, device: &str, gib: u64) -> AllocatedDevice {
+        AllocatedDevice {
+            share_id: Some(format!("share-{index}")),
+            consumed_memory: Some(gib << 30),
+            ..dev(index, request, device)
+        }
+    }
+
+    fn mps_limit_cfg(limit: &str) -> Value {
+        json!({"apiVersion": "resource.nvidia.com/v1beta1", "kind": "GpuConfig",
+               "sharing": {"strategy": "MPS", "mpsConfig": {"defaultPinnedDeviceMemoryLimit": limit}}})
+    }
+
+    #[test]
+    fn claim_input_reads_share_id_and_consumed_memory() {
+        let mut claim: ResourceClaim = serde_json::from_value(json!({
+            "metadata": {"name": "c", "namespace": "ns", "uid": "uid-1"},
+            "spec": {},
+            "status": {"allocation": {"devices": {"results": [
+                {"request": "gpu", "driver": "gpu.nvidia.com", "pool": "node-a", "device": "gpu-0",
+                 "shareID": "7d3c6f4e-0000-4000-8000-000000000001",
+                 "consumedCapacity": {"memory": "10Gi"}}
+            ]}}}
+        }))
+        .expect("claim");
+        let input = claim_input(&claim, "uid-1", "gpu.nvidia.com", "node-a").expect("input");
+        assert_eq!(input.devices[0].consumed_memory, Some(10 << 30));
+        let p = plan(&input, &inventory(), &ApiDecoder).expect("plan");
+        assert_eq!(
+            p.devices[0].memory_share,
+            Some(MemoryShare {
+                bytes: 10 << 30,
+                total_bytes: 40 << 30
+            })
+        );
+        // Without a share ID (a single-allocation device) there is no share.
+        claim
+            .status
+            .as_mut()
+            .and_then(|s| s.allocation.as_mut())
+            .and_then(|a| a.devices.as_mut())
+            .and_then(|d| d.results.as_mut())
+            .expect("results")[0]
+            .share_id = None;
+        let input = claim_input(&claim, "uid-1", "gpu.nvidia.com", "node-a").expect("input");
+        let p = plan(&input, &inventory(), &ApiDecoder).expect("plan");
+        assert_eq!(p.devices[0].memory_share, None);
+    }
+
+    #[test]
+    fn an_mps_limit_above_the_share_is_refused_with_its_path() {
+        let err = plan(
+            &input(
+                vec![share(0, "gpu", "gpu-0", 10)],
+                vec![cfg(0, ConfigSource::FromClaim, &[], mps_limit_cfg("12Gi"))],
+            ),
+            &inventory(),
+            &ApiDecoder,
+        )
+        .expect_err("limit above the share");
+        let text = err.to_string();
+        assert!(
+            text.starts_with("status.allocation.devices.config[0].opaque.parameters.sharing.mpsConfig.defaultPinnedDeviceMemoryLimit: 12288Mi is more than the claim's memory share of gpu-0 (10Gi"),
+            "{text}"
+        );
+        // Within the share: fine.
+        plan(
+            &input(
+                vec![share(0, "gpu", "gpu-0", 10)],
+                vec![cfg(0, ConfigSource::FromClaim, &[], mps_limit_cfg("8Gi"))],
+            ),
+            &inventory(),
+            &ApiDecoder,
+        )
+        .expect("limit within the share");
+    }
+
+    #[test]
+    fn an_mps_config_on_a_share_and_another_device_is_refused() {
+        let err = plan(
+            &input(
+                vec![share(0, "gpu", "gpu-0", 10), dev(1, "gpu", "gpu-1")],
+                vec![cfg(0, ConfigSource::FromClaim, &[], mps_limit_cfg("1Gi"))],
+            ),
+            &two_gpus(),
+            &ApiDecoder,
+        )
+        .expect_err("share mixed with a whole GPU");
+        assert!(
+            err.to_string().contains("must apply to that device alone"),
+            "{err}"
         );
     }
 }

@@ -23,6 +23,7 @@ use gpu_dra_api::MpsConfig;
 use serde::{Deserialize, Serialize};
 
 use crate::cdi::{ContainerEdits, Mount};
+use crate::memory_shares::{MemoryShare, mps_limit};
 use crate::plan::{Plan, SharingGroup};
 
 /// Where containers see the MPS pipe directory (NVIDIA's default `CUDA_MPS_PIPE_DIRECTORY`).
@@ -65,6 +66,8 @@ pub struct SharedDevice {
     pub uuid: String,
     /// Whether it is a MIG device (no compute mode or time-slice settings apply).
     pub mig: bool,
+    /// The claim's share, when the device is a memory-share GPU allocated as a share.
+    pub share: Option<MemoryShare>,
 }
 
 impl SharedDevice {
@@ -73,6 +76,7 @@ impl SharedDevice {
         Self {
             uuid: uuid.into(),
             mig: false,
+            share: None,
         }
     }
 
@@ -81,6 +85,7 @@ impl SharedDevice {
         Self {
             uuid: uuid.into(),
             mig: true,
+            share: None,
         }
     }
 }
@@ -94,6 +99,7 @@ pub fn shared_devices(plan: &Plan, group: &SharingGroup) -> Vec<SharedDevice> {
         .map(|d| SharedDevice {
             uuid: d.uuid.clone(),
             mig: d.nodes.mig.is_some(),
+            share: d.memory_share,
         })
         .collect()
 }
@@ -159,6 +165,42 @@ pub fn mps_edits(pipe_dir: &str) -> ContainerEdits {
         }],
         ..Default::default()
     }
+}
+
+/// Owner part of the id of a memory-share GPU's MPS daemon (`memory-shares-<GPU UUID>`): one
+/// daemon per GPU, shared by every claim holding a share of it, so it belongs to no claim.
+pub const MEMORY_SHARE_DAEMON_OWNER: &str = "memory-shares";
+/// Client variable: the active thread percentage of the client's context (MPS lets a client
+/// lower, never raise, the daemon's default).
+pub const ACTIVE_THREAD_PERCENTAGE_ENV: &str = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE";
+/// Client variable: `<device ordinal>=<limit>[,...]`, the client's pinned device memory limit
+/// (MPS lets a client lower, never raise, the daemon's default).
+pub const PINNED_MEMORY_LIMIT_ENV: &str = "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT";
+
+/// The environment of an MPS client holding `share` of its GPU under `config`: its pinned
+/// memory limit (the config's limit for the device, which planning checked fits in the share,
+/// else the share) and its active thread percentage (the config's, else the share's part of
+/// the memory, see [`MemoryShare::thread_percentage`]). The device is ordinal 0: the daemon
+/// serves that one GPU and the client sees no other through it.
+pub fn mps_share_env(
+    config: &MpsConfig,
+    device: &SharedDevice,
+    share: &MemoryShare,
+) -> Vec<String> {
+    let limits = mps_limits(config, std::slice::from_ref(device));
+    let mib = limits
+        .pinned_memory_mib
+        .get(&device.uuid)
+        .copied()
+        .unwrap_or_else(|| share.mib())
+        .min(share.mib());
+    let pct = config
+        .active_thread_percentage
+        .unwrap_or_else(|| share.thread_percentage());
+    vec![
+        format!("{PINNED_MEMORY_LIMIT_ENV}=0={}", mps_limit(mib)),
+        format!("{ACTIVE_THREAD_PERCENTAGE_ENV}={pct}"),
+    ]
 }
 
 #[cfg(test)]
@@ -270,5 +312,36 @@ mod tests {
         assert_eq!(group_name(Some(3)), "c3");
         assert_eq!(group_name(None), "c");
         assert_eq!(daemon_id("uid", "c3"), "uid-c3");
+    }
+
+    #[test]
+    fn a_share_gives_its_client_its_memory_and_threads_unless_the_config_says_otherwise() {
+        let share = MemoryShare {
+            bytes: 10 << 30,
+            total_bytes: 40 << 30,
+        };
+        let device = SharedDevice {
+            share: Some(share),
+            ..SharedDevice::gpu("GPU-1")
+        };
+        assert_eq!(
+            mps_share_env(&MpsConfig::default(), &device, &share),
+            [
+                "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=10G",
+                "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25"
+            ]
+        );
+        let config = MpsConfig {
+            active_thread_percentage: Some(60),
+            pinned_memory_limit_mib: Some(6000),
+            ..MpsConfig::default()
+        };
+        assert_eq!(
+            mps_share_env(&config, &device, &share),
+            [
+                "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=6000M",
+                "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=60"
+            ]
+        );
     }
 }

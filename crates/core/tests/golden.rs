@@ -8,6 +8,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 
 use gpu_dra_core::dynamic_mig;
+use gpu_dra_core::partitioning::{self, GpuSelection, Partitioning};
 use gpu_dra_core::slices::{self, SliceParams};
 use gpu_dra_device::GpuInventory;
 use gpu_dra_device::testing::{a100, a100_dynamic, inventory, mig_1g5gb};
@@ -67,6 +68,33 @@ fn render_dynamic_mig() -> String {
     text
 }
 
+/// A node with two whole A100s, the first offered as memory shares: one device that allows
+/// multiple allocations with a request policy on `memory`, one single-allocation device. Also
+/// validated by `e2e/harness/slices_validation_test.go`.
+const MEMORY_SHARE_GOLDEN: &str = "memory-shares-a100";
+
+fn render_memory_shares() -> String {
+    let inv = inventory([a100(0).build(), a100(1).build()]);
+    let partitioning = Partitioning {
+        memory_shares: GpuSelection::parse("0").expect("selection"),
+        ..Partitioning::default()
+    };
+    let rendered = partitioning::render(
+        &inv,
+        &SliceParams {
+            node_name: "sim-node",
+            driver_name: "gpu.nvidia.com",
+            generation: 1,
+        },
+        &BTreeMap::new(),
+        &partitioning,
+    );
+    assert!(rendered.warnings.is_empty(), "{:?}", rendered.warnings);
+    let mut text = serde_json::to_string_pretty(&rendered.slices).expect("serialisable");
+    text.push('\n');
+    text
+}
+
 #[test]
 fn generated_golden_slices_are_fresh() {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/golden");
@@ -75,7 +103,10 @@ fn generated_golden_slices_are_fresh() {
     let renderings = PROFILES
         .iter()
         .map(|profile| (*profile, render(profile)))
-        .chain([(DYNAMIC_MIG_GOLDEN, render_dynamic_mig())]);
+        .chain([
+            (DYNAMIC_MIG_GOLDEN, render_dynamic_mig()),
+            (MEMORY_SHARE_GOLDEN, render_memory_shares()),
+        ]);
     for (name, want) in renderings {
         let path = dir.join(format!("{name}.json"));
         let have = std::fs::read_to_string(&path).unwrap_or_default();

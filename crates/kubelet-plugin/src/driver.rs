@@ -7,8 +7,10 @@
 //!   concurrently, also within one kubelet call;
 //! - a device is held by at most one regular claim; claims with admin access (monitoring
 //!   access, as the scheduler grants it) may hold it beside any other claim, and never with
-//!   sharing settings, which would change the compute mode under the owner. The holder set
-//!   is rebuilt from the checkpoint at start;
+//!   sharing settings, which would change the compute mode under the owner. The whole-GPU
+//!   device of a memory-share GPU ([`gpu_dra_core::memory_shares`]) may be held by several
+//!   claims whose allocations are shares (carry a share ID); one allocated whole still
+//!   excludes every other. The holder set is rebuilt from the checkpoint at start;
 //! - order of effects: checkpoint `PrepareStarted` (with the devices) -> sharing -> CDI spec
 //!   -> checkpoint `PrepareCompleted`. Unprepare and rollback undo in reverse (sharing, spec,
 //!   entry). So after a crash at any step the checkpoint names every side effect that may
@@ -26,13 +28,15 @@
 //!   time-slicing NVIDIA applied (through [`SharingExecutor::release_imported`]);
 //! - checkpoint writes use group commit: concurrent claims share one atomic write.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use crate::inventory::{LiveInventory, ResolveError};
 use gpu_dra_core::cdi::{SpecDevice, cdi_device_id};
 use gpu_dra_core::checkpoint::{Checkpoint, ClaimEntry, PrepareState, PreparedDevice};
+use gpu_dra_core::memory_shares;
+use gpu_dra_core::partitioning::GpuMode;
 use gpu_dra_core::plan::{self, ConfigDecoder, Plan, PlanError};
 use serde_json::Value;
 use tracing::{info, warn};
@@ -61,7 +65,7 @@ pub enum DriverError {
     Plan(#[from] PlanError),
     /// A device is held by another prepared claim.
     #[error(
-        "device {device} is already prepared for claim {holder} (uid {holder_uid}); a device is prepared for one claim at a time, besides claims with adminAccess (when that claim's pod has just ended, the kubelet unprepares it shortly and its retry of this prepare succeeds)"
+        "device {device} is already prepared for claim {holder} (uid {holder_uid}); a device is prepared for one claim at a time, besides claims with adminAccess and shares of a memory-share GPU (when that claim's pod has just ended, the kubelet unprepares it shortly and its retry of this prepare succeeds)"
     )]
     DeviceBusy {
         /// Device name.
@@ -136,6 +140,8 @@ struct Holder {
     uid: String,
     claim: String,
     admin: bool,
+    /// Allocated as one share of the device (it has a share ID).
+    share: bool,
 }
 
 struct CheckpointState {
@@ -227,6 +233,7 @@ impl Driver {
                     uid: uid.clone(),
                     claim: format!("{}/{}", entry.namespace, entry.name),
                     admin: d.admin_access,
+                    share: d.share_id.is_some(),
                 });
             }
         }
@@ -332,14 +339,28 @@ impl Driver {
         Ok(())
     }
 
-    fn reserve(&self, claim: &ClaimRef, plan: &Plan) -> Result<(), DriverError> {
+    /// Records `claim` as a holder of its devices, refusing a device another claim holds,
+    /// unless one of the two has admin access or both are shares of a device in
+    /// `memory_share_devices` (the whole-GPU devices of memory-share GPUs; the scheduler keeps
+    /// the sum of the shares within the GPU's memory, and a whole-device allocation there
+    /// still excludes every other).
+    fn reserve(
+        &self,
+        claim: &ClaimRef,
+        plan: &Plan,
+        memory_share_devices: &BTreeSet<String>,
+    ) -> Result<(), DriverError> {
         let mut holders = lock(&self.holders);
         for d in &plan.devices {
+            let shareable = d.share_id.is_some() && memory_share_devices.contains(&d.device);
+            let compatible = |h: &&Holder| {
+                h.uid == claim.uid || h.admin || d.admin_access || (shareable && h.share)
+            };
             if let Some(h) = holders
                 .get(&d.device)
                 .into_iter()
                 .flatten()
-                .find(|h| h.uid != claim.uid && !h.admin && !d.admin_access)
+                .find(|h| !compatible(h))
             {
                 return Err(DriverError::DeviceBusy {
                     device: d.device.clone(),
@@ -355,6 +376,7 @@ impl Driver {
                     uid: claim.uid.clone(),
                     claim: format!("{}/{}", claim.namespace, claim.name),
                     admin: d.admin_access,
+                    share: d.share_id.is_some(),
                 });
             }
         }
@@ -421,7 +443,14 @@ impl Driver {
         let plan = plan::plan(&input, &inventory, self.decoder.as_ref())?;
         refuse_sharing_with_admin_access(&plan)?;
         self.failpoints.hit("prepare.after_plan").await?;
-        self.reserve(claim, &plan)?;
+        let partitioning = self.inventory.partitioning();
+        let memory_share_devices: BTreeSet<String> = inventory
+            .gpus
+            .iter()
+            .filter(|g| partitioning.mode(g) == GpuMode::MemoryShares)
+            .map(|g| g.device_name())
+            .collect();
+        self.reserve(claim, &plan, &memory_share_devices)?;
         let result = self.apply_plan(claim, &plan).await;
         if result.is_err() {
             // Undo whatever was done; the checkpoint says what that may be.
@@ -449,6 +478,7 @@ impl Driver {
                 uuid: d.uuid.clone(),
                 admin_access: d.admin_access,
                 share_id: d.share_id.clone(),
+                memory_share_bytes: d.memory_share.map(|s| s.bytes),
                 extra: Default::default(),
             })
             .collect();
@@ -501,6 +531,15 @@ impl Driver {
             });
         }
         let mut spec = self.cdi.spec(&claim.uid, &spec_devices);
+        // A memory share is told to the containers that get its device, whatever the sharing
+        // strategy (only MPS enforces it).
+        for (d, dev) in plan.devices.iter().zip(spec.devices.iter_mut()) {
+            if let Some(share) = &d.memory_share {
+                dev.container_edits
+                    .env
+                    .push(memory_shares::share_env(share));
+            }
+        }
         // Sharing edits (the MPS pipe directory mount and env) go on the group's devices, so a
         // container gets them exactly when it gets one of those devices.
         for (i, edits) in sharing_edits {
@@ -1550,5 +1589,90 @@ mod tests {
         );
         assert!(!spec_path(&env, "uid-watch").exists());
         assert!(env.driver.checkpoint().claims.is_empty());
+    }
+
+    /// `name` holding a share of `gib` GiB of `device` (an allocation with a share ID).
+    fn add_share(env: &Env, name: &str, uid: &str, device: &str, gib: u64) -> ClaimRef {
+        let mut c = allocated_claim("ns", name, uid, DRIVER, NODE, &[("gpu", device)], &[]);
+        if let Some(results) = c
+            .status
+            .as_mut()
+            .and_then(|s| s.allocation.as_mut())
+            .and_then(|a| a.devices.as_mut())
+            .and_then(|d| d.results.as_mut())
+        {
+            results[0].share_id = Some(format!("share-{uid}"));
+            results[0].consumed_capacity = Some(
+                [(
+                    "memory".to_string(),
+                    k8s_openapi::apimachinery::pkg::api::resource::Quantity(format!("{gib}Gi")),
+                )]
+                .into(),
+            );
+        }
+        env.claims.insert(c);
+        ClaimRef {
+            namespace: "ns".into(),
+            name: name.into(),
+            uid: uid.into(),
+        }
+    }
+
+    #[tokio::test]
+    async fn shares_of_a_memory_share_gpu_overlap_and_a_whole_allocation_there_does_not() {
+        let env = env();
+        env.driver
+            .inventory
+            .set_partitioning(gpu_dra_core::partitioning::Partitioning {
+                memory_shares: gpu_dra_core::partitioning::GpuSelection::parse("gpu-2")
+                    .expect("selection"),
+                ..Default::default()
+            });
+        let a = add_share(&env, "a", "uid-a", "gpu-2", 10);
+        let b = add_share(&env, "b", "uid-b", "gpu-2", 20);
+        env.driver.prepare(&a).await.expect("first share");
+        env.driver
+            .prepare(&b)
+            .await
+            .expect("second share beside it");
+        let spec = std::fs::read_to_string(spec_path(&env, "uid-b")).expect("spec");
+        assert!(
+            spec.contains(&format!("{}={}", memory_shares::SHARE_ENV, 20u64 << 30)),
+            "{spec}"
+        );
+        let cp = on_disk(&env);
+        assert_eq!(
+            cp.claims["uid-a"].devices[0].memory_share_bytes,
+            Some(10 << 30)
+        );
+        // A claim allocated the whole device (no share ID) is refused while shares hold it.
+        let whole = add(&env, "whole", "uid-whole", &[("gpu", "gpu-2")]);
+        let err = env.driver.prepare(&whole).await.expect_err("busy");
+        assert!(matches!(err, DriverError::DeviceBusy { .. }), "{err}");
+        // On a GPU not in memory-share mode, shares exclude each other as any claims do.
+        let c = add_share(&env, "c", "uid-c", "gpu-3", 10);
+        let d = add_share(&env, "d", "uid-d", "gpu-3", 10);
+        env.driver.prepare(&c).await.expect("first");
+        let err = env
+            .driver
+            .prepare(&d)
+            .await
+            .expect_err("not a memory-share GPU");
+        assert!(matches!(err, DriverError::DeviceBusy { .. }), "{err}");
+        // After a restart the holders come back from the checkpoint: shares still overlap.
+        env.driver.unprepare(&b).await.expect("unprepare");
+        let restarted = driver_in(env.dir.path(), env.claims.clone());
+        restarted
+            .inventory
+            .set_partitioning(gpu_dra_core::partitioning::Partitioning {
+                memory_shares: gpu_dra_core::partitioning::GpuSelection::parse("gpu-2")
+                    .expect("selection"),
+                ..Default::default()
+            });
+        restarted.prepare(&b).await.expect("share after restart");
+        restarted
+            .prepare(&whole)
+            .await
+            .expect_err("whole still busy");
     }
 }

@@ -627,6 +627,7 @@ async fn the_executor_applies_a_plan_group_with_edits_and_releases_without_state
         },
         admin_access: false,
         share_id: None,
+        memory_share: None,
         group: 0,
     };
     let decoded = gpu_dra_api::decode(&serde_json::json!({
@@ -800,4 +801,111 @@ async fn sharing_of_claims_the_checkpoint_does_not_know_is_undone_at_start() {
     assert_eq!(m.recover().await.unwrap().released, [CLAIM_B]);
     assert_eq!(node.timeslice(5), 0);
     assert_eq!(m.state().time_slicing.len() + m.state().mps.len(), 0);
+}
+
+/// A share of GPU `index` of `node`: `gib` of its 40Gi.
+fn share(node: &Node, index: usize, gib: u64) -> SharedDevice {
+    SharedDevice {
+        share: Some(gpu_dra_core::memory_shares::MemoryShare {
+            bytes: gib << 30,
+            total_bytes: 40 << 30,
+        }),
+        ..gpu(&node.gpu_uuid(index))
+    }
+}
+
+#[tokio::test]
+async fn memory_shares_of_a_gpu_share_one_daemon_started_first_and_stopped_last() {
+    use gpu_dra_core::sharing::MEMORY_SHARE_DAEMON_OWNER as OWNER;
+    const CLAIM_C: &str = "9a8b7c6d-5e4f-4a3b-8c2d-1e0f9a8b7c6d";
+    let node = Node::new(PROFILE);
+    let m = node.manager();
+    let gpu4 = node.gpu_uuid(4);
+    let a = prepare(
+        &m,
+        CLAIM_A,
+        &mps(vec![share(&node, 4, 10)], MpsConfig::default()),
+    )
+    .await
+    .unwrap();
+    let pid = m.mps_pid(OWNER, &gpu4).expect("the GPU's daemon");
+    assert_eq!(node.compute_mode(4), ComputeMode::ExclusiveProcess);
+    assert!(
+        a.env
+            .contains(&"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=10G".to_string()),
+        "{:?}",
+        a.env
+    );
+    assert!(
+        a.env
+            .contains(&"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25".to_string())
+    );
+    // The daemon has no defaults of its own: each client brings its limits.
+    assert_eq!(
+        node.mps_client(
+            &node.daemon_dir(OWNER, &gpu4),
+            "get_default_active_thread_percentage\n"
+        )
+        .1,
+        "100.0\n"
+    );
+    let config = MpsConfig {
+        active_thread_percentage: Some(70),
+        ..Default::default()
+    };
+    let b = prepare(&m, CLAIM_B, &mps(vec![share(&node, 4, 20)], config))
+        .await
+        .unwrap();
+    assert_eq!(m.mps_pid(OWNER, &gpu4), Some(pid), "the same daemon");
+    assert_eq!(a.mounts, b.mounts, "the same pipe directory");
+    assert!(
+        b.env
+            .contains(&"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=70".to_string())
+    );
+    assert!(
+        b.env
+            .contains(&"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=20G".to_string())
+    );
+    // Repeating a prepare changes nothing.
+    prepare(
+        &m,
+        CLAIM_A,
+        &mps(vec![share(&node, 4, 10)], MpsConfig::default()),
+    )
+    .await
+    .unwrap();
+
+    // A plugin restart re-adopts the shared daemon with its claims.
+    m.detach();
+    drop(m);
+    let m = node.manager();
+    m.keep_claims([CLAIM_A.to_string(), CLAIM_B.to_string()].into());
+    let report = m.recover().await.unwrap();
+    assert_eq!(report.adopted, [daemon_id(OWNER, &gpu4)]);
+    let c = prepare(
+        &m,
+        CLAIM_C,
+        &mps(vec![share(&node, 4, 10)], MpsConfig::default()),
+    )
+    .await
+    .unwrap();
+    assert_eq!(c.mounts, a.mounts);
+    assert_eq!(m.mps_pid(OWNER, &gpu4), Some(pid));
+
+    // Time-slicing cannot take the GPU while MPS shares hold it.
+    let err = prepare(&m, "ts-claim", &ts(vec![gpu(&gpu4)], Interval::Long))
+        .await
+        .expect_err("conflict");
+    assert!(matches!(err, SharingError::Conflict { .. }), "{err}");
+
+    // Stopped with the last claim, not before.
+    m.unprepare(CLAIM_A).await.unwrap();
+    m.unprepare(CLAIM_B).await.unwrap();
+    assert!(alive(pid));
+    assert_eq!(node.compute_mode(4), ComputeMode::ExclusiveProcess);
+    m.unprepare(CLAIM_C).await.unwrap();
+    assert!(!alive(pid));
+    assert_eq!(m.mps_pid(OWNER, &gpu4), None);
+    assert_eq!(node.compute_mode(4), ComputeMode::Default);
+    m.unprepare(CLAIM_C).await.unwrap();
 }

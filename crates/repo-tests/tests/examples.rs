@@ -100,6 +100,7 @@ fn valid_examples_pass() {
         "deviceclass-admin-default",
         "extended-resource",
         "resource-quota",
+        "memory-shares",
     ];
     let mut seen = Vec::new();
     let mut checked_objects = 0;

@@ -16,7 +16,9 @@
 //!
 //! Output, one fact per line: `GPU <i>: <uuid> (compute mode <mode>)` for each visible GPU,
 //! then either the daemon's reply (`MPS server <pid>`, `active thread percentage <p>`,
-//! `device <n> <uuid> pinned memory limit <limit|none>`) or `MPS: not in use`.
+//! `device <n> <uuid> pinned memory limit <limit|none>`: what this client got, its own
+//! `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE` and `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT` applied over the
+//! server's values, which they can only lower) or `MPS: not in use`.
 
 use std::io::{Read, Write};
 use std::os::unix::fs::MetadataExt;
@@ -30,9 +32,34 @@ use crate::state::{ComputeMode, State};
 pub const DEVICES_UNAVAILABLE: &str =
     "CUDA error: CUDA-capable device(s) is/are busy or unavailable (cudaErrorDevicesUnavailable)";
 
+/// The MPS client variables a CUDA program reads (from its environment, by the binary).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ClientEnv {
+    /// `CUDA_MPS_PIPE_DIRECTORY`.
+    pub pipe_dir: Option<PathBuf>,
+    /// `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`: this client's share of the threads (can only
+    /// lower the server's).
+    pub active_thread_percentage: Option<String>,
+    /// `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT` (`<dev>=<limit>[,...]`): this client's pinned
+    /// memory limits (can only lower the server's).
+    pub pinned_mem_limit: Option<String>,
+}
+
+impl ClientEnv {
+    /// Reads the variables from the process environment (empty values count as unset).
+    pub fn from_process() -> Self {
+        let var = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
+        Self {
+            pipe_dir: var("CUDA_MPS_PIPE_DIRECTORY").map(PathBuf::from),
+            active_thread_percentage: var("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"),
+            pinned_mem_limit: var("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"),
+        }
+    }
+}
+
 /// Runs the program: `state` is the simulator state as this process sees it (`None`: no
-/// simulated host, no GPUs), `pipe_dir` the value of `CUDA_MPS_PIPE_DIRECTORY`.
-pub fn run(state: Option<&State>, pipe_dir: Option<PathBuf>, out: &mut dyn Write) -> i32 {
+/// simulated host, no GPUs), `env` its MPS client variables.
+pub fn run(state: Option<&State>, env: &ClientEnv, out: &mut dyn Write) -> i32 {
     let gpus: Vec<(String, ComputeMode)> = state
         .map(|s| {
             s.profile
@@ -53,8 +80,7 @@ pub fn run(state: Option<&State>, pipe_dir: Option<PathBuf>, out: &mut dyn Write
     for (i, (uuid, mode)) in gpus.iter().enumerate() {
         let _ = writeln!(out, "GPU {i}: {uuid} (compute mode {})", mode.smi_name());
     }
-    let pipe_dir = pipe_dir.unwrap_or_else(|| PathBuf::from(mps::DEFAULT_PIPE_DIR));
-    match attach(&pipe_dir) {
+    match attach(env) {
         Some(reply) => {
             let _ = out.write_all(reply.as_bytes());
             0
@@ -73,11 +99,26 @@ pub fn run(state: Option<&State>, pipe_dir: Option<PathBuf>, out: &mut dyn Write
     }
 }
 
-/// Joins the daemon's server through `pipe_dir/control`; `None` when no daemon answers.
-fn attach(pipe_dir: &std::path::Path) -> Option<String> {
+/// Joins the daemon's server through `<pipe dir>/control`, sending the client's own limits;
+/// `None` when no daemon answers.
+fn attach(env: &ClientEnv) -> Option<String> {
+    let pipe_dir = env
+        .pipe_dir
+        .clone()
+        .unwrap_or_else(|| PathBuf::from(mps::DEFAULT_PIPE_DIR));
     let mut conn = UnixStream::connect(pipe_dir.join("control")).ok()?;
     let uid = std::fs::metadata("/proc/self").map_or(0, |m| m.uid());
-    let hello = format!("{} {} {uid}\n", mps::CLIENT_HELLO, std::process::id());
+    let mut hello = format!("{} {} {uid}", mps::CLIENT_HELLO, std::process::id());
+    // Values with blanks cannot be sent as words; MPS would refuse them too.
+    for (key, value) in [
+        ("pct", &env.active_thread_percentage),
+        ("pinned", &env.pinned_mem_limit),
+    ] {
+        if let Some(v) = value {
+            hello.push_str(&format!(" {key}={}", v.replace(char::is_whitespace, "")));
+        }
+    }
+    hello.push('\n');
     conn.write_all(hello.as_bytes()).ok()?;
     let mut len = [0u8; 4];
     conn.read_exact(&mut len).ok()?;

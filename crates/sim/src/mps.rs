@@ -340,18 +340,62 @@ impl Daemon {
     }
 
     /// A client attaches: the server is started if none runs (with the current defaults);
-    /// returns the text the client prints.
+    /// returns the text the client prints. The client's own limits (its
+    /// `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE` and `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`, sent as
+    /// `pct=` and `pinned=` words) apply to it alone and, as on real MPS, can only lower the
+    /// server's values; the reply shows what the client got.
     fn attach(&self, hello: &str) -> Result<(u32, String), ()> {
         let mut words = hello.split_whitespace();
-        let (Some(pid), Some(uid), None) = (
+        let (Some(pid), Some(uid)) = (
             words.next().and_then(|w| w.parse::<u32>().ok()),
             words.next().and_then(|w| w.parse::<u32>().ok()),
-            words.next(),
         ) else {
             self.log.line("User did not send valid credentials");
             return Err(());
         };
+        let (mut client_pct, mut client_pinned) = (None, None);
+        for word in words {
+            match word.split_once('=') {
+                Some(("pct", v)) => client_pct = Some(v.to_string()),
+                Some(("pinned", v)) => client_pinned = Some(v.to_string()),
+                _ => {
+                    self.log.line("User did not send valid credentials");
+                    return Err(());
+                }
+            }
+        }
         let settings = self.settings.lock().unwrap_or_else(|e| e.into_inner());
+        let client_pct = match client_pct.as_deref().map(parse_percentage) {
+            None => None,
+            Some(Some(p)) => Some(p),
+            Some(None) => {
+                return Ok((
+                    pid,
+                    "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE should be between (0.0, 100.0]\n".into(),
+                ));
+            }
+        };
+        let mut client_limits: BTreeMap<String, u64> = BTreeMap::new();
+        for item in client_pinned
+            .iter()
+            .flat_map(|v| v.split(','))
+            .filter(|s| !s.is_empty())
+        {
+            let parsed = item.split_once('=').and_then(|(d, l)| {
+                Some((device_key(&settings, d.trim())?, parse_limit(l.trim())?))
+            });
+            match parsed {
+                Some((key, mib)) => {
+                    client_limits.insert(key, mib);
+                }
+                None => {
+                    return Ok((
+                        pid,
+                        format!("Invalid CUDA_MPS_PINNED_DEVICE_MEM_LIMIT entry {item:?}\n"),
+                    ));
+                }
+            }
+        }
         let mut server = self.server.lock().unwrap_or_else(|e| e.into_inner());
         if server.as_ref().is_some_and(|s| s.uid != uid) {
             self.log.line(&format!(
@@ -416,19 +460,32 @@ impl Daemon {
             srv.pid,
             &format!("Client {{PID: {pid}, Context ID: 0}} connected"),
         );
+        let pct = client_pct.map_or(srv.active_thread_percentage, |p| {
+            p.min(srv.active_thread_percentage)
+        });
         let mut reply = format!(
-            "MPS server {}\nactive thread percentage {:.1}\n",
-            srv.pid, srv.active_thread_percentage
+            "MPS server {}\nactive thread percentage {pct:.1}\n",
+            srv.pid
         );
         let keys: Vec<String> = match &settings.devices {
             Some(devices) => (0..devices.len()).map(|i| i.to_string()).collect(),
-            None => srv.pinned.keys().cloned().collect(),
+            None => {
+                let mut keys: Vec<String> = srv.pinned.keys().cloned().collect();
+                keys.extend(
+                    client_limits
+                        .keys()
+                        .filter(|k| !srv.pinned.contains_key(*k))
+                        .cloned(),
+                );
+                keys
+            }
         };
         for key in keys {
-            let limit = srv
-                .pinned
-                .get(&key)
-                .map_or_else(|| "none".to_string(), |m| format_limit(*m));
+            let limit = match (srv.pinned.get(&key), client_limits.get(&key)) {
+                (Some(s), Some(c)) => Some(*s.min(c)),
+                (s, c) => s.or(c).copied(),
+            }
+            .map_or_else(|| "none".to_string(), format_limit);
             reply.push_str(&format!(
                 "device {key} {} pinned memory limit {limit}\n",
                 device_label(&settings, &key)

@@ -575,3 +575,67 @@ fn mps_clients_start_a_server_that_keeps_the_limits_it_started_with() {
     let o = ui(&host, &m, "quit\n");
     assert_eq!(o.status.code(), Some(0));
 }
+
+#[test]
+fn mps_clients_own_limits_only_lower_the_servers() {
+    let host = SimHost::new("t4");
+    let gpu = host.profile().gpus[0].uuid.clone();
+    let m = mps_dirs();
+    let o = mps_cmd(&host, &m)
+        .arg("-d")
+        .env("CUDA_VISIBLE_DEVICES", &gpu)
+        .output()
+        .expect("daemon");
+    assert!(o.status.success(), "{}", text(&o));
+    let client = |pct: &str, pinned: &str| {
+        let out = Command::new(env!("CARGO_BIN_EXE_cuda-app"))
+            .env("GPU_SIM_STATE", host.state_file().path())
+            .env("CUDA_MPS_PIPE_DIRECTORY", &m.pipe)
+            .env("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", pct)
+            .env("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", pinned)
+            .output()
+            .expect("spawn cuda-app");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+
+    // No daemon defaults: the client's own values apply, each client its own.
+    let out = client("25", "0=10G");
+    assert!(out.contains("active thread percentage 25.0\n"), "{out}");
+    assert!(
+        out.contains(&format!("device 0 {gpu} pinned memory limit 10G\n")),
+        "{out}"
+    );
+    let out = client("50", "0=20480M");
+    assert!(out.contains("active thread percentage 50.0\n"), "{out}");
+    assert!(out.contains("pinned memory limit 20G\n"), "{out}");
+    let out = client("", "");
+    assert!(out.contains("active thread percentage 100.0\n"), "{out}");
+    assert!(out.contains("pinned memory limit none\n"), "{out}");
+
+    // With server limits, a client can go below them, never above.
+    let server: String = out
+        .lines()
+        .find_map(|l| l.strip_prefix("MPS server "))
+        .expect("server")
+        .to_string();
+    let o = ui(&host, &m, &format!("shutdown_server {server}\n"));
+    assert_eq!(text(&o), "");
+    let o = ui(
+        &host,
+        &m,
+        &format!(
+            "set_default_active_thread_percentage 40\nset_default_device_pinned_mem_limit {gpu} 4G\n"
+        ),
+    );
+    assert_eq!(text(&o), "");
+    let out = client("80", "0=8G");
+    assert!(out.contains("active thread percentage 40.0\n"), "{out}");
+    assert!(out.contains("pinned memory limit 4G\n"), "{out}");
+    let out = client("10", "0=1G");
+    assert!(out.contains("active thread percentage 10.0\n"), "{out}");
+    assert!(out.contains("pinned memory limit 1G\n"), "{out}");
+    let out = client("0", "");
+    assert!(out.contains("should be between (0.0, 100.0]"), "{out}");
+    let o = ui(&host, &m, "quit\n");
+    assert_eq!(o.status.code(), Some(0));
+}

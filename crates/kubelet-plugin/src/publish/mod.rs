@@ -185,6 +185,8 @@ pub async fn run(
     let mut snapshots = live.subscribe();
     let mut rendered: Option<Snapshot> = None;
     let mut last_generation = 0i64;
+    // Set once the API server drops consumable-capacity fields (DRAConsumableCapacity off).
+    let mut capacity_dropped = false;
     let mut need_discovery = true;
     let mut dirty = false;
     let mut retry_at: Option<Instant> = None;
@@ -239,8 +241,16 @@ pub async fn run(
             if !dirty {
                 return Ok(None);
             }
-            let generation =
-                reconcile(&slices, &nodes, &config, &live, &snapshot, last_generation).await?;
+            let generation = reconcile(
+                &slices,
+                &nodes,
+                &config,
+                &live,
+                &snapshot,
+                last_generation,
+                &mut capacity_dropped,
+            )
+            .await?;
             last_generation = last_generation.max(generation);
             dirty = false;
             live.mark_published(&snapshot.inventory);
@@ -288,6 +298,11 @@ fn send_status(config: &PublisherConfig, f: impl FnOnce(&mut PublishStatus)) {
 }
 
 /// One reconcile: read the Node and our slices, plan, apply. Returns the pool generation.
+///
+/// `capacity_dropped` is set when the API server dropped the consumable-capacity fields of a
+/// slice we wrote (its `DRAConsumableCapacity` feature gate is off): from then on memory-share
+/// GPUs are offered statically, as the server already shows them, instead of rewriting the
+/// slices forever (a restart of the plugin tries again).
 async fn reconcile(
     slices: &Api<ResourceSlice>,
     nodes: &Api<Node>,
@@ -295,6 +310,7 @@ async fn reconcile(
     live: &LiveInventory,
     snapshot: &Snapshot,
     last_generation: i64,
+    capacity_dropped: &mut bool,
 ) -> Result<i64, PublishError> {
     let node = nodes
         .get(&config.node_name)
@@ -318,6 +334,14 @@ async fn reconcile(
     for gpu in partitioning.conflicts(&snapshot.inventory) {
         tracing::warn!(gpu = %gpu.uuid, "GPU selected for both dynamic MIG and memory shares; offered statically");
     }
+    let partitioning = if *capacity_dropped {
+        Partitioning {
+            memory_shares: gpu_dra_core::partitioning::GpuSelection::None,
+            ..partitioning
+        }
+    } else {
+        partitioning
+    };
     live.set_partitioning(partitioning.clone());
     let owner = OwnerReference {
         api_version: "v1".into(),
@@ -366,16 +390,18 @@ async fn reconcile(
     for op in &plan.ops {
         match op {
             Op::Create(s) => {
-                slices
+                let got = slices
                     .create(&pp, s)
                     .await
                     .map_err(api_err(format!("creating ResourceSlice {}", op.name())))?;
+                note_dropped_capacity(s, &got, capacity_dropped);
             }
             Op::Update(s) => {
-                slices
+                let got = slices
                     .replace(op.name(), &pp, s)
                     .await
                     .map_err(api_err(format!("updating ResourceSlice {}", op.name())))?;
+                note_dropped_capacity(s, &got, capacity_dropped);
             }
             Op::Delete {
                 name,
@@ -398,6 +424,16 @@ async fn reconcile(
         tracing::debug!(slice = %op.name(), "applied");
     }
     Ok(plan.generation)
+}
+
+fn note_dropped_capacity(sent: &ResourceSlice, got: &ResourceSlice, dropped: &mut bool) {
+    if !*dropped && plan::dropped_consumable_capacity(sent, got) {
+        *dropped = true;
+        tracing::warn!(
+            slice = %sent.metadata.name.as_deref().unwrap_or_default(),
+            "the API server dropped allowMultipleAllocations and requestPolicy (feature gate DRAConsumableCapacity is off): memory-share GPUs are published as single-allocation whole GPUs until the gate is on and the plugin restarts"
+        );
+    }
 }
 
 #[cfg(test)]

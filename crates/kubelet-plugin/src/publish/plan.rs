@@ -199,6 +199,20 @@ fn owned_by(slice: &ResourceSlice, owner: &OwnerReference) -> bool {
         })
 }
 
+/// Whether the API server dropped the consumable-capacity fields of `sent` (a device with
+/// `allowMultipleAllocations: true`) from what it stored (`got`): it does so for every device
+/// when its `DRAConsumableCapacity` feature gate is off.
+pub fn dropped_consumable_capacity(sent: &ResourceSlice, got: &ResourceSlice) -> bool {
+    let multiple = |s: &ResourceSlice| {
+        s.spec
+            .devices
+            .iter()
+            .flatten()
+            .any(|d| d.allow_multiple_allocations == Some(true))
+    };
+    multiple(sent) && !multiple(got)
+}
+
 /// Spec equality as the API server sees it: an absent device list equals an empty one and
 /// quantities compare by value (the server may return another spelling of the same amount).
 pub fn same_spec(observed: &ResourceSliceSpec, desired: &ResourceSliceSpec) -> bool {
@@ -519,5 +533,35 @@ mod tests {
                 proptest::prop_assert_eq!(devices, n as usize);
             }
         }
+    }
+
+    #[test]
+    fn a_server_without_consumable_capacity_is_noticed_from_what_it_stored() {
+        let partitioning = Partitioning {
+            memory_shares: gpu_dra_core::partitioning::GpuSelection::All,
+            ..Partitioning::default()
+        };
+        let sent = gpu_dra_core::partitioning::render(
+            &inventory(1),
+            &SliceParams {
+                node_name: "node-a",
+                driver_name: "gpu.nvidia.com",
+                generation: 1,
+            },
+            &BTreeMap::new(),
+            &partitioning,
+        )
+        .slices
+        .remove(0);
+        assert!(!dropped_consumable_capacity(&sent, &sent));
+        let mut stored = sent.clone();
+        for d in stored.spec.devices.iter_mut().flatten() {
+            d.allow_multiple_allocations = None;
+            for c in d.capacity.iter_mut().flat_map(|c| c.values_mut()) {
+                c.request_policy = None;
+            }
+        }
+        assert!(dropped_consumable_capacity(&sent, &stored));
+        assert!(!same_spec(&stored.spec, &sent.spec));
     }
 }

@@ -120,6 +120,9 @@ pub(super) struct Inner {
     pub(super) state: Mutex<SharingState>,
     /// Serializes time-slice changes (see the module documentation).
     pub(super) timeslice_lock: tokio::sync::Mutex<()>,
+    /// Serializes changes to memory-share daemons (start with the first claim, stop after
+    /// the last: see [`super::shared_mps`]).
+    pub(super) share_lock: tokio::sync::Mutex<()>,
     /// Supervisor tasks by daemon id.
     pub(super) supervised: Mutex<HashMap<String, Supervised>>,
     pub(super) metrics: SharingMetrics,
@@ -159,6 +162,7 @@ impl SharingManager {
                 store,
                 state: Mutex::new(state),
                 timeslice_lock: tokio::sync::Mutex::new(()),
+                share_lock: tokio::sync::Mutex::new(()),
                 supervised: Mutex::new(HashMap::new()),
                 metrics,
                 foreign_dirs: Mutex::new(Vec::new()),
@@ -220,7 +224,12 @@ impl SharingManager {
                     .await?;
                 Ok(ContainerEdits::default())
             }
-            Sharing::Mps(config) => self.prepare_mps(claim_uid, group, devices, config).await,
+            Sharing::Mps(config) => match devices {
+                [device] if device.share.is_some() => {
+                    self.prepare_mps_share(claim_uid, device, config).await
+                }
+                _ => self.prepare_mps(claim_uid, group, devices, config).await,
+            },
         }
     }
 
@@ -243,6 +252,9 @@ impl SharingManager {
                 first_error.get_or_insert(e);
             }
         }
+        if let Err(e) = self.unprepare_mps_shares(claim_uid).await {
+            first_error.get_or_insert(e);
+        }
         match first_error {
             Some(e) => Err(e),
             None => Ok(()),
@@ -264,7 +276,7 @@ impl Inner {
 }
 
 /// Claim UIDs and group names become path components: keep them to a safe alphabet.
-fn check_name(what: &str, name: &str) -> Result<(), SharingError> {
+pub(super) fn check_name(what: &str, name: &str) -> Result<(), SharingError> {
     let ok = !name.is_empty()
         && !name.starts_with('.')
         && name.len() <= 64

@@ -13,6 +13,8 @@
 //!   container ([`pods`]).
 //!   Client containers get the pipe directory and `CUDA_MPS_PIPE_DIRECTORY`, and keep their own
 //!   `/dev/shm` (see `gpu_dra_core::sharing` for why, and for the GPUs that would need more).
+//!   A memory-share GPU has one daemon shared by all claims holding a share of it, each
+//!   client limited by its own environment ([`shared_mps`]).
 //! - Whatever ends a GPU's last use puts it back to compute mode `DEFAULT` and the default
 //!   time-slice: an unprepare, recovery after a plugin crash (above), and on uninstall
 //!   [`restore`] (all recorded sharing undone, run by `gpu-kubelet-plugin cleanup`). A crashed
@@ -35,6 +37,7 @@ pub mod mps;
 pub mod pods;
 pub mod recovery;
 pub mod restore;
+pub mod shared_mps;
 pub mod smi;
 pub mod state;
 pub mod supervise;

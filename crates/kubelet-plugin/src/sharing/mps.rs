@@ -378,6 +378,7 @@ mod tests {
                 active_thread_percentage: Some(40),
                 pinned_memory_mib: [("GPU-a".to_string(), 1024), ("MIG-b".to_string(), 512)].into(),
             },
+            share_claims: Default::default(),
         }
     }
 

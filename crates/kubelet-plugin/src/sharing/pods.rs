@@ -416,6 +416,7 @@ mod tests {
                 active_thread_percentage: Some(40),
                 pinned_memory_mib: BTreeMap::from([("GPU-b".into(), 2048)]),
             },
+            share_claims: Default::default(),
         }
     }
 

@@ -78,7 +78,7 @@ impl SharingManager {
                 s.time_slicing
                     .values()
                     .flat_map(|r| r.claims.iter().cloned())
-                    .chain(s.mps.values().map(|r| r.claim_uid.clone()))
+                    .chain(s.mps.values().flat_map(MpsRecord::claims))
                     .filter(|uid| !known.contains(uid))
                     .collect()
             };
@@ -121,9 +121,12 @@ impl SharingManager {
             if lock(&inner.supervised).contains_key(&id) {
                 continue;
             }
-            if record.phase != MpsPhase::Ready {
+            if record.phase != MpsPhase::Ready
+                || (record.is_memory_share() && record.share_claims.is_empty())
+            {
                 // Its prepare never returned success (kubelet retries it) or its unprepare
-                // was interrupted: finish the teardown.
+                // was interrupted (for a memory-share daemon: its last claim is gone): finish
+                // the teardown.
                 match inner.teardown_mps(&id).await {
                     Ok(()) => report.cleaned.push(id),
                     Err(e) => {

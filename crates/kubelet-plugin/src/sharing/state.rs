@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use gpu_dra_api::Interval;
-use gpu_dra_core::sharing::MpsLimits;
+use gpu_dra_core::sharing::{MEMORY_SHARE_DAEMON_OWNER, MpsLimits};
 
 use super::error::SharingError;
 
@@ -86,9 +86,28 @@ pub struct MpsRecord {
     pub whole_gpus: Vec<String>,
     /// Limits applied after every (re)start.
     pub limits: MpsLimits,
+    /// For the daemon of a memory-share GPU (`claim_uid` is then
+    /// [`MEMORY_SHARE_DAEMON_OWNER`] and `group` the GPU's UUID): the claims holding a share
+    /// of it, prepared or being prepared. The daemon is stopped when the last one goes.
+    #[serde(default, skip_serializing_if = "BTreeSet::is_empty")]
+    pub share_claims: BTreeSet<String>,
 }
 
 impl MpsRecord {
+    /// Whether this is the shared daemon of a memory-share GPU.
+    pub fn is_memory_share(&self) -> bool {
+        self.claim_uid == MEMORY_SHARE_DAEMON_OWNER
+    }
+
+    /// The claims relying on the daemon.
+    pub fn claims(&self) -> Vec<String> {
+        if self.is_memory_share() {
+            self.share_claims.iter().cloned().collect()
+        } else {
+            vec![self.claim_uid.clone()]
+        }
+    }
+
     /// `<dir>/pipe`: the control socket directory (`CUDA_MPS_PIPE_DIRECTORY`).
     pub fn pipe_dir(&self) -> PathBuf {
         self.dir.join("pipe")
@@ -222,6 +241,7 @@ mod tests {
                     active_thread_percentage: Some(50),
                     pinned_memory_mib: [("GPU-1".to_string(), 1024)].into(),
                 },
+                share_claims: Default::default(),
             },
         );
         store.save(&s).unwrap();

@@ -82,6 +82,7 @@ impl SharingManager {
             limits,
             devices,
             whole_gpus,
+            share_claims: Default::default(),
         };
         mps::check_socket_path(&record)?;
 
@@ -149,7 +150,7 @@ impl SharingManager {
 }
 
 /// What the claim's containers need to reach the daemon of `record`.
-fn client_edits(record: &MpsRecord) -> ContainerEdits {
+pub(super) fn client_edits(record: &MpsRecord) -> ContainerEdits {
     mps_edits(&record.pipe_dir().display().to_string())
 }
 

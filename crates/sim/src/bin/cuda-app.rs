@@ -8,11 +8,9 @@ fn main() {
     let state = gpu_dra_sim::state::locate(exe.as_deref())
         .and_then(|f| f.load_visible())
         .ok();
-    let pipe_dir = std::env::var_os("CUDA_MPS_PIPE_DIRECTORY")
-        .filter(|v| !v.is_empty())
-        .map(std::path::PathBuf::from);
+    let env = gpu_dra_sim::cuda::ClientEnv::from_process();
     let mut out = std::io::stdout();
-    let code = gpu_dra_sim::cuda::run(state.as_ref(), pipe_dir, &mut out);
+    let code = gpu_dra_sim::cuda::run(state.as_ref(), &env, &mut out);
     let _ = out.flush();
     std::process::exit(code);
 }

@@ -1,0 +1,177 @@
+//! The MPS control daemon of a memory-share GPU: one per GPU, shared by every claim that
+//! holds a share of it with an MPS config, reference counted by claim.
+//!
+//! Why one daemon and client-side limits: a GPU in MPS mode is in compute mode
+//! `EXCLUSIVE_PROCESS`, owned by one MPS server, so claims sharing it must join the same
+//! daemon, and their clients (all of one user) the same server. Per-server limits would then
+//! apply to every claim alike, so the daemon sets no defaults of its own (MPS's defaults: 100%
+//! of the threads, no pinned memory limit) and each claim's containers carry their limits in
+//! their environment (`CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`, `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`,
+//! see `gpu_dra_core::sharing::mps_share_env`), which MPS applies to that client; a client's
+//! variables can only lower the daemon's defaults. Consequence: the limits hold for workloads
+//! that keep the environment they are given; a container that unsets them is bounded only by
+//! the daemon's defaults, i.e. the whole GPU (docs/STATUS.md).
+//!
+//! Record and lifecycle: the daemon's [`MpsRecord`] has owner
+//! [`MEMORY_SHARE_DAEMON_OWNER`] and the GPU's UUID as group, and lists its claims in
+//! `share_claims`. The first claim records itself and starts the daemon (same steps,
+//! supervision and restart-survival as a claim's own daemon, see [`super::supervise`]); later
+//! claims only add themselves; an unprepare removes its claim and stops the daemon (compute
+//! mode back to `DEFAULT`) once none is left. All of it under one lock, so a claim arriving
+//! while the last one leaves never finds a daemon that is being stopped.
+
+use std::time::Instant;
+
+use gpu_dra_api::MpsConfig;
+use gpu_dra_core::cdi::ContainerEdits;
+use gpu_dra_core::sharing::{
+    MEMORY_SHARE_DAEMON_OWNER, MpsLimits, SharedDevice, daemon_dir_name, daemon_id, mps_share_env,
+};
+use tracing::{error, info, warn};
+
+use super::error::SharingError;
+use super::manager::{SharingManager, check_name, lock};
+use super::mps;
+use super::state::{MpsPhase, MpsRecord};
+use super::supervise::client_edits;
+
+impl SharingManager {
+    /// Joins `claim_uid` to the MPS daemon of the memory-share GPU `device` (starting it when
+    /// it is the first claim) and returns the edits of its clients: the pipe directory and
+    /// the claim's own limits. Idempotent.
+    pub(super) async fn prepare_mps_share(
+        &self,
+        claim_uid: &str,
+        device: &SharedDevice,
+        config: &MpsConfig,
+    ) -> Result<ContainerEdits, SharingError> {
+        let Some(share) = device.share else {
+            return Err(SharingError::InvalidRequest {
+                field: "devices".into(),
+                message: format!("{} is not a memory share", device.uuid),
+            });
+        };
+        check_name("GPU UUID", &device.uuid)?;
+        let inner = &self.inner;
+        let id = daemon_id(MEMORY_SHARE_DAEMON_OWNER, &device.uuid);
+        let edits = |record: &MpsRecord| {
+            let mut edits = client_edits(record);
+            edits.env.extend(mps_share_env(config, device, &share));
+            edits
+        };
+        let _guard = inner.share_lock.lock().await;
+
+        let existing = lock(&inner.state).mps.get(&id).cloned();
+        if let Some(record) = existing {
+            if record.phase == MpsPhase::Ready {
+                inner.update(|s| {
+                    if let Some(r) = s.mps.get_mut(&id) {
+                        r.share_claims.insert(claim_uid.to_owned());
+                    }
+                })?;
+                if !lock(&inner.supervised).contains_key(&id) {
+                    // Recorded ready but not watched (its restart failed earlier): start it
+                    // again for everyone on it.
+                    let proc = inner.start_daemon(&id, &record, false).await?;
+                    inner.supervise(&id, proc);
+                }
+                info!(claim.uid = %claim_uid, daemon = %id, "joined the memory-share MPS daemon");
+                return Ok(edits(&record));
+            }
+            // Left half started or half stopped by a crash: finish that first.
+            inner.teardown_mps(&id).await?;
+        }
+
+        let gpu = device.uuid.clone();
+        let record = MpsRecord {
+            claim_uid: MEMORY_SHARE_DAEMON_OWNER.to_owned(),
+            group: gpu.clone(),
+            phase: MpsPhase::Starting,
+            pid: None,
+            dir: inner
+                .opts
+                .plugin_dir
+                .join("mps")
+                .join(daemon_dir_name(MEMORY_SHARE_DAEMON_OWNER, &gpu)),
+            limits: MpsLimits::default(),
+            devices: vec![gpu.clone()],
+            whole_gpus: vec![gpu.clone()],
+            share_claims: [claim_uid.to_owned()].into(),
+        };
+        mps::check_socket_path(&record)?;
+        inner.update(|s| {
+            if let Some(ts) = s.time_slicing.get(&gpu).filter(|r| !r.claims.is_empty()) {
+                return Err(SharingError::Conflict {
+                    gpu: gpu.clone(),
+                    holder: format!(
+                        "time-slicing for claim(s) {}",
+                        ts.claims.iter().cloned().collect::<Vec<_>>().join(", ")
+                    ),
+                    wanted: format!("MPS for claim {claim_uid}"),
+                });
+            }
+            if let Some((other, _)) = s.mps.iter().find(|(_, r)| r.whole_gpus.contains(&gpu)) {
+                return Err(SharingError::Conflict {
+                    gpu: gpu.clone(),
+                    holder: format!("MPS daemon {other}"),
+                    wanted: format!("MPS for claim {claim_uid}"),
+                });
+            }
+            s.mps.insert(id.clone(), record.clone());
+            Ok(())
+        })??;
+
+        let started = Instant::now();
+        match inner.start_daemon(&id, &record, true).await {
+            Ok(proc) => {
+                inner.update(|s| {
+                    if let Some(r) = s.mps.get_mut(&id) {
+                        r.phase = MpsPhase::Ready;
+                    }
+                })?;
+                inner.supervise(&id, proc);
+                info!(
+                    claim.uid = %claim_uid,
+                    daemon = %id,
+                    elapsed_ms = started.elapsed().as_millis() as u64,
+                    "memory-share MPS control daemon ready"
+                );
+                Ok(edits(&record))
+            }
+            Err(e) => {
+                warn!(daemon = %id, error = %e, "MPS start failed; cleaning up");
+                if let Err(cleanup) = inner.teardown_mps(&id).await {
+                    error!(daemon = %id, error = %cleanup, "cleanup after a failed MPS start failed; recovery retries it");
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Removes `claim_uid` from the memory-share daemons it joined; stops each daemon that it
+    /// leaves without claims. Idempotent.
+    pub(super) async fn unprepare_mps_shares(&self, claim_uid: &str) -> Result<(), SharingError> {
+        let inner = &self.inner;
+        let _guard = inner.share_lock.lock().await;
+        let emptied = inner.update(|s| {
+            let mut emptied = Vec::new();
+            for (id, r) in s.mps.iter_mut().filter(|(_, r)| r.is_memory_share()) {
+                if r.share_claims.remove(claim_uid) && r.share_claims.is_empty() {
+                    emptied.push(id.clone());
+                }
+            }
+            emptied
+        })?;
+        let mut first_error = None;
+        for id in emptied {
+            info!(claim.uid = %claim_uid, daemon = %id, "last claim of a memory-share GPU gone; stopping its MPS daemon");
+            if let Err(e) = inner.teardown_mps(&id).await {
+                first_error.get_or_insert(e);
+            }
+        }
+        match first_error {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+}

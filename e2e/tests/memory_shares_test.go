@@ -1,0 +1,210 @@
+package tests
+
+import (
+	"context"
+	"fmt"
+	"strings"
+	"testing"
+	"time"
+
+	v1 "k8s.io/api/core/v1"
+	resourceapi "k8s.io/api/resource/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+)
+
+// memoryShareGPU is the GPU of the memory-share node offered as memory
+// shares: GPU 4 of the dgx-a100-40gb profile, an A100-SXM4-40GB with MIG
+// disabled (GPUs 0-3 have MIG on).
+const memoryShareGPU = "gpu-4"
+
+// shareClaim asks for `memory` of the GPU with this UUID, as one share, with
+// an MPS config (plus extra mpsConfig fields).
+func shareClaim(t *testing.T, ns, name, uuid, memory string, mps map[string]any) *resourceapi.ResourceClaim {
+	t.Helper()
+	claim := pinnedClaim(ns, name, "gpu.nvidia.com", uuid)
+	claim.Spec.Devices.Requests[0].Exactly.Capacity = &resourceapi.CapacityRequirements{
+		Requests: map[resourceapi.QualifiedName]resource.Quantity{"memory": resource.MustParse(memory)},
+	}
+	if mps == nil {
+		mps = map[string]any{}
+	}
+	claim.Spec.Devices.Config = []resourceapi.DeviceClaimConfiguration{{
+		Requests: []string{"gpu"},
+		DeviceConfiguration: resourceapi.DeviceConfiguration{Opaque: opaque(t, map[string]any{
+			"apiVersion": "resource.nvidia.com/v1beta1", "kind": "GpuConfig",
+			"sharing": map[string]any{"strategy": "MPS", "mpsConfig": mps},
+		})},
+	}}
+	return claim
+}
+
+// cudaApp runs the CUDA program stand-in in the pod's container and returns
+// what it printed; it must have joined an MPS server.
+func cudaApp(ctx context.Context, t *testing.T, pod *v1.Pod) string {
+	t.Helper()
+	res, err := cluster.Node(pod.Spec.NodeName).Exec(ctx, pod, "ctr", "cuda-app")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("pod %s: cuda-app says:\n%s", pod.Name, strings.TrimRight(res.Stdout, "\n"))
+	if res.ExitCode != 0 || !strings.Contains(res.Stdout, "MPS server ") {
+		t.Fatalf("pod %s: the CUDA program did not join an MPS server (exit %d): %s%s", pod.Name, res.ExitCode, res.Stdout, res.Stderr)
+	}
+	return res.Stdout
+}
+
+// mpsServer is the server PID cuda-app reports.
+func mpsServer(out string) string {
+	for _, l := range strings.Split(out, "\n") {
+		if p, ok := strings.CutPrefix(l, "MPS server "); ok {
+			return p
+		}
+	}
+	return ""
+}
+
+// TestMemoryShares: a 40 GB A100 offered as memory shares is published as one
+// device several claims may hold; three claims of 10Gi, 10Gi and 20Gi with MPS
+// run at once on it, each container limited to its share (pinned memory) and
+// its part of the threads, through one MPS daemon; a fourth claim of 10Gi
+// stays pending with the scheduler's reason until one of them goes; after all
+// are gone the daemon is gone and the GPU back in compute mode DEFAULT.
+func TestMemoryShares(t *testing.T) {
+	requirePlugins(t)
+	ctx := context.Background()
+	const name = "node-memshare"
+	n := addPluginNode(ctx, t, name, "dgx-a100-40gb", []string{"--memory-share-gpus=" + memoryShareGPU}, nil)
+	ns := newNamespace(ctx, t, "memshare")
+
+	// Published: the shared GPU allows multiple allocations, with a request
+	// policy on its memory; the other whole GPUs do not.
+	devices := poolDevices(ctx, t, name)
+	gpu, ok := devices[memoryShareGPU]
+	if !ok {
+		t.Fatalf("%s not published: %v", memoryShareGPU, keys(devices))
+	}
+	if gpu.AllowMultipleAllocations == nil || !*gpu.AllowMultipleAllocations {
+		t.Fatalf("%s does not allow multiple allocations: %+v", memoryShareGPU, gpu)
+	}
+	memory := gpu.Capacity["memory"]
+	if memory.RequestPolicy == nil || memory.RequestPolicy.ValidRange == nil {
+		t.Fatalf("%s memory has no request policy with a range: %+v", memoryShareGPU, memory)
+	}
+	t.Logf("%s memory %s, request policy default %s, min %s, step %s", memoryShareGPU, memory.Value.String(),
+		memory.RequestPolicy.Default, memory.RequestPolicy.ValidRange.Min, memory.RequestPolicy.ValidRange.Step)
+	if other := devices["gpu-5"]; other.AllowMultipleAllocations != nil {
+		t.Errorf("gpu-5 is not a memory-share GPU but allows multiple allocations")
+	}
+	uuid := attrString(gpu, "uuid")
+
+	// Three shares at once: 10Gi, 10Gi, 20Gi = the GPU's 40Gi.
+	shares := []struct {
+		name, memory, limit, pct string
+	}{
+		{"share-a", "10Gi", "10G", "25.0"},
+		{"share-b", "10Gi", "10G", "25.0"},
+		{"share-c", "20Gi", "20G", "50.0"},
+	}
+	pods := map[string]*v1.Pod{}
+	for _, s := range shares {
+		pods[s.name] = createClaimAndPod(ctx, t, shareClaim(t, ns, s.name, uuid, s.memory, nil), name)
+	}
+	servers := map[string]bool{}
+	for _, s := range shares {
+		running, err := cluster.WaitPodRunning(ctx, ns, s.name, 90*time.Second)
+		if err != nil {
+			t.Fatalf("pod %s: %v; kubelet errors: %v\nplugin log:\n%s", s.name, err, n.DRAErrors(), n.Plugin.Log())
+		}
+		pods[s.name] = running
+		claim, err := cluster.Client.ResourceV1().ResourceClaims(ns).Get(ctx, s.name, metav1.GetOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		res := claim.Status.Allocation.Devices.Results[0]
+		if res.Device != memoryShareGPU || res.ShareID == nil {
+			t.Fatalf("claim %s: allocated %s share %v, want a share of %s", s.name, res.Device, res.ShareID, memoryShareGPU)
+		}
+		consumed := res.ConsumedCapacity["memory"]
+		if consumed.Cmp(resource.MustParse(s.memory)) != 0 {
+			t.Errorf("claim %s consumes %s, want %s", s.name, consumed.String(), s.memory)
+		}
+		out := cudaApp(ctx, t, running)
+		if want := "active thread percentage " + s.pct + "\n"; !strings.Contains(out, want) {
+			t.Errorf("pod %s: want %q from its MPS client", s.name, want)
+		}
+		if want := fmt.Sprintf("device 0 %s pinned memory limit %s\n", uuid, s.limit); !strings.Contains(out, want) {
+			t.Errorf("pod %s: want %q from its MPS client", s.name, want)
+		}
+		servers[mpsServer(out)] = true
+		var shareEnv string
+		for _, r := range podDevices(t, running)["ctr"] {
+			if v, ok := envValue(r.Env(), "GPU_DRA_MEMORY_SHARE"); ok {
+				shareEnv = v
+			}
+		}
+		asked := resource.MustParse(s.memory)
+		if want := fmt.Sprint(asked.Value()); shareEnv != want {
+			t.Errorf("pod %s: GPU_DRA_MEMORY_SHARE=%q, want %s", s.name, shareEnv, want)
+		}
+	}
+	if len(servers) != 1 {
+		t.Errorf("the three shares joined %d MPS servers, want one (one daemon per GPU): %v", len(servers), keys(servers))
+	}
+	if daemons := n.MPSDaemons(); len(daemons) != 1 {
+		t.Errorf("want one MPS control daemon for the shared GPU, got %d", len(daemons))
+	}
+	if got := computeMode(t, n, uuid); got != "EXCLUSIVE_PROCESS" {
+		t.Errorf("compute mode of the shared GPU while shares run: %s", got)
+	}
+
+	// A fourth share does not fit: the scheduler keeps it pending.
+	fourth := createClaimAndPod(ctx, t, shareClaim(t, ns, "share-d", uuid, "10Gi", nil), name)
+	var reason string
+	if !eventually(ctx, 30*time.Second, func() bool {
+		p := getPod(ctx, t, fourth)
+		for _, c := range p.Status.Conditions {
+			if c.Type == v1.PodScheduled && c.Status == v1.ConditionFalse && c.Message != "" {
+				reason = c.Message
+				return true
+			}
+		}
+		return false
+	}) {
+		t.Fatalf("pod share-d: no PodScheduled=False condition: %+v", getPod(ctx, t, fourth).Status)
+	}
+	t.Logf("pod share-d pending: PodScheduled=False: %s", reason)
+	time.Sleep(2 * time.Second)
+	if p := getPod(ctx, t, fourth); p.Spec.NodeName != "" || p.Status.Phase == v1.PodRunning {
+		t.Fatalf("pod share-d was scheduled although the GPU's memory is taken (node %q, phase %s)", p.Spec.NodeName, p.Status.Phase)
+	}
+
+	// One share goes: the fourth runs, with its own limits, on the same daemon.
+	deleteClaimAndPod(ctx, t, pods["share-a"])
+	running, err := cluster.WaitPodRunning(ctx, ns, "share-d", 90*time.Second)
+	if err != nil {
+		t.Fatalf("pod share-d after share-a was deleted: %v; kubelet errors: %v", err, n.DRAErrors())
+	}
+	out := cudaApp(ctx, t, running)
+	if !strings.Contains(out, "active thread percentage 25.0\n") || !strings.Contains(out, "pinned memory limit 10G\n") {
+		t.Errorf("pod share-d: want 25%% of the threads and 10G pinned memory: %s", out)
+	}
+	if !servers[mpsServer(out)] {
+		t.Errorf("pod share-d joined server %s, not the one the other shares use (%v)", mpsServer(out), keys(servers))
+	}
+
+	// All gone: the daemon stops with the last share, the GPU is back to DEFAULT.
+	for _, p := range []*v1.Pod{pods["share-b"], pods["share-c"]} {
+		deleteClaimAndPod(ctx, t, p)
+		if len(n.MPSDaemons()) != 1 {
+			t.Errorf("the shared MPS daemon stopped while share-d still runs")
+		}
+	}
+	deleteClaimAndPod(ctx, t, running)
+	if !eventually(ctx, 20*time.Second, func() bool { return len(n.MPSDaemons()) == 0 }) {
+		t.Errorf("MPS daemon still running after the last share was deleted: %v", n.MPSDaemons())
+	}
+	if got := computeMode(t, n, uuid); got != "DEFAULT" {
+		t.Errorf("compute mode of %s after the last share: %s, want DEFAULT", uuid, got)
+	}
+}
