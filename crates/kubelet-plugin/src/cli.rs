@@ -175,6 +175,8 @@ pub struct Backends {
     pub inventory: Arc<dyn GpuInventory>,
     /// Watches their health (NVML only; none with a fixture).
     pub health: Option<Arc<dyn HealthSource>>,
+    /// Creates and destroys dynamic MIG instances (NVML only; refused with a fixture).
+    pub mig: Arc<dyn crate::mig::MigControl>,
 }
 
 /// THE place where the hardware backends are chosen from the flags.
@@ -189,14 +191,22 @@ pub fn backends_from_args(args: &RunArgs) -> anyhow::Result<Backends> {
         return Ok(Backends {
             inventory: Arc::new(FixtureInventory::from_json_named(&json, &source)?),
             health: None,
+            mig: Arc::new(crate::mig::NoMig(format!(
+                "the inventory comes from the fixture {source}, not from NVML"
+            ))),
         });
     }
     let (lib_path, backend) = args.host.nvml_inventory()?;
     info!(library = %lib_path.display(), "using NVML");
     let backend = Arc::new(backend);
+    let mig: Arc<dyn crate::mig::MigControl> = match crate::mig::NvmlMig::open(&lib_path) {
+        Ok(mig) => Arc::new(mig),
+        Err(e) => Arc::new(crate::mig::NoMig(e.reason)),
+    };
     Ok(Backends {
         inventory: backend.clone(),
         health: Some(backend),
+        mig,
     })
 }
 
@@ -557,6 +567,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         cdi: Arc::new(cdi),
         failpoints,
         metrics: metrics.clone(),
+        mig: backends.mig.clone(),
     })?);
     // Sharing state is recovered before the driver reconciles: live MPS daemons of prepared
     // claims are re-adopted (or restarted), interrupted starts and stops are cleaned up, and
