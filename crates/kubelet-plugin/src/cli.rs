@@ -579,6 +579,11 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     if let Err(e) = sharing.recover().await {
         warn!(error = %e, "sharing recovery incomplete; retried by the next unprepare or restart");
     }
+    if let Some(client) = &client {
+        // The startup reconcile destroys stray MIG instances on dynamic MIG GPUs: it must know
+        // the GPUs a Node annotation makes dynamic before anything is published.
+        apply_node_annotations(client, &args.node_name, &partitioning_flags, &live).await;
+    }
     driver.reconcile().await;
 
     let _ = driver_tx.send(Some(driver.clone()));
@@ -643,6 +648,35 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     remove_quietly(&dra_path);
     info!("stopped");
     Ok(())
+}
+
+/// Applies the Node's partitioning annotations over the flags once (the publisher keeps them
+/// current afterwards); a Node that cannot be read leaves the flags, with a warning.
+async fn apply_node_annotations(
+    client: &kube::Client,
+    node_name: &str,
+    flags: &Partitioning,
+    live: &LiveInventory,
+) {
+    let nodes: kube::Api<k8s_openapi::api::core::v1::Node> = kube::Api::all(client.clone());
+    match nodes.get(node_name).await {
+        Ok(node) => {
+            let (partitioning, problems) = flags.with_node_annotations(|key| {
+                node.metadata
+                    .annotations
+                    .as_ref()
+                    .and_then(|a| a.get(key))
+                    .map(String::as_str)
+            });
+            for problem in &problems {
+                warn!(%problem, "ignoring a partitioning annotation");
+            }
+            live.set_partitioning(partitioning);
+        }
+        Err(e) => {
+            warn!(node = %node_name, error = %e, "cannot read the Node's partitioning annotations at start; using the flags until the publisher reads them");
+        }
+    }
 }
 
 fn remove_quietly(path: &Path) {
