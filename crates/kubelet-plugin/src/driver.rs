@@ -484,10 +484,9 @@ impl Driver {
         let plan = plan::plan(&input, &inventory, self.decoder.as_ref())?;
         refuse_sharing_with_admin_access(&plan)?;
         self.failpoints.hit("prepare.after_plan").await?;
-        if let Err(e) = self.reserve(claim, &plan) {
-            // Nothing else done yet: only MIG instances (if any) are undone by the caller.
-            return Err(e);
-        }
+        // On refusal nothing else is done yet: only MIG instances (if any), which the caller
+        // undoes.
+        self.reserve(claim, &plan)?;
         let result = self.apply_plan(claim, &plan).await;
         if result.is_err() && self.entry(&claim.uid).is_none() {
             // The entry's first write failed: the reservation is all there is to undo.
