@@ -476,7 +476,8 @@ impl Driver {
         let names: Vec<&str> = input.devices.iter().map(|d| d.device.as_str()).collect();
         // Dynamic MIG devices exist once their instances do: created (or found) first, so the
         // live inventory below has them with their IDs and capability nodes.
-        let wanted = dynamic::intents(&self.inventory.snapshot(), &names, kept);
+        let (wanted, stale) = dynamic::intents(&self.inventory.snapshot(), &names, kept);
+        self.drop_stale_instances(&claim.uid, stale).await?;
         if !wanted.is_empty() {
             self.ensure_instances(claim, wanted).await?;
         }

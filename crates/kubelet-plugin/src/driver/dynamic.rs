@@ -46,12 +46,12 @@ use crate::mig::{MigError, MigInstance};
 
 /// The instances the claim's `devices` need: one per device that is a placement of a dynamic
 /// MIG GPU of `snapshot`, starting from the claim's record in `kept` (with its IDs) when it has
-/// one for the same device.
+/// one for the same device; and the records of `kept` that no device needs any more.
 pub(super) fn intents(
     snapshot: &Snapshot,
     devices: &[&str],
     kept: Vec<DynamicMigInstance>,
-) -> Vec<DynamicMigInstance> {
+) -> (Vec<DynamicMigInstance>, Vec<DynamicMigInstance>) {
     let mut out: Vec<DynamicMigInstance> = Vec::new();
     for &name in devices {
         if out.iter().any(|w| w.device == name) {
@@ -88,13 +88,8 @@ pub(super) fn intents(
             .unwrap_or(fresh);
         out.push(record);
     }
-    // Kept instances no device needs any more stay recorded until the claim's rollback.
-    for k in kept {
-        if !out.iter().any(|w| w.device == k.device) {
-            out.push(k);
-        }
-    }
-    out
+    let stale = kept.into_iter().filter(|k| !out.contains(k)).collect();
+    (out, stale)
 }
 
 /// Whether `record` stands for instance `m` of GPU `gpu`: the same UUID once recorded, else the
@@ -139,6 +134,25 @@ fn mig_error(device: &str, e: MigError) -> DriverError {
 }
 
 impl Driver {
+    /// Destroys the instances in `stale` that claim `uid` kept from an earlier try and no
+    /// longer needs (its GPU is not dynamic any more), and forgets them.
+    pub(super) async fn drop_stale_instances(
+        &self,
+        uid: &str,
+        stale: Vec<DynamicMigInstance>,
+    ) -> Result<(), DriverError> {
+        if stale.is_empty() {
+            return Ok(());
+        }
+        self.destroy_instances(uid, &stale).await?;
+        self.persist(|cp| {
+            if let Some(e) = cp.claims.get_mut(uid) {
+                e.dynamic_mig.retain(|r| !stale.contains(r));
+            }
+        })
+        .await
+    }
+
     async fn list_instances(
         &self,
         device: &str,
@@ -618,6 +632,47 @@ mod tests {
         let b = env.add("b", &[D2G]);
         env.driver.prepare(&b).await.expect("b prepares");
         assert_eq!(env.placements(), [(9, 4), (14, 0)]);
+    }
+
+    #[test]
+    fn intents_start_from_kept_records_and_name_the_stale_ones() {
+        let env = Env::new();
+        let snapshot = env.driver.inventory.snapshot();
+        let gpu = snapshot.inventory.gpus[0].uuid.clone();
+        let recorded = DynamicMigInstance {
+            device: D3G.into(),
+            gpu_uuid: gpu.clone(),
+            gi_profile_id: 9,
+            placement_start: 4,
+            placement_size: 4,
+            gi_id: Some(2),
+            ci_id: Some(0),
+            uuid: Some("MIG-x".into()),
+            ..DynamicMigInstance::default()
+        };
+        let stale = DynamicMigInstance {
+            device: D2G.into(),
+            gi_profile_id: 14,
+            placement_start: 0,
+            placement_size: 2,
+            ..recorded.clone()
+        };
+        let (wanted, left) = intents(
+            &snapshot,
+            &[D3G, D1G, D1G, "gpu-0"],
+            vec![recorded.clone(), stale.clone()],
+        );
+        assert_eq!(wanted.len(), 2, "one per dynamic placement: {wanted:?}");
+        assert_eq!(wanted[0], recorded);
+        assert_eq!(
+            (
+                wanted[1].gi_profile_id,
+                wanted[1].placement_start,
+                wanted[1].gi_id
+            ),
+            (19, 2, None)
+        );
+        assert_eq!(left, [stale]);
     }
 
     #[tokio::test]
