@@ -121,7 +121,12 @@ func allocatedDevices(ctx context.Context, t *testing.T, pod *v1.Pod, ctr v1.Con
 			}
 			d := sliceDevice(ctx, t, res.Pool, res.Device)
 			if attrString(d, "type") == "mig" {
-				add(&migs, attrString(d, "uuid"))
+				uuid := attrString(d, "uuid")
+				if uuid == "" {
+					// A dynamic MIG device: its instance exists since prepare.
+					uuid = dynamicMIGUUID(t, res.Pool, attrString(d, "parentUUID"), attrString(d, "profile"))
+				}
+				add(&migs, uuid)
 				add(&gpus, attrString(d, "parentUUID"))
 			} else {
 				add(&gpus, attrString(d, "uuid"))

@@ -21,6 +21,20 @@ import (
 
 // Kinds whose pods need a controller the harness does not run.
 
+// exampleNode is a node an example needs besides the suite's, added for its
+// run only: a node plugin with extra flags on a simulator profile.
+type exampleNode struct {
+	profile string
+	args    []string
+}
+
+// exampleNodes by example folder. dynamic-mig asks for MIG profiles that no
+// static instance of the suite's nodes has: only this node's dynamic GPUs
+// offer them.
+var exampleNodes = map[string]exampleNode{
+	"dynamic-mig": {profile: "dgx-a100-40gb", args: []string{"--dynamic-mig-gpus=0,1"}},
+}
+
 // Every scenario folder in examples/ (but invalid/): applied to a fresh
 // namespace, every pod reaches Running with CDI IDs that resolve to spec
 // files with the GPU device nodes; each claim's devices are published;
@@ -50,6 +64,8 @@ func TestExamples(t *testing.T) {
 		t.Run(d.Name(), func(t *testing.T) {
 			if needsMemoryShares(t, files) {
 				addMemoryShareNode(t)
+			} else if node, ok := exampleNodes[d.Name()]; ok {
+				addPluginNode(context.Background(), t, "node-ex-"+d.Name(), node.profile, node.args, nil)
 			}
 			runExample(t, d.Name(), files)
 		})

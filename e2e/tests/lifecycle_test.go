@@ -120,11 +120,28 @@ func TestMIGRelayoutWhilePluginRuns(t *testing.T) {
 	}
 
 	// Claims allocated from the stale slices: both refused, and stay refused.
-	gone := createClaimAndPod(ctx, t, pinnedClaim(ns, "gone", "mig.nvidia.com", oldRemoved), name)
-	changed := createClaimAndPod(ctx, t, pinnedClaim(ns, "changed", "mig.nvidia.com", oldRecreated), name)
-	if !eventually(ctx, 60*time.Second, func() bool {
-		return draErrorsContaining(n, "gone", "is no longer on this node") &&
-			draErrorsContaining(n, "changed", "changed since this node published it")
+	// One pod uses both, so the scheduler allocates them together before the
+	// first refusal republishes the slices (the kubelet reports one claim's
+	// error per attempt, in no fixed order; its retries show both).
+	for _, c := range []*resourceapi.ResourceClaim{
+		pinnedClaim(ns, "gone", "mig.nvidia.com", oldRemoved),
+		pinnedClaim(ns, "changed", "mig.nvidia.com", oldRecreated),
+	} {
+		if _, err := cluster.Client.ResourceV1().ResourceClaims(ns).Create(ctx, c, metav1.CreateOptions{}); err != nil {
+			t.Fatalf("create claim: %v", err)
+		}
+	}
+	stale := claimPod(ns, "stale", name, "gone")
+	changedClaim := "changed"
+	stale.Spec.ResourceClaims = append(stale.Spec.ResourceClaims, v1.PodResourceClaim{Name: "other", ResourceClaimName: &changedClaim})
+	stale.Spec.Containers[0].Resources.Claims = append(stale.Spec.Containers[0].Resources.Claims, v1.ResourceClaim{Name: "other"})
+	stale, err := cluster.Client.CoreV1().Pods(ns).Create(ctx, stale, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatalf("create pod: %v", err)
+	}
+	if !eventually(ctx, 90*time.Second, func() bool {
+		return draErrorsContaining(n, "stale", "is no longer on this node") &&
+			draErrorsContaining(n, "stale", "changed since this node published it")
 	}) {
 		t.Fatalf("stale devices not refused; kubelet errors: %v\nplugin log:\n%s", n.DRAErrors(), n.Plugin.Log())
 	}
@@ -141,17 +158,14 @@ func TestMIGRelayoutWhilePluginRuns(t *testing.T) {
 		t.Fatalf("slices not republished after the re-layout: %v", keys(poolDevices(ctx, t, name)))
 	}
 	time.Sleep(3 * time.Second)
-	for _, p := range []*v1.Pod{gone, changed} {
-		got, err := cluster.Client.CoreV1().Pods(ns).Get(ctx, p.Name, metav1.GetOptions{})
-		if err != nil {
-			t.Fatal(err)
-		}
-		if got.Status.Phase == v1.PodRunning {
-			t.Errorf("pod %s runs on a device allocated for an identity that no longer exists", p.Name)
-		}
+	got, err := cluster.Client.CoreV1().Pods(ns).Get(ctx, stale.Name, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
 	}
-	deleteClaimAndPod(ctx, t, gone)
-	deleteClaimAndPod(ctx, t, changed)
+	if got.Status.Phase == v1.PodRunning {
+		t.Errorf("pod %s runs on devices allocated for identities that no longer exist", stale.Name)
+	}
+	deleteClaimAndPod(ctx, t, stale)
 
 	// Allocated now: runs, and its container sees exactly the new instance.
 	pod, claim := runClaimPod(ctx, t, pinnedClaim(ns, "fresh", "mig.nvidia.com", newUUID), claimPod(ns, "fresh", name, "fresh"))

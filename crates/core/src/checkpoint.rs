@@ -19,7 +19,13 @@
 //!   `version`), the plugin migrates its own and imports NVIDIA's
 //!   (see [`crate::nvidia_checkpoint`]). Claims imported once are listed in
 //!   `importedFromNvidia` so that NVIDIA's file, which is left untouched for a rollback, does
-//!   not bring them back after they were unprepared.
+//!   not bring them back after they were unprepared;
+//! - a claim with dynamic MIG devices lists each instance it creates in `dynamicMig`
+//!   ([`DynamicMigInstance`]) **before** creating it (GPU, profile, placement), and the
+//!   instance's IDs and UUID once it exists. So after a crash at any point the checkpoint names
+//!   every instance that may exist: the plugin keeps those of prepared claims, destroys those
+//!   of half-prepared ones (found by placement when the IDs were never written) and destroys
+//!   every other instance on a dynamic GPU. An older plugin keeps the field as unknown data.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -107,9 +113,50 @@ pub struct ClaimEntry {
     /// effects (CDI spec, sharing) are NVIDIA's and are cleaned up their way.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub imported: Option<Imported>,
+    /// MIG instances created (or about to be created) for the claim's dynamic MIG devices.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub dynamic_mig: Vec<DynamicMigInstance>,
     /// Fields of a newer format, kept as they were.
     #[serde(flatten)]
     pub extra: Map<String, Value>,
+}
+
+/// A MIG instance of a dynamic MIG device: written with the placement before the instance is
+/// created, completed with its IDs and UUID after.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct DynamicMigInstance {
+    /// Device name in the pool (`gpu-<minor>-mig-<profile>-<giProfileId>-<start>`).
+    pub device: String,
+    /// UUID of the parent GPU.
+    pub gpu_uuid: String,
+    /// GPU instance profile ID (19 for `1g.5gb` on an A100).
+    pub gi_profile_id: u32,
+    /// First memory slice of the placement.
+    pub placement_start: u32,
+    /// Memory slices of the placement.
+    pub placement_size: u32,
+    /// GPU instance ID, once created.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gi_id: Option<u32>,
+    /// Compute instance ID, once created.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ci_id: Option<u32>,
+    /// UUID of the MIG device, once created (new with every creation: what tells this
+    /// instance from a later one with the same IDs).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub uuid: Option<String>,
+    /// Fields of a newer format, kept as they were.
+    #[serde(flatten)]
+    pub extra: Map<String, Value>,
+}
+
+impl DynamicMigInstance {
+    /// Whether this instance's placement shares a memory slice with `start..start + size`.
+    pub fn overlaps(&self, start: u32, size: u32) -> bool {
+        self.placement_start < start.saturating_add(size)
+            && start < self.placement_start.saturating_add(self.placement_size)
+    }
 }
 
 /// What NVIDIA's driver did for an imported claim, as far as cleaning it up needs.
@@ -257,6 +304,39 @@ mod tests {
         assert_eq!(entry["bootId"], "0f6c9a52-1d1e-4f7b-9b8e-2f4c1a7d5e01");
         assert_eq!(entry["imported"]["timeSlicedGpus"][0], "GPU-1");
         assert_eq!(json["importedFromNvidia"][0], "uid-x");
+        assert_eq!(Checkpoint::from_json(&cp.to_json()).expect("reads"), cp);
+    }
+
+    #[test]
+    fn dynamic_mig_intents_round_trip_and_are_absent_when_empty() {
+        let mut cp = Checkpoint::from_json(GOLDEN_V1.as_bytes()).expect("v1 reads");
+        let uid = "6f9d2c1e-0000-4000-8000-000000000002";
+        assert!(cp.claims[uid].dynamic_mig.is_empty());
+        let before: Value = serde_json::from_slice(&cp.to_json()).expect("json");
+        assert!(before["claims"][uid].get("dynamicMig").is_none());
+        let intent = DynamicMigInstance {
+            device: "gpu-0-mig-3g20gb-9-4".into(),
+            gpu_uuid: "GPU-1".into(),
+            gi_profile_id: 9,
+            placement_start: 4,
+            placement_size: 4,
+            ..DynamicMigInstance::default()
+        };
+        assert!(intent.overlaps(6, 1) && intent.overlaps(0, 8) && !intent.overlaps(0, 4));
+        let entry = cp.claims.get_mut(uid).expect("entry");
+        entry.dynamic_mig.push(intent.clone());
+        entry.dynamic_mig.push(DynamicMigInstance {
+            gi_id: Some(2),
+            ci_id: Some(0),
+            uuid: Some("MIG-2".into()),
+            ..intent
+        });
+        let json: Value = serde_json::from_slice(&cp.to_json()).expect("json");
+        let list = &json["claims"][uid]["dynamicMig"];
+        assert_eq!(list[0]["placementStart"], 4);
+        assert!(list[0].get("giId").is_none(), "not created yet");
+        assert_eq!(list[1]["giId"], 2);
+        assert_eq!(list[1]["uuid"], "MIG-2");
         assert_eq!(Checkpoint::from_json(&cp.to_json()).expect("reads"), cp);
     }
 

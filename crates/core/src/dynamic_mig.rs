@@ -89,7 +89,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use gpu_dra_device::{DeviceRef, Gpu, Inventory, MigDevice, MigProfile};
+use gpu_dra_device::{DeviceRef, Gpu, Inventory, MigDevice, MigProfile, Placement};
 use k8s_openapi::api::resource::v1::{Counter, CounterSet, Device, DeviceCounterConsumption};
 
 use crate::health::Taint;
@@ -323,6 +323,27 @@ pub fn render_dynamic_gpu(
             counters: set_values,
         },
         devices,
+    })
+}
+
+/// The profile and placement that the dynamic device `name` stands for on `gpu` (named as
+/// [`render_dynamic_gpu`] names it), or `None` when `name` is no placement of `gpu`. Prepare
+/// uses it to know which instance to create for an allocated device.
+pub fn placement_of<'a>(gpu: &'a Gpu, name: &str) -> Option<(&'a MigProfile, Placement)> {
+    let prefix = format!("gpu-{}-mig-", gpu.minor);
+    if !name.starts_with(&prefix) {
+        return None;
+    }
+    gpu.mig_profiles.iter().find_map(|p| {
+        p.placements.iter().find_map(|pl| {
+            let device = format!(
+                "{prefix}{}-{}-{}",
+                gpu_dra_device::names::profile_for_device_name(&p.name),
+                p.gi_profile_id,
+                pl.start
+            );
+            (device == name).then_some((p, *pl))
+        })
     })
 }
 
@@ -697,6 +718,32 @@ mod tests {
         let mut have = d.devices[0].clone();
         have.consumes_counters = None;
         assert_eq!(have, whole[0]);
+    }
+
+    #[test]
+    fn every_rendered_placement_names_its_profile_and_placement_back() {
+        let gpu = a100_dynamic(1).build();
+        let inv = inventory([gpu.clone()]);
+        let d = render_dynamic_gpu(&inv, &gpu, &mut Vec::new()).unwrap();
+        for device in d.devices.iter().skip(1) {
+            let (profile, placement) = placement_of(&gpu, &device.name).unwrap();
+            assert!(
+                device
+                    .name
+                    .contains(&format!("-{}-{}", profile.gi_profile_id, placement.start))
+            );
+        }
+        let (p, pl) = placement_of(&gpu, "gpu-1-mig-3g20gb-9-4").unwrap();
+        assert_eq!((p.name.as_str(), pl.start, pl.size), ("3g.20gb", 4, 4));
+        assert!(placement_of(&gpu, "gpu-1").is_none());
+        assert!(
+            placement_of(&gpu, "gpu-1-mig-3g20gb-9-2").is_none(),
+            "no such start"
+        );
+        assert!(
+            placement_of(&gpu, "gpu-0-mig-3g20gb-9-4").is_none(),
+            "other GPU"
+        );
     }
 
     #[test]

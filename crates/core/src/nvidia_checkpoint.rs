@@ -351,6 +351,7 @@ fn claim_entry(format: NvidiaFormat, path: &str, claim: &Value) -> Result<ClaimE
         sharing: None,
         boot_id: None,
         imported: Some(imported),
+        dynamic_mig: Vec::new(),
         extra: Map::new(),
     })
 }

@@ -175,6 +175,8 @@ pub struct Backends {
     pub inventory: Arc<dyn GpuInventory>,
     /// Watches their health (NVML only; none with a fixture).
     pub health: Option<Arc<dyn HealthSource>>,
+    /// Creates and destroys dynamic MIG instances (NVML only; refused with a fixture).
+    pub mig: Arc<dyn crate::mig::MigControl>,
 }
 
 /// THE place where the hardware backends are chosen from the flags.
@@ -189,14 +191,22 @@ pub fn backends_from_args(args: &RunArgs) -> anyhow::Result<Backends> {
         return Ok(Backends {
             inventory: Arc::new(FixtureInventory::from_json_named(&json, &source)?),
             health: None,
+            mig: Arc::new(crate::mig::NoMig(format!(
+                "the inventory comes from the fixture {source}, not from NVML"
+            ))),
         });
     }
     let (lib_path, backend) = args.host.nvml_inventory()?;
     info!(library = %lib_path.display(), "using NVML");
     let backend = Arc::new(backend);
+    let mig: Arc<dyn crate::mig::MigControl> = match crate::mig::NvmlMig::open(&lib_path) {
+        Ok(mig) => Arc::new(mig),
+        Err(e) => Arc::new(crate::mig::NoMig(e.reason)),
+    };
     Ok(Backends {
         inventory: backend.clone(),
         health: Some(backend),
+        mig,
     })
 }
 
@@ -557,6 +567,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         cdi: Arc::new(cdi),
         failpoints,
         metrics: metrics.clone(),
+        mig: backends.mig.clone(),
     })?);
     // Sharing state is recovered before the driver reconciles: live MPS daemons of prepared
     // claims are re-adopted (or restarted), interrupted starts and stops are cleaned up, and
@@ -567,6 +578,11 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     sharing.keep_claims(driver.checkpoint().claims.keys().cloned().collect());
     if let Err(e) = sharing.recover().await {
         warn!(error = %e, "sharing recovery incomplete; retried by the next unprepare or restart");
+    }
+    if let Some(client) = &client {
+        // The startup reconcile destroys stray MIG instances on dynamic MIG GPUs: it must know
+        // the GPUs a Node annotation makes dynamic before anything is published.
+        apply_node_annotations(client, &args.node_name, &partitioning_flags, &live).await;
     }
     driver.reconcile().await;
 
@@ -638,6 +654,35 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     remove_quietly(&dra_path);
     info!("stopped");
     Ok(())
+}
+
+/// Applies the Node's partitioning annotations over the flags once (the publisher keeps them
+/// current afterwards); a Node that cannot be read leaves the flags, with a warning.
+async fn apply_node_annotations(
+    client: &kube::Client,
+    node_name: &str,
+    flags: &Partitioning,
+    live: &LiveInventory,
+) {
+    let nodes: kube::Api<k8s_openapi::api::core::v1::Node> = kube::Api::all(client.clone());
+    match nodes.get(node_name).await {
+        Ok(node) => {
+            let (partitioning, problems) = flags.with_node_annotations(|key| {
+                node.metadata
+                    .annotations
+                    .as_ref()
+                    .and_then(|a| a.get(key))
+                    .map(String::as_str)
+            });
+            for problem in &problems {
+                warn!(%problem, "ignoring a partitioning annotation");
+            }
+            live.set_partitioning(partitioning);
+        }
+        Err(e) => {
+            warn!(node = %node_name, error = %e, "cannot read the Node's partitioning annotations at start; using the flags until the publisher reads them");
+        }
+    }
 }
 
 fn remove_quietly(path: &Path) {

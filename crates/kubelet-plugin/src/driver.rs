@@ -26,7 +26,12 @@
 //! - claims imported from NVIDIA's driver ([`crate::checkpoint_file`]) are answered and
 //!   reserved like ours; undoing one removes NVIDIA's spec file for it and resets the
 //!   time-slicing NVIDIA applied (through [`SharingExecutor::release_imported`]);
-//! - checkpoint writes use group commit: concurrent claims share one atomic write.
+//! - checkpoint writes use group commit: concurrent claims share one atomic write;
+//! - a claim's dynamic MIG devices get their MIG instances before anything else: the intent
+//!   is in the checkpoint before an instance is created, and unprepare and every rollback
+//!   destroy them after the CDI spec is gone (see [`dynamic`]).
+
+mod dynamic;
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Mutex};
@@ -34,7 +39,9 @@ use std::time::Instant;
 
 use crate::inventory::{LiveInventory, ResolveError};
 use gpu_dra_core::cdi::{SpecDevice, cdi_device_id};
-use gpu_dra_core::checkpoint::{Checkpoint, ClaimEntry, PrepareState, PreparedDevice};
+use gpu_dra_core::checkpoint::{
+    Checkpoint, ClaimEntry, DynamicMigInstance, PrepareState, PreparedDevice,
+};
 use gpu_dra_core::memory_shares;
 use gpu_dra_core::partitioning::GpuMode;
 use gpu_dra_core::plan::{self, ConfigDecoder, Plan, PlanError};
@@ -46,6 +53,7 @@ use crate::claim_locks::ClaimLocks;
 use crate::claims::{ClaimSource, ClaimSourceError};
 use crate::failpoint::{Failpoints, Fired};
 use crate::metrics::Metrics;
+use crate::mig::MigControl;
 use crate::sharing::{SharingError, SharingExecutor};
 
 /// Why a claim could not be prepared or unprepared.
@@ -109,6 +117,24 @@ pub enum DriverError {
     /// The allocated device is not the one published under its name, or discovery failed.
     #[error(transparent)]
     Resolve(#[from] ResolveError),
+    /// A dynamic MIG device's instance could not be created, found or destroyed.
+    #[error("dynamic MIG device {device}: {reason}")]
+    DynamicMig {
+        /// Device name.
+        device: String,
+        /// What went wrong and what to do.
+        reason: String,
+    },
+}
+
+/// What a rollback undoes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Rollback {
+    /// Everything, the entry included.
+    All,
+    /// Everything but the claim's MIG instances, which stay recorded in its (half-prepared)
+    /// entry for the prepare that follows.
+    KeepMig,
 }
 
 /// Identity of a claim as the kubelet sends it.
@@ -160,6 +186,10 @@ pub struct Driver {
     cdi: Arc<CdiHost>,
     failpoints: Failpoints,
     metrics: Arc<Metrics>,
+    mig: Arc<dyn MigControl>,
+    /// Held while MIG instances are recorded and created, destroyed, or swept, so that a
+    /// sweep never sees an instance without the checkpoint record that owns it.
+    mig_lock: tokio::sync::Mutex<()>,
     state: Mutex<CheckpointState>,
     /// Serializes checkpoint file writes; holds the change count last written.
     writer: tokio::sync::Mutex<u64>,
@@ -185,6 +215,8 @@ pub struct DriverParts {
     pub failpoints: Failpoints,
     /// Metrics.
     pub metrics: Arc<Metrics>,
+    /// Creates and destroys the MIG instances of dynamic MIG devices.
+    pub mig: Arc<dyn MigControl>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -253,6 +285,8 @@ impl Driver {
             cdi: parts.cdi,
             failpoints: parts.failpoints,
             metrics: parts.metrics,
+            mig: parts.mig,
+            mig_lock: tokio::sync::Mutex::new(()),
             state: Mutex::new(CheckpointState { doc, changes: 0 }),
             writer: tokio::sync::Mutex::new(0),
             claim_locks: ClaimLocks::default(),
@@ -412,17 +446,40 @@ impl Driver {
         self.failpoints.hit("prepare.start").await?;
         let user = self.claim_locks.join(&claim.uid);
         let _guard = user.lock().await;
-        match self.entry(&claim.uid) {
+        // A claim prepared before (or half prepared) is undone first, except for its MIG
+        // instances, which the new try reuses when it needs them again.
+        let kept = match self.entry(&claim.uid) {
             Some(e) if e.state == PrepareState::PrepareCompleted => {
                 let Some(reason) = self.stale_reason(&claim.uid, &e) else {
                     return Ok(e.devices);
                 };
                 info!(claim.uid = %claim.uid, %reason, "preparing the claim again");
-                self.rollback_locked(&claim.uid).await?;
+                self.rollback_locked(&claim.uid, Rollback::KeepMig).await?;
+                e.dynamic_mig
             }
-            Some(_) => self.rollback_locked(&claim.uid).await?,
-            None => {}
+            Some(e) => {
+                self.rollback_locked(&claim.uid, Rollback::KeepMig).await?;
+                e.dynamic_mig
+            }
+            None => Vec::new(),
+        };
+        let result = self.prepare_fresh(claim, kept).await;
+        if result.is_err() && self.entry(&claim.uid).is_some() {
+            // Undo whatever was done; the checkpoint says what that may be.
+            if let Err(e) = self.rollback_locked(&claim.uid, Rollback::All).await {
+                warn!(claim.uid = %claim.uid, error = %e, "rollback after failed prepare failed");
+            }
+            self.release_devices(&claim.uid);
         }
+        result
+    }
+
+    /// Prepares a claim that has no entry (or only the MIG instances in `kept`).
+    async fn prepare_fresh(
+        &self,
+        claim: &ClaimRef,
+        kept: Vec<DynamicMigInstance>,
+    ) -> Result<Vec<PreparedDevice>, DriverError> {
         let rc = self
             .claims
             .get(&claim.namespace, &claim.name)
@@ -439,10 +496,19 @@ impl Driver {
         // Planned against the hardware of now, and refused for a device that is not the one
         // this node published under its name (see crate::inventory).
         let names: Vec<&str> = input.devices.iter().map(|d| d.device.as_str()).collect();
+        // Dynamic MIG devices exist once their instances do: created (or found) first, so the
+        // live inventory below has them with their IDs and capability nodes.
+        let (wanted, stale) = dynamic::intents(&self.inventory.snapshot(), &names, kept);
+        self.drop_stale_instances(&claim.uid, stale).await?;
+        if !wanted.is_empty() {
+            self.ensure_instances(claim, wanted).await?;
+        }
         let inventory = self.inventory.resolve(&claim.uid, &names).await?;
         let plan = plan::plan(&input, &inventory, self.decoder.as_ref())?;
         refuse_sharing_with_admin_access(&plan)?;
         self.failpoints.hit("prepare.after_plan").await?;
+        // On refusal nothing else is done yet: only MIG instances (if any), which the caller
+        // undoes.
         let partitioning = self.inventory.partitioning();
         let memory_share_devices: BTreeSet<String> = inventory
             .gpus
@@ -452,11 +518,8 @@ impl Driver {
             .collect();
         self.reserve(claim, &plan, &memory_share_devices)?;
         let result = self.apply_plan(claim, &plan).await;
-        if result.is_err() {
-            // Undo whatever was done; the checkpoint says what that may be.
-            if let Err(e) = self.rollback_locked(&claim.uid).await {
-                warn!(claim.uid = %claim.uid, error = %e, "rollback after failed prepare failed");
-            }
+        if result.is_err() && self.entry(&claim.uid).is_none() {
+            // The entry's first write failed: the reservation is all there is to undo.
             self.release_devices(&claim.uid);
         }
         result
@@ -490,6 +553,10 @@ impl Driver {
             sharing: None,
             boot_id: self.settings.boot_id.clone(),
             imported: None,
+            dynamic_mig: self
+                .entry(&claim.uid)
+                .map(|e| e.dynamic_mig)
+                .unwrap_or_default(),
             extra: Default::default(),
         };
         self.persist(|cp| {
@@ -569,8 +636,9 @@ impl Driver {
         Ok(devices)
     }
 
-    /// Undoes a claim's effects (sharing, spec, entry) with its lock held.
-    async fn rollback_locked(&self, uid: &str) -> Result<(), DriverError> {
+    /// Undoes a claim's effects (sharing, spec, MIG instances, entry) with its lock held; with
+    /// [`Rollback::KeepMig`] the entry stays, half prepared, with its MIG instances only.
+    async fn rollback_locked(&self, uid: &str, how: Rollback) -> Result<(), DriverError> {
         let entry = self.entry(uid);
         if let Some(e) = &entry {
             self.release_sharing(uid, e.sharing.as_ref()).await?;
@@ -586,8 +654,20 @@ impl Driver {
         blocking(move || cdi.remove(&owned).and_then(|()| cdi.remove_nvidia(&owned))).await??;
         self.failpoints.hit("unprepare.after_cdi_remove").await?;
         if let Some(e) = entry {
+            let keep_mig = how == Rollback::KeepMig && !e.dynamic_mig.is_empty();
+            if !keep_mig && !e.dynamic_mig.is_empty() {
+                self.destroy_instances(uid, &e.dynamic_mig).await?;
+            }
             self.persist(|cp| {
-                cp.claims.remove(uid);
+                if keep_mig {
+                    if let Some(kept) = cp.claims.get_mut(uid) {
+                        kept.state = PrepareState::PrepareStarted;
+                        kept.devices.clear();
+                        kept.sharing = None;
+                    }
+                } else {
+                    cp.claims.remove(uid);
+                }
             })
             .await?;
             if e.state == PrepareState::PrepareCompleted {
@@ -619,7 +699,7 @@ impl Driver {
             self.failpoints.hit("unprepare.start").await?;
             let user = self.claim_locks.join(&claim.uid);
             let _guard = user.lock().await;
-            self.rollback_locked(&claim.uid).await
+            self.rollback_locked(&claim.uid, Rollback::All).await
         }
         .await;
         self.metrics.in_flight.dec();
@@ -657,7 +737,7 @@ impl Driver {
                     .is_some_and(|e| e.state == PrepareState::PrepareStarted)
                 {
                     info!(claim.uid = %uid, "rolling back half-prepared claim");
-                    if let Err(e) = self.rollback_locked(uid).await {
+                    if let Err(e) = self.rollback_locked(uid, Rollback::All).await {
                         warn!(claim.uid = %uid, error = %e, "rollback failed");
                     }
                 }
@@ -675,6 +755,7 @@ impl Driver {
         if temps > 0 {
             info!(files = temps, "removed temp files of interrupted writes");
         }
+        self.sweep_instances().await;
         for uid in self.cdi.list() {
             if self.entry(&uid).is_none() {
                 let user = self.claim_locks.join(&uid);

@@ -24,6 +24,11 @@ pub const STEPS: &[&str] = &[
     "unprepare.after_checkpoint",
 ];
 
+/// Failpoints of dynamic MIG only, reached by claims of dynamic MIG devices (kept apart from
+/// [`STEPS`], which every claim passes): `prepare.after_mig_create` is right after a MIG
+/// instance was created, before its IDs are in the checkpoint.
+pub const DYNAMIC_MIG_STEPS: &[&str] = &["prepare.after_mig_create"];
+
 /// What a failpoint does.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Action {
@@ -55,10 +60,11 @@ impl Failpoints {
             let (name, action) = item
                 .split_once('=')
                 .ok_or_else(|| format!("failpoint {item:?}: expected name=action"))?;
-            if !STEPS.contains(&name) {
+            if !STEPS.contains(&name) && !DYNAMIC_MIG_STEPS.contains(&name) {
                 return Err(format!(
-                    "failpoint {name:?}: unknown; known: {}",
-                    STEPS.join(", ")
+                    "failpoint {name:?}: unknown; known: {}, {}",
+                    STEPS.join(", "),
+                    DYNAMIC_MIG_STEPS.join(", ")
                 ));
             }
             let action = match action {
@@ -110,6 +116,7 @@ mod tests {
         assert!(fp.hit("prepare.start").await.is_err());
         assert!(fp.hit("prepare.after_plan").await.is_ok());
         assert!(Failpoints::parse("nope=error", None).is_err());
+        assert!(Failpoints::parse("prepare.after_mig_create=kill", None).is_ok());
         assert!(Failpoints::parse("prepare.start=explode", None).is_err());
         assert!(Failpoints::default().hit("prepare.start").await.is_ok());
     }

@@ -19,6 +19,11 @@
 //! began after the caller asked, takes that result (NVML init and enumeration cost a few
 //! milliseconds per GPU; concurrent prepares need not each pay it).
 //!
+//! Dynamic MIG GPUs ([`GpuMode::DynamicMig`]) are published as placements, not as the MIG
+//! devices that exist on them: those are instances prepare created for claims, with a new UUID
+//! each time. So they are never recorded as published identities, and [`LiveInventory::resolve`]
+//! takes a device on a dynamic GPU as it is now (prepare has just created it).
+//!
 //! Health: observations of a [`gpu_dra_device::HealthSource`] go into one
 //! [`HealthBook`]; the snapshot carries its [`HealthView`] for the inventory of the moment
 //! (taints for the publisher, health for the kubelet's health stream).
@@ -27,7 +32,7 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
 use gpu_dra_core::health::{HealthBook, HealthPolicy, HealthView};
-use gpu_dra_core::partitioning::Partitioning;
+use gpu_dra_core::partitioning::{GpuMode, Partitioning};
 use gpu_dra_device::{DeviceError, GpuInventory, HealthObservation, Inventory};
 use tokio::sync::watch;
 use tokio::time::Instant;
@@ -317,10 +322,17 @@ impl LiveInventory {
         }
     }
 
-    /// The publisher published `inventory`: the identities prepare checks against.
+    /// The publisher published `inventory`: the identities prepare checks against. MIG devices
+    /// on dynamic MIG GPUs (per the partitioning of now) are claims' instances, not published
+    /// devices, and are left out.
     pub fn mark_published(&self, inventory: &Inventory) {
+        let partitioning = self.partitioning();
         let map = inventory
             .devices()
+            .filter(|d| {
+                !(matches!(d, gpu_dra_device::DeviceRef::Mig { .. })
+                    && partitioning.mode(d.gpu()) == GpuMode::DynamicMig)
+            })
             .map(|d| (d.name(), d.uuid().to_string()))
             .collect();
         *lock(&self.published) = Some(map);
@@ -342,6 +354,7 @@ impl LiveInventory {
         }
         let live = self.rediscover().await?;
         let published = lock(&self.published).clone();
+        let partitioning = self.partitioning();
         for &name in devices {
             let was = published.as_ref().and_then(|p| p.get(name));
             if let Some(d) = live.device(name)
@@ -364,6 +377,11 @@ impl LiveInventory {
                 }
                 continue;
             };
+            if partitioning.mode(now.gpu()) == GpuMode::DynamicMig {
+                // Created by this prepare (or kept from its earlier try): nothing published
+                // to compare with.
+                continue;
+            }
             if let Some(uuid) = was
                 && uuid != now.uuid()
             {
@@ -462,6 +480,35 @@ mod tests {
             second.device(&n0).map(|d| d.uuid())
         );
         assert_eq!(*live.current(), second);
+    }
+
+    #[tokio::test]
+    async fn instances_on_dynamic_gpus_are_never_published_identities() {
+        use gpu_dra_core::partitioning::GpuSelection;
+        use gpu_dra_device::testing::a100_dynamic;
+        let with = |uuid: &str| inventory([a100_dynamic(0).mig(mig_1g5gb(0).uuid(uuid)).build()]);
+        let first = with("MIG-00000000-0000-5000-8000-000000000001");
+        let fixture = Arc::new(FixtureInventory::new(first.clone()));
+        let live = LiveInventory::with_inventory(
+            fixture.clone(),
+            first.clone(),
+            HealthPolicy::new("gpu.nvidia.com"),
+        );
+        live.set_partitioning(Partitioning {
+            dynamic_mig: GpuSelection::All,
+            memory_shares: GpuSelection::None,
+        });
+        let gpu = &first.gpus[0];
+        let name = gpu.mig_devices[0].device_name(gpu);
+        live.mark_published(&first);
+        // Destroyed and created again for the next claim: a new UUID, not a changed device.
+        fixture.set(with("MIG-00000000-0000-5000-8000-000000000002"));
+        assert!(live.resolve("c1", &[&name]).await.is_ok());
+        // The same instance on a static GPU is refused.
+        live.set_partitioning(Partitioning::default());
+        live.mark_published(&first);
+        let err = live.resolve("c2", &[&name]).await.expect_err("static");
+        assert!(matches!(err, ResolveError::Changed { .. }), "{err}");
     }
 
     #[tokio::test]

@@ -8,7 +8,7 @@
 //! `:authority` fix), [`driver`] (prepare/unprepare state machine), [`checkpoint_file`]
 //! (checkpoint migration and NVIDIA import), [`claim_locks`] (one operation per claim),
 //! [`claims`] (where claims come from), [`cdi_io`] (CDI on the host), [`sharing`]
-//! (time-slicing and MPS), [`failpoint`] (fault injection), [`metrics`] and [`http`]
+//! (time-slicing and MPS), [`failpoint`] (fault injection), [`mig`] (dynamic MIG's hardware seam), [`metrics`] and [`http`]
 //! (operations). Crash-safe writes come from `gpu-dra-fsutil`. Pure
 //! planning, CDI and checkpoint models live in `gpu-dra-core`.
 
@@ -30,6 +30,7 @@ pub mod health;
 pub mod http;
 pub mod inventory;
 pub mod metrics;
+pub mod mig;
 pub mod publish;
 pub mod sharing;
 #[cfg(any(test, feature = "testing"))]

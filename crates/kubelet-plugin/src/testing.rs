@@ -12,7 +12,9 @@
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+
+use gpu_dra_device::Placement;
 
 use gpu_dra_device::Inventory;
 use k8s_openapi::api::resource::v1::ResourceClaim;
@@ -23,6 +25,7 @@ use crate::claims::{ClaimSource, MemoryClaims};
 use crate::driver::{Driver, DriverError, DriverParts, DriverSettings};
 use crate::failpoint::Failpoints;
 use crate::metrics::Metrics;
+use crate::mig::{MigControl, MigError, MigInstance, NoMig};
 use crate::sharing::{ExclusiveOnly, SharingExecutor};
 
 /// DRA driver name the fixtures use.
@@ -151,6 +154,10 @@ pub struct DriverBuilder {
     metrics: Arc<Metrics>,
     sharing: Arc<dyn SharingExecutor>,
     boot_id: Option<String>,
+    mig: Arc<dyn MigControl>,
+    backend: Option<Arc<dyn gpu_dra_device::GpuInventory>>,
+    partitioning: gpu_dra_core::partitioning::Partitioning,
+    failpoints: Failpoints,
 }
 
 impl DriverBuilder {
@@ -170,7 +177,31 @@ impl DriverBuilder {
             metrics: Arc::new(Metrics::default()),
             sharing: Arc::new(ExclusiveOnly),
             boot_id: None,
+            mig: Arc::new(NoMig("no MIG hardware in this test".into())),
+            backend: None,
+            partitioning: Default::default(),
+            failpoints: Failpoints::default(),
         }
+    }
+
+    /// Sets the MIG control and the inventory backend that rediscovery reads (e.g. a
+    /// [`FakeMig`] and its [`FakeMig::inventory`]), and how each GPU is offered.
+    pub fn dynamic_mig(
+        mut self,
+        mig: Arc<dyn MigControl>,
+        backend: Arc<dyn gpu_dra_device::GpuInventory>,
+        partitioning: gpu_dra_core::partitioning::Partitioning,
+    ) -> Self {
+        self.mig = mig;
+        self.backend = Some(backend);
+        self.partitioning = partitioning;
+        self
+    }
+
+    /// Sets the failpoints.
+    pub fn failpoints(mut self, failpoints: Failpoints) -> Self {
+        self.failpoints = failpoints;
+        self
     }
 
     /// Sets the sharing executor (e.g. a recording fake).
@@ -226,19 +257,27 @@ impl DriverBuilder {
                 checkpoint_path: self.checkpoint_path,
                 boot_id: self.boot_id,
             },
-            inventory: crate::inventory::LiveInventory::with_inventory(
-                Arc::new(gpu_dra_device::fixture::FixtureInventory::new(
-                    self.inventory.clone(),
-                )),
-                self.inventory,
-                gpu_dra_core::health::HealthPolicy::new(DRIVER_NAME),
-            ),
+            inventory: {
+                let backend = self.backend.unwrap_or_else(|| {
+                    Arc::new(gpu_dra_device::fixture::FixtureInventory::new(
+                        self.inventory.clone(),
+                    ))
+                });
+                let live = crate::inventory::LiveInventory::with_inventory(
+                    backend,
+                    self.inventory,
+                    gpu_dra_core::health::HealthPolicy::new(DRIVER_NAME),
+                );
+                live.set_partitioning(self.partitioning);
+                live
+            },
             claims: self.claims,
             sharing: self.sharing,
             decoder: Arc::new(gpu_dra_core::plan::ApiDecoder),
             cdi: Arc::new(cdi),
-            failpoints: Failpoints::default(),
+            failpoints: self.failpoints,
             metrics: self.metrics,
+            mig: self.mig,
         })
     }
 }
@@ -374,5 +413,172 @@ impl PluginCommand {
     /// Starts the plugin; it is killed when the guard is dropped.
     pub fn spawn(&self) -> std::io::Result<ChildGuard> {
         self.command()?.spawn().map(ChildGuard)
+    }
+}
+
+/// In-memory [`MigControl`] for tests: sizes from a table of (profile ID, memory slices),
+/// overlap refused as the driver refuses it, IDs counted up, UUIDs never reused.
+#[derive(Debug, Clone, Default)]
+pub struct FakeMig {
+    state: Arc<Mutex<FakeState>>,
+}
+
+#[derive(Debug, Default)]
+struct FakeState {
+    sizes: Vec<(u32, u32)>,
+    instances: Vec<(String, MigInstance)>,
+    created: u32,
+    fail_create: Option<String>,
+}
+
+impl FakeMig {
+    /// A fake whose profiles have the given (GI profile ID, memory slices).
+    pub fn new(sizes: &[(u32, u32)]) -> Self {
+        let fake = FakeMig::default();
+        fake.lock().sizes = sizes.to_vec();
+        fake
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, FakeState> {
+        self.state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Every instance, as (GPU UUID, instance).
+    pub fn instances(&self) -> Vec<(String, MigInstance)> {
+        self.lock().instances.clone()
+    }
+
+    /// An inventory backend that discovers `base` with this fake's instances as the MIG
+    /// devices of their GPUs (engines from the GPU's profile), and lays out their capability
+    /// files and device nodes under `host` as [`simulate_host`] does.
+    pub fn inventory(&self, base: Inventory, host: &Path) -> Arc<dyn gpu_dra_device::GpuInventory> {
+        Arc::new(FakeMigInventory {
+            fake: self.clone(),
+            base,
+            host: host.to_path_buf(),
+        })
+    }
+
+    /// Makes the next creations fail with `reason` (`None`: succeed again).
+    pub fn fail_create(&self, reason: Option<&str>) {
+        self.lock().fail_create = reason.map(str::to_owned);
+    }
+}
+
+impl MigControl for FakeMig {
+    fn create(
+        &self,
+        gpu_uuid: &str,
+        gi_profile_id: u32,
+        start: u32,
+    ) -> Result<MigInstance, MigError> {
+        let mut st = self.lock();
+        if let Some(reason) = &st.fail_create {
+            return Err(MigError {
+                reason: reason.clone(),
+            });
+        }
+        let size = st
+            .sizes
+            .iter()
+            .find(|(id, _)| *id == gi_profile_id)
+            .map(|(_, size)| *size)
+            .ok_or_else(|| MigError {
+                reason: format!("profile {gi_profile_id} unknown (NVML return code 2)"),
+            })?;
+        let taken = st.instances.iter().any(|(gpu, m)| {
+            gpu == gpu_uuid
+                && m.placement.start < start + size
+                && start < m.placement.start + m.placement.size
+        });
+        if taken {
+            return Err(MigError {
+                reason: format!(
+                    "profile {gi_profile_id} at {start} on {gpu_uuid}: Insufficient Resources (NVML return code 23)"
+                ),
+            });
+        }
+        st.created += 1;
+        let gi_id = (1..)
+            .find(|id| {
+                !st.instances
+                    .iter()
+                    .any(|(gpu, m)| gpu == gpu_uuid && m.gi_id == *id)
+            })
+            .unwrap_or(1);
+        let made = MigInstance {
+            gi_id,
+            ci_id: 0,
+            gi_profile_id,
+            placement: Placement { start, size },
+            uuid: format!("MIG-00000000-0000-5000-8000-{:012}", st.created),
+        };
+        st.instances.push((gpu_uuid.to_owned(), made.clone()));
+        Ok(made)
+    }
+
+    fn destroy(&self, gpu_uuid: &str, gi_id: u32, ci_id: u32) -> Result<(), MigError> {
+        self.lock()
+            .instances
+            .retain(|(gpu, m)| !(gpu == gpu_uuid && m.gi_id == gi_id && m.ci_id == ci_id));
+        Ok(())
+    }
+
+    fn list(&self, gpu_uuid: &str) -> Result<Vec<MigInstance>, MigError> {
+        Ok(self
+            .lock()
+            .instances
+            .iter()
+            .filter(|(gpu, _)| gpu == gpu_uuid)
+            .map(|(_, m)| m.clone())
+            .collect())
+    }
+}
+
+/// See [`FakeMig::inventory`].
+struct FakeMigInventory {
+    fake: FakeMig,
+    base: Inventory,
+    host: PathBuf,
+}
+
+impl gpu_dra_device::GpuInventory for FakeMigInventory {
+    fn discover(&self) -> Result<Inventory, gpu_dra_device::DeviceError> {
+        let mut inv = self.base.clone();
+        for (uuid, m) in self.fake.instances() {
+            let Some(gpu) = inv.gpus.iter_mut().find(|g| g.uuid == uuid) else {
+                continue;
+            };
+            let Some(p) = gpu
+                .mig_profiles
+                .iter()
+                .find(|p| p.gi_profile_id == m.gi_profile_id)
+            else {
+                continue;
+            };
+            gpu.mig_devices.push(gpu_dra_device::MigDevice {
+                uuid: m.uuid.clone(),
+                gi_id: m.gi_id,
+                ci_id: m.ci_id,
+                profile: p.name.clone(),
+                gi_profile_id: m.gi_profile_id,
+                placement: m.placement,
+                memory_bytes: p.memory_bytes,
+                multiprocessors: p.multiprocessors,
+                copy_engines: p.copy_engines,
+                decoders: p.decoders,
+                encoders: p.encoders,
+                jpeg_engines: p.jpeg_engines,
+                ofa_engines: p.ofa_engines,
+            });
+        }
+        simulate_host(&self.host, &inv).map_err(|e| gpu_dra_device::DeviceError::Query {
+            call: "simulate_host",
+            target: self.host.display().to_string(),
+            reason: e.to_string(),
+        })?;
+        Ok(inv)
     }
 }

@@ -97,6 +97,7 @@ fn valid_examples_pass() {
         "mig-four-from-one-gpu",
         "mig-time-slicing",
         "mig-mps",
+        "dynamic-mig",
         "deviceclass-admin-default",
         "extended-resource",
         "resource-quota",

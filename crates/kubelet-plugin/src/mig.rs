@@ -1,0 +1,150 @@
+//! The seam between prepare and the MIG hardware: create, destroy and list the MIG instances
+//! of dynamic MIG GPUs.
+//!
+//! [`MigControl`] is the one small trait the driver calls; [`NvmlMig`] carries it out over
+//! [`gpu_dra_nvml::MigOps`] (raw NVML), [`NoMig`] refuses with a message saying why (an
+//! inventory fixture has no hardware); `testing::FakeMig` keeps instances in memory for the
+//! driver's tests. The calls block (NVML); the driver runs them on the blocking pool.
+//!
+//! Instances are named by (GPU UUID, GI ID, CI ID) as in `MigOps`: IDs survive a restart of
+//! the plugin, handles do not. The MIG device UUID is new on every creation, so it is what
+//! tells an instance from a later one that reuses its IDs.
+
+use gpu_dra_device::Placement;
+
+/// A MIG instance (GPU instance and its compute instance) that exists on a GPU.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MigInstance {
+    /// GPU instance ID.
+    pub gi_id: u32,
+    /// Compute instance ID.
+    pub ci_id: u32,
+    /// GPU instance profile ID.
+    pub gi_profile_id: u32,
+    /// Placement in memory slices.
+    pub placement: Placement,
+    /// MIG device UUID.
+    pub uuid: String,
+}
+
+/// Why a MIG operation failed.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("{reason}")]
+pub struct MigError {
+    /// What went wrong, with the NVML call and return code when NVML said it.
+    pub reason: String,
+}
+
+impl From<gpu_dra_nvml::MigOpsError> for MigError {
+    fn from(e: gpu_dra_nvml::MigOpsError) -> Self {
+        MigError {
+            reason: e.to_string(),
+        }
+    }
+}
+
+/// Creates, destroys and lists MIG instances. Blocking.
+pub trait MigControl: Send + Sync {
+    /// Creates a GPU instance of `gi_profile_id` at memory slice `start` on `gpu_uuid` and its
+    /// full-size compute instance; leaves nothing behind when it fails.
+    fn create(
+        &self,
+        gpu_uuid: &str,
+        gi_profile_id: u32,
+        start: u32,
+    ) -> Result<MigInstance, MigError>;
+    /// Destroys compute instance `ci_id` of GPU instance `gi_id`, then the GPU instance; what
+    /// is gone already is success.
+    fn destroy(&self, gpu_uuid: &str, gi_id: u32, ci_id: u32) -> Result<(), MigError>;
+    /// The instances that exist on `gpu_uuid`.
+    fn list(&self, gpu_uuid: &str) -> Result<Vec<MigInstance>, MigError>;
+}
+
+/// [`MigControl`] over NVML.
+#[derive(Debug)]
+pub struct NvmlMig {
+    ops: gpu_dra_nvml::MigOps,
+}
+
+impl NvmlMig {
+    /// Opens NVML from `lib_path` for MIG operations.
+    pub fn open(lib_path: &std::path::Path) -> Result<Self, MigError> {
+        Ok(NvmlMig {
+            ops: gpu_dra_nvml::MigOps::open(lib_path)?,
+        })
+    }
+}
+
+fn from_nvml(m: gpu_dra_nvml::MigInstance) -> MigInstance {
+    MigInstance {
+        gi_id: m.gi_id,
+        ci_id: m.ci_id,
+        gi_profile_id: m.gi_profile_id,
+        placement: m.placement,
+        uuid: m.uuid,
+    }
+}
+
+impl MigControl for NvmlMig {
+    fn create(
+        &self,
+        gpu_uuid: &str,
+        gi_profile_id: u32,
+        start: u32,
+    ) -> Result<MigInstance, MigError> {
+        let created = self.ops.create_mig_device(gpu_uuid, gi_profile_id, start)?;
+        // The placement's size is what the driver made: read it back with the instance.
+        self.list(gpu_uuid)?
+            .into_iter()
+            .find(|m| m.gi_id == created.gi_id && m.ci_id == created.ci_id)
+            .ok_or_else(|| MigError {
+                reason: format!(
+                    "GPU instance {} of GPU {gpu_uuid} was created but is not listed",
+                    created.gi_id
+                ),
+            })
+    }
+
+    fn destroy(&self, gpu_uuid: &str, gi_id: u32, ci_id: u32) -> Result<(), MigError> {
+        Ok(self.ops.destroy_mig_device(gpu_uuid, gi_id, ci_id)?)
+    }
+
+    fn list(&self, gpu_uuid: &str) -> Result<Vec<MigInstance>, MigError> {
+        Ok(self
+            .ops
+            .list_mig_instances(gpu_uuid)?
+            .into_iter()
+            .map(from_nvml)
+            .collect())
+    }
+}
+
+/// [`MigControl`] where no MIG hardware is reachable: every call fails, saying why.
+#[derive(Debug, Clone)]
+pub struct NoMig(pub String);
+
+impl MigControl for NoMig {
+    fn create(&self, gpu_uuid: &str, _: u32, _: u32) -> Result<MigInstance, MigError> {
+        Err(MigError {
+            reason: format!("cannot create a MIG instance on GPU {gpu_uuid}: {}", self.0),
+        })
+    }
+
+    fn destroy(&self, gpu_uuid: &str, _: u32, _: u32) -> Result<(), MigError> {
+        Err(MigError {
+            reason: format!(
+                "cannot destroy a MIG instance on GPU {gpu_uuid}: {}",
+                self.0
+            ),
+        })
+    }
+
+    fn list(&self, gpu_uuid: &str) -> Result<Vec<MigInstance>, MigError> {
+        Err(MigError {
+            reason: format!(
+                "cannot list the MIG instances of GPU {gpu_uuid}: {}",
+                self.0
+            ),
+        })
+    }
+}
