@@ -65,34 +65,66 @@ pub fn run(args: &ExplainArgs, out: &mut dyn Write) -> Result<Outcome, CliError>
 
 type Fetched = (Value, Vec<Value>, Vec<Value>, Vec<Value>);
 
+/// A client from the usual places (`KUBECONFIG`, `~/.kube/config`, in-cluster).
+pub(crate) async fn cluster_client() -> Result<kube::Client, CliError> {
+    kube::Client::try_default()
+        .await
+        .map_err(|source| CliError::Cluster {
+            what: "no cluster configuration (KUBECONFIG, ~/.kube/config or in-cluster)".into(),
+            source,
+        })
+}
+
 async fn fetch(ns: &str, name: &str) -> Result<Fetched, CliError> {
     let cluster = |what: String| move |source| CliError::Cluster { what, source };
-    let client = kube::Client::try_default().await.map_err(cluster(
-        "no cluster configuration (KUBECONFIG, ~/.kube/config or in-cluster)".into(),
-    ))?;
+    let client = cluster_client().await?;
     let claim = Api::<ResourceClaim>::namespaced(client.clone(), ns)
         .get(name)
         .await
         .map_err(cluster(format!("cannot read ResourceClaim {ns}/{name}")))?;
-    let lp = ListParams::default();
-    let classes = Api::<DeviceClass>::all(client.clone())
-        .list(&lp)
-        .await
-        .map_err(cluster("cannot list DeviceClasses".into()))?;
-    let slices = Api::<ResourceSlice>::all(client.clone())
-        .list(&lp)
-        .await
-        .map_err(cluster("cannot list ResourceSlices".into()))?;
-    let claims = Api::<ResourceClaim>::all(client)
-        .list(&lp)
-        .await
-        .map_err(cluster("cannot list ResourceClaims".into()))?;
+    let classes = list_all::<DeviceClass>(&client, "DeviceClasses").await?;
+    let (slices, claims) = slices_and_claims(&client).await?;
     Ok((
         serde_json::to_value(claim)?,
-        to_values(classes.items)?,
-        to_values(slices.items)?,
-        to_values(claims.items)?,
+        to_values(classes)?,
+        to_values(slices)?,
+        to_values(claims)?,
     ))
+}
+
+/// Every object of a cluster-wide kind (`what` names it in errors).
+async fn list_all<K>(client: &kube::Client, what: &str) -> Result<Vec<K>, CliError>
+where
+    K: kube::Resource<Scope = k8s_openapi::ClusterResourceScope>
+        + Clone
+        + serde::de::DeserializeOwned
+        + std::fmt::Debug,
+    K::DynamicType: Default,
+{
+    Ok(Api::<K>::all(client.clone())
+        .list(&ListParams::default())
+        .await
+        .map_err(|source| CliError::Cluster {
+            what: format!("cannot list {what}"),
+            source,
+        })?
+        .items)
+}
+
+/// Every ResourceSlice and every ResourceClaim of the cluster.
+pub(crate) async fn slices_and_claims(
+    client: &kube::Client,
+) -> Result<(Vec<ResourceSlice>, Vec<ResourceClaim>), CliError> {
+    let slices = list_all::<ResourceSlice>(client, "ResourceSlices").await?;
+    let claims = Api::<ResourceClaim>::all(client.clone())
+        .list(&ListParams::default())
+        .await
+        .map_err(|source| CliError::Cluster {
+            what: "cannot list ResourceClaims".into(),
+            source,
+        })?
+        .items;
+    Ok((slices, claims))
 }
 
 fn to_values<T: serde::Serialize>(items: Vec<T>) -> Result<Vec<Value>, serde_json::Error> {

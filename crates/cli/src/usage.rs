@@ -11,8 +11,6 @@ use std::io::Write;
 
 use clap::Args;
 use k8s_openapi::api::resource::v1::{Device, ResourceClaim, ResourceSlice};
-use kube::Api;
-use kube::api::ListParams;
 use serde::Serialize;
 
 use crate::explain::Format;
@@ -253,20 +251,8 @@ pub fn run(args: &UsageArgs, out: &mut dyn Write) -> Result<Outcome, CliError> {
 }
 
 async fn fetch() -> Result<(Vec<ResourceSlice>, Vec<ResourceClaim>), CliError> {
-    let cluster = |what: String| move |source| CliError::Cluster { what, source };
-    let client = kube::Client::try_default().await.map_err(cluster(
-        "no cluster configuration (KUBECONFIG, ~/.kube/config or in-cluster)".into(),
-    ))?;
-    let lp = ListParams::default();
-    let slices = Api::<ResourceSlice>::all(client.clone())
-        .list(&lp)
-        .await
-        .map_err(cluster("cannot list ResourceSlices".into()))?;
-    let claims = Api::<ResourceClaim>::all(client)
-        .list(&lp)
-        .await
-        .map_err(cluster("cannot list ResourceClaims".into()))?;
-    Ok((slices.items, claims.items))
+    let client = crate::explain::cluster_client().await?;
+    crate::explain::slices_and_claims(&client).await
 }
 
 #[cfg(test)]

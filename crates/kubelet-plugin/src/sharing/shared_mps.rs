@@ -20,14 +20,12 @@
 //! mode back to `DEFAULT`) once none is left. All of it under one lock, so a claim arriving
 //! while the last one leaves never finds a daemon that is being stopped.
 
-use std::time::Instant;
-
 use gpu_dra_api::MpsConfig;
 use gpu_dra_core::cdi::ContainerEdits;
 use gpu_dra_core::sharing::{
     MEMORY_SHARE_DAEMON_OWNER, MpsLimits, SharedDevice, daemon_dir_name, daemon_id, mps_share_env,
 };
-use tracing::{error, info, warn};
+use tracing::info;
 
 use super::error::SharingError;
 use super::manager::{SharingManager, check_name, lock};
@@ -99,53 +97,16 @@ impl SharingManager {
             share_claims: [claim_uid.to_owned()].into(),
         };
         mps::check_socket_path(&record)?;
-        inner.update(|s| {
-            if let Some(ts) = s.time_slicing.get(&gpu).filter(|r| !r.claims.is_empty()) {
-                return Err(SharingError::Conflict {
-                    gpu: gpu.clone(),
-                    holder: format!(
-                        "time-slicing for claim(s) {}",
-                        ts.claims.iter().cloned().collect::<Vec<_>>().join(", ")
-                    ),
-                    wanted: format!("MPS for claim {claim_uid}"),
-                });
-            }
-            if let Some((other, _)) = s.mps.iter().find(|(_, r)| r.whole_gpus.contains(&gpu)) {
-                return Err(SharingError::Conflict {
-                    gpu: gpu.clone(),
-                    holder: format!("MPS daemon {other}"),
-                    wanted: format!("MPS for claim {claim_uid}"),
-                });
-            }
-            s.mps.insert(id.clone(), record.clone());
-            Ok(())
-        })??;
-
-        let started = Instant::now();
-        match inner.start_daemon(&id, &record, true).await {
-            Ok(proc) => {
-                inner.update(|s| {
-                    if let Some(r) = s.mps.get_mut(&id) {
-                        r.phase = MpsPhase::Ready;
-                    }
-                })?;
-                inner.supervise(&id, proc);
-                info!(
-                    claim.uid = %claim_uid,
-                    daemon = %id,
-                    elapsed_ms = started.elapsed().as_millis() as u64,
-                    "memory-share MPS control daemon ready"
-                );
-                Ok(edits(&record))
-            }
-            Err(e) => {
-                warn!(daemon = %id, error = %e, "MPS start failed; cleaning up");
-                if let Err(cleanup) = inner.teardown_mps(&id).await {
-                    error!(daemon = %id, error = %cleanup, "cleanup after a failed MPS start failed; recovery retries it");
-                }
-                Err(e)
-            }
-        }
+        inner.record_mps(&id, &record, claim_uid)?;
+        inner
+            .start_recorded(
+                &id,
+                &record,
+                claim_uid,
+                "memory-share MPS control daemon ready",
+            )
+            .await?;
+        Ok(edits(&record))
     }
 
     /// Removes `claim_uid` from the memory-share daemons it joined; stops each daemon that it

@@ -96,7 +96,24 @@ impl SharingManager {
             inner.teardown_mps(&id).await?;
         }
 
-        inner.update(|s| {
+        inner.record_mps(&id, &record, claim_uid)?;
+        inner
+            .start_recorded(&id, &record, claim_uid, "MPS control daemon ready")
+            .await?;
+        Ok(client_edits(&record))
+    }
+}
+
+impl Inner {
+    /// Records the daemon `id` of `record` as starting, unless a GPU of it is time-sliced or
+    /// served by another MPS daemon (one daemon per GPU is all MPS allows).
+    pub(super) fn record_mps(
+        &self,
+        id: &str,
+        record: &MpsRecord,
+        claim_uid: &str,
+    ) -> Result<(), SharingError> {
+        self.update(|s| {
             for gpu in &record.whole_gpus {
                 if let Some(ts) = s.time_slicing.get(gpu).filter(|r| !r.claims.is_empty()) {
                     return Err(SharingError::Conflict {
@@ -116,31 +133,41 @@ impl SharingManager {
                     });
                 }
             }
-            s.mps.insert(id.clone(), record.clone());
+            s.mps.insert(id.to_owned(), record.clone());
             Ok(())
-        })??;
+        })?
+    }
 
+    /// Starts the recorded daemon `id`, marks it ready and watches it; on failure cleans up
+    /// what the start left (recovery retries a failed cleanup).
+    pub(super) async fn start_recorded(
+        self: &Arc<Self>,
+        id: &str,
+        record: &MpsRecord,
+        claim_uid: &str,
+        ready: &str,
+    ) -> Result<(), SharingError> {
         let started = Instant::now();
-        match inner.start_daemon(&id, &record, true).await {
+        match self.start_daemon(id, record, true).await {
             Ok(proc) => {
-                inner.update(|s| {
-                    if let Some(r) = s.mps.get_mut(&id) {
+                self.update(|s| {
+                    if let Some(r) = s.mps.get_mut(id) {
                         r.phase = MpsPhase::Ready;
                     }
                 })?;
-                inner.supervise(&id, proc);
+                self.supervise(id, proc);
                 info!(
                     claim.uid = %claim_uid,
                     daemon = %id,
                     devices = %record.devices.join(","),
                     elapsed_ms = started.elapsed().as_millis() as u64,
-                    "MPS control daemon ready"
+                    "{ready}"
                 );
-                Ok(client_edits(&record))
+                Ok(())
             }
             Err(e) => {
                 warn!(daemon = %id, error = %e, "MPS start failed; cleaning up");
-                if let Err(cleanup) = inner.teardown_mps(&id).await {
+                if let Err(cleanup) = self.teardown_mps(id).await {
                     error!(daemon = %id, error = %cleanup, "cleanup after a failed MPS start failed; recovery retries it");
                 }
                 Err(e)
