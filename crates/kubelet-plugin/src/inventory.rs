@@ -101,6 +101,37 @@ pub enum ResolveError {
     },
 }
 
+/// Why a claim was refused, kept to refuse its retries alike.
+#[derive(Debug, Clone)]
+enum Refusal {
+    Gone {
+        device: String,
+        published: String,
+    },
+    Changed {
+        device: String,
+        published: String,
+        now: String,
+    },
+}
+
+impl Refusal {
+    fn error(self) -> ResolveError {
+        match self {
+            Refusal::Gone { device, published } => ResolveError::Gone { device, published },
+            Refusal::Changed {
+                device,
+                published,
+                now,
+            } => ResolveError::Changed {
+                device,
+                published,
+                now,
+            },
+        }
+    }
+}
+
 /// The one owner of the node's inventory.
 pub struct LiveInventory {
     backend: Arc<dyn GpuInventory>,
@@ -111,11 +142,12 @@ pub struct LiveInventory {
     published: Mutex<Option<BTreeMap<String, String>>>,
     /// The last discovery: when it started and what it found.
     last: tokio::sync::Mutex<Option<(Instant, Arc<Inventory>)>>,
-    /// Claims refused because a device changed under them: claim UID -> the refusal. Kept
+    /// Claims refused because a device changed or went away under them: claim UID -> the
+    /// refusal. Kept
     /// until the claim is unprepared: after the republication the device's name is valid
     /// again, but the claim was allocated for the old identity (its selector may have named
     /// it), so its retries are refused too.
-    refused: Mutex<BTreeMap<String, (String, String, String)>>,
+    refused: Mutex<BTreeMap<String, Refusal>>,
     /// Where the health conditions are kept across restarts (none in tests).
     health_file: Mutex<Option<std::path::PathBuf>>,
 }
@@ -345,12 +377,8 @@ impl LiveInventory {
         claim_uid: &str,
         devices: &[&str],
     ) -> Result<Arc<Inventory>, ResolveError> {
-        if let Some((device, published, now)) = lock(&self.refused).get(claim_uid).cloned() {
-            return Err(ResolveError::Changed {
-                device,
-                published,
-                now,
-            });
+        if let Some(refusal) = lock(&self.refused).get(claim_uid).cloned() {
+            return Err(refusal.error());
         }
         let live = self.rediscover().await?;
         let published = lock(&self.published).clone();
@@ -369,11 +397,14 @@ impl LiveInventory {
                 // Unknown names are the planner's to refuse (with the list of known devices);
                 // a published one that is gone is ours.
                 if let Some(uuid) = was {
-                    warn!(device = %name, published = %uuid, "allocated device is gone");
-                    return Err(ResolveError::Gone {
-                        device: name.to_string(),
-                        published: format!("as {uuid}"),
-                    });
+                    warn!(claim.uid = %claim_uid, device = %name, published = %uuid, "allocated device is gone");
+                    return Err(self.refuse(
+                        claim_uid,
+                        Refusal::Gone {
+                            device: name.to_string(),
+                            published: format!("as {uuid}"),
+                        },
+                    ));
                 }
                 continue;
             };
@@ -386,16 +417,24 @@ impl LiveInventory {
                 && uuid != now.uuid()
             {
                 warn!(claim.uid = %claim_uid, device = %name, published = %uuid, now = %now.uuid(), "allocated device changed identity");
-                let refusal = (name.to_string(), uuid.clone(), now.uuid().to_string());
-                lock(&self.refused).insert(claim_uid.to_string(), refusal.clone());
-                return Err(ResolveError::Changed {
-                    device: refusal.0,
-                    published: refusal.1,
-                    now: refusal.2,
-                });
+                return Err(self.refuse(
+                    claim_uid,
+                    Refusal::Changed {
+                        device: name.to_string(),
+                        published: uuid.clone(),
+                        now: now.uuid().to_string(),
+                    },
+                ));
             }
         }
         Ok(live)
+    }
+
+    /// Keeps `refusal` for the claim's retries: after the republication its device is no longer
+    /// (or differently) published, but the claim's allocation still names it.
+    fn refuse(&self, claim_uid: &str, refusal: Refusal) -> ResolveError {
+        lock(&self.refused).insert(claim_uid.to_string(), refusal.clone());
+        refusal.error()
     }
 
     /// The claim was unprepared: its refusal (if any) is over.
@@ -474,6 +513,8 @@ mod tests {
         assert!(matches!(err, ResolveError::Changed { .. }), "{err}");
         live.forget("c1");
         assert!(live.resolve("c1", &[&n0]).await.is_ok());
+        let err = live.resolve("c2", &[&n1]).await.expect_err("still gone");
+        assert!(matches!(err, ResolveError::Gone { .. }), "{err}");
         let inv = live.resolve("c3", &[&n0]).await.expect("republished");
         assert_eq!(
             inv.device(&n0).map(|d| d.uuid()),
