@@ -89,7 +89,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use gpu_dra_device::{DeviceRef, Gpu, Inventory, MigDevice, MigProfile, Placement};
+use gpu_dra_device::{DeviceRef, Gpu, Inventory, MigProfile, Placement};
 use k8s_openapi::api::resource::v1::{Counter, CounterSet, Device, DeviceCounterConsumption};
 
 use crate::health::Taint;
@@ -277,22 +277,9 @@ pub fn render_dynamic_gpu(
     let mut names = BTreeSet::from([gpu.device_name()]);
     for p in &gpu.mig_profiles {
         for pl in &p.placements {
-            let mig = MigDevice {
-                // Assigned by the driver at creation; removed from the attributes below.
-                uuid: String::new(),
-                gi_id: 0,
-                ci_id: 0,
-                profile: p.name.clone(),
-                gi_profile_id: p.gi_profile_id,
-                placement: *pl,
-                memory_bytes: p.memory_bytes,
-                multiprocessors: p.multiprocessors,
-                copy_engines: p.copy_engines,
-                decoders: p.decoders,
-                encoders: p.encoders,
-                jpeg_engines: p.jpeg_engines,
-                ofa_engines: p.ofa_engines,
-            };
+            // The UUID and IDs are assigned by the driver at creation; the UUID is removed
+            // from the attributes below.
+            let mig = p.device(*pl, String::new(), 0, 0);
             let name = mig.device_name(gpu);
             if name.len() > MAX_DNS_LABEL_LENGTH || !names.insert(name.clone()) {
                 return Err(StaticReason::BadDeviceName { name });

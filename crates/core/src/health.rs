@@ -69,6 +69,19 @@ pub struct Taint {
     pub since: i64,
 }
 
+impl std::fmt::Display for Taint {
+    /// `key=value:Effect`, as `kubectl` writes node taints.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{}={}:{}",
+            self.key,
+            self.value.as_deref().unwrap_or_default(),
+            self.effect.as_str()
+        )
+    }
+}
+
 /// Operator settings.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HealthPolicy {
@@ -467,18 +480,7 @@ mod tests {
     fn keys(view: &HealthView, device: &str) -> Vec<String> {
         view.taints
             .get(device)
-            .map(|t| {
-                t.iter()
-                    .map(|t| {
-                        format!(
-                            "{}={}:{}",
-                            t.key,
-                            t.value.clone().unwrap_or_default(),
-                            t.effect.as_str()
-                        )
-                    })
-                    .collect()
-            })
+            .map(|t| t.iter().map(Taint::to_string).collect())
             .unwrap_or_default()
     }
 

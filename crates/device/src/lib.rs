@@ -39,6 +39,14 @@ pub enum DeviceError {
         /// What NVML said.
         reason: String,
     },
+    /// A GPU answered `NVML_ERROR_GPU_IS_LOST`: it fell off the bus.
+    #[error("NVML {call} failed for {target}: the GPU is lost (fallen off the bus)")]
+    GpuLost {
+        /// The NVML call, e.g. `nvmlDeviceGetUUID`.
+        call: &'static str,
+        /// What was queried, e.g. `GPU index 3`.
+        target: String,
+    },
     /// A fixture inventory could not be read or parsed (or a failure was injected).
     #[error("fixture inventory {path}: {reason}")]
     Fixture {

@@ -152,6 +152,28 @@ pub struct MigProfile {
     pub placements: Vec<Placement>,
 }
 
+impl MigProfile {
+    /// A MIG device of this profile at `placement`, with the identity the driver gave it
+    /// (`uuid`, GPU and compute instance IDs; empty and 0 for one not created yet).
+    pub fn device(&self, placement: Placement, uuid: String, gi_id: u32, ci_id: u32) -> MigDevice {
+        MigDevice {
+            uuid,
+            gi_id,
+            ci_id,
+            profile: self.name.clone(),
+            gi_profile_id: self.gi_profile_id,
+            placement,
+            memory_bytes: self.memory_bytes,
+            multiprocessors: self.multiprocessors,
+            copy_engines: self.copy_engines,
+            decoders: self.decoders,
+            encoders: self.encoders,
+            jpeg_engines: self.jpeg_engines,
+            ofa_engines: self.ofa_engines,
+        }
+    }
+}
+
 /// Placement of a GPU instance: first memory slice and number of slices.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Placement {

@@ -666,19 +666,7 @@ async fn apply_node_annotations(
 ) {
     let nodes: kube::Api<k8s_openapi::api::core::v1::Node> = kube::Api::all(client.clone());
     match nodes.get(node_name).await {
-        Ok(node) => {
-            let (partitioning, problems) = flags.with_node_annotations(|key| {
-                node.metadata
-                    .annotations
-                    .as_ref()
-                    .and_then(|a| a.get(key))
-                    .map(String::as_str)
-            });
-            for problem in &problems {
-                warn!(%problem, "ignoring a partitioning annotation");
-            }
-            live.set_partitioning(partitioning);
-        }
+        Ok(node) => live.set_partitioning(crate::publish::node_partitioning(flags, &node)),
         Err(e) => {
             warn!(node = %node_name, error = %e, "cannot read the Node's partitioning annotations at start; using the flags until the publisher reads them");
         }

@@ -1579,13 +1579,15 @@ mod tests {
         );
     }
 
-    /// `name` with `device` allocated under request `gpu` with admin access, and `configs`.
-    fn add_admin(
+    /// `name` with `device` allocated under request `gpu` and `configs`, its one allocation
+    /// result changed by `edit`.
+    fn add_allocated(
         env: &Env,
         name: &str,
         uid: &str,
         device: &str,
         configs: &[(&str, &[&str], Value)],
+        edit: impl FnOnce(&mut k8s_openapi::api::resource::v1::DeviceRequestAllocationResult),
     ) -> ClaimRef {
         let mut c = allocated_claim("ns", name, uid, DRIVER, NODE, &[("gpu", device)], configs);
         if let Some(results) = c
@@ -1595,7 +1597,7 @@ mod tests {
             .and_then(|a| a.devices.as_mut())
             .and_then(|d| d.results.as_mut())
         {
-            results[0].admin_access = Some(true);
+            edit(&mut results[0]);
         }
         env.claims.insert(c);
         ClaimRef {
@@ -1603,6 +1605,19 @@ mod tests {
             name: name.into(),
             uid: uid.into(),
         }
+    }
+
+    /// `name` with `device` allocated under request `gpu` with admin access, and `configs`.
+    fn add_admin(
+        env: &Env,
+        name: &str,
+        uid: &str,
+        device: &str,
+        configs: &[(&str, &[&str], Value)],
+    ) -> ClaimRef {
+        add_allocated(env, name, uid, device, configs, |r| {
+            r.admin_access = Some(true);
+        })
     }
 
     #[tokio::test]
@@ -1674,29 +1689,16 @@ mod tests {
 
     /// `name` holding a share of `gib` GiB of `device` (an allocation with a share ID).
     fn add_share(env: &Env, name: &str, uid: &str, device: &str, gib: u64) -> ClaimRef {
-        let mut c = allocated_claim("ns", name, uid, DRIVER, NODE, &[("gpu", device)], &[]);
-        if let Some(results) = c
-            .status
-            .as_mut()
-            .and_then(|s| s.allocation.as_mut())
-            .and_then(|a| a.devices.as_mut())
-            .and_then(|d| d.results.as_mut())
-        {
-            results[0].share_id = Some(format!("share-{uid}"));
-            results[0].consumed_capacity = Some(
+        add_allocated(env, name, uid, device, &[], |r| {
+            r.share_id = Some(format!("share-{uid}"));
+            r.consumed_capacity = Some(
                 [(
                     "memory".to_string(),
                     k8s_openapi::apimachinery::pkg::api::resource::Quantity(format!("{gib}Gi")),
                 )]
                 .into(),
             );
-        }
-        env.claims.insert(c);
-        ClaimRef {
-            namespace: "ns".into(),
-            name: name.into(),
-            uid: uid.into(),
-        }
+        })
     }
 
     #[tokio::test]

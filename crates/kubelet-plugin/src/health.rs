@@ -242,14 +242,7 @@ pub fn run_watch(args: HealthArgs, out: &mut dyn std::io::Write) -> anyhow::Resu
             .get(device)
             .into_iter()
             .flatten()
-            .map(|t| {
-                format!(
-                    "{}={}:{}",
-                    t.key,
-                    t.value.clone().unwrap_or_default(),
-                    t.effect.as_str()
-                )
-            })
+            .map(ToString::to_string)
             .collect();
         writeln!(
             out,

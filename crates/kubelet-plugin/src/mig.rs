@@ -10,22 +10,9 @@
 //! the plugin, handles do not. The MIG device UUID is new on every creation, so it is what
 //! tells an instance from a later one that reuses its IDs.
 
-use gpu_dra_device::Placement;
-
-/// A MIG instance (GPU instance and its compute instance) that exists on a GPU.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct MigInstance {
-    /// GPU instance ID.
-    pub gi_id: u32,
-    /// Compute instance ID.
-    pub ci_id: u32,
-    /// GPU instance profile ID.
-    pub gi_profile_id: u32,
-    /// Placement in memory slices.
-    pub placement: Placement,
-    /// MIG device UUID.
-    pub uuid: String,
-}
+/// A MIG instance (GPU instance and its compute instance) that exists on a GPU: the NVML
+/// backend's own type, so listings pass through unchanged.
+pub use gpu_dra_nvml::MigInstance;
 
 /// Why a MIG operation failed.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -75,16 +62,6 @@ impl NvmlMig {
     }
 }
 
-fn from_nvml(m: gpu_dra_nvml::MigInstance) -> MigInstance {
-    MigInstance {
-        gi_id: m.gi_id,
-        ci_id: m.ci_id,
-        gi_profile_id: m.gi_profile_id,
-        placement: m.placement,
-        uuid: m.uuid,
-    }
-}
-
 impl MigControl for NvmlMig {
     fn create(
         &self,
@@ -110,12 +87,7 @@ impl MigControl for NvmlMig {
     }
 
     fn list(&self, gpu_uuid: &str) -> Result<Vec<MigInstance>, MigError> {
-        Ok(self
-            .ops
-            .list_mig_instances(gpu_uuid)?
-            .into_iter()
-            .map(from_nvml)
-            .collect())
+        Ok(self.ops.list_mig_instances(gpu_uuid)?)
     }
 }
 

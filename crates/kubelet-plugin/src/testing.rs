@@ -558,21 +558,8 @@ impl gpu_dra_device::GpuInventory for FakeMigInventory {
             else {
                 continue;
             };
-            gpu.mig_devices.push(gpu_dra_device::MigDevice {
-                uuid: m.uuid.clone(),
-                gi_id: m.gi_id,
-                ci_id: m.ci_id,
-                profile: p.name.clone(),
-                gi_profile_id: m.gi_profile_id,
-                placement: m.placement,
-                memory_bytes: p.memory_bytes,
-                multiprocessors: p.multiprocessors,
-                copy_engines: p.copy_engines,
-                decoders: p.decoders,
-                encoders: p.encoders,
-                jpeg_engines: p.jpeg_engines,
-                ofa_engines: p.ofa_engines,
-            });
+            gpu.mig_devices
+                .push(p.device(m.placement, m.uuid.clone(), m.gi_id, m.ci_id));
         }
         simulate_host(&self.host, &inv).map_err(|e| gpu_dra_device::DeviceError::Query {
             call: "simulate_host",

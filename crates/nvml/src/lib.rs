@@ -138,20 +138,14 @@ impl GpuInventory for NvmlInventory {
         let mut lost_gpus = Vec::new();
         for index in 0..count {
             // A GPU that fell off the bus is reported, not fatal: the rest of the node works.
-            let device = match nvml.device_by_index(index) {
-                Err(NvmlError::GpuLost) => {
-                    tracing::warn!(gpu = index, "GPU is lost (fallen off the bus)");
-                    lost_gpus.push(index);
-                    continue;
-                }
-                other => other.map_err(query("nvmlDeviceGetHandleByIndex_v2", || {
+            let gpu = nvml
+                .device_by_index(index)
+                .map_err(query("nvmlDeviceGetHandleByIndex_v2", || {
                     format!("GPU index {index}")
-                }))?,
-            };
-            match self.gpu(&nvml, index, &device) {
-                Err(DeviceError::Query { reason, .. })
-                    if reason == NvmlError::GpuLost.to_string() =>
-                {
+                }))
+                .and_then(|device| self.gpu(&nvml, index, &device));
+            match gpu {
+                Err(DeviceError::GpuLost { .. }) => {
                     tracing::warn!(gpu = index, "GPU is lost (fallen off the bus)");
                     lost_gpus.push(index);
                 }
@@ -173,10 +167,16 @@ fn query<F: FnOnce() -> String>(
     call: &'static str,
     target: F,
 ) -> impl FnOnce(NvmlError) -> DeviceError {
-    move |e| DeviceError::Query {
-        call,
-        target: target(),
-        reason: e.to_string(),
+    move |e| match e {
+        NvmlError::GpuLost => DeviceError::GpuLost {
+            call,
+            target: target(),
+        },
+        e => DeviceError::Query {
+            call,
+            target: target(),
+            reason: e.to_string(),
+        },
     }
 }
 

@@ -438,3 +438,21 @@ fn missing_sysfs_entries_leave_topology_unset() {
     assert_eq!(inv.gpus[0].numa_node, None);
     assert_eq!(inv.gpus[0].pci_bus_id, "0000:00:04.0");
 }
+
+/// A GPU that fell off the bus is reported as lost; the node's other GPUs are still
+/// discovered, and the GPU is back after a reset.
+#[test]
+fn a_lost_gpu_is_reported_and_the_others_discovered() {
+    let host = SimHost::new("dgx-h100");
+    let before = discover(&host);
+    assert!(before.lost_gpus.is_empty());
+    let count = before.gpus.len();
+    assert!(count >= 2, "the profile needs two GPUs for this test");
+    host.update_state(|s| s.fall_off_bus(1).expect("fall off the bus"));
+    let lost = discover(&host);
+    assert_eq!(lost.lost_gpus, [before.gpus[1].index]);
+    assert_eq!(lost.gpus.len(), count - 1);
+    assert!(lost.gpus.iter().all(|g| g.uuid != before.gpus[1].uuid));
+    host.update_state(|s| s.reset_gpu(1).expect("reset"));
+    assert_eq!(discover(&host), before);
+}

@@ -291,6 +291,22 @@ pub async fn run(
     }
 }
 
+/// The flags' partitioning with `node`'s annotations applied over it (an admin marks one
+/// node); annotations that cannot be read are logged and ignored.
+pub(crate) fn node_partitioning(flags: &Partitioning, node: &Node) -> Partitioning {
+    let (partitioning, problems) = flags.with_node_annotations(|key| {
+        node.metadata
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get(key))
+            .map(String::as_str)
+    });
+    for problem in &problems {
+        tracing::warn!(%problem, "ignoring a partitioning annotation");
+    }
+    partitioning
+}
+
 fn send_status(config: &PublisherConfig, f: impl FnOnce(&mut PublishStatus)) {
     if let Some(tx) = &config.status {
         tx.send_modify(f);
@@ -319,18 +335,9 @@ async fn reconcile(
     let uid = node
         .metadata
         .uid
+        .clone()
         .ok_or_else(|| PublishError::NodeWithoutUid(config.node_name.clone()))?;
-    // The node's annotations override the flags' partitioning (an admin marks one node).
-    let (partitioning, problems) = config.partitioning.with_node_annotations(|key| {
-        node.metadata
-            .annotations
-            .as_ref()
-            .and_then(|a| a.get(key))
-            .map(String::as_str)
-    });
-    for problem in &problems {
-        tracing::warn!(%problem, "ignoring a partitioning annotation");
-    }
+    let partitioning = node_partitioning(&config.partitioning, &node);
     for gpu in partitioning.conflicts(&snapshot.inventory) {
         tracing::warn!(gpu = %gpu.uuid, "GPU selected for both dynamic MIG and memory shares; offered statically");
     }

@@ -86,6 +86,17 @@ impl SharingOptions {
             boot_id: None,
         }
     }
+
+    /// The folder under which every MPS daemon keeps its pipe and log directories.
+    pub(super) fn mps_root(&self) -> PathBuf {
+        self.plugin_dir.join("mps")
+    }
+
+    /// The folder of the daemon of `owner` (a claim UID) and `group`.
+    pub(super) fn daemon_dir(&self, owner: &str, group: &str) -> PathBuf {
+        self.mps_root()
+            .join(gpu_dra_core::sharing::daemon_dir_name(owner, group))
+    }
 }
 
 /// Metrics of the sharing module.

@@ -229,7 +229,7 @@ impl Inner {
     pub(super) async fn remove_stray_dirs(&self) -> (Vec<String>, Option<SharingError>) {
         let mut cleaned = Vec::new();
         let mut first_error = None;
-        let mps_root = self.opts.plugin_dir.join("mps");
+        let mps_root = self.opts.mps_root();
         let Ok(entries) = std::fs::read_dir(&mps_root) else {
             return (cleaned, None);
         };

@@ -23,7 +23,7 @@
 use gpu_dra_api::MpsConfig;
 use gpu_dra_core::cdi::ContainerEdits;
 use gpu_dra_core::sharing::{
-    MEMORY_SHARE_DAEMON_OWNER, MpsLimits, SharedDevice, daemon_dir_name, daemon_id, mps_share_env,
+    MEMORY_SHARE_DAEMON_OWNER, MpsLimits, SharedDevice, daemon_id, mps_share_env,
 };
 use tracing::info;
 
@@ -86,11 +86,7 @@ impl SharingManager {
             group: gpu.clone(),
             phase: MpsPhase::Starting,
             pid: None,
-            dir: inner
-                .opts
-                .plugin_dir
-                .join("mps")
-                .join(daemon_dir_name(MEMORY_SHARE_DAEMON_OWNER, &gpu)),
+            dir: inner.opts.daemon_dir(MEMORY_SHARE_DAEMON_OWNER, &gpu),
             limits: MpsLimits::default(),
             devices: vec![gpu.clone()],
             whole_gpus: vec![gpu.clone()],

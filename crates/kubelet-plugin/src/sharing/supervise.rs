@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use gpu_dra_api::MpsConfig;
 use gpu_dra_core::cdi::ContainerEdits;
-use gpu_dra_core::sharing::{SharedDevice, daemon_dir_name, daemon_id, mps_edits, mps_limits};
+use gpu_dra_core::sharing::{SharedDevice, daemon_id, mps_edits, mps_limits};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tracing::{error, info, warn};
@@ -74,11 +74,7 @@ impl SharingManager {
             group: group.to_owned(),
             phase: MpsPhase::Starting,
             pid: None,
-            dir: inner
-                .opts
-                .plugin_dir
-                .join("mps")
-                .join(daemon_dir_name(claim_uid, group)),
+            dir: inner.opts.daemon_dir(claim_uid, group),
             limits,
             devices,
             whole_gpus,
