@@ -370,55 +370,85 @@ pub fn setup(root: &Path, profile: &Profile, artefacts: &Artefacts) -> Result<St
 /// Makes the MIG capability files under `proc/` and `dev/nvidia-caps/` match the GPU and
 /// compute instances in `state`: files of instances that no longer exist are removed.
 pub fn sync_mig_files(root: &Path, state: &State) -> Result<(), SimError> {
+    // Changed in place: files and nodes of instances that stay are left untouched (another
+    // claim's container may be starting from them right now), those of instances that are
+    // gone are removed and those of new ones created. Minors depend only on the GPU and the
+    // instance IDs, so an existing file of a wanted instance is already right.
     let caps = root.join("proc/driver/nvidia/capabilities");
-    // Device files of instances that no longer exist go too (1 and 2 are config/monitor).
     let capdev = root.join("dev/nvidia-caps");
+    let mut wanted_minors = std::collections::BTreeSet::new();
+    let mut wanted_files = std::collections::BTreeMap::new();
+    for (i, g) in state.profile.gpus.iter().enumerate() {
+        let migdir = caps.join(format!("gpu{}/mig", g.minor));
+        for gi in &state.gpus[i].gpu_instances {
+            let gidir = migdir.join(format!("gi{}", gi.id));
+            let m = mig::gi_cap_minor(g.minor, gi.id);
+            wanted_minors.insert(m);
+            wanted_files.insert(gidir.join("access"), m);
+            for ci in &gi.compute_instances {
+                let m = mig::ci_cap_minor(g.minor, gi.id, ci.id);
+                wanted_minors.insert(m);
+                wanted_files.insert(gidir.join(format!("ci{}/access", ci.id)), m);
+            }
+        }
+    }
+    // Device files of instances that no longer exist go (1 and 2 are config/monitor).
     if let Ok(entries) = fs::read_dir(&capdev) {
         for e in entries.flatten() {
-            let name = e.file_name();
-            let minor = name
+            let minor = e
+                .file_name()
                 .to_str()
                 .and_then(|n| n.strip_prefix("nvidia-cap"))
                 .and_then(|n| n.parse::<u32>().ok());
-            if minor.is_some_and(|m| m > 2) {
+            if minor.is_some_and(|m| m > 2 && !wanted_minors.contains(&m)) {
                 fs::remove_file(e.path()).map_err(io(&e.path()))?;
             }
         }
     }
-    for (i, g) in state.profile.gpus.iter().enumerate() {
+    // So do the capability folders of GPU and compute instances that no longer exist.
+    for g in &state.profile.gpus {
         let migdir = caps.join(format!("gpu{}/mig", g.minor));
-        if migdir.exists() {
-            fs::remove_dir_all(&migdir).map_err(io(&migdir))?;
-        }
-        for gi in &state.gpus[i].gpu_instances {
-            let m = mig::gi_cap_minor(g.minor, gi.id);
-            let gidir = migdir.join(format!("gi{}", gi.id));
-            write(
-                &gidir.join("access"),
-                format!("DeviceFileMinor: {m}\nDeviceFileMode: 292\nDeviceFileModify: 1\n")
-                    .as_bytes(),
-            )?;
-            device_node(
-                &root.join(format!("dev/nvidia-caps/nvidia-cap{m}")),
-                CAPS_MAJOR,
-                m,
-            )?;
-            for ci in &gi.compute_instances {
-                let m = mig::ci_cap_minor(g.minor, gi.id, ci.id);
-                write(
-                    &gidir.join(format!("ci{}/access", ci.id)),
-                    format!("DeviceFileMinor: {m}\nDeviceFileMode: 292\nDeviceFileModify: 1\n")
-                        .as_bytes(),
-                )?;
-                device_node(
-                    &root.join(format!("dev/nvidia-caps/nvidia-cap{m}")),
-                    CAPS_MAJOR,
-                    m,
-                )?;
+        for gidir in subdirs(&migdir) {
+            if !wanted_files.contains_key(&gidir.join("access")) {
+                fs::remove_dir_all(&gidir).map_err(io(&gidir))?;
+                continue;
+            }
+            for cidir in subdirs(&gidir) {
+                if !wanted_files.contains_key(&cidir.join("access")) {
+                    fs::remove_dir_all(&cidir).map_err(io(&cidir))?;
+                }
             }
         }
     }
+    for (path, m) in &wanted_files {
+        if !path.exists() {
+            write(
+                path,
+                format!("DeviceFileMinor: {m}\nDeviceFileMode: 292\nDeviceFileModify: 1\n")
+                    .as_bytes(),
+            )?;
+        }
+    }
+    for m in &wanted_minors {
+        let node = capdev.join(format!("nvidia-cap{m}"));
+        if fs::symlink_metadata(&node).is_err() {
+            device_node(&node, CAPS_MAJOR, *m)?;
+        }
+    }
     Ok(())
+}
+
+/// The folders directly in `dir` (none when it cannot be read).
+fn subdirs(dir: &Path) -> Vec<std::path::PathBuf> {
+    fs::read_dir(dir)
+        .map(|entries| {
+            entries
+                .flatten()
+                .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+                .map(|e| e.path())
+                .collect()
+        })
+        .unwrap_or_default()
 }
 
 /// Applies a MIG layout change `f` to `file` under its exclusive lock and, when `f`
@@ -455,6 +485,48 @@ mod tests {
             fs::write(bin.join(t), b"tool").expect("tool");
         }
         Artefacts::beside(&bin).expect("artefacts")
+    }
+
+    #[test]
+    fn a_layout_change_leaves_the_files_of_instances_that_stay_in_place() {
+        use std::os::unix::fs::MetadataExt;
+        let tmp = tempfile::tempdir().expect("tmp");
+        let art = fake_artefacts(tmp.path());
+        let root = tmp.path().join("root");
+        let profile = Profile::load("dgx-a100-40gb").expect("profile");
+        let mut state = setup(&root, &profile, &art).expect("setup");
+        let minor = profile.gpus[0].minor;
+        let gis: Vec<u32> = state.gpus[0].gpu_instances.iter().map(|g| g.id).collect();
+        let (kept, gone) = (gis[0], gis[1]);
+        let node = |gi: u32| {
+            root.join(format!(
+                "dev/nvidia-caps/nvidia-cap{}",
+                mig::gi_cap_minor(minor, gi)
+            ))
+        };
+        let access = |gi: u32| {
+            root.join(format!(
+                "proc/driver/nvidia/capabilities/gpu{minor}/mig/gi{gi}/access"
+            ))
+        };
+        let inode = |p: &Path| fs::symlink_metadata(p).expect("exists").ino();
+        let (kept_node, kept_access) = (inode(&node(kept)), inode(&access(kept)));
+        state.gpus[0].gpu_instances.retain(|g| g.id != gone);
+        sync_mig_files(&root, &state).expect("sync");
+        assert!(
+            !node(gone).exists() && !access(gone).exists(),
+            "files of a gone instance stay"
+        );
+        assert_eq!(
+            inode(&node(kept)),
+            kept_node,
+            "a kept instance's node was recreated"
+        );
+        assert_eq!(
+            inode(&access(kept)),
+            kept_access,
+            "a kept instance's file was rewritten"
+        );
     }
 
     #[test]
