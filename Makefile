@@ -8,7 +8,7 @@ TOOLS := $(CURDIR)/.tools
 HELM_VERSION ?= v3.22.0
 HELM := $(TOOLS)/bin/helm
 
-.PHONY: help build release unit test lint fmt fuzz bench generate chart-check cdi-check e2e e2e-build e2e-bins e2e-tools e2e-runtime e2e-image e2e-kubectl demo bench-e2e bench-mps toolkit image-rootfs
+.PHONY: help build release unit test lint fmt fuzz bench bench-check generate chart-check cdi-check e2e e2e-build e2e-bins e2e-tools e2e-runtime e2e-image e2e-kubectl demo bench-e2e bench-mps toolkit image-rootfs
 
 help: ## list targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | sort
@@ -29,7 +29,7 @@ fmt: ## format the code
 unit: lint ## the quick loop: lint, then every Rust test
 	$(CARGO) test --workspace --locked
 
-test: unit chart-check cdi-check e2e ## everything CI checks: lint, Rust tests, the Helm chart, our CDI specs against the toolkit, the e2e suite
+test: unit bench-check chart-check cdi-check e2e ## everything CI checks: lint, Rust tests, benchmarks once, the Helm chart, our CDI specs against the toolkit, the e2e suite
 
 # --- e2e: a real control plane in one Go process (e2e/), simulated GPU nodes ---
 E2E_TIMEOUT ?= 45m
@@ -80,15 +80,26 @@ fuzz: ## run the opaque-config fuzzer for FUZZ_SECONDS (default 600)
 	cd api/fuzz && RUSTC_BOOTSTRAP=1 $(CARGO) fuzz run decode_validate corpus/decode_validate seeds \
 		-- -max_total_time=$(FUZZ_SECONDS) -dict=decode_validate.dict -max_len=4096
 
+# Every benchmark, as package:example. `bench` runs them in release and prints the figures;
+# `bench-check` (part of `test`) runs each once in the debug build with a handful of iterations
+# (BENCH_QUICK=1), so that a benchmark that no longer runs fails CI instead of rotting.
+BENCHES := gpu-dra-api:bench_validate gpu-dra-sim:bench_sim gpu-dra-core:bench_discover \
+	gpu-dra-kubelet-plugin:bench_prepare gpu-dra-kubelet-plugin:bench_mps gpu-dra-webhook:bench_admission
+# $(1): cargo profile flag, $(2): environment of each run. The simulator's library and tools
+# and the webhook binary are what bench_mps and bench_admission start.
+define run-benches
+	$(CARGO) build --locked $(1) -p gpu-dra-sim --lib --bins
+	$(CARGO) build --locked $(1) -p gpu-dra-webhook --bin gpu-dra-webhook
+	set -e; for b in $(BENCHES); do \
+		echo "== $$b"; $(2) $(CARGO) run --locked $(1) -p $${b%%:*} --example $${b#*:}; \
+	done
+endef
+
 bench: ## benchmarks: print figures (medians, percentiles, ratios)
-	$(CARGO) run --release --locked -p gpu-dra-api --example bench_validate
-	$(CARGO) run --release --locked -p gpu-dra-sim --example bench_sim
-	$(CARGO) run --release --locked -p gpu-dra-core --example bench_discover
-	$(CARGO) run --release --locked -p gpu-dra-kubelet-plugin --example bench_prepare
-	$(CARGO) build --release --locked -p gpu-dra-sim --lib --bins
-	$(CARGO) run --release --locked -p gpu-dra-kubelet-plugin --example bench_mps
-	$(CARGO) build --release --locked -p gpu-dra-webhook --bin gpu-dra-webhook
-	$(CARGO) run --release --locked -p gpu-dra-webhook --example bench_admission
+	$(call run-benches,--release,)
+
+bench-check: ## every benchmark once with a handful of iterations (debug build): proves they still run
+	$(call run-benches,,BENCH_QUICK=1)
 
 $(HELM):
 	GOBIN=$(TOOLS)/bin $(GO) install helm.sh/helm/v3/cmd/helm@$(HELM_VERSION)

@@ -1,7 +1,8 @@
 //! Benchmark: NVML discovery + slice rendering for the `dgx-a100-40gb` simulated node
 //! (8 GPUs, 4 of them in MIG mode: 4 whole GPUs + 16 MIG devices).
 //!
-//! Prints the median and p99 of each phase over many runs. Run with `make bench` (release).
+//! Prints the median and p99 of each phase over many runs. Run with `make bench` (release);
+//! `BENCH_QUICK=1` runs a handful so that CI proves the benchmark still runs.
 //! Discovery includes loading and initialising NVML and shutting it down, as every
 //! rediscovery of the publisher does.
 
@@ -16,6 +17,15 @@ use gpu_dra_nvml::{NvmlInventory, NvmlOptions};
 use gpu_dra_sim::testing::SimHost;
 
 const RUNS: usize = 300;
+
+/// `n`, or a handful with `BENCH_QUICK` set (`make bench-check`).
+fn scaled(n: usize) -> usize {
+    if std::env::var_os("BENCH_QUICK").is_some() {
+        n.min(3)
+    } else {
+        n
+    }
+}
 
 fn percentile(sorted: &[Duration], p: f64) -> Duration {
     let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
@@ -50,7 +60,7 @@ fn main() -> anyhow::Result<()> {
     let devices = inventory.devices().count();
 
     let (mut discover, mut render, mut total) = (Vec::new(), Vec::new(), Vec::new());
-    for _ in 0..RUNS {
+    for _ in 0..scaled(RUNS) {
         let t0 = Instant::now();
         let inventory = backend.discover()?;
         let t1 = Instant::now();

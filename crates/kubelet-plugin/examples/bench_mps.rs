@@ -19,6 +19,15 @@ use gpu_dra_sim::testing::SimHost;
 const ITERATIONS: usize = 40;
 const PROFILE: &str = "dgx-a100-40gb";
 
+/// `n`, or a handful with `BENCH_QUICK` set (`make bench-check`).
+fn scaled(n: usize) -> usize {
+    if std::env::var_os("BENCH_QUICK").is_some() {
+        n.min(3)
+    } else {
+        n
+    }
+}
+
 fn percentile(sorted: &[Duration], p: f64) -> Duration {
     let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
     sorted[i]
@@ -83,7 +92,15 @@ async fn main() {
         },
     );
 
-    println!("sharing on the simulator ({PROFILE}), {ITERATIONS} claims each, release build");
+    let (iterations, build) = (
+        scaled(ITERATIONS),
+        if cfg!(debug_assertions) {
+            "debug"
+        } else {
+            "release"
+        },
+    );
+    println!("sharing on the simulator ({PROFILE}), {iterations} claims each, {build} build");
     let mut mps_p50 = Duration::ZERO;
     for (name, (devices, sharing)) in [
         ("MPS prepare, 1 GPU", &one_gpu),
@@ -92,7 +109,7 @@ async fn main() {
     ] {
         let mut prepare = Vec::new();
         let mut unprepare = Vec::new();
-        for i in 0..ITERATIONS {
+        for i in 0..iterations {
             let claim = format!("00000000-0000-4000-8000-{i:012}");
             let t = Instant::now();
             m.prepare(&claim, "0", devices, sharing).await.unwrap();

@@ -30,6 +30,15 @@ const LATENCY_ITERS: usize = 400;
 const CONCURRENT: usize = 64;
 const ROUNDS: usize = 5;
 
+/// `n`, or a handful with `BENCH_QUICK` set (`make bench-check`).
+fn scaled(n: usize) -> usize {
+    if std::env::var_os("BENCH_QUICK").is_some() {
+        n.min(3)
+    } else {
+        n
+    }
+}
+
 fn rss_kib() -> u64 {
     std::fs::read_to_string("/proc/self/status")
         .ok()
@@ -116,9 +125,10 @@ async fn main() -> anyhow::Result<()> {
     let mut client = connect_dra(socket.clone()).await?;
 
     // Latency of a one-GPU claim.
-    let mut samples = Vec::with_capacity(LATENCY_ITERS);
+    let (latency_iters, rounds) = (scaled(LATENCY_ITERS), scaled(ROUNDS));
+    let mut samples = Vec::with_capacity(latency_iters);
     let mut rss_warm = 0;
-    for i in 0..LATENCY_ITERS + 20 {
+    for i in 0..latency_iters + 20 {
         let t = Instant::now();
         let r = client
             .node_prepare_resources(v1::NodePrepareResourcesRequest {
@@ -159,7 +169,7 @@ async fn main() -> anyhow::Result<()> {
         .await
         .map(|_| ())
     };
-    for _ in 0..ROUNDS {
+    for _ in 0..rounds {
         let t = Instant::now();
         for i in 0..CONCURRENT {
             let r = client
@@ -201,14 +211,14 @@ async fn main() -> anyhow::Result<()> {
     }
     sequential.sort();
     concurrent.sort();
-    let seq = sequential[ROUNDS / 2];
-    let conc = concurrent[ROUNDS / 2];
+    let seq = sequential[rounds / 2];
+    let conc = concurrent[rounds / 2];
     let rss_end = rss_kib();
 
     // The floor set by the disk: one crash-safe small-file write (write, fsync, rename, fsync
     // dir). A prepare does three of them (checkpoint started, CDI spec, checkpoint completed).
     let mut floor = Vec::new();
-    for i in 0..100 {
+    for i in 0..scaled(100) {
         let t = Instant::now();
         gpu_dra_fsutil::write_atomic(
             &dir.path().join("floor.json"),
@@ -229,7 +239,7 @@ async fn main() -> anyhow::Result<()> {
         samples.len()
     );
     println!(
-        "  {CONCURRENT} claims, disjoint devices: one at a time {:.1} ms, all at once {:.1} ms, speedup {:.1}x (target >= 8x; median of {ROUNDS})",
+        "  {CONCURRENT} claims, disjoint devices: one at a time {:.1} ms, all at once {:.1} ms, speedup {:.1}x (target >= 8x; median of {rounds})",
         seq.as_secs_f64() * 1e3,
         conc.as_secs_f64() * 1e3,
         seq.as_secs_f64() / conc.as_secs_f64()

@@ -5,7 +5,8 @@
 //! query; an `nvidia-smi -c` round trip; an MPS daemon start until its limits are applied
 //! (`-f`, wait for the control socket, one client with the limit commands), then `quit`.
 //!
-//! Run with `cargo run --release -p gpu-dra-sim --example bench_sim`.
+//! Run with `make bench` (release); `BENCH_QUICK=1` runs a handful of iterations so that CI
+//! proves the benchmark still runs.
 
 use std::io::Write;
 use std::process::{Command, Stdio};
@@ -13,6 +14,15 @@ use std::time::{Duration, Instant};
 
 use gpu_dra_sim::testing::SimHost;
 use nvml_wrapper::Nvml;
+
+/// `n`, or a handful with `BENCH_QUICK` set (`make bench-check`).
+fn scaled(n: usize) -> usize {
+    if std::env::var_os("BENCH_QUICK").is_some() {
+        n.min(3)
+    } else {
+        n
+    }
+}
 
 fn stats(mut v: Vec<Duration>) -> (Duration, Duration) {
     v.sort_unstable();
@@ -59,7 +69,7 @@ fn main() -> anyhow::Result<()> {
     let lib = host.lib_path();
 
     let mut walks = Vec::new();
-    for _ in 0..200 {
+    for _ in 0..scaled(200) {
         let t = Instant::now();
         let nvml = Nvml::builder().lib_path(lib.as_os_str()).init()?;
         let n = discovery(&nvml)?;
@@ -76,7 +86,7 @@ fn main() -> anyhow::Result<()> {
     let nvml = Nvml::builder().lib_path(lib.as_os_str()).init()?;
     let d = nvml.device_by_index(3)?;
     let mut calls = Vec::new();
-    for _ in 0..5000 {
+    for _ in 0..scaled(5000) {
         let t = Instant::now();
         let _ = d.uuid()?;
         calls.push(t.elapsed());
@@ -86,7 +96,7 @@ fn main() -> anyhow::Result<()> {
 
     let smi = host.tool("nvidia-smi");
     let mut smis = Vec::new();
-    for k in 0..50 {
+    for k in 0..scaled(50) {
         let mode = if k % 2 == 0 {
             "EXCLUSIVE_PROCESS"
         } else {
@@ -102,7 +112,7 @@ fn main() -> anyhow::Result<()> {
     let mps = host.tool("nvidia-cuda-mps-control");
     let uuid = host.profile().gpus[5].uuid.clone();
     let mut starts = Vec::new();
-    for _ in 0..30 {
+    for _ in 0..scaled(30) {
         let dir = tempfile::tempdir()?;
         let (pipe, log) = (dir.path().join("pipe"), dir.path().join("log"));
         let t = Instant::now();

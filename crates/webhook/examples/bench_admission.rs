@@ -19,7 +19,9 @@
 //!
 //! `make bench` builds the binary and runs this. Flags: `--rate N` (default 1000),
 //! `--seconds N` (default 10), `--http1 N` (N HTTP/1.1 connections instead of HTTP/2),
-//! `--bin PATH` (default: `gpu-dra-webhook` next to this example's directory).
+//! `--bin PATH` (default: `gpu-dra-webhook` next to this example's directory). With
+//! `BENCH_QUICK` set (`make bench-check`, which CI runs to prove the benchmark still works)
+//! the defaults are 50 requests per second for 1 second and fewer in-process reviews.
 
 // A benchmark's output is its figures on stdout.
 #![allow(clippy::print_stdout)]
@@ -55,9 +57,10 @@ fn opts() -> anyhow::Result<Opts> {
         .and_then(|examples| examples.parent())
         .map(|dir| dir.join("gpu-dra-webhook"))
         .context("locating the target directory")?;
+    let quick = std::env::var_os("BENCH_QUICK").is_some();
     let mut o = Opts {
-        rate: 1000,
-        seconds: 10,
+        rate: if quick { 50 } else { 1000 },
+        seconds: if quick { 1 } else { 10 },
         http1: None,
         bin: default_bin,
     };
@@ -391,7 +394,11 @@ impl Drop for KillOnDrop {
 
 /// The review alone (decode, validate, encode), in-process: the floor under the HTTP figures.
 fn in_process(bodies: &[Bytes]) -> (Duration, Duration) {
-    let n = 20_000;
+    let n = if std::env::var_os("BENCH_QUICK").is_some() {
+        20
+    } else {
+        20_000
+    };
     let mut times = Vec::with_capacity(n);
     for i in 0..n {
         let t = Instant::now();
