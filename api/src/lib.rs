@@ -12,6 +12,10 @@
 //! - [`quantity`]: exact Kubernetes quantities.
 //! - [`yaml`]: YAML documents with one-line positioned errors.
 //! - [`json_schema`]: the JSON Schema of both kinds (committed under `api/schema/`).
+//!
+//! Private modules behind those: `config` (the two kinds and their decoding walk), `error`
+//! (field-path errors, collected all at once), `allocation` (the rules that need the
+//! allocated devices), `schema` (schema-only mirror types for [`json_schema`]).
 
 mod allocation;
 mod config;

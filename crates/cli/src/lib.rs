@@ -14,6 +14,9 @@
 //! `KUBECONFIG`, `~/.kube/config`, in-cluster) and prints, per request and node, which devices
 //! match and why the others do not (see [`explain`]).
 //!
+//! `gpu-dra usage [--node N] [-o json]` shows per node and GPU which claims hold a whole GPU, a
+//! MIG partition or a memory share, and which GPUs are free (see [`usage`]).
+//!
 //! Exit codes: 0 all valid (or explained); 1 something is invalid (including malformed
 //! YAML/JSON, reported with file, line and column); 2 usage errors (bad flags, unreadable
 //! files, an unreachable cluster or a missing claim).

@@ -7,6 +7,13 @@
 //! - [`checkpoint`]: the node plugin's checkpoint model, versioned and tolerant of unknown fields.
 //! - [`sharing`]: sharing group names, MPS limits per device UUID, MPS client container edits.
 //! - [`nvidia_checkpoint`]: NVIDIA's driver's checkpoint, read into our entries for an in-place switch.
+//! - [`slices`]: an inventory -> ResourceSlices (devices, attributes, capacities, the split to
+//!   API limits), and the schema of what is published.
+//! - [`partitioning`]: how each GPU is offered (static, dynamic MIG, memory shares) from flags
+//!   and Node annotations.
+//! - [`health`]: health observations -> device taints and the health the kubelet reports.
+//! - [`ldcache`]: a reader of glibc's `ld.so.cache`, to find the driver's libraries as the
+//!   container toolkit does.
 
 pub mod cdi;
 pub mod checkpoint;

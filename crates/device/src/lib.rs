@@ -1,7 +1,11 @@
 //! GPU inventory: the model, the `GpuInventory` seam and the in-memory fixture backend.
 //!
-//! The model (`model`) is plain data shared by every consumer. Backends implement
-//! [`GpuInventory`]; the node binary picks one at startup and nothing else knows which. This
+//! The model ([`model`]) is plain data shared by every consumer. Backends implement
+//! [`GpuInventory`]; the node binary picks one at startup and nothing else knows which:
+//! [`fixture`] serves an inventory held in memory, and the health seam ([`health`]) carries what
+//! a backend observes about GPU health. [`names`] holds the naming rules every backend shares
+//! (MIG profile names, PCI bus IDs, brands). [`testing`] (feature `testing`) builds inventories
+//! for tests and benchmarks. This
 //! crate does no I/O and links no NVML: the NVML backend lives in `gpu-dra-nvml`, so the pure
 //! crates that depend on the model (`gpu-dra-core`) stay free of hardware code (Cargo enforces
 //! it; a test in `gpu-dra-core` checks its dependency tree).

@@ -12,6 +12,9 @@
 //!   scheduler's CEL environment does (`device.driver`, `device.attributes[domain][name]`,
 //!   `device.capacity[domain][name]` as quantities, `quantity()`, `semver()`; a missing
 //!   attribute is a "no such key" error) and says for each device why it does or does not match.
+//!
+//! Behind them: `values` (the `quantity()` and `semver()` types of the Kubernetes CEL library)
+//! and `unparse` (a parsed expression printed back, for messages that quote part of it).
 
 pub mod explain;
 pub mod lint;
