@@ -109,8 +109,19 @@ TOOLKIT := $(TOOLS)/bin/nvidia-ctk $(TOOLS)/bin/nvidia-cdi-hook
 
 toolkit: $(TOOLKIT) ## NVIDIA's nvidia-ctk and nvidia-cdi-hook from the Go module proxy into .tools/bin
 
-$(TOOLKIT):
-	GOBIN=$(TOOLS)/bin $(GO) install github.com/NVIDIA/nvidia-container-toolkit/cmd/nvidia-ctk@$(TOOLKIT_VERSION) github.com/NVIDIA/nvidia-container-toolkit/cmd/nvidia-cdi-hook@$(TOOLKIT_VERSION)
+$(TOOLS)/bin/nvidia-ctk:
+	GOBIN=$(TOOLS)/bin $(GO) install github.com/NVIDIA/nvidia-container-toolkit/cmd/nvidia-ctk@$(TOOLKIT_VERSION)
+
+# The hook runs on the host (the container runtime executes it there), under the host's loader
+# and libc, which may be older than the build machine's: a dynamic build needs GLIBC_2.34 and
+# fails on RHEL 8 or Ubuntu 20.04. Linked statically it needs none. glibc warns that dlopen
+# and getaddrinfo in a static binary need its shared libraries at run time: the hooks our specs
+# name never call them (only apply-cuda-memory-limits loads NVML; netgo and osusergo keep
+# name and user lookups in Go). tests/static_hook.rs runs it in a root without any libc.
+$(TOOLS)/bin/nvidia-cdi-hook:
+	CGO_ENABLED=1 GOBIN=$(TOOLS)/bin $(GO) install -tags netgo,osusergo \
+		-ldflags '-linkmode external -extldflags "-static"' \
+		github.com/NVIDIA/nvidia-container-toolkit/cmd/nvidia-cdi-hook@$(TOOLKIT_VERSION)
 
 # The image's content (binaries, glibc, CA certificates, nvidia-cdi-hook), assembled by the
 # same script the Dockerfile runs; e2e runs the node plugin in a container on it.
@@ -122,8 +133,9 @@ image-rootfs: $(TOOLKIT) ## the image's root filesystem (IMAGE_PROFILE=debug|rel
 	bash deploy/image/build-rootfs.sh $(IMAGE_ROOTFS) target/$(IMAGE_PROFILE) $(TOOLS)/bin/nvidia-cdi-hook
 
 # As root: the toolkit runs in a private mount namespace (see the test's module doc).
-cdi-check: $(TOOLKIT) ## our CDI specs against NVIDIA's nvidia-ctk on every simulated profile and a real H100 host's spec
+cdi-check: $(TOOLKIT) ## our CDI specs against NVIDIA's nvidia-ctk on every simulated profile and a real H100 host's spec; the hook runs without the host's libc
 	NVIDIA_CTK=$(TOOLS)/bin/nvidia-ctk $(CARGO) test --locked -p gpu-dra-kubelet-plugin --test toolkit_cdi
+	NVIDIA_CDI_HOOK=$(TOOLS)/bin/nvidia-cdi-hook $(CARGO) test --locked -p gpu-dra-kubelet-plugin --test static_hook
 
 chart-check: $(HELM) ## lint and render the Helm chart with several value sets, check what it renders
 	$(HELM) lint --strict --kube-version 1.34.0 deploy/helm/gpu-dra-driver
