@@ -529,8 +529,10 @@ pub unsafe extern "C" fn nvmlComputeInstanceGetInfo_v2(
 }
 
 /// The CI profile `index` inside GPU instance `gpu_instance`: a GI of `s` compute slices
-/// offers every profile of `c <= s` slices, `s / c` times (NVIDIA_FACTS A.0), with the GI's
-/// SMs split evenly and its engines shared.
+/// offers every profile of `c <= s` slices, `s / c` times, with the GI's SMs split evenly and
+/// its engines shared (the `nvidia-smi mig -lcip` listings of NVIDIA's MIG User Guide,
+/// "Getting Started with MIG", and the A100 CI profiles of NVIDIA/go-nvml
+/// `pkg/nvml/mock/dgxa100`, taken from real hardware).
 pub(super) fn ci_profile(
     gpu_instance: Handle,
     index: c_uint,

@@ -1,5 +1,8 @@
-//! `nvidia-cuda-mps-control` stand-in: the MPS control daemon and its front-end UI
-//! (NVIDIA_FACTS §B.1).
+//! `nvidia-cuda-mps-control` stand-in: the MPS control daemon and its front-end UI, with the
+//! behaviour, messages, files and environment variables the `nvidia-cuda-mps-control(1)`
+//! manual page and NVIDIA's Multi-Process Service documentation
+//! (https://docs.nvidia.com/deploy/mps/, "Tools and Interface Reference" and "Environment
+//! Variables") describe.
 //!
 //! Daemon (`-d` background, `-f` foreground): owns `CUDA_MPS_PIPE_DIRECTORY` through an
 //! exclusive `flock` on `control_lock` (a second daemon on the same directory is refused with

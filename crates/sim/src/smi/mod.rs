@@ -1,5 +1,7 @@
 //! `nvidia-smi` stand-in: the options the driver and its operators use, with the real tool's
-//! messages and exit codes (NVIDIA_FACTS §B.2).
+//! messages and exit codes (the `nvidia-smi(1)` manual page of driver 535, "Return Value" and
+//! the option sections; the MIG commands as in NVIDIA's MIG User Guide, "Getting Started with
+//! MIG").
 //!
 //! Supported: `-L`, `--version`, `-q` (short summary), `-i <id[,id…]>` with `-c <mode>`,
 //! `-pm <0|1>`, `-mig <0|1>`, `-r` (GPU reset: health only, see [`crate::health`]),
