@@ -12,7 +12,7 @@
 //!   other user-space files from [`driverfiles`]) and injects GPU faults (XID, ECC, fallen off
 //!   the bus) for tests (the fault methods of [`state::State`], on the records of [`health`]);
 //! - behind the `testing` feature, a simulated host in a temporary directory for other
-//!   crates' tests ([`testing`]).
+//!   crates' tests (`testing`).
 //!
 //! Invariants: every process that looks at one simulated root sees one fleet, because all
 //! mutable state lives in `etc/gpu-sim/state.json` under that root ([`state`]), found from

@@ -92,8 +92,8 @@ macro_rules! gi {
 
 /// A100-SXM4-40GB: profiles, engines, counts and placements as in NVIDIA's MIG User Guide
 /// ("Supported MIG Profiles", and the `-lgip`/`-lgipp` output of "Getting Started with MIG",
-/// https://docs.nvidia.com/datacenter/tesla/mig-user-guide/), memory and SMs as in NVIDIA/go-nvml
-/// `pkg/nvml/mock/dgxa100` (values from real hardware).
+/// <https://docs.nvidia.com/datacenter/tesla/mig-user-guide/>), memory and SMs as in
+/// NVIDIA/go-nvml `pkg/nvml/mock/dgxa100` (values from real hardware).
 const A100_40GB: &[GiProfile] = &[
     gi!(0x0, 19, "1g.5gb", 1, 7, 4864, 14, 1, 0, 0, 0, 0, ALL7, 1),
     gi!(
@@ -226,7 +226,7 @@ const A100_80GB: &[GiProfile] = &[
 /// H100 80GB HBM3: profiles, engines and counts as in NVIDIA's MIG User Guide, "Supported
 /// MIG Profiles" (H100 table), and its "Getting Started with MIG" (3g.40gb: 40448 MiB, 60
 /// SMs on driver 580); memory sizes and SMs of every profile as `nvidia-smi mig -lgip` prints
-/// them on a real H100 (for example https://jbarrow.ai/field_notes/nvidia-mig).
+/// them on a real H100 (for example <https://jbarrow.ai/field_notes/nvidia-mig>).
 const H100_80GB: &[GiProfile] = &[
     gi!(0x0, 19, "1g.10gb", 1, 7, 9984, 16, 1, 1, 0, 1, 0, ALL7, 1),
     gi!(
@@ -299,7 +299,7 @@ const H100_80GB: &[GiProfile] = &[
 
 /// H200 141GB: profiles, engines and counts as in NVIDIA's MIG User Guide, "Supported MIG
 /// Profiles" (H200 table); memory sizes and SMs from the `nvidia-smi mig -lgip` of an 8-GPU
-/// H200 node in https://github.com/NVIDIA/mig-parted/issues/120. Placements are assumed to
+/// H200 node in <https://github.com/NVIDIA/mig-parted/issues/120>. Placements are assumed to
 /// be the H100's (not seen in any published output).
 const H200: &[GiProfile] = &[
     gi!(0x0, 19, "1g.18gb", 1, 7, 16384, 16, 1, 1, 0, 1, 0, ALL7, 1),

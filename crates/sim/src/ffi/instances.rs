@@ -114,7 +114,7 @@ fn create_gpu_instance(
 }
 
 /// `nvmlDeviceCreateGpuInstanceWithPlacement`: a GPU instance of profile ID `profile_id` at
-/// `placement` (memory slices). Refusals: see [`mig_code`].
+/// `placement` (memory slices). Refusals: see `mig_code`.
 ///
 /// # Safety
 /// `placement` must be null or readable; `gpu_instance` null or writable.
@@ -207,7 +207,7 @@ fn create_compute_instance(
 
 /// `nvmlGpuInstanceCreateComputeInstance`: a compute instance of CI profile `profile_id`
 /// (the `NVML_COMPUTE_INSTANCE_PROFILE_*` constant, which is also its ID) at the first free
-/// placement. Refusals: see [`mig_code`].
+/// placement. Refusals: see `mig_code`.
 ///
 /// # Safety
 /// `compute_instance` must be null or writable.

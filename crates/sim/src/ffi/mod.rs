@@ -1,7 +1,7 @@
 //! The NVML C API subset, exported from the `cdylib` with the exact ABI of `nvml.h`.
 //!
 //! Invariants:
-//! - No panic crosses the FFI boundary: every export runs inside `guard` ([`library`]), which
+//! - No panic crosses the FFI boundary: every export runs inside `guard` (`library`), which
 //!   turns a panic into `NVML_ERROR_UNKNOWN`.
 //! - Every pointer from the caller is null-checked (`NVML_ERROR_INVALID_ARGUMENT`); string
 //!   buffers that are too small give `NVML_ERROR_INSUFFICIENT_SIZE`; calls before `nvmlInit`
@@ -9,23 +9,23 @@
 //!   reference counted like real NVML.
 //! - Handles are opaque pointers to leaked, never-freed allocations registered in a table,
 //!   so they stay valid for the process lifetime and a foreign pointer is recognised (by
-//!   address) without ever being dereferenced ([`handles`]).
+//!   address) without ever being dereferenced (`handles`).
 //! - Answers come from the state file (see [`crate::state`]); it is re-read only when its
 //!   inode, size or mtime changed, so other processes' changes are seen on the next call.
 //! - A GPU marked lost ([`crate::health`]) answers `NVML_ERROR_GPU_IS_LOST` to every call
 //!   that resolves it, through a handle or a lookup; `nvmlDeviceGetCount` still counts it
-//!   ([`resolve`]).
+//!   (`resolve`).
 //!
 //! This module holds the `nvml.h` types the exports share; the code is split by role:
-//! - plumbing: [`handles`] (the handle table), [`library`] (init count, cached state,
-//!   `guard`), [`pointers`] (reads and writes through caller pointers), [`resolve`] (handles
+//! - plumbing: `handles` (the handle table), `library` (init count, cached state,
+//!   `guard`), `pointers` (reads and writes through caller pointers), `resolve` (handles
 //!   against the current state);
-//! - exports: [`init`] (initialisation and system queries), [`device`] (enumeration and
-//!   identity), [`mig`] (compute mode and MIG queries), [`instances`] (creating and
+//! - exports: `init` (initialisation and system queries), `device` (enumeration and
+//!   identity), `mig` (compute mode and MIG queries), `instances` (creating and
 //!   destroying GPU and compute instances), [`events`] (health events and field values).
 //!
 //! Every export is re-exported here, so `ffi::nvmlInit_v2` names it whichever file holds it.
-//! The plumbing modules [`handles`] and [`resolve`] and this one contain no `unsafe`; the
+//! The plumbing modules `handles` and `resolve` and this one contain no `unsafe`; the
 //! others allow it for the C ABI (see the crate doc).
 
 use std::ffi::{c_char, c_uint, c_ulonglong, c_void};

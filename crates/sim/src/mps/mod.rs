@@ -1,7 +1,7 @@
 //! `nvidia-cuda-mps-control` stand-in: the MPS control daemon and its front-end UI, with the
 //! behaviour, messages, files and environment variables the `nvidia-cuda-mps-control(1)`
 //! manual page and NVIDIA's Multi-Process Service documentation
-//! (https://docs.nvidia.com/deploy/mps/, "Tools and Interface Reference" and "Environment
+//! (<https://docs.nvidia.com/deploy/mps/>, "Tools and Interface Reference" and "Environment
 //! Variables") describe.
 //!
 //! Daemon (`-d` background, `-f` foreground): owns `CUDA_MPS_PIPE_DIRECTORY` through an
@@ -29,9 +29,9 @@
 //! [`CLIENT_HELLO`] with its PID and user, and gets the server's settings back. No GPU work
 //! is simulated.
 //!
-//! Split by role: [`daemon`] (the daemon process, its sockets, files and log), [`server`]
-//! (the simulated MPS server that CUDA clients attach to), [`protocol`] (the wire format
-//! between front-end and daemon, and the commands the daemon answers), [`client`] (the
+//! Split by role: `daemon` (the daemon process, its sockets, files and log), `server`
+//! (the simulated MPS server that CUDA clients attach to), `protocol` (the wire format
+//! between front-end and daemon, and the commands the daemon answers), `client` (the
 //! front-end). This module parses the command line and picks one.
 
 use std::io::{BufRead, Write};

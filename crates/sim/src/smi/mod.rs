@@ -5,9 +5,9 @@
 //!
 //! Supported: `-L`, `--version`, `-i <id[,id…]>` with `-c <mode>`, `-pm <0|1>`,
 //! `-mig <0|1>`, `-r` (GPU reset: health only, see [`crate::health`]), `-q` (short summary)
-//! and `--query-gpu=<fields> --format=csv[,noheader][,nounits]` ([`query`]),
-//! `compute-policy [-i <ids>] (--set-timeslice <0..3> | -l)` ([`policy`]) and
-//! `mig [-i <ids>] (-lgip | -lgipp | -lgi | -cgi <profiles>[-C] | -dci | -dgi)` ([`mig`]).
+//! and `--query-gpu=<fields> --format=csv[,noheader][,nounits]` (`query`),
+//! `compute-policy [-i <ids>] (--set-timeslice <0..3> | -l)` (`policy`) and
+//! `mig [-i <ids>] (-lgip | -lgipp | -lgi | -cgi <profiles>[-C] | -dci | -dgi)` (`mig`).
 //! `<id>` is an index, a GPU UUID, a PCI bus ID in any of its forms, or a board serial. This
 //! module parses the command line and carries out the rest.
 //!

@@ -22,9 +22,9 @@
 //! the node ([`StateFile::update`] refuses), as an unprivileged container may not.
 //!
 //! Split by role: this module holds the state's types and its read-only lookups;
-//! [`layout`] the MIG layout changes (one implementation of the driver's placement rules for
-//! NVML and `nvidia-smi`), [`faults`] the injection of GPU faults (XID, ECC, fall off the
-//! bus, reset) into the health records of [`crate::health`], and [`file`] the state file and
+//! `layout` the MIG layout changes (one implementation of the driver's placement rules for
+//! NVML and `nvidia-smi`), `faults` the injection of GPU faults (XID, ECC, fall off the
+//! bus, reset) into the health records of [`crate::health`], and `file` the state file and
 //! how a process finds it.
 
 use serde::{Deserialize, Serialize};
