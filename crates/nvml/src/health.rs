@@ -14,6 +14,10 @@
 //! before the GPU may be used again. An H100 with driver 580 reports the event mask `0xff9f` as
 //! supported and field 230 as an unsigned int.
 
+// Raw NVML calls (event sets and field values have no safe wrapper that fits); each unsafe
+// block says why it is sound.
+#![allow(unsafe_code)]
+
 use std::collections::HashMap;
 use std::ffi::{c_int, c_uint, c_ulonglong};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -30,7 +34,8 @@ use nvml_wrapper_sys::bindings::{
 
 use crate::{NvmlInventory, NvmlOptions};
 
-/// `nvmlEventTypeSingleBitEccError`: not watched (corrected by the hardware).
+/// `nvmlEventTypeDoubleBitEccError`, uncorrectable ECC errors (single-bit ones are corrected
+/// by the hardware and not watched).
 const EVENT_DOUBLE_BIT_ECC: c_ulonglong = 0x2;
 /// `nvmlEventTypeXidCriticalError`.
 const EVENT_XID: c_ulonglong = 0x8;

@@ -1,7 +1,7 @@
 //! `cuda-app`: the stand-in for a CUDA program, for checks inside containers.
 //!
 //! It does what matters to the driver of a CUDA program's start: it sees the GPUs whose
-//! device nodes its `/dev` has (as the real driver does, through [`StateFile::load_visible`]),
+//! device nodes its `/dev` has (as the real driver does, through [`StateFile::load_visible`](crate::state::StateFile::load_visible)),
 //! and it joins MPS the way the CUDA runtime does, only through the pipe directory
 //! (`CUDA_MPS_PIPE_DIRECTORY`, default `/tmp/nvidia-mps`): it connects to the control
 //! daemon's `control` socket and sends [`mps::CLIENT_HELLO`] with its PID and user; the

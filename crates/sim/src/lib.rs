@@ -1,19 +1,39 @@
 //! GPU simulator below NVML.
 //!
-//! This crate builds three things from one source tree:
+//! This crate builds these things from one source tree:
 //! - a `cdylib` (`libgpu_dra_sim.so`, installed as `libnvidia-ml.so.1`) exporting the subset of
-//!   the NVML C API the driver calls, with the exact ABI of `nvml.h` ([`ffi`]);
+//!   the NVML C API the driver calls, with the exact ABI of `nvml.h` ([`ffi`]), and every other
+//!   function go-nvml binds as a `NOT_SUPPORTED` stub ([`unsupported`]);
 //! - stand-ins for `nvidia-smi` and `nvidia-cuda-mps-control` that speak the real tools'
 //!   command-line and stdin protocols ([`smi`], [`mps`]);
 //! - `cuda-app`, the stand-in for a CUDA program in a container ([`cuda`]);
 //! - `gpu-sim`, which lays out a self-contained simulated host (libraries, tools, `/dev`,
-//!   `/proc` and `/sys` files, state file) under a directory ([`setup`]) and injects GPU
-//!   faults (XID, ECC, fallen off the bus) for tests ([`health`]).
+//!   `/proc` and `/sys` files, state file) under a directory ([`setup`], with the driver's
+//!   other user-space files from [`driverfiles`]) and injects GPU faults (XID, ECC, fallen off
+//!   the bus) for tests (the fault methods of [`state::State`], on the records of [`health`]);
+//! - behind the `testing` feature, a simulated host in a temporary directory for other
+//!   crates' tests (`testing`).
 //!
 //! Invariants: every process that looks at one simulated root sees one fleet, because all
 //! mutable state lives in `etc/gpu-sim/state.json` under that root ([`state`]), found from
 //! the library's or tool's own location; fleet descriptions ([`profile`]) and MIG tables
-//! ([`mig`]) reproduce real hardware values.
+//! ([`mig`]) reproduce real hardware values. The modules depend on each other without
+//! circles: [`health`] and [`mig`] use no other module, [`profile`] builds on them, [`state`]
+//! on all three, and the tools, the library and the setup on [`state`].
+//!
+//! Unsafe code: `unsafe_code` is denied for the crate (`[lints]` in its Cargo.toml) and
+//! allowed only where the C ABI or a C call needs it, every block with a `// SAFETY:`
+//! comment (clippy's `undocumented_unsafe_blocks`):
+//! - the NVML exports and their pointer and loader plumbing, whole modules: `src/ffi/init.rs`,
+//!   `src/ffi/device.rs`, `src/ffi/mig.rs`, `src/ffi/instances.rs`, `src/ffi/events.rs`,
+//!   `src/ffi/library.rs` (`dladdr`), `src/ffi/pointers.rs`;
+//! - the `NOT_SUPPORTED` exports (`no_mangle`), the whole module: `src/unsupported.rs`;
+//! - one function, `make_fifo` (`mkfifo`), in `src/mps/daemon.rs`;
+//! - one statement, the `mknod` of `device_node`, in `src/setup.rs`.
+//!
+//! The rest of `src/ffi/` (`mod.rs`, `handles.rs`, `resolve.rs`) and every other module has
+//! none; a unit test keeps the list above and the `allow`s in step. The integration tests that
+//! call raw NVML or `dlopen` allow it for themselves.
 
 use std::path::PathBuf;
 
@@ -99,4 +119,52 @@ pub enum SimError {
         /// Where it was looked for.
         searched: String,
     },
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeSet;
+    use std::path::Path;
+
+    /// The `src/...` files named in the "Unsafe code" paragraph of the crate doc.
+    fn documented(lib: &str) -> BTreeSet<String> {
+        lib.lines()
+            .skip_while(|l| !l.starts_with("//! Unsafe code"))
+            .take_while(|l| l.starts_with("//!") && l.trim_end() != "//!")
+            .flat_map(|l| l.split('`').skip(1).step_by(2))
+            .filter(|w| w.starts_with("src/") && w.ends_with(".rs"))
+            .map(str::to_owned)
+            .collect()
+    }
+
+    /// The files under `dir` with an `allow` attribute that names `unsafe_code`, relative to
+    /// `root`.
+    fn allowing(root: &Path, dir: &Path, out: &mut BTreeSet<String>) {
+        for entry in std::fs::read_dir(dir).expect("read source folder") {
+            let path = entry.expect("folder entry").path();
+            if path.is_dir() {
+                allowing(root, &path, out);
+                continue;
+            }
+            let text = std::fs::read_to_string(&path).expect("read source");
+            let allows = text.lines().map(str::trim_start).any(|l| {
+                (l.starts_with("#![allow(") || l.starts_with("#[allow("))
+                    && l.contains("unsafe_code")
+            });
+            if allows {
+                let rel = path.strip_prefix(root).expect("under the crate");
+                out.insert(rel.display().to_string());
+            }
+        }
+    }
+
+    #[test]
+    fn the_crate_doc_lists_every_file_that_allows_unsafe_code() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+        let lib = std::fs::read_to_string(root.join("src/lib.rs")).expect("read lib.rs");
+        let mut found = BTreeSet::new();
+        allowing(root, &root.join("src"), &mut found);
+        assert!(!found.is_empty(), "the C ABI needs unsafe somewhere");
+        assert_eq!(documented(&lib), found);
+    }
 }

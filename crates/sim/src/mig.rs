@@ -90,7 +90,10 @@ macro_rules! gi {
     };
 }
 
-/// A100-SXM4-40GB (NVIDIA_FACTS A.1).
+/// A100-SXM4-40GB: profiles, engines, counts and placements as in NVIDIA's MIG User Guide
+/// ("Supported MIG Profiles", and the `-lgip`/`-lgipp` output of "Getting Started with MIG",
+/// <https://docs.nvidia.com/datacenter/tesla/mig-user-guide/>), memory and SMs as in
+/// NVIDIA/go-nvml `pkg/nvml/mock/dgxa100` (values from real hardware).
 const A100_40GB: &[GiProfile] = &[
     gi!(0x0, 19, "1g.5gb", 1, 7, 4864, 14, 1, 0, 0, 0, 0, ALL7, 1),
     gi!(
@@ -146,7 +149,10 @@ const A100_40GB: &[GiProfile] = &[
     ),
 ];
 
-/// A100-SXM4-80GB / A100 80GB PCIe (NVIDIA_FACTS A.2; 7g memory of the R580 generation).
+/// A100-SXM4-80GB / A100 80GB PCIe: profiles, engines and counts as in NVIDIA's MIG User
+/// Guide, "Supported MIG Profiles" (A100 80GB table); memory sizes as `nvidia-smi mig -lgip`
+/// reports them on real A100 80GB boards, the 7g one that of the R580 generation (it differs
+/// between driver generations).
 const A100_80GB: &[GiProfile] = &[
     gi!(0x0, 19, "1g.10gb", 1, 7, 9728, 14, 1, 0, 0, 0, 0, ALL7, 1),
     gi!(
@@ -217,7 +223,10 @@ const A100_80GB: &[GiProfile] = &[
     ),
 ];
 
-/// H100 80GB HBM3 (NVIDIA_FACTS A.3).
+/// H100 80GB HBM3: profiles, engines and counts as in NVIDIA's MIG User Guide, "Supported
+/// MIG Profiles" (H100 table), and its "Getting Started with MIG" (3g.40gb: 40448 MiB, 60
+/// SMs on driver 580); memory sizes and SMs of every profile as `nvidia-smi mig -lgip` prints
+/// them on a real H100 (for example <https://jbarrow.ai/field_notes/nvidia-mig>).
 const H100_80GB: &[GiProfile] = &[
     gi!(0x0, 19, "1g.10gb", 1, 7, 9984, 16, 1, 1, 0, 1, 0, ALL7, 1),
     gi!(
@@ -288,7 +297,10 @@ const H100_80GB: &[GiProfile] = &[
     ),
 ];
 
-/// H200 141GB (NVIDIA_FACTS A.4).
+/// H200 141GB: profiles, engines and counts as in NVIDIA's MIG User Guide, "Supported MIG
+/// Profiles" (H200 table); memory sizes and SMs from the `nvidia-smi mig -lgip` of an 8-GPU
+/// H200 node in <https://github.com/NVIDIA/mig-parted/issues/120>. Placements are assumed to
+/// be the H100's (not seen in any published output).
 const H200: &[GiProfile] = &[
     gi!(0x0, 19, "1g.18gb", 1, 7, 16384, 16, 1, 1, 0, 1, 0, ALL7, 1),
     gi!(
@@ -422,7 +434,9 @@ pub fn ci_profile_slices(index: u32) -> Option<u32> {
 
 /// Placement starts, in compute slices, of a `ci_slices`-slice compute instance inside a GPU
 /// instance of `gi_slices` compute slices: multiples of the CI size that fit, so a GI holds
-/// `gi_slices / ci_slices` of them, as `instanceCount` says (NVIDIA_FACTS A.0). The exact
+/// `gi_slices / ci_slices` of them, as `instanceCount` says (`nvidia-smi mig -lcip` in
+/// NVIDIA's MIG User Guide, "Getting Started with MIG"; NVIDIA/go-nvml
+/// `pkg/nvml/mock/dgxa100`, A100 values from real hardware). The exact
 /// starts for sizes that do not divide the GI (3c in 7g) are not documented; aligned starts
 /// are this simulator's choice.
 pub fn ci_placement_starts(ci_slices: u32, gi_slices: u32) -> Vec<u32> {
@@ -455,7 +469,8 @@ pub fn ci_cap_minor(gpu_minor: u32, gi: u32, ci: u32) -> u32 {
 mod tests {
     use super::*;
 
-    /// The go-nvlib naming formula (NVIDIA_FACTS A.5), used to check that a table's memory
+    /// The go-nvlib naming formula (NVIDIA/go-nvlib `pkg/nvlib/device/mig_profile.go`, which
+    /// the DRA driver uses to name MIG profiles), used to check that a table's memory
     /// sizes give the marketed names against the parent's total memory.
     fn marketed_gb(profile_mib: u64, total_mib: u64) -> u64 {
         let total = total_mib as f64 * 1024.0 * 1024.0;

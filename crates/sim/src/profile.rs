@@ -533,7 +533,7 @@ mod tests {
     }
 
     #[test]
-    fn dgx_a100_matches_the_brief() {
+    fn dgx_a100_has_the_bus_ids_and_numa_layout_of_a_real_one() {
         let p = Profile::load("dgx-a100-40gb").expect("profile");
         assert_eq!(p.gpus.len(), 8);
         let buses: Vec<String> = p.gpus.iter().map(|g| g.pci().sysfs()).collect();

@@ -2,7 +2,7 @@
 //! returns `NVML_ERROR_NOT_SUPPORTED`, as NVML does for a feature the GPU lacks, so that
 //! consumers binding NVML lazily degrade instead of dying at a missing symbol.
 //!
-//! Generated from `nvml-exports.txt` minus the functions of `ffi.rs` and `ffi/` by
+//! Generated from `nvml-exports.txt` minus the functions of `ffi/` by
 //! `tests/generated_nvml_exports.rs` (`make generate`); do not edit.
 
 // The exports must keep NVML's names; `no_mangle` is what makes them exports. They take

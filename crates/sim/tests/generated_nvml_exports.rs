@@ -4,7 +4,7 @@
 //! lazily, so a consumer dies with `symbol lookup error` at the first call of a function the
 //! library does not export. `nvml-exports.txt` lists the functions go-nvml's
 //! `pkg/nvml/nvml.go` calls (`C.nvml...(`); `src/unsupported.rs` exports those that
-//! `src/ffi.rs` does not simulate, each returning `NVML_ERROR_NOT_SUPPORTED` as NVML does for
+//! `src/ffi/` does not simulate, each returning `NVML_ERROR_NOT_SUPPORTED` as NVML does for
 //! features a GPU lacks. `make generate` (`UPDATE_GENERATED=1`) rewrites both files; the list
 //! is regenerated only when the go-nvml module is in the Go module cache
 //! (`go mod download github.com/NVIDIA/go-nvml@<version>`), else it is checked as committed.
@@ -20,7 +20,7 @@ use std::path::{Path, PathBuf};
 const MANIFEST: &str = env!("CARGO_MANIFEST_DIR");
 /// The go-nvml version nvidia-container-toolkit v1.20.1 requires (its go.mod).
 const GO_NVML_VERSION: &str = "v0.13.4-0";
-/// Functions that do not return `nvmlReturn_t`, simulated by hand in `ffi.rs`.
+/// Functions that do not return `nvmlReturn_t`, simulated by hand in `src/ffi/`.
 const NOT_RETURNING_STATUS: &[&str] = &["nvmlErrorString"];
 
 fn update() -> bool {
@@ -90,21 +90,20 @@ fn simulated(ffi_source: &str) -> BTreeSet<String> {
         .collect()
 }
 
-/// `src/ffi.rs` and its submodules under `src/ffi/`, concatenated.
+/// The files of `src/ffi/`, concatenated in name order.
 fn ffi_sources() -> String {
-    let src = Path::new(MANIFEST).join("src");
-    let mut text = std::fs::read_to_string(src.join("ffi.rs")).expect("ffi.rs");
-    let mut subs: Vec<PathBuf> = std::fs::read_dir(src.join("ffi"))
-        .map(|d| d.filter_map(|e| e.ok().map(|e| e.path())).collect())
-        .unwrap_or_default();
-    subs.sort();
-    for p in subs
-        .iter()
+    let dir = Path::new(MANIFEST).join("src/ffi");
+    let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .expect("src/ffi")
+        .map(|e| e.expect("src/ffi entry").path())
         .filter(|p| p.extension().is_some_and(|e| e == "rs"))
-    {
-        text.push_str(&std::fs::read_to_string(p).expect("ffi submodule"));
-    }
-    text
+        .collect();
+    files.sort();
+    assert!(!files.is_empty(), "no sources in {}", dir.display());
+    files
+        .iter()
+        .map(|p| std::fs::read_to_string(p).expect("ffi source"))
+        .collect()
 }
 
 fn stubs_text(names: &[&String]) -> String {
@@ -113,7 +112,7 @@ fn stubs_text(names: &[&String]) -> String {
          //! returns `NVML_ERROR_NOT_SUPPORTED`, as NVML does for a feature the GPU lacks, so that\n\
          //! consumers binding NVML lazily degrade instead of dying at a missing symbol.\n\
          //!\n\
-         //! Generated from `nvml-exports.txt` minus the functions of `ffi.rs` and `ffi/` by\n\
+         //! Generated from `nvml-exports.txt` minus the functions of `ffi/` by\n\
          //! `tests/generated_nvml_exports.rs` (`make generate`); do not edit.\n\
          \n\
          // The exports must keep NVML's names; `no_mangle` is what makes them exports. They take\n\
@@ -165,7 +164,10 @@ fn generated_nvml_exports_are_fresh() {
         .collect();
     let done = simulated(&ffi_sources());
     for n in NOT_RETURNING_STATUS {
-        assert!(done.contains(*n), "{n} must be simulated by hand in ffi.rs");
+        assert!(
+            done.contains(*n),
+            "{n} must be simulated by hand in src/ffi/"
+        );
     }
     let stubs: Vec<&String> = names.iter().filter(|n| !done.contains(*n)).collect();
     check_or_write(

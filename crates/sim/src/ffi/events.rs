@@ -24,7 +24,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, LazyLock, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use super::{Dev, Handle, Key, NvmlReturn, dev, full_gpu, guard, handle, lock, put, ret, state};
+use super::handles::{Key, handle, lock};
+use super::library::{guard, state};
+use super::pointers::put;
+use super::resolve::{Dev, dev, full_gpu};
+use super::{Handle, NvmlReturn, ret};
 use crate::state::State;
 
 /// `nvmlEventData_t`.

@@ -1,12 +1,15 @@
 //! `nvidia-smi` stand-in: the options the driver and its operators use, with the real tool's
-//! messages and exit codes (NVIDIA_FACTS §B.2).
+//! messages and exit codes (the `nvidia-smi(1)` manual page of driver 535, "Return Value" and
+//! the option sections; the MIG commands as in NVIDIA's MIG User Guide, "Getting Started with
+//! MIG").
 //!
-//! Supported: `-L`, `--version`, `-q` (short summary), `-i <id[,id…]>` with `-c <mode>`,
-//! `-pm <0|1>`, `-mig <0|1>`, `-r` (GPU reset: health only, see [`crate::health`]),
-//! `--query-gpu=<fields> --format=csv[,noheader][,nounits]`,
-//! `compute-policy [-i <ids>] (--set-timeslice <0..3> | -l)` and
-//! `mig [-i <ids>] (-lgip | -lgipp | -lgi | -cgi <profiles>[-C] | -dci | -dgi)` ([`mig`]). `<id>` is an index, a GPU
-//! UUID, a PCI bus ID in any of its forms, or a board serial.
+//! Supported: `-L`, `--version`, `-i <id[,id…]>` with `-c <mode>`, `-pm <0|1>`,
+//! `-mig <0|1>`, `-r` (GPU reset: health only, see [`crate::health`]), `-q` (short summary)
+//! and `--query-gpu=<fields> --format=csv[,noheader][,nounits]` (`query`),
+//! `compute-policy [-i <ids>] (--set-timeslice <0..3> | -l)` (`policy`) and
+//! `mig [-i <ids>] (-lgip | -lgipp | -lgi | -cgi <profiles>[-C] | -dci | -dgi)` (`mig`).
+//! `<id>` is an index, a GPU UUID, a PCI bus ID in any of its forms, or a board serial. This
+//! module parses the command line and carries out the rest.
 //!
 //! Invariant: every change goes to the simulator state file, so NVML reads through the
 //! simulated library agree with what this tool set. Messages go to stdout, as the real tool
@@ -17,6 +20,8 @@
 use std::io::Write;
 
 mod mig;
+mod policy;
+mod query;
 
 use crate::SimError;
 use crate::state::{ComputeMode, State, StateFile};
@@ -38,8 +43,6 @@ pub const EXIT_OTHER: i32 = 255;
 
 pub(crate) const INVALID_COMBINATION: &str =
     "Invalid combination of input arguments. Please run 'nvidia-smi -h' for help.";
-
-const TIMESLICE_NAMES: [&str; 4] = ["Default", "Short", "Medium", "Long"];
 
 /// Runs `nvidia-smi <args>` against the state in `file` (or the error locating it).
 pub fn run(file: Result<StateFile, SimError>, args: &[String], out: &mut dyn Write) -> i32 {
@@ -116,7 +119,7 @@ fn run_inner(
         let Ok(file) = file else {
             return no_driver(out);
         };
-        return compute_policy(&file, &args[1..], out);
+        return policy::compute_policy(&file, &args[1..], out);
     }
     let o = match parse_opts(args) {
         Ok(o) => o,
@@ -176,13 +179,13 @@ fn run_inner(
         return set_persistence(&file, &targets, pm, out);
     }
     if let Some(fields) = &o.query_gpu {
-        return query_gpu(&state, &targets, fields, o.format.as_deref(), out);
+        return query::query_gpu(&state, &targets, fields, o.format.as_deref(), out);
     }
     if o.format.is_some() {
         writeln!(out, "{INVALID_COMBINATION}")?;
         return Ok(EXIT_INVALID);
     }
-    summary(&state, &targets, o.query, out)
+    query::summary(&state, &targets, o.query, out)
 }
 
 pub(crate) fn no_driver(out: &mut dyn Write) -> std::io::Result<i32> {
@@ -370,207 +373,6 @@ fn set_persistence(
     Ok(EXIT_OK)
 }
 
-const QUERY_FIELDS: &[(&str, &str)] = &[
-    ("index", "index"),
-    ("uuid", "uuid"),
-    ("gpu_uuid", "uuid"),
-    ("name", "name"),
-    ("gpu_name", "name"),
-    ("pci.bus_id", "pci.bus_id"),
-    ("gpu_bus_id", "pci.bus_id"),
-    ("serial", "serial"),
-    ("gpu_serial", "serial"),
-    ("count", "count"),
-    ("driver_version", "driver_version"),
-    ("memory.total", "memory.total"),
-    ("compute_mode", "compute_mode"),
-    ("mig.mode.current", "mig.mode.current"),
-    ("mig.mode.pending", "mig.mode.pending"),
-    ("persistence_mode", "persistence_mode"),
-];
-
-fn query_gpu(
-    state: &State,
-    targets: &[usize],
-    fields: &str,
-    format: Option<&str>,
-    out: &mut dyn Write,
-) -> std::io::Result<i32> {
-    let Some(format) = format else {
-        writeln!(
-            out,
-            "\"--format=\" switch is missing. Please run 'nvidia-smi -h' for help."
-        )?;
-        return Ok(EXIT_INVALID);
-    };
-    let mut csv = false;
-    let mut header = true;
-    let mut units = true;
-    for f in format.split(',').map(str::trim) {
-        match f {
-            "csv" => csv = true,
-            "noheader" => header = false,
-            "nounits" => units = false,
-            _ => {
-                writeln!(out, "\"{f}\" is not a valid format option.")?;
-                return Ok(EXIT_INVALID);
-            }
-        }
-    }
-    if !csv {
-        writeln!(out, "\"csv\" is missing in the --format switch.")?;
-        return Ok(EXIT_INVALID);
-    }
-    let mut cols = Vec::new();
-    for f in fields.split(',').map(str::trim) {
-        match QUERY_FIELDS.iter().find(|(n, _)| *n == f) {
-            Some((_, canon)) => cols.push((f, *canon)),
-            None => {
-                writeln!(out, "Field \"{f}\" is not a valid field to query.")?;
-                return Ok(EXIT_INVALID);
-            }
-        }
-    }
-    if header {
-        let names: Vec<String> = cols
-            .iter()
-            .map(|(f, c)| match *c {
-                "memory.total" => format!("{f} [MiB]"),
-                _ => (*f).to_string(),
-            })
-            .collect();
-        writeln!(out, "{}", names.join(", "))?;
-    }
-    for &i in targets {
-        let g = &state.profile.gpus[i];
-        let s = &state.gpus[i];
-        let mig = g.mig_profiles().is_some();
-        let on_off = |b: bool| if b { "Enabled" } else { "Disabled" };
-        let vals: Vec<String> = cols
-            .iter()
-            .map(|(_, c)| match *c {
-                "index" => i.to_string(),
-                "uuid" => g.uuid.clone(),
-                "name" => g.name.clone(),
-                "pci.bus_id" => g.pci().long(),
-                "serial" => g.serial.clone().unwrap_or_else(|| "[N/A]".into()),
-                "count" => state.gpus.len().to_string(),
-                "driver_version" => state.profile.driver_version.clone(),
-                "memory.total" if units => format!("{} MiB", g.memory_mib),
-                "memory.total" => g.memory_mib.to_string(),
-                "compute_mode" => s.compute_mode.query_name().to_string(),
-                "mig.mode.current" if mig => on_off(s.mig_current).to_string(),
-                "mig.mode.pending" if mig => on_off(s.mig_pending).to_string(),
-                "persistence_mode" => on_off(s.persistence).to_string(),
-                _ => "[N/A]".to_string(),
-            })
-            .collect();
-        writeln!(out, "{}", vals.join(", "))?;
-    }
-    Ok(EXIT_OK)
-}
-
-fn summary(
-    state: &State,
-    targets: &[usize],
-    detailed: bool,
-    out: &mut dyn Write,
-) -> std::io::Result<i32> {
-    let lost: Vec<usize> = targets
-        .iter()
-        .copied()
-        .filter(|i| state.gpus[*i].health.lost)
-        .collect();
-    if !lost.is_empty() {
-        for i in lost {
-            writeln!(out, "{}", lost_line(state, i))?;
-        }
-        return Ok(EXIT_GPU_LOST);
-    }
-    let p = &state.profile;
-    let cuda = format!(
-        "{}.{}",
-        p.cuda_driver_version / 1000,
-        p.cuda_driver_version % 1000 / 10
-    );
-    if !detailed {
-        writeln!(
-            out,
-            "+-----------------------------------------------------------------------------------------+"
-        )?;
-        writeln!(
-            out,
-            "| NVIDIA-SMI {:<17} Driver Version: {:<14} CUDA Version: {:<9}|",
-            p.driver_version, p.driver_version, cuda
-        )?;
-        writeln!(
-            out,
-            "+-----------------------------------------------------------------------------------------+"
-        )?;
-        for &i in targets {
-            let g = &p.gpus[i];
-            let s = &state.gpus[i];
-            writeln!(
-                out,
-                "| {i:>3}  {:<32} {:<16} {:>8}MiB  {:<17}|",
-                g.name,
-                g.pci().long(),
-                g.memory_mib,
-                s.compute_mode.query_name()
-            )?;
-        }
-        writeln!(
-            out,
-            "+-----------------------------------------------------------------------------------------+"
-        )?;
-        return Ok(EXIT_OK);
-    }
-    writeln!(out, "\n==============NVSMI LOG==============\n")?;
-    writeln!(out, "{:<42}: {}", "Driver Version", p.driver_version)?;
-    writeln!(out, "{:<42}: {cuda}\n", "CUDA Version")?;
-    writeln!(out, "{:<42}: {}", "Attached GPUs", p.gpus.len())?;
-    for &i in targets {
-        let g = &p.gpus[i];
-        let s = &state.gpus[i];
-        let kv = |k: &str, v: &str| format!("    {k:<38}: {v}");
-        writeln!(out, "GPU {}", g.pci().long())?;
-        writeln!(out, "{}", kv("Product Name", &g.name))?;
-        writeln!(out, "{}", kv("Product Brand", &g.brand))?;
-        writeln!(out, "{}", kv("Product Architecture", &g.architecture))?;
-        writeln!(
-            out,
-            "{}",
-            kv(
-                "Persistence Mode",
-                if s.persistence { "Enabled" } else { "Disabled" }
-            )
-        )?;
-        writeln!(out, "    MIG Mode")?;
-        let mig = |b: bool| {
-            if g.mig_table.is_none() {
-                "N/A"
-            } else if b {
-                "Enabled"
-            } else {
-                "Disabled"
-            }
-        };
-        writeln!(out, "        {:<34}: {}", "Current", mig(s.mig_current))?;
-        writeln!(out, "        {:<34}: {}", "Pending", mig(s.mig_pending))?;
-        writeln!(
-            out,
-            "{}",
-            kv("Serial Number", g.serial.as_deref().unwrap_or("N/A"))
-        )?;
-        writeln!(out, "{}", kv("GPU UUID", &g.uuid))?;
-        writeln!(out, "{}", kv("Minor Number", &g.minor.to_string()))?;
-        writeln!(out, "    FB Memory Usage")?;
-        writeln!(out, "        {:<34}: {} MiB", "Total", g.memory_mib)?;
-        writeln!(out, "{}", kv("Compute Mode", s.compute_mode.query_name()))?;
-    }
-    Ok(EXIT_OK)
-}
-
 const HELP: &str = "NVIDIA System Management Interface -- v580.95.05 (GPU simulator)
 
     -h,   --help                Print usage information and exit.
@@ -589,147 +391,17 @@ const HELP: &str = "NVIDIA System Management Interface -- v580.95.05 (GPU simula
 
     compute-policy              Control and list compute policies.";
 
-const POLICY_HELP: &str = "compute-policy -- Control and list compute policies.
-
-Usage: nvidia-smi compute-policy [options]
-
-Options include:
-[-i | --id]: GPU device ID's. Provide comma separated values for more than one device
-[-l | --list]: List all compute policies
-[ | --set-timeslice]: Set timeslice config for a GPU: 0=DEFAULT, 1=SHORT, 2=MEDIUM, 3=LONG
-[-h | --help]: Display help information";
-
-fn compute_policy(file: &StateFile, args: &[String], out: &mut dyn Write) -> std::io::Result<i32> {
-    let mut id = None;
-    let mut list = false;
-    let mut timeslice = None;
-    let mut help = false;
-    let mut commands = 0;
-    let mut it = args.iter();
-    while let Some(arg) = it.next() {
-        let (name, inline) = match arg.split_once('=') {
-            Some((n, v)) if n.starts_with('-') => (n, Some(v.to_string())),
-            _ => (arg.as_str(), None),
-        };
-        let mut value = || inline.clone().or_else(|| it.next().cloned());
-        match name {
-            "-i" | "--id" => id = value(),
-            "-l" | "--list" => {
-                list = true;
-                commands += 1;
-            }
-            "--set-timeslice" => {
-                timeslice = Some(value().unwrap_or_default());
-                commands += 1;
-            }
-            "-h" | "--help" => help = true,
-            _ => {
-                writeln!(out, "{INVALID_COMBINATION}")?;
-                return Ok(EXIT_INVALID);
-            }
-        }
-    }
-    if help || commands == 0 {
-        writeln!(out, "{POLICY_HELP}")?;
-        return Ok(if help { EXIT_OK } else { EXIT_INVALID });
-    }
-    if commands > 1 {
-        writeln!(
-            out,
-            "One, and only one, compute-policy command allowed at a time"
-        )?;
-        return Ok(EXIT_INVALID);
-    }
-    let Ok(state) = file.load_visible() else {
-        return no_driver(out);
-    };
-    let targets = match &id {
-        None => (0..state.gpus.len()).collect(),
-        Some(ids) => match resolve_ids(&state, ids) {
-            Some(t) => t,
-            None => {
-                writeln!(out, "No devices were found")?;
-                return Ok(EXIT_NOT_FOUND);
-            }
-        },
-    };
-    if list {
-        writeln!(out, "+-------------------------------------+")?;
-        writeln!(out, "| GPU compute policies:               |")?;
-        writeln!(out, "| GPU     Name           Value        |")?;
-        writeln!(out, "|=====================================|")?;
-        for &i in &targets {
-            let g = &state.profile.gpus[i];
-            let v = if g.timeslice_supported {
-                TIMESLICE_NAMES
-                    .get(state.gpus[i].timeslice as usize)
-                    .copied()
-                    .unwrap_or("Default")
-            } else {
-                "N/A"
-            };
-            writeln!(out, "| {i:>3}     {:<14} {v:<12} |", "Timeslice")?;
-        }
-        writeln!(out, "+-------------------------------------+")?;
-        return Ok(EXIT_OK);
-    }
-    let raw = timeslice.unwrap_or_default();
-    let value = match raw.parse::<u32>() {
-        Ok(v) if v < 4 => v,
-        _ => {
-            writeln!(
-                out,
-                "Invalid value for --set-timeslice: \"{raw}\". Valid values: 0=DEFAULT, 1=SHORT, 2=MEDIUM, 3=LONG"
-            )?;
-            return Ok(EXIT_INVALID);
-        }
-    };
-    let name = TIMESLICE_NAMES[value as usize];
-    let mut lines = Vec::new();
-    let mut failed = false;
-    let res = file.update(|s| {
-        for &i in &targets {
-            if !s.profile.gpus[i].timeslice_supported {
-                lines.push(format!(
-                    "Failed to set timeslice policy with value {name} for GPU {i} : Not Supported"
-                ));
-                failed = true;
-                continue;
-            }
-            s.gpus[i].timeslice = value;
-            lines.push(format!(
-                "Successfully set timeslice policy with value {name} for GPU {i}"
-            ));
-        }
-        Ok::<(), ()>(())
-    });
-    if res.is_err() {
-        return no_driver(out);
-    }
-    for l in lines {
-        writeln!(out, "{l}")?;
-    }
-    if failed {
-        writeln!(
-            out,
-            "Failed to set timeslice for requested devices : Not Supported"
-        )?;
-        return Ok(EXIT_NOT_SUPPORTED);
-    }
-    Ok(EXIT_OK)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::profile::Profile;
 
-    struct Host {
+    pub(super) struct Host {
         _dir: tempfile::TempDir,
-        file: StateFile,
+        pub(super) file: StateFile,
     }
 
-    fn host(profile: &str) -> Host {
+    pub(super) fn host(profile: &str) -> Host {
         let dir = tempfile::tempdir().expect("tmp");
         let file = StateFile::under_root(dir.path());
         file.create(&State::from_profile(
@@ -739,7 +411,7 @@ mod tests {
         Host { _dir: dir, file }
     }
 
-    fn smi(h: &Host, args: &str) -> (i32, String) {
+    pub(super) fn smi(h: &Host, args: &str) -> (i32, String) {
         let args: Vec<String> = args.split_whitespace().map(String::from).collect();
         let mut out = Vec::new();
         let code = run(Ok(h.file.clone()), &args, &mut out);
@@ -866,71 +538,6 @@ mod tests {
             out,
             "Setting compute mode to DEFAULT is not supported on a MIG-enabled device.\n"
         );
-    }
-
-    #[test]
-    fn timeslice_is_set_and_listed() {
-        let h = host("dgx-h100");
-        let (code, out) = smi(&h, "compute-policy -i 2 --set-timeslice 3");
-        assert_eq!(code, 0, "{out}");
-        assert_eq!(
-            out,
-            "Successfully set timeslice policy with value Long for GPU 2\n"
-        );
-        assert_eq!(h.file.load().expect("state").gpus[2].timeslice, 3);
-        let (code, out) = smi(&h, "compute-policy -l -i 2");
-        assert_eq!(code, 0);
-        assert!(
-            out.contains("|   2     Timeslice      Long         |"),
-            "{out}"
-        );
-        let (code, out) = smi(&h, "compute-policy -l --set-timeslice 1");
-        assert_eq!(code, EXIT_INVALID);
-        assert!(out.contains("One, and only one"));
-        let (code, _) = smi(&h, "compute-policy --set-timeslice 4");
-        assert_eq!(code, EXIT_INVALID);
-    }
-
-    #[test]
-    fn timeslice_on_a_p4_is_not_supported() {
-        let h = host("p4");
-        let (code, out) = smi(&h, "compute-policy -i 0 --set-timeslice 0");
-        assert_eq!(code, EXIT_NOT_SUPPORTED);
-        assert_eq!(
-            out,
-            "Failed to set timeslice policy with value Default for GPU 0 : Not Supported\n\
-             Failed to set timeslice for requested devices : Not Supported\n"
-        );
-    }
-
-    #[test]
-    fn query_gpu_csv_with_and_without_units() {
-        let h = host("dgx-a100-40gb");
-        let (code, out) = smi(
-            &h,
-            "-i 0,5 --query-gpu=index,pci.bus_id,memory.total,compute_mode,mig.mode.current --format=csv",
-        );
-        assert_eq!(code, 0);
-        assert_eq!(
-            out,
-            "index, pci.bus_id, memory.total [MiB], compute_mode, mig.mode.current\n\
-             0, 00000000:07:00.0, 40960 MiB, Default, Enabled\n\
-             5, 00000000:90:00.0, 40960 MiB, Default, Disabled\n"
-        );
-        let (_, out) = smi(
-            &h,
-            "-i 7 --query-gpu=memory.total,name --format=csv,noheader,nounits",
-        );
-        assert_eq!(out, "40960, NVIDIA A100-SXM4-40GB\n");
-        let (code, out) = smi(&h, "--query-gpu=bogus --format=csv");
-        assert_eq!(code, EXIT_INVALID);
-        assert_eq!(out, "Field \"bogus\" is not a valid field to query.\n");
-        let (code, out) = smi(&h, "--query-gpu=index");
-        assert_eq!(code, EXIT_INVALID);
-        assert!(out.starts_with("\"--format=\" switch is missing."));
-        let t4 = host("t4");
-        let (_, out) = smi(&t4, "--query-gpu=mig.mode.current --format=csv,noheader");
-        assert_eq!(out, "[N/A]\n");
     }
 
     #[test]

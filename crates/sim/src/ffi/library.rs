@@ -1,0 +1,163 @@
+//! The library's own state: the `nvmlInit` reference count, the state file found at the first
+//! init, and the last state read from it with the stamp that tells when to read it again.
+//! Every export body runs through [`guard`].
+//!
+//! Invariant: the cached state is reused only while the state file and the `dev/` folders
+//! that decide visibility are unchanged (device, inode, size and times), so a change by
+//! another process is seen on the next call.
+
+// `dladdr` (where this library lives, to find the simulated host) is a C call.
+#![allow(unsafe_code)]
+
+use std::ffi::{CStr, c_void};
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::MetadataExt;
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+
+use super::handles::lock;
+use super::{NvmlReturn, ret};
+use crate::state::{self, State, StateFile};
+
+/// What identifies one version of the state file and of the device folders.
+#[derive(Clone, Copy, PartialEq, Eq)]
+struct Stamp {
+    dev: u64,
+    ino: u64,
+    size: u64,
+    mtime: i64,
+    mtime_ns: i64,
+    dev_dirs: [(i64, i64); 2],
+}
+
+/// The library's process-wide state.
+struct Lib {
+    refcount: u32,
+    file: Option<StateFile>,
+    cache: Option<(Stamp, Arc<State>)>,
+}
+
+static LIB: Mutex<Lib> = Mutex::new(Lib {
+    refcount: 0,
+    file: None,
+    cache: None,
+});
+
+/// The path of the object this code lives in (the `.so` when loaded as a library).
+fn own_path() -> Option<PathBuf> {
+    let mut info = std::mem::MaybeUninit::<libc::Dl_info>::zeroed();
+    let addr = own_path as *const c_void;
+    // SAFETY: `dladdr` only reads the loader's tables for an address inside this object and
+    // fills `info`, which is a valid, writable `Dl_info`.
+    let rc = unsafe { libc::dladdr(addr, info.as_mut_ptr()) };
+    if rc == 0 {
+        return None;
+    }
+    // SAFETY: `dladdr` returned non-zero, so it initialised `info`.
+    let info = unsafe { info.assume_init() };
+    if info.dli_fname.is_null() {
+        return None;
+    }
+    // SAFETY: `dli_fname` is a NUL-terminated string owned by the loader that lives as
+    // long as the object is loaded, which outlives this call.
+    let name = unsafe { CStr::from_ptr(info.dli_fname) };
+    Some(PathBuf::from(std::ffi::OsStr::from_bytes(name.to_bytes())))
+}
+
+/// The current stamp of `file`; `None` when the file cannot be stat'ed (then nothing is
+/// cached).
+fn stamp(file: &StateFile) -> Option<Stamp> {
+    let m = std::fs::metadata(file.path()).ok()?;
+    // Which devices this process sees changes with the device nodes (a new MIG device's
+    // capability nodes appear after the state): the folders' change times are part of it.
+    let mut dirs = [(0, 0); 2];
+    if let Some(dev) = file.dev_dir() {
+        for (slot, dir) in dirs.iter_mut().zip([dev.clone(), dev.join("nvidia-caps")]) {
+            if let Ok(d) = std::fs::metadata(dir) {
+                *slot = (d.mtime(), d.mtime_nsec());
+            }
+        }
+    }
+    Some(Stamp {
+        dev: m.dev(),
+        ino: m.ino(),
+        size: m.size(),
+        mtime: m.mtime(),
+        mtime_ns: m.mtime_nsec(),
+        dev_dirs: dirs,
+    })
+}
+
+/// `nvmlInit`: finds the state file on the first call, then counts one more reference.
+/// `DRIVER_NOT_LOADED` when no simulated host can be found.
+pub(super) fn init() -> Result<(), NvmlReturn> {
+    let mut lib = lock(&LIB);
+    if lib.file.is_none() {
+        let file = state::locate(own_path().as_deref()).map_err(|_| ret::DRIVER_NOT_LOADED)?;
+        lib.file = Some(file);
+    }
+    lib.refcount += 1;
+    Ok(())
+}
+
+/// `nvmlShutdown`: drops one reference; the last one also drops the cached state.
+pub(super) fn shutdown() -> Result<(), NvmlReturn> {
+    let mut lib = lock(&LIB);
+    if lib.refcount == 0 {
+        return Err(ret::UNINITIALIZED);
+    }
+    lib.refcount -= 1;
+    if lib.refcount == 0 {
+        lib.cache = None;
+    }
+    Ok(())
+}
+
+/// The state file, while the library is initialised.
+pub(super) fn state_file() -> Result<StateFile, NvmlReturn> {
+    let lib = lock(&LIB);
+    if lib.refcount == 0 {
+        return Err(ret::UNINITIALIZED);
+    }
+    lib.file.clone().ok_or(ret::UNINITIALIZED)
+}
+
+/// The current state (re-read when the file changed).
+pub(super) fn state() -> Result<Arc<State>, NvmlReturn> {
+    let mut lib = lock(&LIB);
+    if lib.refcount == 0 {
+        return Err(ret::UNINITIALIZED);
+    }
+    let file = lib.file.clone().ok_or(ret::UNINITIALIZED)?;
+    let now = stamp(&file);
+    if let (Some(now), Some((old, st))) = (now, &lib.cache)
+        && now == *old
+    {
+        return Ok(st.clone());
+    }
+    let st = Arc::new(file.load_visible().map_err(|_| ret::UNKNOWN)?);
+    if let Some(now) = now {
+        lib.cache = Some((now, st.clone()));
+    }
+    Ok(st)
+}
+
+/// Applies `f` to the state file under its exclusive lock.
+pub(super) fn update(
+    f: impl FnOnce(&mut State) -> Result<(), NvmlReturn>,
+) -> Result<(), NvmlReturn> {
+    state_file()?.update(f).map_err(|e| match e {
+        crate::SimError::NotPermitted { .. } => ret::NO_PERMISSION,
+        _ => ret::UNKNOWN,
+    })?
+}
+
+/// Runs an export body, mapping `Err(code)` to the code and a panic to `UNKNOWN`.
+pub(super) fn guard(f: impl FnOnce() -> Result<(), NvmlReturn>) -> NvmlReturn {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(Ok(())) => ret::SUCCESS,
+        Ok(Err(code)) => code,
+        Err(_) => ret::UNKNOWN,
+    }
+}
