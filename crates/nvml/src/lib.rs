@@ -12,6 +12,10 @@
 //!   so each discovery sees the driver's current MIG layout and no handle outlives its session.
 //! - A GPU that does not support MIG is not an error: its `mig` is `None`.
 //!
+//! Modules: [`sysfs`] (PCIe root and NUMA node of a GPU), [`health`] (the NVML health source:
+//! XID and ECC events, probes of each GPU), [`mig_ops`] (dynamic MIG's instance creation and
+//! destruction).
+//!
 //! The safe nvml-wrapper API lacks the GPU-instance calls (`nvmlDeviceGetGpuInstanceId`,
 //! `nvmlDeviceGetComputeInstanceId`, `nvmlDeviceGetGpuInstanceById`, `nvmlGpuInstanceGetInfo`)
 //! and maps brand/architecture to enums that reject values newer than the crate; those calls go
