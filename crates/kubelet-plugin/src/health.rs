@@ -14,7 +14,7 @@
 //! connection breaks (which would fail the calls sent in that moment). The new instance's
 //! calls then wait until it holds the node ([`crate::cmd::run`]).
 //!
-//! The watcher ([`watch`]): a [`HealthSource`] blocks in NVML's event wait, so it runs on a
+//! The watcher ([`watch()`]): a [`HealthSource`] blocks in NVML's event wait, so it runs on a
 //! thread of its own and hands observations over a channel to the live inventory, which
 //! keeps the conditions ([`gpu_dra_core::health`]) and republishes taints.
 //!

@@ -3,8 +3,8 @@
 //! ([`Cli`]), which `main` parses and the chart's test reads the env twins from.
 //!
 //! Invariants: every flag of `run`, `discover`, `cleanup` and `uninstall` has an env twin (the
-//! chart configures the plugin through the environment), and the environment is read only
-//! through clap. The one exception is [`FORMER_ENV`]: flags renamed to say their unit keep
+//! chart configures the plugin through the environment; `health` is run by hand), and the
+//! environment is read only through clap. The one exception is [`FORMER_ENV`]: flags renamed to say their unit keep
 //! their former env names working for users who set those by hand. Clap gives a flag one env
 //! name, so [`try_parse_from`] binds a renamed flag to its former name when, and only when,
 //! the new one is unset and the former one set; the former flag names are plain clap aliases.
@@ -99,7 +99,9 @@ fn with_former_env(cmd: clap::Command, is_set: impl Fn(&str) -> bool) -> clap::C
                     .map(|(_, former)| *former)
             });
             match former {
-                Some(former) => arg.env(former),
+                // Named as the value too, so that clap's message for a bad value names the
+                // variable it came from.
+                Some(former) => arg.env(former).value_name(former),
                 None => arg,
             }
         })
@@ -210,6 +212,22 @@ mod tests {
             .and_then(|s| s.get_arguments().find(|a| a.get_id() == id))
             .and_then(|a| a.get_env())
             .map(|e| e.to_string_lossy().into_owned())
+    }
+
+    #[test]
+    fn every_flag_of_the_services_and_discover_has_an_env_twin() {
+        let cmd = command();
+        // `health` is an operator's tool run by hand in a shell; the others run in pods the
+        // chart configures through the environment (discover shares run's environment).
+        for name in ["run", "discover", "cleanup", "uninstall"] {
+            let sub = cmd.find_subcommand(name).expect("subcommand");
+            let without: Vec<&str> = sub
+                .get_arguments()
+                .filter(|a| a.get_env().is_none())
+                .map(|a| a.get_id().as_str())
+                .collect();
+            assert!(without.is_empty(), "{name}: no env twin: {without:?}");
+        }
     }
 
     #[test]
