@@ -94,7 +94,7 @@ func TestMIGRelayoutWhilePluginRuns(t *testing.T) {
 	requirePlugins(t)
 	ctx := context.Background()
 	const name = "node-relayout"
-	n := addPluginNode(ctx, t, name, "dgx-a100-40gb", []string{"--rediscover-interval=3600"}, nil)
+	n := addPluginNode(ctx, t, name, "dgx-a100-40gb", []string{"--rediscover-interval-seconds=3600"}, nil)
 	ns := newNamespace(ctx, t, "relayout")
 	before := poolDevices(ctx, t, name)
 	const (
@@ -248,7 +248,7 @@ func TestDeviceHealth(t *testing.T) {
 	requirePlugins(t)
 	ctx := context.Background()
 	const name = "node-health"
-	n := addPluginNode(ctx, t, name, "dgx-h100", []string{"--health-probe-interval=1"}, nil)
+	n := addPluginNode(ctx, t, name, "dgx-h100", []string{"--health-probe-interval-seconds=1"}, nil)
 	ns := newNamespace(ctx, t, "health")
 	sim := func(args ...string) {
 		t.Helper()

@@ -11,6 +11,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use gpu_dra_api::{DeviceKey, Interval, MpsConfig, Sharing};
+use gpu_dra_kubelet_plugin::node_layout;
 use gpu_dra_kubelet_plugin::sharing::{
     DriverRoot, FileStore, SharedDevice, SharingManager, SharingMetrics, SharingOptions,
 };
@@ -53,7 +54,9 @@ async fn main() {
     let host = SimHost::new(PROFILE);
     let plugin_dir = tempfile::tempdir().unwrap();
     let opts = SharingOptions::new(DriverRoot::new(host.root(), None), plugin_dir.path());
-    let store = Arc::new(FileStore::new(plugin_dir.path().join("sharing.json")));
+    let store = Arc::new(FileStore::new(node_layout::sharing_state_in(
+        plugin_dir.path(),
+    )));
     let m = SharingManager::new(opts, store, SharingMetrics::default()).unwrap();
 
     // Whole GPUs of the profile (GPUs 4-7 have MIG disabled).

@@ -5,8 +5,8 @@
 //! container, which the runtime cannot see. NVIDIA's chart asks users for a host path
 //! (`nvidiaCDIHookPath`) or relies on the toolkit being installed on the node.
 //!
-//! The fix: at start the plugin copies the image's binary into `<plugin dir>/bin/`, a folder
-//! the chart mounts at its host path, so the copy's path is the same on the host and in the
+//! The fix: at start the plugin copies the image's binary into `<plugin dir>/bin/`
+//! ([`crate::node_layout::hook_dir_in`]), a folder the chart mounts at its host path, so the copy's path is the same on the host and in the
 //! container and no user setting is needed. The copy is named by its content
 //! (`nvidia-cdi-hook-<first 16 hex digits of its SHA-256>`) and written with the crash-safe
 //! writer (temp file, fsync, rename): a half-written file never carries the final name, a
@@ -22,10 +22,7 @@
 use std::io;
 use std::path::{Path, PathBuf};
 
-/// Folder under the plugin directory holding the installed copies.
-pub const BIN_DIR: &str = "bin";
-/// File name prefix of an installed copy.
-pub const PREFIX: &str = "nvidia-cdi-hook-";
+use crate::node_layout::HOOK_COPY_PREFIX;
 
 /// Why the hook binary could not be installed.
 #[derive(Debug, thiserror::Error)]
@@ -56,17 +53,20 @@ pub enum HookError {
 
 /// The name of the copy of a binary with this content.
 pub fn copy_name(content: &[u8]) -> String {
-    format!("{PREFIX}{}", &crate::digest::sha256_hex(content)[..16])
+    format!(
+        "{HOOK_COPY_PREFIX}{}",
+        &crate::digest::sha256_hex(content)[..16]
+    )
 }
 
-/// Installs `source` under `<plugin_dir>/bin/` (see the module doc) and returns the copy's
-/// path, which is its host path as well. Idempotent: an existing copy is left as it is.
-pub fn install(source: &Path, plugin_dir: &Path) -> Result<PathBuf, HookError> {
+/// Installs `source` in `dir`, the plugin folder's hook folder (see the module doc), and
+/// returns the copy's path, which is its host path as well. Idempotent: an existing copy is
+/// left as it is.
+pub fn install(source: &Path, dir: &Path) -> Result<PathBuf, HookError> {
     let content = std::fs::read(source).map_err(|e| HookError::Read {
         path: source.to_path_buf(),
         source: e,
     })?;
-    let dir = plugin_dir.join(BIN_DIR);
     let target = dir.join(copy_name(&content));
     let write_err = |e| HookError::Write {
         path: target.clone(),
@@ -75,8 +75,8 @@ pub fn install(source: &Path, plugin_dir: &Path) -> Result<PathBuf, HookError> {
     if target.is_file() {
         return Ok(target);
     }
-    std::fs::create_dir_all(&dir).map_err(write_err)?;
-    gpu_dra_fsutil::remove_stale_temps(&dir, PREFIX);
+    std::fs::create_dir_all(dir).map_err(write_err)?;
+    gpu_dra_fsutil::remove_stale_temps(dir, HOOK_COPY_PREFIX);
     gpu_dra_fsutil::write_atomic(&target, &content, 0o755).map_err(write_err)?;
     Ok(target)
 }
@@ -96,9 +96,9 @@ mod tests {
     fn installs_an_executable_copy_named_by_content() {
         let tmp = tempfile::tempdir().unwrap();
         let src = binary(tmp.path(), b"\x7fELF hook v1");
-        let plugin = tmp.path().join("plugin");
+        let plugin = crate::node_layout::hook_dir_in(&tmp.path().join("plugin"));
         let copy = install(&src, &plugin).unwrap();
-        assert_eq!(copy.parent().unwrap(), plugin.join(BIN_DIR));
+        assert_eq!(copy.parent().unwrap(), plugin);
         assert_eq!(std::fs::read(&copy).unwrap(), b"\x7fELF hook v1");
         let mode = std::fs::metadata(&copy).unwrap().permissions().mode();
         assert_eq!(mode & 0o111, 0o111, "not executable: {mode:o}");
@@ -118,7 +118,7 @@ mod tests {
     #[test]
     fn a_new_version_gets_its_own_copy_and_the_old_one_stays() {
         let tmp = tempfile::tempdir().unwrap();
-        let plugin = tmp.path().join("plugin");
+        let plugin = crate::node_layout::hook_dir_in(&tmp.path().join("plugin"));
         let old = install(&binary(tmp.path(), b"hook v1"), &plugin).unwrap();
         let new = install(&binary(tmp.path(), b"hook v2"), &plugin).unwrap();
         assert_ne!(old, new);
@@ -140,6 +140,6 @@ mod tests {
     fn names_differ_by_content() {
         assert_ne!(copy_name(b"a"), copy_name(b"b"));
         assert_eq!(copy_name(b"a"), copy_name(b"a"));
-        assert_eq!(copy_name(b"a").len(), PREFIX.len() + 16);
+        assert_eq!(copy_name(b"a").len(), HOOK_COPY_PREFIX.len() + 16);
     }
 }

@@ -12,7 +12,7 @@ use gpu_dra_core::cdi::{self, ContainerEdits, Mount, SpecDevice};
 use gpu_dra_core::ldcache;
 use gpu_dra_core::plan::DeviceNodesNeed;
 
-use crate::discover::DriverRoots;
+use crate::host::DriverRoots;
 
 /// Errors writing CDI specs.
 #[derive(Debug, thiserror::Error)]

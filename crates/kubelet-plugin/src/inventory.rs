@@ -38,9 +38,6 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 use tracing::{info, warn};
 
-/// File in the plugin folder that keeps the device health conditions across restarts.
-pub const HEALTH_STATE_FILE: &str = "device-health.json";
-
 /// The inventory and device health of one moment.
 #[derive(Debug, Clone)]
 pub struct Snapshot {

@@ -1,16 +1,26 @@
 //! The node plugin `gpu-kubelet-plugin`: kubelet registration and DRA gRPC, prepare/unprepare
 //! with CDI specs and a crash-safe checkpoint, metrics and health endpoints.
 //!
-//! Layout: [`cli`] (flags, `run`), [`discover`] (the `discover` subcommand), [`cleanup`] and
-//! [`uninstall`] (the `cleanup` and `uninstall` subcommands: the node put back as it was on
-//! `helm uninstall`), [`publish`]
-//! (ResourceSlice publisher), [`grpc`] (sockets, services), [`authority`] (grpc-go
-//! `:authority` fix), [`driver`] (prepare/unprepare state machine), [`checkpoint_file`]
-//! (checkpoint migration and NVIDIA import), [`claim_locks`] (one operation per claim),
-//! [`claims`] (where claims come from), [`cdi_io`] (CDI on the host), [`sharing`]
-//! (time-slicing and MPS), [`failpoint`] (fault injection), [`mig`] (dynamic MIG's hardware seam), [`metrics`] and [`http`]
-//! (operations). Crash-safe writes come from `gpu-dra-fsutil`. Pure
-//! planning, CDI and checkpoint models live in `gpu-dra-core`.
+//! Modules by role:
+//! - Entry points: [`cmd`], one module per subcommand (`run`, `discover`, `health`,
+//!   `cleanup`, `uninstall`) and the one command line `main` parses.
+//! - Where things are: [`node_layout`] (every file the plugin keeps on a node, and the list
+//!   cleanup removes), [`host`] (the host's driver, device nodes, sysfs and NVML library),
+//!   [`kube_client`] (the API server client).
+//! - Serving the kubelet: [`grpc`] (sockets, registration and DRA services), [`authority`]
+//!   (grpc-go `:authority` fix), [`health`] (the DRA health service and the NVML watch),
+//!   [`publish`] (ResourceSlice publisher), [`inventory`] (the live GPU inventory).
+//! - Prepare and unprepare: [`driver`] (the state machine), [`claim_locks`] (one operation
+//!   per claim), [`claims`] (where claims come from), [`checkpoint_file`] (checkpoint
+//!   migration and NVIDIA import), [`cdi_io`] (CDI on the host), [`cdi_hook`] (the hook
+//!   binary our specs name), [`sharing`] (time-slicing and MPS), [`mig`] (dynamic MIG's
+//!   hardware seam).
+//! - Operations and tests: [`metrics`] and [`http`], [`failpoint`] (fault injection),
+//!   [`client`] (a DRA client as the kubelet uses it), [`digest`], `testing` (fixtures,
+//!   behind the `testing` feature).
+//!
+//! Crash-safe writes come from `gpu-dra-fsutil`. Pure planning, CDI and checkpoint models
+//! live in `gpu-dra-core`.
 
 pub mod authority;
 pub mod cdi_hook;
@@ -18,21 +28,21 @@ pub mod cdi_io;
 pub mod checkpoint_file;
 pub mod claim_locks;
 pub mod claims;
-pub mod cleanup;
-pub mod cli;
 pub mod client;
+pub mod cmd;
 pub mod digest;
-pub mod discover;
 pub mod driver;
 pub mod failpoint;
 pub mod grpc;
 pub mod health;
+pub mod host;
 pub mod http;
 pub mod inventory;
+pub mod kube_client;
 pub mod metrics;
 pub mod mig;
+pub mod node_layout;
 pub mod publish;
 pub mod sharing;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;
-pub mod uninstall;

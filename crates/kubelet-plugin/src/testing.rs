@@ -245,7 +245,7 @@ impl DriverBuilder {
         let host = self.root.join("host");
         let cdi = CdiHost::discover(
             self.root.join("cdi"),
-            &crate::discover::DriverRoots::same(&host),
+            &crate::host::DriverRoots::same(&host),
             &host,
             &self.inventory.driver_version,
             None,

@@ -6,7 +6,7 @@
 use std::path::Path;
 
 use gpu_dra_kubelet_plugin::cdi_io::CdiHost;
-use gpu_dra_kubelet_plugin::discover::DriverRoots;
+use gpu_dra_kubelet_plugin::host::DriverRoots;
 use gpu_dra_sim::testing::SimHost;
 
 const HOOK: &str = "/var/lib/kubelet/plugins/gpu.nvidia.com/bin/nvidia-cdi-hook-0011223344556677";

@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use gpu_dra_api::{DeviceKey, Interval, MpsConfig, Sharing};
 use gpu_dra_core::cdi::ContainerEdits;
+use gpu_dra_kubelet_plugin::node_layout;
 use gpu_dra_kubelet_plugin::sharing::state::MpsPhase;
 use gpu_dra_kubelet_plugin::sharing::{
     DriverRoot, FileStore, SharedDevice, SharingError, SharingManager, SharingMetrics,
@@ -53,7 +54,9 @@ impl Node {
     }
 
     fn store(&self) -> Arc<FileStore> {
-        Arc::new(FileStore::new(self.plugin_dir.path().join("sharing.json")))
+        Arc::new(FileStore::new(node_layout::sharing_state_in(
+            self.plugin_dir.path(),
+        )))
     }
 
     /// A manager as a (re)started plugin process would build it.
@@ -78,9 +81,7 @@ impl Node {
     }
 
     fn daemon_dir(&self, claim: &str, group: &str) -> PathBuf {
-        self.plugin_dir
-            .path()
-            .join("mps")
+        node_layout::mps_root_in(self.plugin_dir.path())
             .join(gpu_dra_core::sharing::daemon_dir_name(claim, group))
     }
 
@@ -488,7 +489,7 @@ async fn a_plugin_crash_during_mps_start_leaves_no_orphan_after_recovery() {
 #[tokio::test]
 async fn a_stray_daemon_directory_is_cleaned_on_recovery() {
     let node = Node::new(PROFILE);
-    let stray = node.plugin_dir.path().join("mps/unknown-0/pipe");
+    let stray = node_layout::mps_root_in(node.plugin_dir.path()).join("unknown-0/pipe");
     std::fs::create_dir_all(&stray).unwrap();
     let m = node.manager();
     let report = m.recover().await.unwrap();
@@ -596,9 +597,7 @@ async fn daemons_are_readopted_after_a_plugin_restart_or_restarted_if_dead() {
     m.unprepare(CLAIM_B).await.unwrap();
     assert!(!alive(new1) && !alive(new2));
     assert_eq!(
-        node.plugin_dir
-            .path()
-            .join("mps")
+        node_layout::mps_root_in(node.plugin_dir.path())
             .read_dir()
             .unwrap()
             .count(),
@@ -714,7 +713,8 @@ async fn after_a_reboot_recorded_sharing_is_forgotten_not_restarted_and_nvidia_d
     drop(m);
     kill9(pid);
     wait_until("the daemon to die", || !alive(pid)).await;
-    let nvidia_dir = node.plugin_dir.path().join("mps/nvidia-claim-4e1a9/pipe");
+    let nvidia_dir =
+        node_layout::mps_root_in(node.plugin_dir.path()).join("nvidia-claim-4e1a9/pipe");
     std::fs::create_dir_all(&nvidia_dir).unwrap();
 
     let m = booted("boot-2");

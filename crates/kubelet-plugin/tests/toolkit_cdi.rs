@@ -18,7 +18,7 @@ use std::process::Command;
 
 use gpu_dra_core::plan::{DeviceNodesNeed, MigIds};
 use gpu_dra_kubelet_plugin::cdi_io::CdiHost;
-use gpu_dra_kubelet_plugin::discover::DriverRoots;
+use gpu_dra_kubelet_plugin::host::DriverRoots;
 use gpu_dra_sim::testing::SimHost;
 use serde_json::Value;
 

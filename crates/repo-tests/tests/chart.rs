@@ -1,12 +1,14 @@
 //! Renders the Helm chart (deploy/helm/gpu-dra-driver) with helm and checks what matters:
 //! DeviceClass selectors, the node-restriction policy's user name and node claim, RBAC, the
-//! webhook registration and the node plugin's environment; and evaluates the node-restriction
-//! policy's CEL (with the `cel` crate) on plugin requests for its own and other nodes.
+//! webhook registration and the node plugin's environment (against the plugin's own flag
+//! definitions); and evaluates the node-restriction policy's CEL (with the `cel` crate) on
+//! plugin requests for its own and other nodes.
 //!
 //! Needs a helm binary: env `HELM`, else `.tools/bin/helm` (`make chart-check` installs it).
 //! Without one the test says so and passes, unless env `CHART_CHECK=1` demands helm
 //! (`make chart-check` sets it, so there it cannot pass vacuously).
 
+use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -143,34 +145,12 @@ fn default_values() {
         assert!(class["spec"].get("config").is_none());
     }
 
-    // The node plugin: service account, env for every flag, host paths, probes.
+    // The node plugin: service account, host paths, probes (its env against its flags:
+    // `the_chart_configures_the_plugin_by_the_env_twins_of_its_flags`).
     let ds = find(&objects, "DaemonSet", "rel-gpu-dra-driver-kubelet-plugin");
     let pod = &ds["spec"]["template"]["spec"];
     let sa = pod["serviceAccountName"].as_str().unwrap();
     let container = &pod["containers"][0];
-    let env: Vec<&str> = container["env"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|e| e["name"].as_str().unwrap())
-        .collect();
-    for flag_env in [
-        "NODE_NAME",
-        "DRIVER_NAME",
-        "PLUGIN_DIR",
-        "REGISTRAR_DIR",
-        "CDI_ROOT",
-        "NVIDIA_DRIVER_ROOT",
-        "CONTAINER_DRIVER_ROOT",
-        "NVIDIA_DEV_ROOT",
-        "SYSFS_ROOT",
-        "HTTP_ADDRESS",
-        "LOG_FORMAT",
-        "LOG_LEVEL",
-        "CLEANUP_INTERVAL",
-    ] {
-        assert!(env.contains(&flag_env), "{flag_env} missing from {env:?}");
-    }
     let host_paths: Vec<&str> = pod["volumes"]
         .as_array()
         .unwrap()
@@ -672,6 +652,118 @@ fn bad_values_are_refused_by_the_schema() {
         assert!(!out.status.success(), "{set} accepted");
         assert!(err.contains(want), "{set}: {err}");
     }
+}
+
+/// Env vars of a rendered container.
+fn env_names(container: &Value) -> BTreeSet<String> {
+    container["env"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|e| {
+            e["name"]
+                .as_str()
+                .expect("rendered chart has the expected shape")
+                .to_owned()
+        })
+        .collect()
+}
+
+/// The env twins of the non-hidden flags of the plugin's subcommand `sub`, read from the
+/// plugin's own command line (hidden flags are for tests: the chart sets none of them).
+fn env_twins(sub: &str) -> BTreeSet<String> {
+    let cmd = gpu_dra_kubelet_plugin::cmd::command();
+    let sub = cmd
+        .find_subcommand(sub)
+        .unwrap_or_else(|| panic!("no subcommand {sub}"));
+    sub.get_arguments()
+        .filter(|a| !a.is_hide_set())
+        .map(|a| {
+            a.get_env()
+                .unwrap_or_else(|| panic!("--{} has no env twin", a.get_id()))
+                .to_string_lossy()
+                .into_owned()
+        })
+        .collect()
+}
+
+/// `run` flags the chart leaves to their defaults: `KUBECONFIG` (in a pod the in-cluster
+/// config is right), `CDI_HOOK_SOURCE` (the image's `nvidia-cdi-hook` is where the default
+/// says), `HEALTH_PROBE_INTERVAL_SECONDS` (no chart value: the default suits every node).
+const RUN_FLAGS_NOT_SET: [&str; 3] = [
+    "KUBECONFIG",
+    "CDI_HOOK_SOURCE",
+    "HEALTH_PROBE_INTERVAL_SECONDS",
+];
+
+/// The chart configures the plugin through the env twins of its flags, as the plugin defines
+/// them (`gpu_dra_kubelet_plugin::cmd::command`), so a typo or a renamed flag fails here:
+/// (a) every env var of a container that runs one of our subcommands is the twin of a flag of
+/// that subcommand; (b) the plugin's container sets every `run` flag but
+/// [`RUN_FLAGS_NOT_SET`] (with every optional value given), and every `cleanup` flag, since
+/// the uninstall hook's cleanup pods are that container running `cleanup`; (c) the hook Job's
+/// command line parses as the plugin parses it.
+#[test]
+fn the_chart_configures_the_plugin_by_the_env_twins_of_its_flags() {
+    let Some(helm) = helm() else { return };
+    let run = env_twins("run");
+    let cleanup = env_twins("cleanup");
+    let uninstall = env_twins("uninstall");
+    let all_optional = [
+        "kubeletPlugin.nvmlLib=/usr/lib64/libnvidia-ml.so.1",
+        "nvidiaCDIHookPath=/usr/local/nvidia/toolkit/nvidia-cdi-hook",
+        "kubeletPlugin.mpsDaemonPods=true",
+    ];
+    for sets in [&[][..], &all_optional[..]] {
+        let objects = render(&helm, sets);
+        let ds = find(&objects, "DaemonSet", "rel-gpu-dra-driver-kubelet-plugin");
+        let plugin = &ds["spec"]["template"]["spec"]["containers"][0];
+        assert_eq!(
+            strs(&plugin["command"]),
+            ["/usr/local/bin/gpu-kubelet-plugin", "run"]
+        );
+        let env = env_names(plugin);
+        let unknown: Vec<&String> = env.difference(&run).collect();
+        assert!(
+            unknown.is_empty(),
+            "{sets:?}: not flags of run: {unknown:?}"
+        );
+
+        let job = find(&objects, "Job", "rel-gpu-dra-driver-uninstall");
+        let hook = &job["spec"]["template"]["spec"]["containers"][0];
+        let hook_env = env_names(hook);
+        let unknown: Vec<&String> = hook_env.difference(&uninstall).collect();
+        assert!(unknown.is_empty(), "not flags of uninstall: {unknown:?}");
+        let line = strs(&hook["command"]);
+        assert_eq!(line[1], "uninstall");
+        if let Err(e) = gpu_dra_kubelet_plugin::cmd::command().try_get_matches_from(&line) {
+            panic!("the hook's command line {line:?} does not parse: {e}");
+        }
+    }
+
+    let objects = render(&helm, &all_optional);
+    let ds = find(&objects, "DaemonSet", "rel-gpu-dra-driver-kubelet-plugin");
+    let env = env_names(&ds["spec"]["template"]["spec"]["containers"][0]);
+    let missing: Vec<&String> = run
+        .iter()
+        .filter(|name| !RUN_FLAGS_NOT_SET.contains(&name.as_str()))
+        .filter(|name| !env.contains(*name))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "run flags the chart does not set: {missing:?}"
+    );
+    for name in RUN_FLAGS_NOT_SET {
+        assert!(
+            run.contains(name),
+            "{name} is no run flag's env twin any more"
+        );
+    }
+    let missing: Vec<&String> = cleanup.difference(&env).collect();
+    assert!(
+        missing.is_empty(),
+        "cleanup flags the plugin's container (the cleanup pods') does not set: {missing:?}"
+    );
 }
 
 /// `helm uninstall` runs a pre-delete hook Job that stops the node plugins and cleans every

@@ -89,7 +89,7 @@ impl SharingOptions {
 
     /// The folder under which every MPS daemon keeps its pipe and log directories.
     pub(super) fn mps_root(&self) -> PathBuf {
-        self.plugin_dir.join("mps")
+        crate::node_layout::mps_root_in(&self.plugin_dir)
     }
 
     /// The folder of the daemon of `owner` (a claim UID) and `group`.

@@ -1,5 +1,5 @@
 //! Undoing all sharing on the node, whatever claims still rely on it: the uninstall path
-//! (`gpu-kubelet-plugin cleanup`, see [`crate::cleanup`]), run once no plugin serves the node.
+//! (`gpu-kubelet-plugin cleanup`, see [`crate::cmd::cleanup`]), run once no plugin serves the node.
 //!
 //! Every MPS control daemon recorded is stopped, the compute mode of its whole GPUs set back to
 //! `DEFAULT` and its directories removed; every GPU with a recorded time-slice gets the default

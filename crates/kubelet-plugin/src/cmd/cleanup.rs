@@ -1,6 +1,6 @@
 //! `gpu-kubelet-plugin cleanup`: puts a node back as it was before the driver, once no node
 //! plugin serves it (uninstall). The chart runs it on every node that ran a plugin pod, from a
-//! `pre-delete` hook ([`crate::uninstall`]), with the plugin's own host paths.
+//! `pre-delete` hook ([`crate::cmd::uninstall`]), with the plugin's own host paths.
 //!
 //! What it does, from the plugin's own records (`sharing.json` and the checkpoint in the
 //! plugin directory):
@@ -11,11 +11,11 @@
 //!   [`crate::sharing::SharingManager::restore_all`]);
 //! - file systems mounted under our MPS directories (a `/dev/shm` tmpfs of earlier versions)
 //!   are unmounted first;
-//! - our claim specs (`k8s.gpu.nvidia.com-claim_<uid>.json`) and their temp files leave the
-//!   CDI root, our files leave the plugin directory (checkpoint, sharing state, sockets, the
-//!   MPS folder) and our registration socket leaves the registrar directory; the plugin
-//!   directory itself goes when nothing else is left in it (in a cleanup pod it is the
-//!   hostPath volume's mount point and stays, empty).
+//! - our files go, exactly those [`NodeFolders::owned`] lists: claim specs from the CDI root,
+//!   checkpoint, sharing state, sockets, hook copies and the MPS folder from the plugin
+//!   directory, our registration sockets from the registrar directory; the plugin directory
+//!   itself goes when nothing else is left in it (in a cleanup pod it is the hostPath
+//!   volume's mount point and stays, empty).
 //!
 //! Invariants: only what this driver wrote is removed. NVIDIA's driver shares the plugin and
 //! CDI folders (its `checkpoint.json`, its `.yaml` specs, the MPS directories of claims
@@ -32,18 +32,15 @@ use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use gpu_dra_core::{cdi, checkpoint};
+use gpu_dra_core::checkpoint;
 use gpu_dra_telemetry::LogArgs;
 use tracing::{info, warn};
 
-use crate::cli::NodeFolders;
-use crate::discover::HostArgs;
+use crate::host::HostArgs;
+use crate::node_layout::{EntryKind, NodeFolders};
 use crate::sharing::{
     DriverRoot, FileStore, SharingError, SharingManager, SharingMetrics, SharingOptions,
 };
-
-/// Name of the sharing state file in the plugin directory.
-pub const SHARING_STATE_FILE: &str = "sharing.json";
 
 /// Flags of `cleanup`: the host paths of `run`, with the same env twins, so the cleanup pod
 /// takes the plugin's environment as is.
@@ -127,7 +124,8 @@ pub struct CleanupReport {
 /// Cleans the node described by `args` (see the module documentation).
 pub async fn cleanup(args: &CleanupArgs) -> CleanupReport {
     let mut report = CleanupReport::default();
-    let dra_sock = args.folders.plugin_dir.join("dra.sock");
+    let folders = &args.folders;
+    let dra_sock = folders.sockets(&args.driver_name, "").dra;
     if std::os::unix::net::UnixStream::connect(&dra_sock).is_ok() {
         report
             .failures
@@ -135,7 +133,7 @@ pub async fn cleanup(args: &CleanupArgs) -> CleanupReport {
         return report;
     }
     // A plugin instance holds the node (also one with per-pod socket names).
-    let lock_path = args.folders.plugin_dir.join(crate::cli::INSTANCE_LOCK);
+    let lock_path = folders.instance_lock();
     if let Ok(lock) = std::fs::File::open(&lock_path)
         && matches!(lock.try_lock(), Err(std::fs::TryLockError::WouldBlock))
     {
@@ -146,7 +144,7 @@ pub async fn cleanup(args: &CleanupArgs) -> CleanupReport {
     }
 
     // NVIDIA's MPS directories (claims imported from its checkpoint) are not ours to remove.
-    let checkpoint_path = args.folders.plugin_dir.join(checkpoint::FILE_NAME);
+    let checkpoint_path = folders.checkpoint();
     let foreign = match imported_mps_daemons(&checkpoint_path) {
         Ok(ids) => Some(ids),
         Err(reason) => {
@@ -158,75 +156,45 @@ pub async fn cleanup(args: &CleanupArgs) -> CleanupReport {
         }
     };
 
-    let mps_root = args.folders.plugin_dir.join("mps");
     unmount_ours(
-        &mps_root,
+        &folders.mps_root(),
         foreign.as_ref().map_or(&BTreeSet::new(), |f| f),
         &mut report,
     );
 
-    let state_path = args.folders.plugin_dir.join(SHARING_STATE_FILE);
+    let state_path = folders.sharing_state();
     let sharing_done = restore_sharing(args, &state_path, foreign.as_ref(), &mut report).await;
 
-    // Our claim specs; NVIDIA's (`.yaml`) stay.
-    remove_matching(&args.folders.cdi_root, &mut report, |name| {
-        cdi::claim_uid_of_spec_file(name).is_some()
-    });
-    let prefix = format!("{}-{}_", cdi::CDI_VENDOR, cdi::CDI_CLASS);
-    gpu_dra_fsutil::remove_stale_temps(&args.folders.cdi_root, &prefix);
-
-    // The nvidia-cdi-hook copies the plugin installed (crate::cdi_hook): our specs, which
-    // name them, are gone; running containers do not need them any more.
-    let hook_dir = args.folders.plugin_dir.join(crate::cdi_hook::BIN_DIR);
-    remove_matching(&hook_dir, &mut report, |name| {
-        name.starts_with(crate::cdi_hook::PREFIX)
-    });
-    gpu_dra_fsutil::remove_stale_temps(&hook_dir, crate::cdi_hook::PREFIX);
-
-    let mut ours: Vec<PathBuf> = vec![
-        dra_sock,
-        args.folders.plugin_dir.join("failpoint.reached"),
-        args.folders.plugin_dir.join(crate::cli::INSTANCE_LOCK),
-        args.folders
-            .registrar_dir
-            .join(format!("{}-reg.sock", args.driver_name)),
-    ];
-    // Per-pod sockets of rolling updates (`cli::socket_paths`) that an instance left.
-    let driver_prefix = format!("{}-", args.driver_name);
-    remove_matching_sockets(&args.folders.plugin_dir, &mut report, |name| {
-        name.starts_with("dra-") && name.ends_with(".sock")
-    });
-    remove_matching_sockets(&args.folders.registrar_dir, &mut report, |name| {
-        name.starts_with(&driver_prefix) && name.ends_with("-reg.sock")
-    });
-    // Device health conditions: only the plugin reads them.
-    let health = args
-        .folders
-        .plugin_dir
-        .join(crate::inventory::HEALTH_STATE_FILE);
-    if health.exists() {
-        ours.push(health);
+    let owned = folders.owned(&args.driver_name);
+    // Claim specs (NVIDIA's `.yaml` stay), the nvidia-cdi-hook copies (our specs, which name
+    // them, are gone; running containers do not need them any more), per-pod sockets of
+    // rolling updates that an instance left.
+    for family in &owned.families {
+        remove_entries(&family.dir, &mut report, |e, name| {
+            family.names.matches(name)
+                && match family.kind {
+                    EntryKind::File => e.file_type().is_ok_and(|t| t.is_file()),
+                    EntryKind::IdleSocket => is_idle_socket(e),
+                }
+        });
+        gpu_dra_fsutil::remove_stale_temps(&family.dir, &family.names.temp_prefix());
     }
-    gpu_dra_fsutil::remove_stale_temps(
-        &args.folders.plugin_dir,
-        crate::inventory::HEALTH_STATE_FILE,
-    );
-    let legacy = args.folders.plugin_dir.join(checkpoint::LEGACY_FILE_NAME);
-    if std::fs::read(&legacy).is_ok_and(|b| checkpoint::is_own_format(&b)) {
-        ours.push(legacy);
+    let mut ours = owned.files;
+    if std::fs::read(&owned.legacy_checkpoint).is_ok_and(|b| checkpoint::is_own_format(&b)) {
+        remove_file(&owned.legacy_checkpoint, &mut report);
     }
+    // The records go last, and only when nothing they record is still owed.
     if sharing_done && foreign.is_some() {
-        ours.push(state_path);
-        ours.push(checkpoint_path);
-        for name in [SHARING_STATE_FILE, checkpoint::FILE_NAME] {
-            gpu_dra_fsutil::remove_stale_temps(&args.folders.plugin_dir, name);
-        }
+        ours.extend(owned.records);
     }
     for path in ours {
         remove_file(&path, &mut report);
+        if let (Some(dir), Some(name)) = (path.parent(), path.file_name()) {
+            gpu_dra_fsutil::remove_stale_temps(dir, &name.to_string_lossy());
+        }
     }
     // Folders go only when empty: what is left is someone else's (or owed).
-    for dir in [&mps_root, &hook_dir, &args.folders.plugin_dir] {
+    for dir in &owned.folders {
         match std::fs::remove_dir(dir) {
             Ok(()) => report.removed.push(dir.clone()),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
@@ -262,7 +230,7 @@ async fn restore_sharing(
         Some(ids) => manager.keep_foreign_dirs(ids.iter().cloned().collect()),
         // Unknown: keep every directory no record owns.
         None => manager.keep_foreign_dirs(
-            std::fs::read_dir(args.folders.plugin_dir.join("mps"))
+            std::fs::read_dir(args.folders.mps_root())
                 .into_iter()
                 .flatten()
                 .flatten()
@@ -377,21 +345,11 @@ pub fn mount_points(mountinfo: &str) -> Vec<PathBuf> {
         .collect()
 }
 
-/// Removes the regular files in `dir` whose names match.
-fn remove_matching(dir: &Path, report: &mut CleanupReport, ours: impl Fn(&str) -> bool) {
-    remove_entries(dir, report, |e, name| {
-        e.file_type().is_ok_and(|t| t.is_file()) && ours(name)
-    });
-}
-
-/// Removes the sockets in `dir` whose names match and that nothing answers on.
-fn remove_matching_sockets(dir: &Path, report: &mut CleanupReport, ours: impl Fn(&str) -> bool) {
+/// A socket nothing answers on (one that answers belongs to a running plugin instance).
+fn is_idle_socket(entry: &std::fs::DirEntry) -> bool {
     use std::os::unix::fs::FileTypeExt;
-    remove_entries(dir, report, |e, name| {
-        e.file_type().is_ok_and(|t| t.is_socket())
-            && ours(name)
-            && std::os::unix::net::UnixStream::connect(e.path()).is_err()
-    });
+    entry.file_type().is_ok_and(|t| t.is_socket())
+        && std::os::unix::net::UnixStream::connect(entry.path()).is_err()
 }
 
 /// Removes the entries of `dir` that `ours` picks (a missing folder has none).
@@ -454,12 +412,14 @@ pub async fn run(args: CleanupArgs) -> anyhow::Result<()> {
 mod tests {
     use super::*;
     use gpu_dra_api::{Interval, MpsConfig, Sharing};
+    use gpu_dra_core::cdi;
     use gpu_dra_core::sharing::SharedDevice;
     use gpu_dra_sim::state::ComputeMode;
     use gpu_dra_sim::testing::SimHost;
 
     const CLAIM_A: &str = "0b6e2c46-6e0e-4c1c-9a55-3f6f5e9d1a7b";
     const CLAIM_B: &str = "5f1c7d2a-8b3e-4f6a-9c0d-1e2f3a4b5c6d";
+    const POD_UID: &str = "3c2b1a09-8f7e-4d6c-b5a4-392817160504";
 
     struct Node {
         host: SimHost,
@@ -503,9 +463,7 @@ mod tests {
                     DriverRoot::new(self.host.root(), None),
                     &a.folders.plugin_dir,
                 ),
-                Arc::new(FileStore::new(
-                    a.folders.plugin_dir.join(SHARING_STATE_FILE),
-                )),
+                Arc::new(FileStore::new(a.folders.sharing_state())),
                 SharingMetrics::default(),
             )
             .expect("manager")
@@ -543,7 +501,7 @@ mod tests {
         drop(m);
         let a = node.args();
         node.write(
-            &a.folders.plugin_dir.join(checkpoint::FILE_NAME),
+            &a.folders.checkpoint(),
             &String::from_utf8(checkpoint::Checkpoint::new().to_json()).expect("utf-8"),
         );
         // NVIDIA's checkpoint (no integer version) and spec stay; so does another vendor's.
@@ -560,11 +518,16 @@ mod tests {
         node.write(&a.folders.cdi_root.join("vendor.com-device.json"), "{}");
         node.write(&a.folders.registrar_dir.join("gpu.nvidia.com-reg.sock"), "");
         node.write(&a.folders.registrar_dir.join("other-reg.sock"), "");
+        // The sockets of an instance of a rolling update, which nothing answers on any more.
+        let per_pod = a.folders.sockets("gpu.nvidia.com", POD_UID);
+        for socket in [per_pod.dra, per_pod.registration] {
+            drop(std::os::unix::net::UnixListener::bind(&socket).expect("bind"));
+            assert!(socket.exists());
+        }
         // The hook copy the plugin installed (crate::cdi_hook).
         node.write(
             &a.folders
-                .plugin_dir
-                .join(crate::cdi_hook::BIN_DIR)
+                .hook_dir()
                 .join(crate::cdi_hook::copy_name(b"hook")),
             "hook",
         );
@@ -644,8 +607,8 @@ mod tests {
             "{:?}",
             report.failures
         );
-        assert!(a.folders.plugin_dir.join(SHARING_STATE_FILE).exists());
-        assert!(a.folders.plugin_dir.join(checkpoint::FILE_NAME).exists());
+        assert!(a.folders.sharing_state().exists());
+        assert!(a.folders.checkpoint().exists());
         assert_eq!(
             node.host.state().gpus[5].timeslice,
             3,
@@ -657,7 +620,7 @@ mod tests {
         assert!(report.failures.is_empty(), "{:?}", report.failures);
         assert_eq!(node.host.state().gpus[5].timeslice, 0);
         assert_eq!(node.host.state().gpus[4].compute_mode, ComputeMode::Default);
-        assert!(!a.folders.plugin_dir.join(SHARING_STATE_FILE).exists());
+        assert!(!a.folders.sharing_state().exists());
     }
 
     #[tokio::test]
@@ -665,7 +628,7 @@ mod tests {
         let (node, pid) = node_after_the_plugin_went().await;
         let a = node.args();
         let _listener =
-            std::os::unix::net::UnixListener::bind(a.folders.plugin_dir.join("dra.sock"))
+            std::os::unix::net::UnixListener::bind(a.folders.sockets("gpu.nvidia.com", "").dra)
                 .expect("bind dra.sock");
         let report = cleanup(&a).await;
         assert!(

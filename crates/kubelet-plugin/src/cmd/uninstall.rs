@@ -9,7 +9,7 @@
 //!    until those pods are gone.
 //!    MPS control daemon pods are deleted next (their nodes are cleaned too).
 //! 2. On each recorded node a cleanup pod runs `gpu-kubelet-plugin cleanup`
-//!    ([`crate::cleanup`]): the DaemonSet's own pod spec (image, privileges, environment,
+//!    ([`super::cleanup`]): the DaemonSet's own pod spec (image, privileges, environment,
 //!    hostPath volumes), pinned with `nodeName`, tolerating every taint, never restarted.
 //! 3. Succeeded cleanup pods are deleted; a failed or unfinished one is kept for its logs and
 //!    the command fails with a message naming each such node and pod.
@@ -21,10 +21,8 @@
 //! is already gone and cleans again (cleanup itself is idempotent).
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use anyhow::Context;
 use gpu_dra_telemetry::LogArgs;
 use k8s_openapi::api::apps::v1::DaemonSet;
 use k8s_openapi::api::core::v1::{Pod, PodSpec, Toleration};
@@ -32,6 +30,8 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use serde_json::json;
 use tracing::{info, warn};
+
+use crate::kube_client::KubeArgs;
 
 /// Annotation on the parked DaemonSet: the nodes whose plugin pods it removed, comma separated.
 pub const NODES_ANNOTATION: &str = "gpu.nvidia.com/uninstall-nodes";
@@ -54,9 +54,9 @@ pub struct UninstallArgs {
     /// Name of the node-plugin DaemonSet.
     #[arg(long, env = "PLUGIN_DAEMONSET")]
     pub daemonset: String,
-    /// Kubeconfig file; in-cluster config when unset.
-    #[arg(long, env = "KUBECONFIG")]
-    pub kubeconfig: Option<PathBuf>,
+    /// The API server.
+    #[command(flatten)]
+    pub kube: KubeArgs,
     /// Seconds to wait for the plugin pods to go, and then for the cleanup pods to finish.
     #[arg(long, env = "UNINSTALL_TIMEOUT_SECONDS", default_value_t = 240)]
     pub timeout_seconds: u64,
@@ -473,19 +473,7 @@ fn ended(pod: &Pod) -> String {
 
 /// The `uninstall` subcommand.
 pub async fn run(args: UninstallArgs) -> anyhow::Result<()> {
-    // One TLS provider for the process, whatever features other crates turn on in rustls.
-    let _ = rustls::crypto::ring::default_provider().install_default();
-    let config = match &args.kubeconfig {
-        Some(path) => {
-            let kc = kube::config::Kubeconfig::read_from(path)
-                .with_context(|| format!("reading kubeconfig {}", path.display()))?;
-            kube::Config::from_custom_kubeconfig(kc, &kube::config::KubeConfigOptions::default())
-                .await
-                .context("loading kubeconfig")?
-        }
-        None => kube::Config::incluster().context("in-cluster Kubernetes config")?,
-    };
-    let client = kube::Client::try_from(config)?;
+    let client = args.kube.client().await?;
     uninstall(client, &args).await?;
     Ok(())
 }

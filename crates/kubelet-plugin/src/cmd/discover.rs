@@ -4,14 +4,15 @@
 //! Reads the environment only through clap (every flag has an env twin, shared with `run`).
 
 use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use anyhow::Context;
 use gpu_dra_core::slices::{self, SliceParams};
 use gpu_dra_device::{GpuInventory, Inventory};
-use gpu_dra_nvml::{self as nvml, NvmlInventory, NvmlOptions};
 use k8s_openapi::api::resource::v1::ResourceSlice;
 use serde::Serialize;
+
+use crate::host::HostArgs;
 
 /// Output format of `discover`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -20,85 +21,6 @@ pub enum OutputFormat {
     Yaml,
     /// JSON.
     Json,
-}
-
-/// Where the driver, device nodes and sysfs of the host are: flags shared by `run` and
-/// `discover`, so both read one host the same way.
-#[derive(Debug, Clone, clap::Args)]
-pub struct HostArgs {
-    /// Root of the NVIDIA driver installation (libraries, binaries, firmware) on the host,
-    /// as the container runtime sees it (NVIDIA's chart value `nvidiaDriverRoot`): `/` for a
-    /// driver installed on the host, `/run/nvidia/driver` for the GPU Operator's. CDI specs
-    /// name paths under it.
-    #[arg(
-        long = "nvidia-driver-root",
-        visible_alias = "driver-root",
-        env = "NVIDIA_DRIVER_ROOT",
-        default_value = "/"
-    )]
-    pub driver_root: PathBuf,
-    /// Where that root is found by this process, when it differs: the chart mounts a driver
-    /// installed on the host at `/driver-root` in the plugin's container. Default: the
-    /// `--nvidia-driver-root` path itself.
-    #[arg(long, env = "CONTAINER_DRIVER_ROOT")]
-    pub container_driver_root: Option<PathBuf>,
-    /// Root under which dev/nvidia* and proc/driver/nvidia/capabilities live.
-    #[arg(long, env = "NVIDIA_DEV_ROOT", default_value = "/")]
-    pub dev_root: PathBuf,
-    /// Root of sysfs (PCIe root and NUMA node).
-    #[arg(long, env = "SYSFS_ROOT", default_value = "/sys")]
-    pub sysfs_root: PathBuf,
-    /// Explicit NVML library; default: first libnvidia-ml.so.1 under the driver root's lib dirs.
-    #[arg(long, env = "NVML_LIB")]
-    pub nvml_lib: Option<PathBuf>,
-}
-
-impl HostArgs {
-    /// The driver root as this process reads it (see `container_driver_root`).
-    pub fn driver_root_here(&self) -> &Path {
-        self.container_driver_root
-            .as_deref()
-            .unwrap_or(&self.driver_root)
-    }
-
-    /// The driver root on the host and where this process reads it.
-    pub fn driver_roots(&self) -> DriverRoots {
-        DriverRoots {
-            host: self.driver_root.clone(),
-            here: self.driver_root_here().to_path_buf(),
-        }
-    }
-
-    /// The NVML backend for this host and the library it loads.
-    pub fn nvml_inventory(&self) -> anyhow::Result<(PathBuf, NvmlInventory)> {
-        let lib_path = nvml_library(self.driver_root_here(), self.nvml_lib.as_deref())?;
-        let backend = NvmlInventory::new(NvmlOptions {
-            lib_path: lib_path.clone(),
-            sysfs_root: self.sysfs_root.clone(),
-        });
-        Ok((lib_path, backend))
-    }
-}
-
-/// The driver root by its two names: the host's path, which CDI specs name, and the path
-/// under which this process reads the same files.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct DriverRoots {
-    /// On the host, as the container runtime resolves spec paths.
-    pub host: PathBuf,
-    /// In this process's filesystem.
-    pub here: PathBuf,
-}
-
-impl DriverRoots {
-    /// One root seen at the same path by the host and this process.
-    pub fn same(root: impl Into<PathBuf>) -> Self {
-        let root = root.into();
-        DriverRoots {
-            host: root.clone(),
-            here: root,
-        }
-    }
 }
 
 /// Flags of `discover`.
@@ -133,27 +55,6 @@ pub struct DiscoverReport {
     pub resource_slices: Vec<ResourceSlice>,
     /// Attributes left out because of API limits.
     pub warnings: Vec<String>,
-}
-
-/// The NVML library to load: `explicit` if given (it must exist), else the first
-/// `libnvidia-ml.so.1` under the driver root's library directories.
-pub fn nvml_library(driver_root: &Path, explicit: Option<&Path>) -> anyhow::Result<PathBuf> {
-    if let Some(path) = explicit {
-        anyhow::ensure!(
-            path.exists(),
-            "NVML library {} (--nvml-lib / NVML_LIB) does not exist",
-            path.display()
-        );
-        return Ok(path.to_path_buf());
-    }
-    nvml::find_library(driver_root).with_context(|| {
-        format!(
-            "no {} under {} in any of {}; set --nvidia-driver-root (NVIDIA_DRIVER_ROOT) to where the driver is installed (and --container-driver-root to where this process sees it, if elsewhere), or --nvml-lib (NVML_LIB)",
-            nvml::LIBRARY_NAME,
-            driver_root.display(),
-            nvml::LIBRARY_DIRS.join(", ")
-        )
-    })
 }
 
 /// This host's name, lower-cased (node names are lower case), or `localhost` if unknown.
@@ -220,6 +121,7 @@ mod tests {
     use super::*;
     use clap::Parser;
     use gpu_dra_device::fixture::FixtureInventory;
+    use std::path::PathBuf;
 
     #[derive(Parser)]
     struct Cli {
@@ -260,26 +162,5 @@ mod tests {
         let yaml = render(&r, OutputFormat::Yaml).unwrap();
         assert!(yaml.contains("n1-gpu-nvidia-com-0"), "{yaml}");
         assert!(yaml.contains("productName"), "{yaml}");
-    }
-
-    #[test]
-    fn library_lookup_errors_say_what_to_set() {
-        let dir = tempfile::tempdir().unwrap();
-        let err = nvml_library(dir.path(), None).unwrap_err().to_string();
-        assert!(
-            err.contains("NVIDIA_DRIVER_ROOT") && err.contains("usr/lib64"),
-            "{err}"
-        );
-        let missing = dir.path().join("nope.so");
-        let err = nvml_library(dir.path(), Some(&missing))
-            .unwrap_err()
-            .to_string();
-        assert!(err.contains("NVML_LIB"), "{err}");
-        std::fs::create_dir_all(dir.path().join("usr/lib")).unwrap();
-        std::fs::write(dir.path().join("usr/lib/libnvidia-ml.so.1"), "").unwrap();
-        assert_eq!(
-            nvml_library(dir.path(), None).unwrap(),
-            dir.path().join("usr/lib/libnvidia-ml.so.1")
-        );
     }
 }

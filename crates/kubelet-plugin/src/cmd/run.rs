@@ -1,5 +1,6 @@
-//! Command-line flags of `gpu-kubelet-plugin` (every flag has an env twin) and the `run`
-//! entry point that wires inventory, claim source, driver, sockets and endpoints.
+//! `gpu-kubelet-plugin run`: the node plugin itself. Its flags (every one with an env twin,
+//! which the chart sets) and the wiring of inventory, claim source, driver, sockets and
+//! endpoints, and the handover of the node between two instances during a rolling update.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -16,37 +17,16 @@ use tracing::{info, warn};
 
 use crate::cdi_io::CdiHost;
 use crate::claims::{ClaimSource, FileClaims, KubeClaims};
-use crate::discover::HostArgs;
 use crate::driver::{Driver, DriverParts, DriverSettings};
 use crate::failpoint::Failpoints;
+use crate::host::HostArgs;
 use crate::inventory::LiveInventory;
+use crate::kube_client::KubeArgs;
 use crate::metrics::Metrics;
+use crate::node_layout::NodeFolders;
 use crate::sharing::{
     DriverRoot, FileStore, PodDaemons, PodSettings, SharingManager, SharingOptions,
 };
-
-/// The node's folders the plugin writes to, as the kubelet and the container runtime see them;
-/// flags shared by `run` and `cleanup`, so that both name the same files.
-#[derive(Debug, Clone, clap::Args)]
-pub struct NodeFolders {
-    /// Folder of dra.sock, the checkpoint and MPS folders.
-    #[arg(
-        long,
-        env = "PLUGIN_DIR",
-        default_value = "/var/lib/kubelet/plugins/gpu.nvidia.com"
-    )]
-    pub plugin_dir: PathBuf,
-    /// Folder of the kubelet's plugin registration sockets.
-    #[arg(
-        long,
-        env = "REGISTRAR_DIR",
-        default_value = "/var/lib/kubelet/plugins_registry"
-    )]
-    pub registrar_dir: PathBuf,
-    /// Folder where CDI specs are written.
-    #[arg(long, env = "CDI_ROOT", default_value = "/var/run/cdi")]
-    pub cdi_root: PathBuf,
-}
 
 /// Flags of `run`.
 #[derive(Debug, Clone, clap::Args)]
@@ -57,9 +37,9 @@ pub struct RunArgs {
     /// DRA driver name.
     #[arg(long, env = "DRIVER_NAME", default_value = "gpu.nvidia.com")]
     pub driver_name: String,
-    /// Kubeconfig file; in-cluster config when unset.
-    #[arg(long, env = "KUBECONFIG")]
-    pub kubeconfig: Option<PathBuf>,
+    /// The API server.
+    #[command(flatten)]
+    pub kube: KubeArgs,
     /// The node's folders: plugin, registration, CDI.
     #[command(flatten)]
     pub folders: NodeFolders,
@@ -85,7 +65,8 @@ pub struct RunArgs {
     #[arg(
         long,
         env = "CDI_HOOK_SOURCE",
-        default_value = "/usr/local/bin/nvidia-cdi-hook"
+        default_value = "/usr/local/bin/nvidia-cdi-hook",
+        value_parser = super::path_or_empty()
     )]
     pub cdi_hook_source: PathBuf,
     /// Image of the pods MPS control daemons run in (the driver's own; the chart sets it).
@@ -106,8 +87,8 @@ pub struct RunArgs {
     pub mps_daemon_priority_class: String,
     /// UID of the plugin's pod (the chart passes it): enables rolling updates. The sockets
     /// are then named per pod (`<driver>-<uid>-reg.sock`, `dra-<uid>.sock`, as the kubelet's
-    /// DRA plugin helper names them) so that a new instance registers while the old one still
-    /// serves; see [`run`] for how the two hand over the node.
+    /// DRA plugin helper names them, see `node_layout`) so that a new instance registers while
+    /// the old one still serves; see [`run`] for how the two hand over the node.
     #[arg(long, env = "POD_UID", default_value = "")]
     pub pod_uid: String,
     /// Watch GPU health through NVML (XID errors, uncorrectable ECC errors, GPUs fallen off
@@ -119,12 +100,24 @@ pub struct RunArgs {
     /// by applications (13, 31, 43, 45, 68, 109): comma-separated numbers, or `all`.
     #[arg(long, env = "IGNORED_XIDS", default_value = "")]
     pub ignored_xids: String,
-    /// Seconds between probes of each GPU (reachable, recovery action).
-    #[arg(long, env = "HEALTH_PROBE_INTERVAL", default_value_t = 10)]
-    pub health_probe_interval: u64,
+    /// Seconds between probes of each GPU (reachable, recovery action). Formerly
+    /// `--health-probe-interval` (`HEALTH_PROBE_INTERVAL`), still accepted.
+    #[arg(
+        long,
+        alias = "health-probe-interval",
+        env = "HEALTH_PROBE_INTERVAL_SECONDS",
+        default_value_t = 10
+    )]
+    pub health_probe_interval_seconds: u64,
     /// Seconds an XID or ECC condition lasts when the driver asks for no recovery action.
-    #[arg(long, env = "HEALTH_HOLD", default_value_t = 300)]
-    pub health_hold: u64,
+    /// Formerly `--health-hold` (`HEALTH_HOLD`), still accepted.
+    #[arg(
+        long,
+        alias = "health-hold",
+        env = "HEALTH_HOLD_SECONDS",
+        default_value_t = 300
+    )]
+    pub health_hold_seconds: u64,
     /// Taint effect for a GPU that fell off the bus or needs a node reboot: `NoExecute`
     /// (workloads are evicted by the device taint eviction controller) or `NoSchedule`.
     #[arg(long, env = "FATAL_TAINT_EFFECT", default_value = "NoExecute", value_parser = ["NoExecute", "NoSchedule"])]
@@ -140,12 +133,24 @@ pub struct RunArgs {
     #[arg(long, env = "MEMORY_SHARE_GPUS", default_value = "")]
     pub memory_share_gpus: String,
     /// Seconds between rediscoveries of the GPUs (a MIG layout changed by hand); prepare also
-    /// rediscovers before every claim.
-    #[arg(long, env = "REDISCOVER_INTERVAL", default_value_t = 60)]
-    pub rediscover_interval: u64,
-    /// Seconds between cleanups of claims gone from the API server.
-    #[arg(long, env = "CLEANUP_INTERVAL", default_value_t = 60)]
-    pub cleanup_interval: u64,
+    /// rediscovers before every claim. Formerly `--rediscover-interval`
+    /// (`REDISCOVER_INTERVAL`), still accepted.
+    #[arg(
+        long,
+        alias = "rediscover-interval",
+        env = "REDISCOVER_INTERVAL_SECONDS",
+        default_value_t = 60
+    )]
+    pub rediscover_interval_seconds: u64,
+    /// Seconds between cleanups of claims gone from the API server. Formerly
+    /// `--cleanup-interval` (`CLEANUP_INTERVAL`), still accepted.
+    #[arg(
+        long,
+        alias = "cleanup-interval",
+        env = "CLEANUP_INTERVAL_SECONDS",
+        default_value_t = 60
+    )]
+    pub cleanup_interval_seconds: u64,
     /// Test only: read claims from this JSON file (array of ResourceClaims), not the API server.
     #[arg(long, env = "CLAIM_SOURCE_FILE", hide = true)]
     pub claim_source_file: Option<PathBuf>,
@@ -167,6 +172,13 @@ pub struct RunArgs {
     /// Logging.
     #[command(flatten)]
     pub log: LogArgs,
+}
+
+impl RunArgs {
+    /// The `nvidia-cdi-hook` binary to install; `None` when `--cdi-hook-source` is empty.
+    pub fn cdi_hook_source(&self) -> Option<&Path> {
+        Some(self.cdi_hook_source.as_path()).filter(|p| !p.as_os_str().is_empty())
+    }
 }
 
 /// The hardware seams chosen from the flags.
@@ -225,28 +237,12 @@ pub fn health_policy(args: &RunArgs) -> anyhow::Result<HealthPolicy> {
     let mut policy = HealthPolicy::new(&args.driver_name)
         .with_ignored_xids(&args.ignored_xids)
         .map_err(|problem| anyhow::anyhow!("--ignored-xids (IGNORED_XIDS): {problem}"))?;
-    policy.hold_secs = i64::try_from(args.health_hold).unwrap_or(i64::MAX);
+    policy.hold_secs = i64::try_from(args.health_hold_seconds).unwrap_or(i64::MAX);
     policy.fatal_effect = match args.fatal_taint_effect.as_str() {
         "NoSchedule" => TaintEffect::NoSchedule,
         _ => TaintEffect::NoExecute,
     };
     Ok(policy)
-}
-
-async fn kube_client(args: &RunArgs) -> anyhow::Result<kube::Client> {
-    // One TLS provider for the process, whatever features other crates turn on in rustls.
-    let _ = rustls::crypto::ring::default_provider().install_default();
-    let config = match &args.kubeconfig {
-        Some(path) => {
-            let kc = kube::config::Kubeconfig::read_from(path)
-                .with_context(|| format!("reading kubeconfig {}", path.display()))?;
-            kube::Config::from_custom_kubeconfig(kc, &kube::config::KubeConfigOptions::default())
-                .await
-                .context("loading kubeconfig")?
-        }
-        None => kube::Config::incluster().context("in-cluster Kubernetes config")?,
-    };
-    Ok(kube::Client::try_from(config)?)
 }
 
 /// The claim source and, when claims come from the API server, the client that also
@@ -257,7 +253,7 @@ async fn claim_source(
     if let Some(path) = &args.claim_source_file {
         return Ok((Arc::new(FileClaims::new(path.clone())), None));
     }
-    let client = kube_client(args).await?;
+    let client = args.kube.client().await?;
     Ok((Arc::new(KubeClaims::new(client.clone())), Some(client)))
 }
 
@@ -269,18 +265,18 @@ pub fn cdi_hook_path(args: &RunArgs) -> Option<PathBuf> {
         info!(path = %path.display(), "CDI hooks name the configured nvidia-cdi-hook");
         return Some(path.clone());
     }
-    if args.cdi_hook_source.as_os_str().is_empty() {
+    let Some(source) = args.cdi_hook_source() else {
         info!("no nvidia-cdi-hook configured: CDI specs carry no hooks");
         return None;
-    }
-    if !args.cdi_hook_source.exists() {
+    };
+    if !source.exists() {
         warn!(
-            source = %args.cdi_hook_source.display(),
+            source = %source.display(),
             "nvidia-cdi-hook not found: CDI specs carry no hooks (containers get no libcuda.so.1 link and no loader cache entry); set --nvidia-cdi-hook-path (NVIDIA_CDI_HOOK_PATH) to its path on the host"
         );
         return None;
     }
-    match crate::cdi_hook::install(&args.cdi_hook_source, &args.folders.plugin_dir) {
+    match crate::cdi_hook::install(source, &args.folders.hook_dir()) {
         Ok(path) => {
             info!(path = %path.display(), "installed nvidia-cdi-hook for CDI hooks");
             Some(path)
@@ -308,77 +304,12 @@ pub fn read_boot_id(path: &Path) -> Option<String> {
     }
 }
 
-/// Socket paths of a run: `<driver>-reg.sock` and `dra.sock`, or with `--pod-uid` the
-/// per-pod names of the kubelet's DRA plugin helper (registration socket basename in its
-/// order of preference, the first whose full path fits a UNIX socket address).
-pub fn socket_paths(args: &RunArgs) -> (PathBuf, PathBuf) {
-    if args.pod_uid.is_empty() {
-        return (
-            args.folders
-                .registrar_dir
-                .join(format!("{}-reg.sock", args.driver_name)),
-            args.folders.plugin_dir.join("dra.sock"),
-        );
-    }
-    (
-        args.folders.registrar_dir.join(rolling_registrar_socket(
-            &args.folders.registrar_dir,
-            &args.driver_name,
-            &args.pod_uid,
-        )),
-        args.folders
-            .plugin_dir
-            .join(format!("dra-{}.sock", args.pod_uid)),
-    )
-}
-
-/// The registration socket basename for rolling updates, as the kubelet's DRA plugin helper
-/// chooses it: `<driver>-<uid>-reg.sock`, else `<driver>-<b64(sha256(uid)[..8])>-reg.sock`,
-/// else `dra-<b64(sha256(driver NUL uid)[..16])>-reg.sock` (unpadded URL-safe base64).
-pub fn rolling_registrar_socket(dir: &Path, driver: &str, uid: &str) -> String {
-    let digest = |data: &str, n: usize| {
-        let d = ring::digest::digest(&ring::digest::SHA256, data.as_bytes());
-        base64_url(&d.as_ref()[..n])
-    };
-    let candidates = [
-        format!("{driver}-{uid}-reg.sock"),
-        format!("{driver}-{}-reg.sock", digest(uid, 8)),
-        format!("dra-{}-reg.sock", digest(&format!("{driver}\0{uid}"), 16)),
-    ];
-    let fits = |name: &String| dir.join(name).as_os_str().len() <= 108;
-    candidates
-        .iter()
-        .find(|c| fits(c))
-        .unwrap_or(&candidates[2])
-        .clone()
-}
-
-/// Unpadded URL-safe base64 (RFC 4648 section 5).
-fn base64_url(bytes: &[u8]) -> String {
-    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
-    let mut out = String::new();
-    for chunk in bytes.chunks(3) {
-        let n = chunk
-            .iter()
-            .enumerate()
-            .fold(0u32, |n, (i, b)| n | u32::from(*b) << (16 - 8 * i));
-        for i in 0..=chunk.len() {
-            out.push(ALPHABET[(n >> (18 - 6 * i) & 63) as usize] as char);
-        }
-    }
-    out
-}
-
-/// The file whose exclusive lock makes one plugin instance the node's (see [`run`]).
-pub const INSTANCE_LOCK: &str = "instance.lock";
-
-/// Takes the node's instance lock: waits while an older instance holds it (it releases the
-/// lock when its process ends). `None` when `stop` fired first.
+/// Takes the node's instance lock (`path`, see [`run`]): waits while an older instance holds
+/// it (it releases the lock when its process ends). `None` when `stop` fired first.
 async fn take_instance_lock(
-    plugin_dir: &Path,
+    path: PathBuf,
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) -> anyhow::Result<Option<std::fs::File>> {
-    let path = plugin_dir.join(INSTANCE_LOCK);
     let file = std::fs::OpenOptions::new()
         .create(true)
         .truncate(false)
@@ -452,7 +383,8 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         info!(address = %args.http_address, "serving /metrics /healthz /readyz");
         tokio::spawn(crate::http::serve(listener, metrics.clone(), ready.clone()));
     }
-    let (reg_path, dra_path) = socket_paths(&args);
+    let sockets = args.folders.sockets(&args.driver_name, &args.pod_uid);
+    let (reg_path, dra_path) = (sockets.registration, sockets.dra);
     let dra_listener = crate::grpc::bind_socket(&dra_path)
         .with_context(|| format!("binding {}", dra_path.display()))?;
     let reg_listener = crate::grpc::bind_socket(&reg_path)
@@ -495,7 +427,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             }
         });
     }
-    let Some(_instance) = take_instance_lock(&args.folders.plugin_dir, stop_rx.clone()).await?
+    let Some(_instance) = take_instance_lock(args.folders.instance_lock(), stop_rx.clone()).await?
     else {
         info!("stopped before taking over the node");
         drop(driver_tx);
@@ -504,11 +436,8 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         remove_quietly(&dra_path);
         return Ok(());
     };
-    let failpoints = Failpoints::parse(
-        &args.failpoints,
-        Some(args.folders.plugin_dir.join("failpoint.reached")),
-    )
-    .map_err(anyhow::Error::msg)?;
+    let failpoints = Failpoints::parse(&args.failpoints, Some(args.folders.failpoint_marker()))
+        .map_err(anyhow::Error::msg)?;
     let hook = cdi_hook_path(&args);
     let cdi = CdiHost::discover(
         args.folders.cdi_root.clone(),
@@ -525,7 +454,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     sharing_options.boot_id.clone_from(&boot_id);
     let sharing = SharingManager::new(
         sharing_options,
-        Arc::new(FileStore::new(args.folders.plugin_dir.join("sharing.json"))),
+        Arc::new(FileStore::new(args.folders.sharing_state())),
         metrics.sharing.clone(),
     )
     .context("loading the sharing state")?;
@@ -554,10 +483,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         settings: DriverSettings {
             driver_name: args.driver_name.clone(),
             node_name: args.node_name.clone(),
-            checkpoint_path: args
-                .folders
-                .plugin_dir
-                .join(gpu_dra_core::checkpoint::FILE_NAME),
+            checkpoint_path: args.folders.checkpoint(),
             boot_id,
         },
         inventory: live.clone(),
@@ -589,7 +515,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     let _ = driver_tx.send(Some(driver.clone()));
     let cleanup = {
         let driver = driver.clone();
-        let every = Duration::from_secs(args.cleanup_interval.max(1));
+        let every = Duration::from_secs(args.cleanup_interval_seconds.max(1));
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(every);
             tick.tick().await;
@@ -601,16 +527,12 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     };
     // Health is watched by the instance that holds the node only; the conditions a previous
     // instance saw are taken over.
-    live.keep_health_in(
-        args.folders
-            .plugin_dir
-            .join(crate::inventory::HEALTH_STATE_FILE),
-    );
+    live.keep_health_in(args.folders.health_state());
     let health_watch = match (&backends.health, args.device_health) {
         (Some(source), true) => Some(tokio::spawn(crate::health::watch(
             source.clone(),
             live.clone(),
-            Duration::from_secs(args.health_probe_interval.max(1)),
+            Duration::from_secs(args.health_probe_interval_seconds.max(1)),
             stop_rx.clone(),
         ))),
         (None, true) => {
@@ -625,7 +547,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     let (publisher_stop, publisher_stopped) = tokio::sync::watch::channel(false);
     let publisher = client.map(|client| {
         let mut config = crate::publish::PublisherConfig::new(&args.node_name, &args.driver_name);
-        config.rediscover_interval = Duration::from_secs(args.rediscover_interval.max(1));
+        config.rediscover_interval = Duration::from_secs(args.rediscover_interval_seconds.max(1));
         config.partitioning = partitioning_flags.clone();
         let live = live.clone();
         let mut stop = publisher_stopped.clone();
@@ -697,34 +619,56 @@ async fn shutdown_signal() {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    const UID: &str = "0b6e2c46-6e0e-4c1c-9a55-3f6f5e9d1a7b";
+    use crate::cmd::tests::run_args;
 
     #[test]
-    fn rolling_update_sockets_are_named_as_the_kubelets_helper_names_them() {
-        let short = Path::new("/var/lib/kubelet/plugins_registry");
+    fn an_empty_cdi_hook_source_means_no_hooks() {
         assert_eq!(
-            rolling_registrar_socket(short, "gpu.nvidia.com", UID),
-            format!("gpu.nvidia.com-{UID}-reg.sock")
+            run_args(&[]).cdi_hook_source(),
+            Some(Path::new("/usr/local/bin/nvidia-cdi-hook"))
         );
-        // Too long for a socket address with the UID: a digest of it, then of both.
-        let long = PathBuf::from(format!("/{}", "d".repeat(50)));
+        assert_eq!(run_args(&["--cdi-hook-source="]).cdi_hook_source(), None);
+        assert_eq!(run_args(&["--cdi-hook-source", ""]).cdi_hook_source(), None);
+        let args = run_args(&["--cdi-hook-source=", "--http-address="]);
+        assert_eq!(cdi_hook_path(&args), None);
         assert_eq!(
-            rolling_registrar_socket(&long, "gpu.nvidia.com", UID),
-            "gpu.nvidia.com-huEHRTQaikg-reg.sock"
-        );
-        let longer = PathBuf::from(format!("/{}", "d".repeat(80)));
-        assert_eq!(
-            rolling_registrar_socket(&longer, "gpu.nvidia.com", UID),
-            "dra-1FJochElk4UM5n2RSJ6Z_g-reg.sock"
+            run_args(&["--cdi-hook-source=/opt/hook"]).cdi_hook_source(),
+            Some(Path::new("/opt/hook"))
         );
     }
 
     #[test]
-    fn base64_is_unpadded_and_url_safe() {
-        assert_eq!(base64_url(b""), "");
-        assert_eq!(base64_url(b"\xfb\xff"), "-_8");
-        assert_eq!(base64_url(b"foob"), "Zm9vYg");
-        assert_eq!(base64_url(b"foobar"), "Zm9vYmFy");
+    fn seconds_flags_say_so_and_take_their_former_names() {
+        let args = run_args(&[
+            "--health-probe-interval-seconds=1",
+            "--health-hold-seconds=2",
+            "--rediscover-interval-seconds=3",
+            "--cleanup-interval-seconds=4",
+        ]);
+        assert_eq!(
+            (
+                args.health_probe_interval_seconds,
+                args.health_hold_seconds,
+                args.rediscover_interval_seconds,
+                args.cleanup_interval_seconds
+            ),
+            (1, 2, 3, 4)
+        );
+        let former = run_args(&[
+            "--health-probe-interval=5",
+            "--health-hold=6",
+            "--rediscover-interval=7",
+            "--cleanup-interval=8",
+        ]);
+        assert_eq!(
+            (
+                former.health_probe_interval_seconds,
+                former.health_hold_seconds,
+                former.rediscover_interval_seconds,
+                former.cleanup_interval_seconds
+            ),
+            (5, 6, 7, 8)
+        );
+        assert_eq!(health_policy(&former).expect("policy").hold_secs, 6);
     }
 }
