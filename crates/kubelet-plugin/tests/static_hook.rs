@@ -82,8 +82,11 @@ fn the_installed_hook_runs_in_a_root_without_libc() {
     let host = tempfile::tempdir().expect("temp dir");
     let plugin_dir = host.path().join("var/lib/kubelet/plugins/gpu.nvidia.com");
     std::fs::create_dir_all(&plugin_dir).expect("plugin dir");
-    let installed = gpu_dra_kubelet_plugin::cdi_hook::install(Path::new(&source), &plugin_dir)
-        .expect("the hook installs");
+    let installed = gpu_dra_kubelet_plugin::cdi_hook::install(
+        Path::new(&source),
+        &gpu_dra_kubelet_plugin::node_layout::hook_dir_in(&plugin_dir),
+    )
+    .expect("the hook installs");
     let in_root = Path::new("/").join(
         installed
             .strip_prefix(host.path())

@@ -162,7 +162,13 @@ fn subcommands(command: &clap::Command) -> BTreeSet<String> {
 #[test]
 fn readme_lists_each_binarys_subcommands() {
     let rows = layout_rows();
-    for (path, command) in [("crates/cli", gpu_dra_cli::Cli::command())] {
+    for (path, command) in [
+        ("crates/cli", gpu_dra_cli::Cli::command()),
+        (
+            "crates/kubelet-plugin",
+            gpu_dra_kubelet_plugin::cmd::command(),
+        ),
+    ] {
         let (_, _, what) = rows
             .iter()
             .find(|(p, _, _)| p == path)
