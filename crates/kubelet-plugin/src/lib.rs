@@ -20,7 +20,6 @@ pub mod claim_locks;
 pub mod claims;
 pub mod cleanup;
 pub mod cli;
-pub mod client;
 pub mod digest;
 pub mod discover;
 pub mod driver;

@@ -346,10 +346,11 @@ mod tests {
     use gpu_dra_device::testing::{a100_dynamic, inventory};
 
     use super::*;
-    use crate::claims::MemoryClaims;
     use crate::failpoint::Failpoints;
     use crate::mig::MigControl;
-    use crate::testing::{DRIVER_NAME, DriverBuilder, FakeMig, NODE_NAME, allocated_claim};
+    use crate::testing::{
+        DRIVER_NAME, DriverBuilder, FakeMig, MemoryClaims, NODE_NAME, allocated_claim,
+    };
 
     /// `3g.20gb` at 4, `2g.10gb` at 0, `1g.5gb` at 2 on an A100-40GB: they fit together.
     const D3G: &str = "gpu-0-mig-3g20gb-9-4";

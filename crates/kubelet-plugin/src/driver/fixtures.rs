@@ -15,9 +15,8 @@ use k8s_openapi::api::resource::v1::DeviceRequestAllocationResult;
 use serde_json::{Value, json};
 
 use super::{ClaimRef, Driver, lock};
-use crate::claims::MemoryClaims;
 use crate::sharing::{Applied, SharingError, SharingExecutor};
-use crate::testing::{DriverBuilder, allocated_claim, simulate_host};
+use crate::testing::{DriverBuilder, MemoryClaims, allocated_claim, simulate_host};
 
 pub(super) const DRIVER: &str = "gpu.nvidia.com";
 pub(super) const NODE: &str = "node-a";

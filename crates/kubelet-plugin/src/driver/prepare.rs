@@ -301,9 +301,9 @@ mod tests {
     use serde_json::json;
 
     use super::*;
-    use crate::claims::{ClaimSource, ClaimSourceError, MemoryClaims};
+    use crate::claims::{ClaimSource, ClaimSourceError};
     use crate::driver::fixtures::*;
-    use crate::testing::{DriverBuilder, allocated_claim, simulate_host};
+    use crate::testing::{DriverBuilder, MemoryClaims, allocated_claim, simulate_host};
 
     #[tokio::test]
     async fn prepare_writes_a_valid_spec_is_idempotent_and_unprepare_cleans_up() {
@@ -465,7 +465,10 @@ mod tests {
             .await
             .expect_err("sharing")
             .to_string();
-        assert!(err.contains("sharing not enabled in this build"), "{err}");
+        assert!(
+            err.contains("sharing.strategy") && err.contains("exclusive use only"),
+            "{err}"
+        );
         assert!(
             on_disk(&env).claims.is_empty(),
             "failed prepare leaves no entry"
