@@ -109,7 +109,6 @@ mod tests {
 
     use crate::driver::fixtures::*;
     use crate::driver::{ClaimRef, DriverError};
-    use crate::testing::allocated_claim;
 
     #[tokio::test]
     async fn a_held_device_is_refused_naming_the_holder_unless_both_use_admin_access() {
@@ -134,27 +133,8 @@ mod tests {
             .await
             .expect("b prepares once a is gone");
 
-        let mut admin = allocated_claim("ns", "c", "uid-c", DRIVER, NODE, &[("gpu", "gpu-2")], &[]);
-        let mut admin2 =
-            allocated_claim("ns", "d", "uid-d", DRIVER, NODE, &[("gpu", "gpu-2")], &[]);
-        for c in [&mut admin, &mut admin2] {
-            if let Some(r) = c
-                .status
-                .as_mut()
-                .and_then(|s| s.allocation.as_mut())
-                .and_then(|a| a.devices.as_mut())
-                .and_then(|d| d.results.as_mut())
-            {
-                r[0].admin_access = Some(true);
-            }
-            env.claims.insert(c.clone());
-        }
         for (name, uid) in [("c", "uid-c"), ("d", "uid-d")] {
-            let r = ClaimRef {
-                namespace: "ns".into(),
-                name: name.into(),
-                uid: uid.into(),
-            };
+            let r = add_admin(&env, name, uid, "gpu-2", &[]);
             env.driver.prepare(&r).await.expect("admin access overlaps");
         }
     }

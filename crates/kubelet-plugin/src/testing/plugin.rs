@@ -202,8 +202,8 @@ impl PluginCommand {
     }
 
     /// Starts the plugin (again) with `failpoints`, after removing the socket and failpoint
-    /// marker a previous run on this root left, so that [`wait_for`](Self::wait_for) either
-    /// of them waits for this run.
+    /// marker a previous run on this root left, so that waiting for either of them
+    /// ([`wait_for`](Self::wait_for)) waits for this run.
     pub fn respawn(&self, failpoints: &str) -> std::io::Result<ChildGuard> {
         for stale in [self.failpoint_marker(), self.socket()] {
             match std::fs::remove_file(&stale) {
