@@ -120,10 +120,6 @@ func claimPod(ns, name, node, claim string) *v1.Pod {
 	}
 }
 
-// notInBuild is how our plugin refuses a config whose feature (sharing) has
-// not landed in the build under test.
-const notInBuild = "not enabled in this build"
-
 // runClaimPod creates the claim and the pod and waits until it runs.
 func runClaimPod(ctx context.Context, t *testing.T, claim *resourceapi.ResourceClaim, pod *v1.Pod) (*v1.Pod, *resourceapi.ResourceClaim) {
 	t.Helper()
@@ -133,11 +129,8 @@ func runClaimPod(ctx context.Context, t *testing.T, claim *resourceapi.ResourceC
 	if _, err := cluster.Client.CoreV1().Pods(pod.Namespace).Create(ctx, pod, metav1.CreateOptions{}); err != nil {
 		t.Fatalf("create pod: %v", err)
 	}
-	running, err := cluster.WaitPodRunning(ctx, pod.Namespace, pod.Name, waitFor(ctx, pod))
+	running, err := cluster.WaitPodRunning(ctx, pod.Namespace, pod.Name, 100*time.Second)
 	if err != nil {
-		if strings.Contains(err.Error(), notInBuild) {
-			t.Fatalf("sharing refused by the plugin: %v", err)
-		}
 		t.Fatal(err)
 	}
 	got, err := cluster.Client.ResourceV1().ResourceClaims(claim.Namespace).Get(ctx, claim.Name, metav1.GetOptions{})
@@ -250,18 +243,4 @@ func envValue(env []string, key string) (string, bool) {
 		}
 	}
 	return "", false
-}
-
-// waitFor is how long runClaimPod waits: 90 s, cut short once the pod's
-// prepare error says the feature is not in this build.
-func waitFor(ctx context.Context, pod *v1.Pod) time.Duration {
-	deadline := time.Now().Add(90 * time.Second)
-	for time.Now().Before(deadline) {
-		p, err := cluster.Client.CoreV1().Pods(pod.Namespace).Get(ctx, pod.Name, metav1.GetOptions{})
-		if err == nil && (p.Status.Phase == v1.PodRunning || strings.Contains(harness.PodProblem(p), notInBuild)) {
-			return 10 * time.Second
-		}
-		time.Sleep(100 * time.Millisecond)
-	}
-	return 10 * time.Second
 }

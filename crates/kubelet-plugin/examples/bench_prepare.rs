@@ -17,10 +17,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use gpu_dra_device::testing::a100_inventory;
-use gpu_dra_kubelet_plugin::claims::MemoryClaims;
-use gpu_dra_kubelet_plugin::client::connect_dra;
-use gpu_dra_kubelet_plugin::grpc::{DraService, bind_socket, incoming};
-use gpu_dra_kubelet_plugin::testing::{DriverBuilder, allocated_claim, simulate_host};
+use gpu_dra_kubelet_plugin::grpc::{bind_socket, incoming};
+use gpu_dra_kubelet_plugin::testing::{
+    DriverBuilder, MemoryClaims, allocated_claim, connect_dra, dra_service, simulate_host,
+};
 use gpu_dra_proto::dra::v1;
 
 const DRIVER: &str = "gpu.nvidia.com";
@@ -79,7 +79,7 @@ async fn start(
     );
     let socket = root.join("plugin/dra.sock");
     let listener = bind_socket(&socket)?;
-    let service = DraService::new(driver);
+    let service = dra_service(driver);
     tokio::spawn(
         tonic::transport::Server::builder()
             .add_service(v1::dra_plugin_server::DraPluginServer::new(service))

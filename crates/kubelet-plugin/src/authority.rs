@@ -98,11 +98,6 @@ impl<S> AuthorityFix<S> {
         }
     }
 
-    /// The wrapped stream.
-    pub fn get_ref(&self) -> &S {
-        &self.inner
-    }
-
     /// Moves every complete unit (preface bytes, frames) from `input` to `output`.
     fn process(&mut self) -> io::Result<()> {
         let mut pos = 0;

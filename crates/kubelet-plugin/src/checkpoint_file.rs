@@ -27,6 +27,10 @@
 //!
 //! Alternatives rejected: rewriting NVIDIA's file (breaks rollback and would need their
 //! checksum); importing on every start without memory (resurrects unprepared claims).
+//!
+//! The file's errors ([`CheckpointFileError`]) and its crash-safe write ([`write_bytes`]) live
+//! here too: the driver's journal writes through it, so this module depends on nothing of the
+//! driver.
 
 use std::collections::BTreeSet;
 use std::path::Path;
@@ -35,39 +39,72 @@ use gpu_dra_core::checkpoint::{self, Checkpoint};
 use gpu_dra_core::nvidia_checkpoint;
 use tracing::{info, warn};
 
-use crate::driver::DriverError;
+/// Why the checkpoint file could not be read or written.
+#[derive(Debug, thiserror::Error)]
+pub enum CheckpointFileError {
+    /// Reading the checkpoint at start failed, or it is not a checkpoint of ours.
+    #[error(
+        "cannot read checkpoint {path}: {reason}; fix the file, or move it away to start with no prepared claims (their devices are then not reserved and running pods keep them)"
+    )]
+    Read {
+        /// Checkpoint path.
+        path: String,
+        /// What was wrong.
+        reason: String,
+    },
+    /// Writing (or removing) a checkpoint file failed.
+    #[error("cannot write checkpoint {path}: {source}")]
+    Write {
+        /// Checkpoint path.
+        path: String,
+        /// The I/O error.
+        #[source]
+        source: std::io::Error,
+    },
+}
 
-fn read(path: &Path) -> Result<Option<Vec<u8>>, DriverError> {
+impl CheckpointFileError {
+    /// A [`CheckpointFileError::Write`] of `path`.
+    pub fn write(path: &Path, source: std::io::Error) -> Self {
+        CheckpointFileError::Write {
+            path: path.display().to_string(),
+            source,
+        }
+    }
+}
+
+fn read(path: &Path) -> Result<Option<Vec<u8>>, CheckpointFileError> {
     match std::fs::read(path) {
         Ok(bytes) => Ok(Some(bytes)),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-        Err(e) => Err(DriverError::CheckpointRead {
+        Err(e) => Err(CheckpointFileError::Read {
             path: path.display().to_string(),
             reason: e.to_string(),
         }),
     }
 }
 
-fn parse_ours(path: &Path, bytes: &[u8]) -> Result<Checkpoint, DriverError> {
-    Checkpoint::from_json(bytes).map_err(|e| DriverError::CheckpointRead {
+fn parse_ours(path: &Path, bytes: &[u8]) -> Result<Checkpoint, CheckpointFileError> {
+    Checkpoint::from_json(bytes).map_err(|e| CheckpointFileError::Read {
         path: path.display().to_string(),
         reason: e.to_string(),
     })
 }
 
-fn write(path: &Path, doc: &Checkpoint) -> Result<(), DriverError> {
-    gpu_dra_fsutil::write_atomic(path, &doc.to_json(), 0o600).map_err(|source| {
-        DriverError::Checkpoint {
-            path: path.display().to_string(),
-            source,
-        }
-    })
+/// Writes `bytes` (a checkpoint's JSON) to `path` crash-safely, readable by its owner only.
+pub fn write_bytes(path: &Path, bytes: &[u8]) -> Result<(), CheckpointFileError> {
+    gpu_dra_fsutil::write_atomic(path, bytes, 0o600)
+        .map_err(|source| CheckpointFileError::write(path, source))
+}
+
+fn write(path: &Path, doc: &Checkpoint) -> Result<(), CheckpointFileError> {
+    write_bytes(path, &doc.to_json())
 }
 
 /// Opens the checkpoint at `path` (conventionally `<plugin-dir>/gpu-dra-checkpoint.json`),
 /// migrating our `checkpoint.json` next to it or importing NVIDIA's, as the module explains.
 /// A missing file is an empty checkpoint.
-pub fn open(path: &Path) -> Result<Checkpoint, DriverError> {
+pub fn open(path: &Path) -> Result<Checkpoint, CheckpointFileError> {
     let legacy = path.with_file_name(checkpoint::LEGACY_FILE_NAME);
     let mut doc = match read(path)? {
         Some(bytes) => parse_ours(path, &bytes)?,
@@ -82,10 +119,8 @@ pub fn open(path: &Path) -> Result<Checkpoint, DriverError> {
     if checkpoint::is_own_format(&old) {
         doc = parse_ours(&legacy, &old)?;
         write(path, &doc)?;
-        gpu_dra_fsutil::remove_durable(&legacy).map_err(|source| DriverError::Checkpoint {
-            path: legacy.display().to_string(),
-            source,
-        })?;
+        gpu_dra_fsutil::remove_durable(&legacy)
+            .map_err(|source| CheckpointFileError::write(&legacy, source))?;
         info!(from = %legacy.display(), to = %path.display(), claims = doc.claims.len(), "checkpoint moved to its new name");
         return Ok(doc);
     }

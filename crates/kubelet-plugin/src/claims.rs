@@ -1,10 +1,9 @@
-//! Where the plugin reads ResourceClaims: the API server in production, memory or a file in
-//! tests and benchmarks. The [`ClaimSource`] seam keeps prepare logic free of the Kubernetes
-//! client, so unit tests use plain data instead of a fake API server.
+//! Where the plugin reads ResourceClaims: the API server in production, a file in process-level
+//! tests (hidden `--claim-source-file`). The [`ClaimSource`] seam keeps prepare logic free of
+//! the Kubernetes client, so unit tests use plain data instead of a fake API server
+//! (`testing::MemoryClaims`).
 
-use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::RwLock;
 
 use futures::future::BoxFuture;
 use k8s_openapi::api::resource::v1::ResourceClaim;
@@ -70,47 +69,6 @@ impl ClaimSource for KubeClaims {
                     source,
                 })
         })
-    }
-}
-
-/// Claims held in memory (tests, benchmarks).
-#[derive(Default)]
-pub struct MemoryClaims {
-    claims: RwLock<HashMap<(String, String), ResourceClaim>>,
-}
-
-impl MemoryClaims {
-    /// Adds or replaces a claim (keyed by its namespace and name).
-    pub fn insert(&self, claim: ResourceClaim) {
-        let key = (
-            claim.metadata.namespace.clone().unwrap_or_default(),
-            claim.metadata.name.clone().unwrap_or_default(),
-        );
-        if let Ok(mut map) = self.claims.write() {
-            map.insert(key, claim);
-        }
-    }
-
-    /// Removes a claim.
-    pub fn remove(&self, namespace: &str, name: &str) {
-        if let Ok(mut map) = self.claims.write() {
-            map.remove(&(namespace.to_owned(), name.to_owned()));
-        }
-    }
-}
-
-impl ClaimSource for MemoryClaims {
-    fn get<'a>(
-        &'a self,
-        namespace: &'a str,
-        name: &'a str,
-    ) -> BoxFuture<'a, Result<Option<ResourceClaim>, ClaimSourceError>> {
-        let found = self
-            .claims
-            .read()
-            .ok()
-            .and_then(|m| m.get(&(namespace.to_owned(), name.to_owned())).cloned());
-        Box::pin(async move { Ok(found) })
     }
 }
 

@@ -163,12 +163,6 @@ pub struct DraService {
 }
 
 impl DraService {
-    /// Serves `driver`.
-    pub fn new(driver: Arc<Driver>) -> Self {
-        let (_set, cell) = tokio::sync::watch::channel(Some(driver));
-        DraService { driver: cell }
-    }
-
     /// Serves the driver `cell` will hold; calls wait for it.
     pub fn deferred(cell: DriverCell) -> Self {
         DraService { driver: cell }
@@ -363,27 +357,9 @@ impl v1beta1::dra_plugin_server::DraPlugin for DraService {
     }
 }
 
-/// Serves registration on `reg_listener` and DRA on `dra_listener` until `shutdown` resolves.
-pub async fn serve(
-    driver: Arc<Driver>,
-    registration: Registration,
-    reg_listener: UnixListener,
-    dra_listener: UnixListener,
-    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
-) -> Result<(), tonic::transport::Error> {
-    serve_service(
-        DraService::new(driver),
-        None,
-        registration,
-        reg_listener,
-        dra_listener,
-        shutdown,
-    )
-    .await
-}
-
-/// [`serve`] with the driver `cell` will hold (calls wait until it does) and, when given, the
-/// health service (advertised through `registration`).
+/// Serves registration on `reg_listener` and DRA on `dra_listener` until `shutdown` resolves:
+/// DRA with the driver `cell` will hold (calls wait until it does) and, when given, the health
+/// service (advertised through `registration`).
 pub async fn serve_deferred(
     cell: DriverCell,
     health: Option<crate::health::HealthService>,
@@ -444,8 +420,10 @@ async fn wait_true(mut rx: tokio::sync::watch::Receiver<bool>) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::claims::MemoryClaims;
-    use crate::testing::{DRIVER_NAME, DriverBuilder, NODE_NAME, allocated_claim, simulate_host};
+    use crate::testing::{
+        DRIVER_NAME, DriverBuilder, MemoryClaims, NODE_NAME, allocated_claim, dra_service,
+        simulate_host,
+    };
     use gpu_dra_device::testing::a100_inventory;
 
     const VALID: &str = "0f8e3c52-6a1b-4c7d-9e2f-3a4b5c6d7e8f";
@@ -480,7 +458,7 @@ mod tests {
             .claims(claims)
             .build()
             .expect("driver");
-        let dra = DraService::new(Arc::new(driver));
+        let dra = dra_service(Arc::new(driver));
         std::fs::create_dir_all(root.join("plugin")).expect("plugin dir");
         // A file the traversal would reach from the CDI folder if it were taken as a name.
         let cdi = root.join("cdi");

@@ -16,8 +16,9 @@
 //!   binary our specs name), [`sharing`] (time-slicing and MPS), [`mig`] (dynamic MIG's
 //!   hardware seam).
 //! - Operations and tests: [`metrics`] and [`http`], [`failpoint`] (fault injection),
-//!   [`client`] (a DRA client as the kubelet uses it), [`digest`], `testing` (fixtures,
-//!   behind the `testing` feature).
+//!   [`digest`], `testing` (behind the `testing` feature, never in the shipping binary: the
+//!   test doubles `MemoryClaims`, `ExclusiveOnly` and `FakeMig`, a DRA client as the kubelet
+//!   uses it, the driver builder, the plugin launcher and simulated host folders).
 //!
 //! Crash-safe writes come from `gpu-dra-fsutil`. Pure planning, CDI and checkpoint models
 //! live in `gpu-dra-core`.
@@ -28,7 +29,6 @@ pub mod cdi_io;
 pub mod checkpoint_file;
 pub mod claim_locks;
 pub mod claims;
-pub mod client;
 pub mod cmd;
 pub mod digest;
 pub mod driver;

@@ -94,6 +94,11 @@ pub fn instance_lock_in(plugin_dir: &Path) -> PathBuf {
     plugin_dir.join(INSTANCE_LOCK)
 }
 
+/// The DRA socket of a plugin without a pod UID (`--pod-uid` unset) in `plugin_dir`.
+pub fn dra_socket_in(plugin_dir: &Path) -> PathBuf {
+    plugin_dir.join(DRA_SOCKET)
+}
+
 /// The failpoint marker in `plugin_dir`.
 pub fn failpoint_marker_in(plugin_dir: &Path) -> PathBuf {
     plugin_dir.join(FAILPOINT_MARKER)
@@ -169,7 +174,7 @@ impl NodeFolders {
         if pod_uid.is_empty() {
             return Sockets {
                 registration: self.registrar_dir.join(format!("{driver}-reg.sock")),
-                dra: self.plugin_dir.join(DRA_SOCKET),
+                dra: dra_socket_in(&self.plugin_dir),
             };
         }
         Sockets {

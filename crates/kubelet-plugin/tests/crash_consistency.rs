@@ -6,81 +6,28 @@
 //! kills it with SIGKILL (`Child::kill`). Prints steps x runs and the inconsistencies found.
 
 use std::collections::BTreeSet;
-use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+use std::path::Path;
 
 use gpu_dra_core::checkpoint::{Checkpoint, PrepareState};
 use gpu_dra_device::testing::a100_inventory;
-use gpu_dra_kubelet_plugin::client::connect_dra;
 use gpu_dra_kubelet_plugin::failpoint::STEPS;
-use gpu_dra_kubelet_plugin::testing::ChildGuard as Plugin;
-use gpu_dra_kubelet_plugin::testing::{PluginCommand, allocated_claim, simulate_host};
+use gpu_dra_kubelet_plugin::testing::{PluginCommand, allocated_claim, connect_dra, simulate_host};
 use gpu_dra_proto::dra::v1;
 
 const DRIVER: &str = "gpu.nvidia.com";
 const NODE: &str = "node-a";
 const RUNS: usize = 2;
 
-struct Layout {
-    root: PathBuf,
-}
-
-impl Layout {
-    fn plugin_dir(&self) -> PathBuf {
-        self.root.join("plugin")
-    }
-    fn cdi_dir(&self) -> PathBuf {
-        self.root.join("cdi")
-    }
-    fn socket(&self) -> PathBuf {
-        self.plugin_dir().join("dra.sock")
-    }
-
-    fn start(&self, failpoints: &str) -> Plugin {
-        let _ = std::fs::remove_file(self.plugin_dir().join("failpoint.reached"));
-        let _ = std::fs::remove_file(self.socket());
-        PluginCommand::new(env!("CARGO_BIN_EXE_gpu-kubelet-plugin"), &self.root)
-            .node_name(NODE)
-            .inventory_fixture(&self.root.join("inventory.json"))
-            .failpoints(failpoints)
-            .log_level("info")
-            .spawn()
-            .expect("plugin starts")
-    }
+/// The plugin on `root`: its inventory from `root/inventory.json`, claims from `claims.json`.
+fn plugin_on(root: &Path) -> PluginCommand {
+    PluginCommand::new(env!("CARGO_BIN_EXE_gpu-kubelet-plugin"), root)
+        .node_name(NODE)
+        .inventory_fixture(&root.join("inventory.json"))
+        .log_level("info")
 }
 
 const UID_A: &str = "a0000000-0000-4000-8000-00000000000a";
 const UID_B: &str = "b0000000-0000-4000-8000-00000000000b";
-
-fn wait_for(path: &Path, what: &str) {
-    // Generous: CI machines can be slow to start a debug binary under load.
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while !path.exists() {
-        if Instant::now() > deadline {
-            let log_path = path
-                .ancestors()
-                .find(|p| p.join("plugin.log").exists())
-                .map(|p| p.join("plugin.log"));
-            let log = log_path
-                .and_then(|p| std::fs::read_to_string(p).ok())
-                .unwrap_or_default();
-            let tail: String = log
-                .lines()
-                .rev()
-                .take(30)
-                .collect::<Vec<_>>()
-                .into_iter()
-                .rev()
-                .collect::<Vec<_>>()
-                .join("\n");
-            panic!(
-                "timed out waiting for {what} ({}); plugin log tail:\n{tail}",
-                path.display()
-            );
-        }
-        std::thread::sleep(Duration::from_millis(5));
-    }
-}
 
 fn claims() -> Vec<v1::Claim> {
     vec![
@@ -97,10 +44,8 @@ fn claims() -> Vec<v1::Claim> {
     ]
 }
 
-async fn prepare(layout: &Layout) -> Result<v1::NodePrepareResourcesResponse, String> {
-    let mut client = connect_dra(layout.socket())
-        .await
-        .map_err(|e| e.to_string())?;
+async fn prepare(cmd: &PluginCommand) -> Result<v1::NodePrepareResourcesResponse, String> {
+    let mut client = connect_dra(cmd.socket()).await.map_err(|e| e.to_string())?;
     client
         .node_prepare_resources(v1::NodePrepareResourcesRequest { claims: claims() })
         .await
@@ -108,10 +53,8 @@ async fn prepare(layout: &Layout) -> Result<v1::NodePrepareResourcesResponse, St
         .map_err(|e| e.to_string())
 }
 
-async fn unprepare(layout: &Layout) -> Result<v1::NodeUnprepareResourcesResponse, String> {
-    let mut client = connect_dra(layout.socket())
-        .await
-        .map_err(|e| e.to_string())?;
+async fn unprepare(cmd: &PluginCommand) -> Result<v1::NodeUnprepareResourcesResponse, String> {
+    let mut client = connect_dra(cmd.socket()).await.map_err(|e| e.to_string())?;
     client
         .node_unprepare_resources(v1::NodeUnprepareResourcesRequest { claims: claims() })
         .await
@@ -119,8 +62,8 @@ async fn unprepare(layout: &Layout) -> Result<v1::NodeUnprepareResourcesResponse
         .map_err(|e| e.to_string())
 }
 
-fn specs_on_disk(layout: &Layout) -> BTreeSet<String> {
-    std::fs::read_dir(layout.cdi_dir())
+fn specs_on_disk(cmd: &PluginCommand) -> BTreeSet<String> {
+    std::fs::read_dir(cmd.cdi_dir())
         .map(|d| {
             d.filter_map(|e| e.ok())
                 .map(|e| e.file_name().to_string_lossy().into_owned())
@@ -129,21 +72,17 @@ fn specs_on_disk(layout: &Layout) -> BTreeSet<String> {
         .unwrap_or_default()
 }
 
-fn checkpoint(layout: &Layout) -> Checkpoint {
-    std::fs::read(
-        layout
-            .plugin_dir()
-            .join(gpu_dra_core::checkpoint::FILE_NAME),
-    )
-    .map(|b| Checkpoint::from_json(&b).expect("checkpoint parses"))
-    .unwrap_or_else(|_| Checkpoint::new())
+fn checkpoint(cmd: &PluginCommand) -> Checkpoint {
+    std::fs::read(cmd.plugin_dir().join(gpu_dra_core::checkpoint::FILE_NAME))
+        .map(|b| Checkpoint::from_json(&b).expect("checkpoint parses"))
+        .unwrap_or_else(|_| Checkpoint::new())
 }
 
 /// After a successful prepare answer: both claims completed, a spec per claim whose devices
 /// are exactly the answered CDI IDs, nothing else.
-fn check_prepared(layout: &Layout, answer: &v1::NodePrepareResourcesResponse) -> Vec<String> {
+fn check_prepared(cmd: &PluginCommand, answer: &v1::NodePrepareResourcesResponse) -> Vec<String> {
     let mut problems = Vec::new();
-    let cp = checkpoint(layout);
+    let cp = checkpoint(cmd);
     for c in claims() {
         let Some(r) = answer.claims.get(&c.uid) else {
             problems.push(format!("{}: missing from the answer", c.uid));
@@ -157,7 +96,7 @@ fn check_prepared(layout: &Layout, answer: &v1::NodePrepareResourcesResponse) ->
             Some(e) if e.state == PrepareState::PrepareCompleted => {}
             other => problems.push(format!("{}: checkpoint entry {other:?}", c.uid)),
         }
-        let spec_path = layout
+        let spec_path = cmd
             .cdi_dir()
             .join(format!("k8s.gpu.nvidia.com-claim_{}.json", c.uid));
         let Ok(bytes) = std::fs::read(&spec_path) else {
@@ -191,13 +130,16 @@ fn check_prepared(layout: &Layout, answer: &v1::NodePrepareResourcesResponse) ->
     if cp.claims.len() != 2 {
         problems.push(format!("checkpoint has {} claims", cp.claims.len()));
     }
-    if specs_on_disk(layout).len() != 2 {
-        problems.push(format!("CDI root holds {:?}", specs_on_disk(layout)));
+    if specs_on_disk(cmd).len() != 2 {
+        problems.push(format!("CDI root holds {:?}", specs_on_disk(cmd)));
     }
     problems
 }
 
-fn check_unprepared(layout: &Layout, answer: &v1::NodeUnprepareResourcesResponse) -> Vec<String> {
+fn check_unprepared(
+    cmd: &PluginCommand,
+    answer: &v1::NodeUnprepareResourcesResponse,
+) -> Vec<String> {
     let mut problems = Vec::new();
     for c in claims() {
         match answer.claims.get(&c.uid) {
@@ -205,15 +147,15 @@ fn check_unprepared(layout: &Layout, answer: &v1::NodeUnprepareResourcesResponse
             other => problems.push(format!("{}: unprepare answer {other:?}", c.uid)),
         }
     }
-    let cp = checkpoint(layout);
+    let cp = checkpoint(cmd);
     if !cp.claims.is_empty() {
         problems.push(format!(
             "checkpoint still has {:?}",
             cp.claims.keys().collect::<Vec<_>>()
         ));
     }
-    if !specs_on_disk(layout).is_empty() {
-        problems.push(format!("CDI root still holds {:?}", specs_on_disk(layout)));
+    if !specs_on_disk(cmd).is_empty() {
+        problems.push(format!("CDI root still holds {:?}", specs_on_disk(cmd)));
     }
     problems
 }
@@ -221,13 +163,11 @@ fn check_unprepared(layout: &Layout, answer: &v1::NodeUnprepareResourcesResponse
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigkill_at_every_step_leaves_cdi_and_checkpoint_consistent() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let layout = Layout {
-        root: dir.path().to_path_buf(),
-    };
+    let cmd = plugin_on(dir.path());
     let inventory = a100_inventory(4, 1);
-    simulate_host(&layout.root.join("host"), &inventory).expect("host");
+    simulate_host(&cmd.root().join("host"), &inventory).expect("host");
     std::fs::write(
-        layout.root.join("inventory.json"),
+        cmd.root().join("inventory.json"),
         serde_json::to_vec(&inventory).expect("json"),
     )
     .expect("inventory");
@@ -247,7 +187,7 @@ async fn sigkill_at_every_step_leaves_cdi_and_checkpoint_consistent() {
         ),
     ];
     std::fs::write(
-        layout.root.join("claims.json"),
+        cmd.claims_file(),
         serde_json::to_vec(&claim_objs).expect("json"),
     )
     .expect("claims");
@@ -260,47 +200,47 @@ async fn sigkill_at_every_step_leaves_cdi_and_checkpoint_consistent() {
             let is_prepare = step.starts_with("prepare.");
             if !is_prepare {
                 // Start from a prepared state.
-                let mut plugin = layout.start("");
-                wait_for(&layout.socket(), "socket");
-                let answer = prepare(&layout).await.expect("setup prepare");
+                let mut plugin = cmd.respawn("").expect("plugin starts");
+                cmd.wait_for(&cmd.socket(), "socket");
+                let answer = prepare(&cmd).await.expect("setup prepare");
                 inconsistencies.extend(
-                    check_prepared(&layout, &answer)
+                    check_prepared(&cmd, &answer)
                         .into_iter()
                         .map(|p| format!("{step} setup: {p}")),
                 );
                 plugin.kill().expect("kill");
                 plugin.wait().expect("wait");
             }
-            let mut plugin = layout.start(&format!("{step}=pause"));
-            wait_for(&layout.socket(), "socket");
+            let mut plugin = cmd
+                .respawn(&format!("{step}=pause"))
+                .expect("plugin starts");
+            cmd.wait_for(&cmd.socket(), "socket");
             let call = {
-                let socket_layout = Layout {
-                    root: layout.root.clone(),
-                };
+                let cmd = cmd.clone();
                 tokio::spawn(async move {
                     if is_prepare {
-                        prepare(&socket_layout).await.map(|_| ())
+                        prepare(&cmd).await.map(|_| ())
                     } else {
-                        unprepare(&socket_layout).await.map(|_| ())
+                        unprepare(&cmd).await.map(|_| ())
                     }
                 })
             };
-            wait_for(&layout.plugin_dir().join("failpoint.reached"), step);
+            cmd.wait_for(&cmd.failpoint_marker(), step);
             plugin.kill().expect("SIGKILL");
             plugin.wait().expect("reaped");
             let _ = call.await;
 
             // Restart and repeat the kubelet's call, as the kubelet does after an error.
-            let mut plugin = layout.start("");
-            wait_for(&layout.socket(), "socket after restart");
+            let mut plugin = cmd.respawn("").expect("plugin starts");
+            cmd.wait_for(&cmd.socket(), "socket after restart");
             let problems = if is_prepare {
-                match prepare(&layout).await {
-                    Ok(answer) => check_prepared(&layout, &answer),
+                match prepare(&cmd).await {
+                    Ok(answer) => check_prepared(&cmd, &answer),
                     Err(e) => vec![format!("retry failed: {e}")],
                 }
             } else {
-                match unprepare(&layout).await {
-                    Ok(answer) => check_unprepared(&layout, &answer),
+                match unprepare(&cmd).await {
+                    Ok(answer) => check_unprepared(&cmd, &answer),
                     Err(e) => vec![format!("retry failed: {e}")],
                 }
             };
@@ -311,9 +251,9 @@ async fn sigkill_at_every_step_leaves_cdi_and_checkpoint_consistent() {
             );
             // Back to a clean node for the next step.
             if is_prepare {
-                let answer = unprepare(&layout).await.expect("cleanup unprepare");
+                let answer = unprepare(&cmd).await.expect("cleanup unprepare");
                 inconsistencies.extend(
-                    check_unprepared(&layout, &answer)
+                    check_unprepared(&cmd, &answer)
                         .into_iter()
                         .map(|p| format!("run {run} {step} cleanup: {p}")),
                 );

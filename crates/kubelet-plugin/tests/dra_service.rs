@@ -5,15 +5,14 @@ use std::path::Path;
 use std::sync::Arc;
 
 use gpu_dra_device::testing::a100_inventory;
-use gpu_dra_kubelet_plugin::claims::MemoryClaims;
-use gpu_dra_kubelet_plugin::client::connect_dra;
-use gpu_dra_kubelet_plugin::grpc::{DraService, bind_socket, incoming};
+use gpu_dra_kubelet_plugin::grpc::{bind_socket, incoming};
 use gpu_dra_kubelet_plugin::metrics::Metrics;
-use gpu_dra_kubelet_plugin::testing::{DriverBuilder, allocated_claim, simulate_host};
+use gpu_dra_kubelet_plugin::testing::{
+    DriverBuilder, MemoryClaims, allocated_claim, connect_dra, dra_service, simulate_host,
+    unix_channel,
+};
 use gpu_dra_proto::dra::{v1, v1beta1};
-use hyper_util::rt::TokioIo;
 use k8s_openapi::api::resource::v1::ResourceClaim;
-use tokio::net::UnixStream;
 
 /// A driver on a simulated two-GPU host with `claims` allocated, served over a unix socket
 /// under `root` in both versions; returns the socket path and the metrics.
@@ -41,7 +40,7 @@ fn serve_driver(root: &Path, allocated: Vec<ResourceClaim>) -> (std::path::PathB
     );
     let socket = root.join("plugin/dra.sock");
     let listener = bind_socket(&socket).expect("bind");
-    let service = DraService::new(driver);
+    let service = dra_service(driver);
     tokio::spawn(
         tonic::transport::Server::builder()
             .add_service(v1::dra_plugin_server::DraPluginServer::new(service.clone()))
@@ -51,18 +50,13 @@ fn serve_driver(root: &Path, allocated: Vec<ResourceClaim>) -> (std::path::PathB
     (socket, metrics)
 }
 
-/// A v1beta1 client on `socket` (the plugin's own client speaks v1 only).
+/// A v1beta1 client on `socket` ([`connect_dra`] speaks v1 only).
 async fn connect_v1beta1(
     socket: std::path::PathBuf,
 ) -> v1beta1::dra_plugin_client::DraPluginClient<tonic::transport::Channel> {
-    let channel = tonic::transport::Endpoint::from_static("http://localhost")
-        .connect_with_connector(tower::service_fn(move |_: http::Uri| {
-            let sock = socket.clone();
-            async move { Ok::<_, std::io::Error>(TokioIo::new(UnixStream::connect(sock).await?)) }
-        }))
-        .await
-        .expect("connect v1beta1");
-    v1beta1::dra_plugin_client::DraPluginClient::new(channel)
+    v1beta1::dra_plugin_client::DraPluginClient::new(
+        unix_channel(socket).await.expect("connect v1beta1"),
+    )
 }
 
 #[tokio::test]

@@ -9,13 +9,11 @@
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use gpu_dra_kubelet_plugin::client::connect_dra;
 use gpu_dra_kubelet_plugin::failpoint::STEPS;
 use gpu_dra_kubelet_plugin::sharing::mps;
-use gpu_dra_kubelet_plugin::testing::ChildGuard as Plugin;
-use gpu_dra_kubelet_plugin::testing::{PluginCommand, allocated_claim};
+use gpu_dra_kubelet_plugin::testing::{PluginCommand, allocated_claim, connect_dra};
 use gpu_dra_proto::dra::v1;
 use gpu_dra_sim::state::ComputeMode;
 use gpu_dra_sim::testing::SimHost;
@@ -26,52 +24,34 @@ const UID: &str = "3d000000-0000-4000-8000-0000000000aa";
 // dgx-a100-40gb: GPU 4 is a whole GPU (MIG disabled).
 const GPU: usize = 4;
 
+/// The plugin on a simulated host, everything else under `root`.
 struct Layout {
     host: SimHost,
-    root: tempfile::TempDir,
+    /// Kept so the folder lives as long as the layout.
+    _root: tempfile::TempDir,
+    cmd: PluginCommand,
 }
 
 impl Layout {
-    fn plugin_dir(&self) -> PathBuf {
-        self.root.path().join("plugin")
+    fn new() -> Layout {
+        let host = SimHost::new("dgx-a100-40gb");
+        let root = tempfile::tempdir().unwrap();
+        let cmd = PluginCommand::new(env!("CARGO_BIN_EXE_gpu-kubelet-plugin"), root.path())
+            .node_name(NODE)
+            .host_root(host.root())
+            .sysfs_root(&host.sysfs_root())
+            .log_level("warn");
+        Layout {
+            host,
+            _root: root,
+            cmd,
+        }
     }
-    fn socket(&self) -> PathBuf {
-        self.plugin_dir().join("dra.sock")
-    }
+
     fn pipe_dir(&self) -> PathBuf {
-        self.plugin_dir()
-            .join("mps")
+        gpu_dra_kubelet_plugin::node_layout::mps_root_in(&self.cmd.plugin_dir())
             .join(gpu_dra_core::sharing::daemon_dir_name(UID, "c0"))
             .join("pipe")
-    }
-
-    fn start(&self, failpoints: &str) -> Plugin {
-        let _ = std::fs::remove_file(self.plugin_dir().join("failpoint.reached"));
-        let _ = std::fs::remove_file(self.socket());
-        PluginCommand::new(env!("CARGO_BIN_EXE_gpu-kubelet-plugin"), self.root.path())
-            .node_name(NODE)
-            .host_root(self.host.root())
-            .sysfs_root(&self.host.sysfs_root())
-            .failpoints(failpoints)
-            .log_level("warn")
-            .spawn()
-            .unwrap()
-    }
-
-    fn log(&self) -> String {
-        std::fs::read_to_string(self.root.path().join("plugin.log")).unwrap_or_default()
-    }
-}
-
-fn wait_for(layout: &Layout, path: &Path, what: &str) {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while !path.exists() {
-        assert!(
-            Instant::now() < deadline,
-            "timed out waiting for {what}; plugin log:\n{}",
-            layout.log()
-        );
-        std::thread::sleep(Duration::from_millis(5));
     }
 }
 
@@ -158,7 +138,7 @@ fn check_prepared(layout: &Layout, error: &str) -> Vec<String> {
     if layout.host.state().gpus[GPU].compute_mode != ComputeMode::ExclusiveProcess {
         p.push("compute mode is not EXCLUSIVE_PROCESS".into());
     }
-    let spec = std::fs::read_dir(layout.root.path().join("cdi"))
+    let spec = std::fs::read_dir(layout.cmd.cdi_dir())
         .map(|d| {
             d.flatten()
                 .map(|e| std::fs::read_to_string(e.path()).unwrap_or_default())
@@ -180,9 +160,11 @@ fn check_unprepared(layout: &Layout, error: &str) -> Vec<String> {
     if !daemons.is_empty() {
         p.push(format!("orphan daemons {daemons:?}"));
     }
-    let left: Vec<_> = std::fs::read_dir(layout.plugin_dir().join("mps"))
-        .map(|d| d.flatten().map(|e| e.path()).collect())
-        .unwrap_or_default();
+    let left: Vec<_> = std::fs::read_dir(gpu_dra_kubelet_plugin::node_layout::mps_root_in(
+        &layout.cmd.plugin_dir(),
+    ))
+    .map(|d| d.flatten().map(|e| e.path()).collect())
+    .unwrap_or_default();
     if !left.is_empty() {
         p.push(format!("orphan directories {left:?}"));
     }
@@ -194,10 +176,8 @@ fn check_unprepared(layout: &Layout, error: &str) -> Vec<String> {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn sigkill_at_every_step_of_an_mps_claim_leaves_no_orphan() {
-    let layout = Layout {
-        host: SimHost::new("dgx-a100-40gb"),
-        root: tempfile::tempdir().unwrap(),
-    };
+    let layout = Layout::new();
+    let cmd = &layout.cmd;
     let config = serde_json::json!({
         "apiVersion": "resource.nvidia.com/v1beta1",
         "kind": "GpuConfig",
@@ -212,19 +192,15 @@ async fn sigkill_at_every_step_of_an_mps_claim_leaves_no_orphan() {
         &[("gpu", &format!("gpu-{GPU}"))],
         &[("FromClaim", &["gpu"], config)],
     );
-    std::fs::write(
-        layout.root.path().join("claims.json"),
-        serde_json::to_vec(&vec![claim]).unwrap(),
-    )
-    .unwrap();
+    std::fs::write(cmd.claims_file(), serde_json::to_vec(&vec![claim]).unwrap()).unwrap();
 
     let mut problems = Vec::new();
     for step in STEPS {
         let is_prepare = step.starts_with("prepare.");
         if !is_prepare {
-            let mut plugin = layout.start("");
-            wait_for(&layout, &layout.socket(), "socket");
-            let error = call(layout.socket(), true).await.expect("setup prepare");
+            let mut plugin = cmd.respawn("").unwrap();
+            cmd.wait_for(&cmd.socket(), "socket");
+            let error = call(cmd.socket(), true).await.expect("setup prepare");
             problems.extend(
                 check_prepared(&layout, &error)
                     .into_iter()
@@ -233,25 +209,19 @@ async fn sigkill_at_every_step_of_an_mps_claim_leaves_no_orphan() {
             plugin.kill().unwrap();
             plugin.wait().unwrap();
         }
-        let mut plugin = layout.start(&format!("{step}=pause"));
-        wait_for(&layout, &layout.socket(), "socket");
+        let mut plugin = cmd.respawn(&format!("{step}=pause")).unwrap();
+        cmd.wait_for(&cmd.socket(), "socket");
         // The call that the kill interrupts (its outcome does not matter).
-        let pending = tokio::spawn(call(layout.socket(), is_prepare));
-        wait_for(
-            &layout,
-            &layout.plugin_dir().join("failpoint.reached"),
-            step,
-        );
+        let pending = tokio::spawn(call(cmd.socket(), is_prepare));
+        cmd.wait_for(&cmd.failpoint_marker(), step);
         plugin.kill().unwrap();
         plugin.wait().unwrap();
         pending.abort();
         let _ = pending.await;
 
-        let mut plugin = layout.start("");
-        wait_for(&layout, &layout.socket(), "socket after restart");
-        let error = call(layout.socket(), is_prepare)
-            .await
-            .unwrap_or_else(|e| e);
+        let mut plugin = cmd.respawn("").unwrap();
+        cmd.wait_for(&cmd.socket(), "socket after restart");
+        let error = call(cmd.socket(), is_prepare).await.unwrap_or_else(|e| e);
         let found = if is_prepare {
             check_prepared(&layout, &error)
         } else {
@@ -259,9 +229,7 @@ async fn sigkill_at_every_step_of_an_mps_claim_leaves_no_orphan() {
         };
         problems.extend(found.into_iter().map(|p| format!("{step}: {p}")));
         if is_prepare {
-            let error = call(layout.socket(), false)
-                .await
-                .expect("cleanup unprepare");
+            let error = call(cmd.socket(), false).await.expect("cleanup unprepare");
             problems.extend(
                 check_unprepared(&layout, &error)
                     .into_iter()
@@ -282,6 +250,6 @@ async fn sigkill_at_every_step_of_an_mps_claim_leaves_no_orphan() {
     assert!(
         problems.is_empty(),
         "{problems:#?}\nplugin log:\n{}",
-        layout.log()
+        cmd.log()
     );
 }

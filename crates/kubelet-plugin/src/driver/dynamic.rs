@@ -36,11 +36,11 @@
 //! - *Sweeping only at start*: Node annotations that make a GPU dynamic are applied after the
 //!   start; a periodic sweep under the lock is as safe.
 
-use gpu_dra_core::checkpoint::DynamicMigInstance;
+use gpu_dra_core::checkpoint::{ClaimEntry, DynamicMigInstance, PrepareState};
 use gpu_dra_core::partitioning::GpuMode;
 use tracing::{info, warn};
 
-use super::{ClaimEntry, ClaimRef, Driver, DriverError, PrepareState, blocking, lock};
+use super::{ClaimRef, Driver, DriverError, blocking};
 use crate::inventory::Snapshot;
 use crate::mig::{MigError, MigInstance};
 
@@ -145,12 +145,13 @@ impl Driver {
             return Ok(());
         }
         self.destroy_instances(uid, &stale).await?;
-        self.persist(|cp| {
-            if let Some(e) = cp.claims.get_mut(uid) {
-                e.dynamic_mig.retain(|r| !stale.contains(r));
-            }
-        })
-        .await
+        self.journal
+            .persist(|cp| {
+                if let Some(e) = cp.claims.get_mut(uid) {
+                    e.dynamic_mig.retain(|r| !stale.contains(r));
+                }
+            })
+            .await
     }
 
     async fn list_instances(
@@ -173,7 +174,7 @@ impl Driver {
         wanted: Vec<DynamicMigInstance>,
     ) -> Result<(), DriverError> {
         let _mig = self.mig_lock.lock().await;
-        let others = records(&lock(&self.state).doc, Some(&claim.uid));
+        let others = self.journal.read(|doc| records(doc, Some(&claim.uid)));
         for w in &wanted {
             if let Some((uid, name, r)) = others.iter().find(|(_, _, r)| {
                 r.gpu_uuid == w.gpu_uuid && r.overlaps(w.placement_start, w.placement_size)
@@ -202,13 +203,14 @@ impl Driver {
             extra: Default::default(),
         };
         let records = wanted.clone();
-        self.persist(|cp| {
-            cp.claims
-                .entry(claim.uid.clone())
-                .or_insert(entry)
-                .dynamic_mig = records;
-        })
-        .await?;
+        self.journal
+            .persist(|cp| {
+                cp.claims
+                    .entry(claim.uid.clone())
+                    .or_insert(entry)
+                    .dynamic_mig = records;
+            })
+            .await?;
 
         for (i, w) in wanted.iter().enumerate() {
             let list = self.list_instances(&w.device, &w.gpu_uuid).await?;
@@ -254,18 +256,19 @@ impl Driver {
                     m
                 }
             };
-            self.persist(|cp| {
-                if let Some(r) = cp
-                    .claims
-                    .get_mut(&claim.uid)
-                    .and_then(|e| e.dynamic_mig.get_mut(i))
-                {
-                    r.gi_id = Some(instance.gi_id);
-                    r.ci_id = Some(instance.ci_id);
-                    r.uuid = Some(instance.uuid.clone());
-                }
-            })
-            .await?;
+            self.journal
+                .persist(|cp| {
+                    if let Some(r) = cp
+                        .claims
+                        .get_mut(&claim.uid)
+                        .and_then(|e| e.dynamic_mig.get_mut(i))
+                    {
+                        r.gi_id = Some(instance.gi_id);
+                        r.ci_id = Some(instance.ci_id);
+                        r.uuid = Some(instance.uuid.clone());
+                    }
+                })
+                .await?;
         }
         Ok(())
     }
@@ -277,7 +280,7 @@ impl Driver {
         mine: &[DynamicMigInstance],
     ) -> Result<(), DriverError> {
         let _mig = self.mig_lock.lock().await;
-        let others = records(&lock(&self.state).doc, Some(uid));
+        let others = self.journal.read(|doc| records(doc, Some(uid)));
         for r in mine {
             let list = self.list_instances(&r.device, &r.gpu_uuid).await?;
             let found = list.iter().find(|m| {
@@ -316,7 +319,7 @@ impl Driver {
                 }
             };
             // Read after the listing, under the lock: every instance listed has its record.
-            let owners = records(&lock(&self.state).doc, None);
+            let owners = self.journal.read(|doc| records(doc, None));
             for m in list {
                 if owners.iter().any(|(_, _, r)| owns(r, &gpu, &m)) {
                     continue;
@@ -343,10 +346,11 @@ mod tests {
     use gpu_dra_device::testing::{a100_dynamic, inventory};
 
     use super::*;
-    use crate::claims::MemoryClaims;
     use crate::failpoint::Failpoints;
     use crate::mig::MigControl;
-    use crate::testing::{DRIVER_NAME, DriverBuilder, FakeMig, NODE_NAME, allocated_claim};
+    use crate::testing::{
+        DRIVER_NAME, DriverBuilder, FakeMig, MemoryClaims, NODE_NAME, allocated_claim,
+    };
 
     /// `3g.20gb` at 4, `2g.10gb` at 0, `1g.5gb` at 2 on an A100-40GB: they fit together.
     const D3G: &str = "gpu-0-mig-3g20gb-9-4";

@@ -1,7 +1,7 @@
 //! The ResourceSlice publisher: keeps the node's pool on the API server equal to the inventory.
 //!
-//! A thin async shell around [`plan::plan`]: it takes the inventory and device taints from the
-//! node's [`LiveInventory`], lists the node's slices, applies the planned operations, and
+//! A thin async shell around [`diff::diff`]: it takes the inventory and device taints from the
+//! node's [`LiveInventory`], lists the node's slices, applies the operations of the diff, and
 //! repeats whenever
 //! - the live inventory has a snapshot that renders other slices (a prepare or the periodic
 //!   rediscovery found another layout, a device's health changed);
@@ -16,7 +16,7 @@
 //! deliberately *not* deleted on shutdown: a restarting or upgrading plugin keeps the devices
 //! schedulable, and the kubelet removes a driver's slices itself once no plugin is left.
 
-pub mod plan;
+pub mod diff;
 
 use std::future::Future;
 use std::sync::Arc;
@@ -33,7 +33,7 @@ use kube::runtime::watcher::{self, Event};
 use tokio::sync::{Notify, watch};
 use tokio::time::Instant;
 
-use self::plan::{Op, PlanParams};
+use self::diff::{DiffParams, Op};
 use crate::inventory::{LiveInventory, Snapshot};
 use gpu_dra_core::partitioning::Partitioning;
 
@@ -313,7 +313,7 @@ fn send_status(config: &PublisherConfig, f: impl FnOnce(&mut PublishStatus)) {
     }
 }
 
-/// One reconcile: read the Node and our slices, plan, apply. Returns the pool generation.
+/// One reconcile: read the Node and our slices, diff, apply. Returns the pool generation.
 ///
 /// `capacity_dropped` is set when the API server dropped the consumable-capacity fields of a
 /// slice we wrote (its `DRAConsumableCapacity` feature gate is off): from then on memory-share
@@ -367,9 +367,9 @@ async fn reconcile(
         // The field selector cannot match the pool name; other pools are not ours to touch.
         .filter(|s| s.spec.pool.name == config.node_name)
         .collect();
-    let plan = plan::plan(
+    let diff = diff::diff(
         &snapshot.inventory,
-        &PlanParams {
+        &DiffParams {
             node_name: &config.node_name,
             driver_name: &config.driver_name,
             owner: &owner,
@@ -379,22 +379,22 @@ async fn reconcile(
         },
         &observed,
     );
-    if plan.ops.is_empty() {
-        return Ok(plan.generation);
+    if diff.ops.is_empty() {
+        return Ok(diff.generation);
     }
-    for w in &plan.warnings {
+    for w in &diff.warnings {
         tracing::warn!(device = %w.device, field = %w.field, reason = %w.reason, "attribute left out of the ResourceSlice");
     }
     tracing::info!(
-        generation = plan.generation,
-        ops = plan.ops.len(),
+        generation = diff.generation,
+        ops = diff.ops.len(),
         "updating ResourceSlices"
     );
     let pp = PostParams {
         field_manager: Some("gpu-kubelet-plugin".into()),
         ..PostParams::default()
     };
-    for op in &plan.ops {
+    for op in &diff.ops {
         match op {
             Op::Create(s) => {
                 let got = slices
@@ -430,11 +430,11 @@ async fn reconcile(
         }
         tracing::debug!(slice = %op.name(), "applied");
     }
-    Ok(plan.generation)
+    Ok(diff.generation)
 }
 
 fn note_dropped_capacity(sent: &ResourceSlice, got: &ResourceSlice, dropped: &mut bool) {
-    if !*dropped && plan::dropped_consumable_capacity(sent, got) {
+    if !*dropped && diff::dropped_consumable_capacity(sent, got) {
         *dropped = true;
         tracing::warn!(
             slice = %sent.metadata.name.as_deref().unwrap_or_default(),

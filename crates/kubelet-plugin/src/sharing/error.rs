@@ -118,14 +118,6 @@ pub enum SharingError {
         /// What was wrong and what would be valid.
         message: String,
     },
-    /// This build or node runs without sharing support ([`super::ExclusiveOnly`]).
-    #[error(
-        "sharing.strategy {strategy}: sharing not enabled in this build; remove `sharing` from the config"
-    )]
-    NotEnabled {
-        /// `TimeSlicing` or `MPS`.
-        strategy: &'static str,
-    },
     /// Two claims want incompatible sharing on the same GPU.
     #[error("GPU {gpu} is already shared with {holder}; it cannot also be used with {wanted}")]
     Conflict {

@@ -1,9 +1,9 @@
 //! The seam between the prepare pipeline and sharing: [`SharingExecutor`] applies and
 //! releases the sharing action of one device group of a plan.
 //!
-//! [`SharingManager`] is the real executor (time-slicing and supervised MPS daemons);
-//! [`ExclusiveOnly`] refuses any sharing and serves builds and tests that have no driver
-//! tools. Apply returns container edits (the MPS pipe directory mount and its env) that the
+//! [`SharingManager`] is the real executor (time-slicing and supervised MPS daemons), the only
+//! one the plugin runs; tests use doubles such as `testing::ExclusiveOnly`, which refuses any
+//! sharing and needs no driver tools. Apply returns container edits (the MPS pipe directory mount and its env) that the
 //! pipeline adds to the group's CDI devices, and a small state value that the pipeline keeps
 //! in its checkpoint entry; the manager's own state (daemon pids, directories, limits,
 //! time-slice reference counts) lives in its [`SharingStore`](super::SharingStore).
@@ -53,16 +53,12 @@ pub trait SharingExecutor: Send + Sync {
     ) -> BoxFuture<'a, Result<(), SharingError>>;
 
     /// Undoes the sharing NVIDIA's driver applied for an imported claim. Must succeed when
-    /// called again. The default does nothing: an executor without driver tools cannot
-    /// reset GPUs (and refuses sharing of its own, so nothing of ours conflicts).
+    /// called again.
     fn release_imported<'a>(
         &'a self,
         claim_uid: &'a str,
         imported: &'a Imported,
-    ) -> BoxFuture<'a, Result<(), SharingError>> {
-        let _ = (claim_uid, imported);
-        Box::pin(async { Ok(()) })
-    }
+    ) -> BoxFuture<'a, Result<(), SharingError>>;
 }
 
 /// The wire name of a sharing strategy.
@@ -70,34 +66,6 @@ pub fn strategy_name(sharing: &Sharing) -> &'static str {
     match sharing {
         Sharing::TimeSlicing { .. } => "TimeSlicing",
         Sharing::Mps(_) => "MPS",
-    }
-}
-
-/// The executor of builds without sharing: exclusive groups pass, sharing is refused.
-#[derive(Debug, Default, Clone, Copy)]
-pub struct ExclusiveOnly;
-
-impl SharingExecutor for ExclusiveOnly {
-    fn apply<'a>(
-        &'a self,
-        _plan: &'a Plan,
-        group: &'a SharingGroup,
-    ) -> BoxFuture<'a, Result<Applied, SharingError>> {
-        let result = match &group.sharing {
-            None => Ok(Applied::default()),
-            Some(s) => Err(SharingError::NotEnabled {
-                strategy: strategy_name(s),
-            }),
-        };
-        Box::pin(async move { result })
-    }
-
-    fn release<'a>(
-        &'a self,
-        _claim_uid: &'a str,
-        _state: Option<&'a Value>,
-    ) -> BoxFuture<'a, Result<(), SharingError>> {
-        Box::pin(async { Ok(()) })
     }
 }
 

@@ -38,7 +38,7 @@ use std::time::Duration;
 
 use gpu_dra_api::Sharing;
 use gpu_dra_core::cdi::ContainerEdits;
-use gpu_dra_core::sharing::{SharedDevice, daemon_id};
+use gpu_dra_core::sharing::SharedDevice;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::registry::Registry;
 
@@ -209,11 +209,12 @@ impl SharingManager {
         lock(&self.inner.state).clone()
     }
 
-    /// The pid of the daemon serving `claim_uid`'s `group`, if one is recorded.
+    /// The pid of the daemon serving `claim_uid`'s `group`, if one is recorded (for tests).
+    #[cfg(any(test, feature = "testing"))]
     pub fn mps_pid(&self, claim_uid: &str, group: &str) -> Option<u32> {
         lock(&self.inner.state)
             .mps
-            .get(&daemon_id(claim_uid, group))
+            .get(&gpu_dra_core::sharing::daemon_id(claim_uid, group))
             .and_then(|r| r.pid)
     }
 

@@ -45,11 +45,11 @@ pub mod timeslice;
 pub mod tools;
 
 pub use error::SharingError;
-pub use executor::{Applied, ExclusiveOnly, SharingExecutor};
+pub use executor::{Applied, SharingExecutor};
 pub use gpu_dra_core::sharing::{SharedDevice, daemon_id};
 pub use manager::{SharingManager, SharingMetrics, SharingOptions};
 pub use pods::{PodDaemons, PodSettings};
 pub use recovery::RecoveryReport;
 pub use restore::RestoreReport;
-pub use state::{FileStore, MemoryStore, SharingState, SharingStore};
+pub use state::{FileStore, SharingState, SharingStore};
 pub use tools::DriverRoot;

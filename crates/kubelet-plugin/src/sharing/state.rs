@@ -194,22 +194,6 @@ impl SharingStore for FileStore {
     }
 }
 
-/// An in-memory store, for tests and for callers that persist the state themselves.
-#[derive(Debug, Default)]
-pub struct MemoryStore(std::sync::Mutex<SharingState>);
-
-impl SharingStore for MemoryStore {
-    fn load(&self) -> Result<SharingState, SharingError> {
-        Ok(self.0.lock().map(|s| s.clone()).unwrap_or_default())
-    }
-    fn save(&self, state: &SharingState) -> Result<(), SharingError> {
-        if let Ok(mut s) = self.0.lock() {
-            *s = state.clone();
-        }
-        Ok(())
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

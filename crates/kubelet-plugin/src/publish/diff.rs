@@ -1,6 +1,8 @@
-//! The publisher's decision: desired slices vs. what the API server holds -> operations.
+//! The publisher's decision: the difference between the desired slices and what the API server
+//! holds, as the operations that close it ([`diff`] -> [`SliceDiff`]).
 //!
-//! Pure and synchronous so every rule is unit-tested without an API server.
+//! Pure and synchronous so every rule is unit-tested without an API server. (Named apart from
+//! `gpu_dra_core::plan`, the prepare plan of a claim, which has nothing to do with slices.)
 //!
 //! Pool generation rules (what the scheduler relies on):
 //! - every slice of the pool carries the same `pool.generation` and the pool's slice count;
@@ -51,7 +53,7 @@ impl Op {
 
 /// What to do and the generation the pool ends up with.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Plan {
+pub struct SliceDiff {
     /// Pool generation after the operations.
     pub generation: i64,
     /// Operations in the order to apply them (empty: nothing to do).
@@ -60,9 +62,9 @@ pub struct Plan {
     pub warnings: Vec<slices::RenderWarning>,
 }
 
-/// Inputs of [`plan`] besides the inventory and the observed slices.
+/// Inputs of [`diff`] besides the inventory and the observed slices.
 #[derive(Debug, Clone)]
-pub struct PlanParams<'a> {
+pub struct DiffParams<'a> {
     /// Node name (pool name).
     pub node_name: &'a str,
     /// Driver name.
@@ -80,7 +82,11 @@ pub struct PlanParams<'a> {
 
 /// Decides the operations that turn `observed` (our pool's slices on the server) into the
 /// rendering of `inventory`.
-pub fn plan(inventory: &Inventory, params: &PlanParams<'_>, observed: &[ResourceSlice]) -> Plan {
+pub fn diff(
+    inventory: &Inventory,
+    params: &DiffParams<'_>,
+    observed: &[ResourceSlice],
+) -> SliceDiff {
     let render = |generation| {
         let Rendered {
             mut slices,
@@ -121,7 +127,7 @@ pub fn plan(inventory: &Inventory, params: &PlanParams<'_>, observed: &[Resource
             }
             ops.sort_by_key(|op| matches!(op, Op::Create(_)));
             ops.extend(deletions(observed, &desired));
-            return Plan {
+            return SliceDiff {
                 generation,
                 ops,
                 warnings,
@@ -147,7 +153,7 @@ pub fn plan(inventory: &Inventory, params: &PlanParams<'_>, observed: &[Resource
     let mut ops = updates;
     ops.extend(creates);
     ops.extend(deletions(observed, &desired));
-    Plan {
+    SliceDiff {
         generation,
         ops,
         warnings,
@@ -267,8 +273,8 @@ mod tests {
         memory_shares: gpu_dra_core::partitioning::GpuSelection::None,
     };
 
-    fn params(owner: &OwnerReference, last: i64) -> PlanParams<'_> {
-        PlanParams {
+    fn params(owner: &OwnerReference, last: i64) -> DiffParams<'_> {
+        DiffParams {
             node_name: "node-a",
             driver_name: "gpu.nvidia.com",
             owner,
@@ -278,9 +284,9 @@ mod tests {
         }
     }
 
-    /// Applies a plan to a fake server state, as the API server would.
-    fn apply(server: &mut Vec<ResourceSlice>, plan: &Plan) {
-        for op in &plan.ops {
+    /// Applies a diff to a fake server state, as the API server would.
+    fn apply(server: &mut Vec<ResourceSlice>, diff: &SliceDiff) {
+        for op in &diff.ops {
             match op {
                 Op::Create(s) => {
                     assert!(server.iter().all(|o| o.metadata.name != s.metadata.name));
@@ -304,14 +310,14 @@ mod tests {
         server.sort_by(|a, b| a.metadata.name.cmp(&b.metadata.name));
     }
 
-    /// Plans against the fake server state and applies the plan.
-    fn publish(server: &mut Vec<ResourceSlice>, inv: &Inventory, params: &PlanParams<'_>) {
-        let p = plan(inv, params, server);
+    /// Diffs against the fake server state and applies the operations.
+    fn publish(server: &mut Vec<ResourceSlice>, inv: &Inventory, params: &DiffParams<'_>) {
+        let p = diff(inv, params, server);
         apply(server, &p);
     }
 
-    fn kinds(plan: &Plan) -> Vec<String> {
-        plan.ops
+    fn kinds(diff: &SliceDiff) -> Vec<String> {
+        diff.ops
             .iter()
             .map(|op| {
                 let k = match op {
@@ -329,11 +335,11 @@ mod tests {
         let o = owner();
         let inv = inventory(2);
         let mut server = vec![];
-        let p = plan(&inv, &params(&o, 0), &server);
+        let p = diff(&inv, &params(&o, 0), &server);
         assert_eq!(p.generation, 1);
         assert_eq!(kinds(&p), ["create node-a-gpu-nvidia-com-0"]);
         apply(&mut server, &p);
-        let again = plan(&inv, &params(&o, 1), &server);
+        let again = diff(&inv, &params(&o, 1), &server);
         assert!(again.ops.is_empty(), "{:?}", kinds(&again));
         assert_eq!(again.generation, 1);
         let s = &server[0];
@@ -349,7 +355,7 @@ mod tests {
         let mut server = vec![];
         publish(&mut server, &inventory(130), &params(&o, 0));
         assert_eq!(server.len(), 2);
-        let p = plan(&inventory(131), &params(&o, 1), &server);
+        let p = diff(&inventory(131), &params(&o, 1), &server);
         assert_eq!(p.generation, 2);
         assert_eq!(
             kinds(&p),
@@ -367,7 +373,7 @@ mod tests {
         let o = owner();
         let mut server = vec![];
         publish(&mut server, &inventory(200), &params(&o, 0));
-        let p = plan(&inventory(3), &params(&o, 1), &server);
+        let p = diff(&inventory(3), &params(&o, 1), &server);
         assert_eq!(
             kinds(&p),
             [
@@ -388,7 +394,7 @@ mod tests {
         let mut server = vec![];
         publish(&mut server, &inv, &params(&o, 0));
         server.remove(1);
-        let p = plan(&inv, &params(&o, 1), &server);
+        let p = diff(&inv, &params(&o, 1), &server);
         assert_eq!(p.generation, 1);
         assert_eq!(kinds(&p), ["create node-a-gpu-nvidia-com-1"]);
     }
@@ -396,7 +402,7 @@ mod tests {
     #[test]
     fn all_slices_deleted_restarts_above_the_last_written_generation() {
         let o = owner();
-        let p = plan(&inventory(1), &params(&o, 7), &[]);
+        let p = diff(&inventory(1), &params(&o, 7), &[]);
         assert_eq!(p.generation, 8);
     }
 
@@ -407,11 +413,11 @@ mod tests {
         let mut server = vec![];
         publish(&mut server, &inv, &params(&o, 0));
         server[0].spec.devices.as_mut().unwrap()[0].name = "gpu-99".into();
-        let p = plan(&inv, &params(&o, 1), &server);
+        let p = diff(&inv, &params(&o, 1), &server);
         assert_eq!(p.generation, 2);
         assert_eq!(kinds(&p), ["update node-a-gpu-nvidia-com-0"]);
         apply(&mut server, &p);
-        assert!(plan(&inv, &params(&o, 2), &server).ops.is_empty());
+        assert!(diff(&inv, &params(&o, 2), &server).ops.is_empty());
     }
 
     #[test]
@@ -421,7 +427,7 @@ mod tests {
         let mut server = vec![];
         publish(&mut server, &inv, &params(&o, 0));
         server[1].spec.pool.generation = 5;
-        let p = plan(&inv, &params(&o, 1), &server);
+        let p = diff(&inv, &params(&o, 1), &server);
         assert_eq!(p.generation, 6);
         assert_eq!(p.ops.len(), 2);
     }
@@ -433,14 +439,14 @@ mod tests {
         let mut server = vec![];
         publish(&mut server, &inv, &params(&o, 0));
         server[0].metadata.owner_references = None;
-        let p = plan(&inv, &params(&o, 1), &server);
+        let p = diff(&inv, &params(&o, 1), &server);
         assert_eq!(p.generation, 1);
         assert_eq!(kinds(&p), ["update node-a-gpu-nvidia-com-0"]);
         // A Node recreated with a new UID: slices are re-owned.
         let mut new_owner = owner();
         new_owner.uid = "uid-2".into();
         apply(&mut server, &p);
-        let p = plan(&inv, &params(&new_owner, 1), &server);
+        let p = diff(&inv, &params(&new_owner, 1), &server);
         assert_eq!(kinds(&p), ["update node-a-gpu-nvidia-com-0"]);
     }
 
@@ -455,13 +461,13 @@ mod tests {
             .as_mut()
             .unwrap();
         caps.get_mut("memory").unwrap().value = Quantity(format!("{}", 81559u64 << 20));
-        assert!(plan(&inv, &params(&o, 1), &server).ops.is_empty());
+        assert!(diff(&inv, &params(&o, 1), &server).ops.is_empty());
 
         let empty = inventory(0);
         let mut server = vec![];
         publish(&mut server, &empty, &params(&o, 0));
         server[0].spec.devices = None;
-        assert!(plan(&empty, &params(&o, 1), &server).ops.is_empty());
+        assert!(diff(&empty, &params(&o, 1), &server).ops.is_empty());
     }
 
     /// Something that happens to the server between reconciles.
@@ -487,11 +493,11 @@ mod tests {
 
     proptest::proptest! {
         #![proptest_config(proptest::prelude::ProptestConfig::with_cases(48))]
-        /// Whatever the inventory changes and third-party edits, one plan brings the server to
-        /// the desired pool: a second plan is empty, every slice has the same generation and
+        /// Whatever the inventory changes and third-party edits, one diff brings the server to
+        /// the desired pool: a second diff is empty, every slice has the same generation and
         /// the right count, the generation never goes down, and the devices are the inventory's.
         #[test]
-        fn one_plan_always_converges(
+        fn one_diff_always_converges(
             steps in proptest::collection::vec(((0u32..300), arb_disturbance()), 1..10),
         ) {
             let o = owner();
@@ -519,11 +525,11 @@ mod tests {
                     _ => {}
                 }
                 let inv = inventory(n);
-                let p = plan(&inv, &params(&o, last), &server);
+                let p = diff(&inv, &params(&o, last), &server);
                 proptest::prop_assert!(p.generation >= last);
                 apply(&mut server, &p);
                 last = last.max(p.generation);
-                let again = plan(&inv, &params(&o, last), &server);
+                let again = diff(&inv, &params(&o, last), &server);
                 proptest::prop_assert!(again.ops.is_empty(), "{:?}", kinds(&again));
                 let count = server.len() as i64;
                 proptest::prop_assert!(server.iter().all(|s| s.spec.pool.generation == p.generation

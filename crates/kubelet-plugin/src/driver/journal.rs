@@ -1,0 +1,150 @@
+//! The checkpoint journal: the checkpoint document in memory and its writes to disk, with
+//! group commit.
+//!
+//! Every change goes through [`Journal::persist`], which applies it in memory and returns once
+//! a write that contains it is durable (temp file, fsync, rename, fsync of the folder:
+//! [`crate::checkpoint_file::write_bytes`]).
+//!
+//! Invariants:
+//! - the file on disk is always one whole document as it was in memory at some moment: writes
+//!   are serialized and each serializes the document under the state lock;
+//! - when `persist` returns `Ok`, its change is on disk;
+//! - group commit: changes made while a write is in flight are written together by the next
+//!   writer, and a caller whose change an earlier write already carried returns without
+//!   writing, so concurrent claims share one write instead of queueing one each;
+//! - the in-memory document is the truth for this process's readers even when a write failed
+//!   (the caller then fails its operation, and its rollback or retry writes again).
+
+use std::path::PathBuf;
+use std::sync::Mutex;
+
+use gpu_dra_core::checkpoint::{Checkpoint, ClaimEntry};
+
+use super::{DriverError, blocking, lock};
+
+/// The checkpoint in memory and the one writer of its file.
+pub(super) struct Journal {
+    path: PathBuf,
+    state: Mutex<State>,
+    /// Serializes file writes; holds the change count last written.
+    writer: tokio::sync::Mutex<u64>,
+}
+
+struct State {
+    doc: Checkpoint,
+    /// Bumped on every in-memory change.
+    changes: u64,
+}
+
+impl Journal {
+    /// A journal of `doc`, as loaded from `path`, where it is written.
+    pub(super) fn new(path: PathBuf, doc: Checkpoint) -> Self {
+        Journal {
+            path,
+            state: Mutex::new(State { doc, changes: 0 }),
+            writer: tokio::sync::Mutex::new(0),
+        }
+    }
+
+    /// Reads the document in memory (under its lock: keep `f` short).
+    pub(super) fn read<R>(&self, f: impl FnOnce(&Checkpoint) -> R) -> R {
+        f(&lock(&self.state).doc)
+    }
+
+    /// A copy of claim `uid`'s entry.
+    pub(super) fn entry(&self, uid: &str) -> Option<ClaimEntry> {
+        self.read(|doc| doc.claims.get(uid).cloned())
+    }
+
+    /// Applies `change` to the checkpoint and returns once a write containing it is durable.
+    pub(super) async fn persist(
+        &self,
+        change: impl FnOnce(&mut Checkpoint),
+    ) -> Result<(), DriverError> {
+        let mine = {
+            let mut st = lock(&self.state);
+            change(&mut st.doc);
+            st.changes += 1;
+            st.changes
+        };
+        let mut written = self.writer.lock().await;
+        if *written >= mine {
+            // A write that started after our change already made it durable.
+            return Ok(());
+        }
+        let (bytes, upto) = {
+            let st = lock(&self.state);
+            (st.doc.to_json(), st.changes)
+        };
+        let path = self.path.clone();
+        blocking(move || crate::checkpoint_file::write_bytes(&path, &bytes)).await??;
+        *written = upto;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+
+    fn on_disk(path: &std::path::Path) -> Checkpoint {
+        Checkpoint::from_json(&std::fs::read(path).expect("file")).expect("valid")
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn every_change_is_on_disk_when_its_persist_returns_also_among_concurrent_ones() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join(gpu_dra_core::checkpoint::FILE_NAME);
+        let journal = Arc::new(Journal::new(path.clone(), Checkpoint::new()));
+        let tasks: Vec<_> = (0..32)
+            .map(|i| {
+                let (journal, path) = (journal.clone(), path.clone());
+                tokio::spawn(async move {
+                    let uid = format!("uid-{i}");
+                    let added = uid.clone();
+                    journal
+                        .persist(move |cp| {
+                            cp.imported_from_nvidia.insert(added);
+                        })
+                        .await
+                        .expect("persists");
+                    assert!(
+                        on_disk(&path).imported_from_nvidia.contains(&uid),
+                        "{uid} is durable once persist returns"
+                    );
+                })
+            })
+            .collect();
+        for t in tasks {
+            t.await.expect("joins");
+        }
+        let cp = on_disk(&path);
+        assert_eq!(cp.imported_from_nvidia.len(), 32);
+        assert_eq!(cp, journal.read(Checkpoint::clone), "disk and memory agree");
+    }
+
+    #[tokio::test]
+    async fn a_failed_write_names_the_file_and_the_change_stays_in_memory() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        // A regular file where the folder should be: the write cannot succeed.
+        std::fs::write(dir.path().join("plugin"), "").expect("file");
+        let path = dir.path().join("plugin").join("checkpoint");
+        let journal = Journal::new(path.clone(), Checkpoint::new());
+        let err = journal
+            .persist(|cp| {
+                cp.imported_from_nvidia.insert("uid-a".into());
+            })
+            .await
+            .expect_err("cannot write");
+        assert!(
+            matches!(err, DriverError::Checkpoint(_))
+                && err
+                    .to_string()
+                    .starts_with(&format!("cannot write checkpoint {}", path.display())),
+            "{err}"
+        );
+        assert!(journal.read(|cp| cp.imported_from_nvidia.contains("uid-a")));
+    }
+}

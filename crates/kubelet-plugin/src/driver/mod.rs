@@ -1,0 +1,248 @@
+//! The prepare/unprepare engine behind the gRPC services: the plugin's state machine over
+//! claims, devices, CDI specs and the checkpoint.
+//!
+//! By role:
+//! - [`prepare`]: the kubelet's prepare call, from the claim to the answered CDI IDs;
+//! - [`unprepare`]: the kubelet's unprepare call and `unprepare_locked`, the one path that
+//!   undoes a claim (unprepare, a failed or stale prepare, the cleanup);
+//! - [`holders`]: which prepared claims hold which device, and who may share one;
+//! - [`journal`]: the checkpoint in memory and its group-committed writes;
+//! - [`reconcile`]: the cleanup at start and periodically;
+//! - [`dynamic`]: the MIG instances of dynamic MIG devices.
+//!
+//! Invariants that span them:
+//! - per claim UID one operation at a time (a per-UID async lock, kept only while an
+//!   operation holds or waits for it: [`crate::claim_locks`]); different claims proceed
+//!   concurrently, also within one kubelet call;
+//! - order of effects: checkpoint `PrepareStarted` (with the devices) -> sharing -> CDI spec
+//!   -> checkpoint `PrepareCompleted`. Unprepare and rollback undo in reverse (sharing, spec,
+//!   entry). So after a crash at any step the checkpoint names every side effect that may
+//!   exist, and a retry or the startup reconcile cleans it up;
+//! - the holder table and the checkpoint agree: it is rebuilt from the checkpoint at start, a
+//!   claim is reserved before its entry is written and released once its entry is gone;
+//! - claims imported from NVIDIA's driver ([`crate::checkpoint_file`]) are answered and
+//!   reserved like ours; undoing one removes NVIDIA's spec file for it and resets the
+//!   time-slicing NVIDIA applied (through [`SharingExecutor::release_imported`]);
+//! - a claim's dynamic MIG devices get their MIG instances before anything else: the intent
+//!   is in the checkpoint before an instance is created, and unprepare and every rollback
+//!   destroy them after the CDI spec is gone (see [`dynamic`]).
+
+mod dynamic;
+#[cfg(test)]
+mod fixtures;
+mod holders;
+mod journal;
+mod prepare;
+mod reconcile;
+mod unprepare;
+
+use std::sync::{Arc, Mutex};
+
+use gpu_dra_core::checkpoint::{Checkpoint, PrepareState};
+use gpu_dra_core::plan::{ConfigDecoder, PlanError};
+
+use self::holders::Holders;
+use self::journal::Journal;
+use crate::cdi_io::{CdiError, CdiHost};
+use crate::checkpoint_file::CheckpointFileError;
+use crate::claim_locks::ClaimLocks;
+use crate::claims::{ClaimSource, ClaimSourceError};
+use crate::failpoint::{Failpoints, Fired};
+use crate::inventory::{LiveInventory, ResolveError};
+use crate::metrics::Metrics;
+use crate::mig::MigControl;
+use crate::sharing::{SharingError, SharingExecutor};
+
+/// Why a claim could not be prepared or unprepared.
+#[derive(Debug, thiserror::Error)]
+pub enum DriverError {
+    /// The claim does not exist in the API server.
+    #[error("ResourceClaim {claim} not found")]
+    ClaimNotFound {
+        /// `namespace/name`.
+        claim: String,
+    },
+    /// Reading the claim failed.
+    #[error(transparent)]
+    Source(#[from] ClaimSourceError),
+    /// The claim cannot be planned.
+    #[error(transparent)]
+    Plan(#[from] PlanError),
+    /// A device is held by another prepared claim.
+    #[error(
+        "device {device} is already prepared for claim {holder} (uid {holder_uid}); a device is prepared for one claim at a time, besides claims with adminAccess and shares of a memory-share GPU (when that claim's pod has just ended, the kubelet unprepares it shortly and its retry of this prepare succeeds)"
+    )]
+    DeviceBusy {
+        /// Device name.
+        device: String,
+        /// `namespace/name` of the holder.
+        holder: String,
+        /// UID of the holder.
+        holder_uid: String,
+    },
+    /// Applying or releasing sharing failed.
+    #[error(transparent)]
+    Sharing(#[from] SharingError),
+    /// A CDI step failed.
+    #[error(transparent)]
+    Cdi(#[from] CdiError),
+    /// Reading the checkpoint at start failed (or it is not a checkpoint of ours), or writing
+    /// it failed.
+    #[error(transparent)]
+    Checkpoint(#[from] CheckpointFileError),
+    /// A failpoint fired.
+    #[error(transparent)]
+    Failpoint(#[from] Fired),
+    /// A blocking task panicked or was cancelled.
+    #[error("internal task failed: {0}")]
+    Task(String),
+    /// The allocated device is not the one published under its name, or discovery failed.
+    #[error(transparent)]
+    Resolve(#[from] ResolveError),
+    /// A dynamic MIG device's instance could not be created, found or destroyed.
+    #[error("dynamic MIG device {device}: {reason}")]
+    DynamicMig {
+        /// Device name.
+        device: String,
+        /// What went wrong and what to do.
+        reason: String,
+    },
+}
+
+/// Identity of a claim as the kubelet sends it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClaimRef {
+    /// Namespace.
+    pub namespace: String,
+    /// Name.
+    pub name: String,
+    /// UID.
+    pub uid: String,
+}
+
+/// Static settings of the driver.
+pub struct DriverSettings {
+    /// DRA driver name (`gpu.nvidia.com`).
+    pub driver_name: String,
+    /// Node name = pool name.
+    pub node_name: String,
+    /// Checkpoint file (`<plugin-dir>/gpu-dra-checkpoint.json`; our or NVIDIA's
+    /// `checkpoint.json` next to it is migrated or imported at start).
+    pub checkpoint_path: std::path::PathBuf,
+    /// The node's current boot ID (`None`: unknown, reboots are then detected only through
+    /// missing CDI specs).
+    pub boot_id: Option<String>,
+}
+
+/// The prepare/unprepare engine behind the gRPC services.
+pub struct Driver {
+    settings: DriverSettings,
+    inventory: Arc<LiveInventory>,
+    claims: Arc<dyn ClaimSource>,
+    sharing: Arc<dyn SharingExecutor>,
+    decoder: Arc<dyn ConfigDecoder + Send + Sync>,
+    cdi: Arc<CdiHost>,
+    failpoints: Failpoints,
+    metrics: Arc<Metrics>,
+    mig: Arc<dyn MigControl>,
+    /// Held while MIG instances are recorded and created, destroyed, or swept, so that a
+    /// sweep never sees an instance without the checkpoint record that owns it.
+    mig_lock: tokio::sync::Mutex<()>,
+    journal: Journal,
+    claim_locks: ClaimLocks,
+    holders: Mutex<Holders>,
+}
+
+/// Everything the driver is built from.
+pub struct DriverParts {
+    /// Settings.
+    pub settings: DriverSettings,
+    /// The node's live inventory (prepare resolves devices in it).
+    pub inventory: Arc<LiveInventory>,
+    /// Claim source.
+    pub claims: Arc<dyn ClaimSource>,
+    /// Sharing executor.
+    pub sharing: Arc<dyn SharingExecutor>,
+    /// Opaque config decoder.
+    pub decoder: Arc<dyn ConfigDecoder + Send + Sync>,
+    /// CDI host layout.
+    pub cdi: Arc<CdiHost>,
+    /// Failpoints.
+    pub failpoints: Failpoints,
+    /// Metrics.
+    pub metrics: Arc<Metrics>,
+    /// Creates and destroys the MIG instances of dynamic MIG devices.
+    pub mig: Arc<dyn MigControl>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    // A panic while holding one of these short locks leaves plain data behind; keep going.
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> T + Send + 'static,
+) -> Result<T, DriverError> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| DriverError::Task(e.to_string()))
+}
+
+impl Driver {
+    /// Loads the checkpoint (a missing file is an empty checkpoint; see
+    /// [`crate::checkpoint_file`] for the migration and the import of NVIDIA's) and builds the
+    /// driver.
+    pub fn new(parts: DriverParts) -> Result<Self, DriverError> {
+        let doc = crate::checkpoint_file::open(&parts.settings.checkpoint_path)?;
+        let holders = Holders::from_checkpoint(&doc);
+        let prepared: usize = doc
+            .claims
+            .values()
+            .filter(|e| e.state == PrepareState::PrepareCompleted)
+            .map(|e| e.devices.len())
+            .sum();
+        parts.metrics.prepared_devices.set(prepared as i64);
+        Ok(Driver {
+            journal: Journal::new(parts.settings.checkpoint_path.clone(), doc),
+            settings: parts.settings,
+            inventory: parts.inventory,
+            claims: parts.claims,
+            sharing: parts.sharing,
+            decoder: parts.decoder,
+            cdi: parts.cdi,
+            failpoints: parts.failpoints,
+            metrics: parts.metrics,
+            mig: parts.mig,
+            mig_lock: tokio::sync::Mutex::new(()),
+            claim_locks: ClaimLocks::default(),
+            holders: Mutex::new(holders),
+        })
+    }
+
+    /// The metrics.
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        &self.metrics
+    }
+
+    /// The driver name.
+    pub fn driver_name(&self) -> &str {
+        &self.settings.driver_name
+    }
+
+    /// A copy of the checkpoint as it is in memory.
+    pub fn checkpoint(&self) -> Checkpoint {
+        self.journal.read(Checkpoint::clone)
+    }
+
+    /// IDs of the MPS control daemons of claims imported from NVIDIA's driver: their
+    /// directories under `<plugin-dir>/mps` are NVIDIA's, not strays of ours.
+    pub fn imported_mps_daemons(&self) -> Vec<String> {
+        self.journal.read(|doc| {
+            doc.claims
+                .values()
+                .filter_map(|e| e.imported.as_ref())
+                .flat_map(|i| i.mps_control_daemons.iter().cloned())
+                .collect()
+        })
+    }
+}
