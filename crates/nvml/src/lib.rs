@@ -30,7 +30,7 @@
 //! - `src/health.rs`: the event set and the field-value read (the whole module);
 //! - `src/mig_ops.rs`: dynamic MIG's GPU- and compute-instance calls (the whole module).
 //!
-//! `src/sysfs.rs` has none. A unit test keeps this list and the `allow`s in step.
+//! `src/sysfs.rs` has none. `repo-tests/tests/docs.rs` keeps this list and the `allow`s in step.
 
 pub mod health;
 pub mod mig_ops;
@@ -464,8 +464,6 @@ fn check(ret: nvmlReturn_t) -> Result<(), NvmlError> {
 
 #[cfg(test)]
 mod tests {
-    use std::collections::BTreeSet;
-
     use super::*;
 
     #[test]
@@ -522,36 +520,5 @@ mod tests {
         let err = inv.discover().unwrap_err();
         assert!(matches!(err, DeviceError::Init { .. }), "{err}");
         assert!(err.to_string().contains("/nonexistent/libnvidia-ml.so.1"));
-    }
-
-    /// The `src/...` files named in the "Unsafe code" paragraph of the crate doc.
-    fn documented_unsafe_files(lib: &str) -> BTreeSet<String> {
-        lib.lines()
-            .skip_while(|l| !l.starts_with("//! Unsafe code"))
-            .take_while(|l| l.starts_with("//!") && l.trim_end() != "//!")
-            .flat_map(|l| l.split('`').skip(1).step_by(2))
-            .filter(|w| w.starts_with("src/") && w.ends_with(".rs"))
-            .map(str::to_owned)
-            .collect()
-    }
-
-    #[test]
-    fn the_crate_doc_lists_every_file_that_allows_unsafe_code() {
-        let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-        let lib = std::fs::read_to_string(root.join("src/lib.rs")).expect("read lib.rs");
-        let mut found = BTreeSet::new();
-        for entry in std::fs::read_dir(root.join("src")).expect("read src") {
-            let path = entry.expect("src entry").path();
-            let text = std::fs::read_to_string(&path).expect("read source");
-            let allows = text.lines().map(str::trim_start).any(|l| {
-                (l.starts_with("#![allow(") || l.starts_with("#[allow("))
-                    && l.contains("unsafe_code")
-            });
-            if allows {
-                let rel = path.strip_prefix(root).expect("under the crate");
-                found.insert(rel.display().to_string());
-            }
-        }
-        assert_eq!(documented_unsafe_files(&lib), found);
     }
 }

@@ -7,6 +7,9 @@
 //!   row for a path that is gone.
 //! - The binaries' rows in that table list exactly their subcommands, read from the same clap
 //!   definitions the binaries parse.
+//! - `unsafe_code` is forbidden workspace-wide; a crate that needs it (the NVML calls, the
+//!   simulator's C ABI) lowers the lint for itself and allows it file by file: the files with
+//!   such an `allow` are exactly those its crate doc lists in its "Unsafe code" paragraph.
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -180,4 +183,62 @@ fn readme_lists_each_binarys_subcommands() {
             command.get_name()
         );
     }
+}
+
+/// The `src/...` files named in the "Unsafe code" paragraph of a crate doc.
+fn documented_unsafe_files(lib: &str) -> BTreeSet<String> {
+    lib.lines()
+        .skip_while(|l| !l.starts_with("//! Unsafe code"))
+        .take_while(|l| l.starts_with("//!") && l.trim_end() != "//!")
+        .flat_map(|l| l.split('`').skip(1).step_by(2))
+        .filter(|w| w.starts_with("src/") && w.ends_with(".rs"))
+        .map(str::to_owned)
+        .collect()
+}
+
+/// The files under `dir` with an `allow` attribute naming `unsafe_code`, relative to `root`.
+fn files_allowing_unsafe(root: &Path, dir: &Path, out: &mut BTreeSet<String>) {
+    for entry in std::fs::read_dir(dir).expect("read source folder") {
+        let path = entry.expect("folder entry").path();
+        if path.is_dir() {
+            files_allowing_unsafe(root, &path, out);
+            continue;
+        }
+        if path.extension().is_none_or(|e| e != "rs") {
+            continue;
+        }
+        let allows = read(&path).lines().map(str::trim_start).any(|l| {
+            (l.starts_with("#![allow(") || l.starts_with("#[allow(")) && l.contains("unsafe_code")
+        });
+        if allows {
+            let rel = path.strip_prefix(root).expect("under the crate");
+            out.insert(rel.display().to_string());
+        }
+    }
+}
+
+#[test]
+fn every_crate_doc_lists_the_files_that_allow_unsafe_code() {
+    let mut problems = Vec::new();
+    let mut crates_with_unsafe = 0;
+    for member in members() {
+        let root = repo().join(&member);
+        let Ok(lib) = std::fs::read_to_string(root.join("src/lib.rs")) else {
+            continue;
+        };
+        let mut found = BTreeSet::new();
+        files_allowing_unsafe(&root, &root.join("src"), &mut found);
+        crates_with_unsafe += usize::from(!found.is_empty());
+        let documented = documented_unsafe_files(&lib);
+        if documented != found {
+            problems.push(format!(
+                "{member}: files allowing unsafe_code {found:?}, its crate doc's \"Unsafe code\" paragraph lists {documented:?}"
+            ));
+        }
+    }
+    assert!(
+        crates_with_unsafe >= 2,
+        "the NVML backend and the simulator's C ABI need unsafe code; the scan found {crates_with_unsafe} crates"
+    );
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
 }

@@ -32,7 +32,7 @@
 //! - one statement, the `mknod` of `device_node`, in `src/setup.rs`.
 //!
 //! The rest of `src/ffi/` (`mod.rs`, `handles.rs`, `resolve.rs`) and every other module has
-//! none; a unit test keeps the list above and the `allow`s in step. The integration tests that
+//! none; `repo-tests/tests/docs.rs` keeps the list above and the `allow`s in step. The integration tests that
 //! call raw NVML or `dlopen` allow it for themselves.
 
 use std::path::PathBuf;
@@ -119,52 +119,4 @@ pub enum SimError {
         /// Where it was looked for.
         searched: String,
     },
-}
-
-#[cfg(test)]
-mod tests {
-    use std::collections::BTreeSet;
-    use std::path::Path;
-
-    /// The `src/...` files named in the "Unsafe code" paragraph of the crate doc.
-    fn documented(lib: &str) -> BTreeSet<String> {
-        lib.lines()
-            .skip_while(|l| !l.starts_with("//! Unsafe code"))
-            .take_while(|l| l.starts_with("//!") && l.trim_end() != "//!")
-            .flat_map(|l| l.split('`').skip(1).step_by(2))
-            .filter(|w| w.starts_with("src/") && w.ends_with(".rs"))
-            .map(str::to_owned)
-            .collect()
-    }
-
-    /// The files under `dir` with an `allow` attribute that names `unsafe_code`, relative to
-    /// `root`.
-    fn allowing(root: &Path, dir: &Path, out: &mut BTreeSet<String>) {
-        for entry in std::fs::read_dir(dir).expect("read source folder") {
-            let path = entry.expect("folder entry").path();
-            if path.is_dir() {
-                allowing(root, &path, out);
-                continue;
-            }
-            let text = std::fs::read_to_string(&path).expect("read source");
-            let allows = text.lines().map(str::trim_start).any(|l| {
-                (l.starts_with("#![allow(") || l.starts_with("#[allow("))
-                    && l.contains("unsafe_code")
-            });
-            if allows {
-                let rel = path.strip_prefix(root).expect("under the crate");
-                out.insert(rel.display().to_string());
-            }
-        }
-    }
-
-    #[test]
-    fn the_crate_doc_lists_every_file_that_allows_unsafe_code() {
-        let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-        let lib = std::fs::read_to_string(root.join("src/lib.rs")).expect("read lib.rs");
-        let mut found = BTreeSet::new();
-        allowing(root, &root.join("src"), &mut found);
-        assert!(!found.is_empty(), "the C ABI needs unsafe somewhere");
-        assert_eq!(documented(&lib), found);
-    }
 }
