@@ -32,8 +32,8 @@
 //! - one statement, the `mknod` of `device_node`, in `src/setup.rs`.
 //!
 //! The rest of `src/ffi/` (`mod.rs`, `handles.rs`, `resolve.rs`) and every other module has
-//! none; `repo-tests/tests/docs.rs` keeps the list above and the `allow`s in step. The integration tests that
-//! call raw NVML or `dlopen` allow it for themselves.
+//! none; `repo-tests/tests/docs.rs` keeps the list above and the `allow`s in step. The
+//! integration tests that call raw NVML or `dlopen` allow it for themselves.
 
 use std::path::PathBuf;
 
