@@ -46,6 +46,10 @@ struct State {
     /// Every request: `METHOD path?query`.
     requests: Vec<String>,
     down: bool,
+    /// Writes (create, replace, delete through the API) still to fail with 500.
+    fail_writes: u32,
+    /// Writes through the API that succeeded.
+    writes: u64,
     on_create: Option<Hook>,
     on_delete: Option<Hook>,
 }
@@ -205,6 +209,16 @@ impl FakeApi {
         self.lock().requests.len()
     }
 
+    /// Answers the next `n` writes through the API (create, replace, delete) with 500.
+    pub fn fail_writes(&self, n: u32) {
+        self.lock().fail_writes = n;
+    }
+
+    /// How many writes through the API succeeded so far.
+    pub fn writes(&self) -> u64 {
+        self.lock().writes
+    }
+
     /// Takes the server down (every request answered 503, open watches ended) or up.
     pub fn set_down(&self, down: bool) {
         self.lock().down = down;
@@ -323,6 +337,10 @@ impl FakeApi {
         let Some((collection, name)) = found else {
             return Ok(status(404, "NotFound"));
         };
+        if method != "GET" && s.fail_writes > 0 {
+            s.fail_writes -= 1;
+            return Ok(status(500, "InternalError"));
+        }
         let resp = match (method.as_str(), name) {
             ("GET", None) if params.get("watch").is_some_and(|w| w == "true" || w == "1") => {
                 let since: u64 = params
@@ -386,6 +404,7 @@ impl FakeApi {
                 }
                 self.store(&mut s, &collection, &mut obj);
                 self.emit(&mut s, &collection, "ADDED", obj.clone());
+                s.writes += 1;
                 reply(StatusCode::CREATED, &obj)
             }
             ("PUT", Some(n)) => {
@@ -400,12 +419,14 @@ impl FakeApi {
                 obj["metadata"]["uid"] = old["metadata"]["uid"].clone();
                 self.store(&mut s, &collection, &mut obj);
                 self.emit(&mut s, &collection, "MODIFIED", obj.clone());
+                s.writes += 1;
                 reply(StatusCode::OK, &obj)
             }
             ("DELETE", Some(n)) => {
                 if !s.collections[&collection].objects.contains_key(&n) {
                     return Ok(status(404, "NotFound"));
                 }
+                s.writes += 1;
                 drop(s);
                 let obj = self.remove(&collection, &n).unwrap();
                 reply(StatusCode::OK, &obj)
