@@ -21,10 +21,12 @@ const daemonSelector = "app.kubernetes.io/component=mps-control-daemon"
 // the plugin's container and a rolling update of the plugin (helm upgrade)
 // leave that pod, its daemon and its MPS server untouched: the workload's
 // CUDA program keeps the same server and limits, and the new plugin
-// re-adopts the daemon. Deleting the workload unprepares the claim: the
-// daemon pod goes and the GPU is back in compute mode DEFAULT. A daemon pod
-// that no record owns (its claim gone while no plugin ran) is deleted when
-// the plugin starts.
+// re-adopts the daemon. A daemon pod that no record owns (its claim gone
+// while no plugin ran) is deleted when the plugin starts. A daemon pod
+// deleted by someone else is replaced, with the claim's limits: the plugin
+// learns of it through its watch on the node's daemon pods (with the chart's
+// RBAC). Deleting the workload unprepares the claim: the daemon pod goes and
+// the GPU is back in compute mode DEFAULT.
 func TestMPSDaemonOutlivesThePlugin(t *testing.T) {
 	ctx := context.Background()
 	layout := harness.LayoutContainerDriver
@@ -73,6 +75,21 @@ func TestMPSDaemonOutlivesThePlugin(t *testing.T) {
 		t.Errorf("the daemon pod nothing records is still there after the plugin's restart: %v; log:\n%s", err, second.Log())
 	}
 	sameDaemon(ctx, t, n, daemon)
+
+	// Deleted by someone else (an admin, an eviction): replaced.
+	if err := cluster.Client.CoreV1().Pods(daemon.Namespace).Delete(ctx, daemon.Name, metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	err := wait.PollUntilContextTimeout(ctx, 200*time.Millisecond, 60*time.Second, true, func(ctx context.Context) (bool, error) {
+		p, err := cluster.Client.CoreV1().Pods(daemon.Namespace).Get(ctx, daemon.Name, metav1.GetOptions{})
+		return err == nil && p.UID != daemon.UID && p.DeletionTimestamp == nil && p.Status.Phase == v1.PodRunning, nil
+	})
+	if err != nil {
+		t.Fatalf("the deleted MPS control daemon pod was not replaced: %v; plugin log:\n%s", err, second.Log())
+	}
+	daemon = daemonPod(ctx, t, n.Name)
+	// The workload's CUDA program joins the new daemon's server, with the claim's limits.
+	mpsServer(ctx, t, n, pod, "40.0")
 
 	// The claim is unprepared: its daemon pod goes, the GPU is released.
 	if err := cluster.Client.CoreV1().Pods(pod.Namespace).Delete(ctx, pod.Name, metav1.DeleteOptions{}); err != nil {

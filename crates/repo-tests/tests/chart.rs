@@ -237,16 +237,18 @@ fn default_values() {
                 "resourceslices".into(),
                 vec!["create", "update", "delete", "list", "watch"]
             ),
-            ("".into(), "nodes".into(), vec!["get"]),
+            // Its Node, watched for the partitioning annotations (`publish::node_watch`).
+            ("".into(), "nodes".into(), vec!["get", "list", "watch"]),
         ]
     );
-    // Pods only in its own namespace, for the MPS daemon pods (no update, no watch).
+    // Pods only in its own namespace, for the MPS daemon pods, watched by one watch per node
+    // (`sharing::pod_watch`); no update.
     let role = find(&objects, "Role", "rel-gpu-dra-driver-kubelet-plugin");
     assert_eq!(role["metadata"]["namespace"], NAMESPACE);
     assert_eq!(
         role["rules"],
         serde_json::json!([{"apiGroups": [""], "resources": ["pods"],
-            "verbs": ["get", "list", "create", "delete"]}])
+            "verbs": ["get", "list", "watch", "create", "delete"]}])
     );
     let bindings: Vec<&Value> = objects
         .iter()

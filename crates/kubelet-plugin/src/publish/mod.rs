@@ -7,6 +7,7 @@
 //!   rediscovery found another layout, a device's health changed);
 //! - one of our slices changes on the server (a watch with the field selector
 //!   `spec.nodeName=<node>,spec.driver=<driver>`): someone deleted or edited one, so restore it;
+//! - the Node's partitioning annotations change ([`node_watch`]: one watch on the Node);
 //! - the periodic rediscovery (default 60 s) or an on-demand refresh ([`PublisherConfig::refresh`])
 //!   finds a different inventory.
 //!
@@ -17,6 +18,7 @@
 //! schedulable, and the kubelet removes a driver's slices itself once no plugin is left.
 
 pub mod diff;
+pub mod node_watch;
 
 use std::future::Future;
 use std::sync::Arc;
@@ -96,8 +98,8 @@ pub struct PublishStatus {
     pub last_error: Option<String>,
 }
 
-/// Why a publication attempt failed (all are retried; only [`PublishError::WatchEnded`] ends
-/// [`run`]).
+/// Why a publication attempt failed (all are retried; only the end of a watch,
+/// [`PublishError::WatchEnded`] or [`PublishError::NodeWatchEnded`], ends [`run`]).
 #[derive(Debug, thiserror::Error)]
 pub enum PublishError {
     /// Discovering the inventory failed.
@@ -118,6 +120,9 @@ pub enum PublishError {
     /// The watch stream ended, which the watcher never does on its own.
     #[error("the ResourceSlice watch ended")]
     WatchEnded,
+    /// The Node watch ended, which the watcher never does on its own.
+    #[error("the Node watch ended")]
+    NodeWatchEnded,
 }
 
 fn api_err(action: impl Into<String>) -> impl FnOnce(kube::Error) -> PublishError {
@@ -158,7 +163,7 @@ impl Backoff {
 }
 
 /// Publishes the node's ResourceSlices until `shutdown` completes. Returns `Ok(())` on
-/// shutdown; errors are logged and retried, so the only error is the end of the watch stream.
+/// shutdown; errors are logged and retried, so the only error is the end of a watch stream.
 ///
 /// The inventory and the device taints come from `live`: the publisher asks it to rediscover
 /// on its interval and on [`PublisherConfig::refresh`], and republishes whenever a snapshot
@@ -177,6 +182,8 @@ pub async fn run(
     )
     .default_backoff();
     tokio::pin!(events);
+    let annotations = node_watch::watch(nodes.clone(), &config.node_name);
+    tokio::pin!(annotations);
     tokio::pin!(shutdown);
 
     let mut backoff = Backoff::new(config.backoff_initial, config.backoff_max);
@@ -223,6 +230,14 @@ pub async fn run(
                 Some(Ok(Event::Init | Event::InitApply(_))) => {}
                 Some(Err(e)) => tracing::warn!(error = %e, "ResourceSlice watch error; the watcher retries"),
                 None => return Err(PublishError::WatchEnded),
+            },
+            // The reconcile reads the Node again and applies its partitioning.
+            changed = annotations.next() => match changed {
+                Some(a) => {
+                    tracing::debug!(?a, "Node partitioning annotations");
+                    dirty = true;
+                }
+                None => return Err(PublishError::NodeWatchEnded),
             },
         }
         if retry_at.is_some() {

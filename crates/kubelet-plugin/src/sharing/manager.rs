@@ -43,6 +43,7 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::registry::Registry;
 
 use super::error::SharingError;
+use super::pod_watch::PodWatch;
 use super::pods::PodDaemons;
 use super::state::{SharingState, SharingStore};
 use super::supervise::Supervised;
@@ -65,7 +66,8 @@ pub struct SharingOptions {
     pub restart_backoff_initial: Duration,
     /// Largest restart delay.
     pub restart_backoff_max: Duration,
-    /// How often an adopted daemon (not our child) is checked for liveness.
+    /// How often an adopted daemon process (not our child) is checked for liveness; daemons in
+    /// pods are watched, not polled ([`super::pod_watch`]).
     pub liveness_interval: Duration,
     /// The node's current boot ID (`None`: unknown; reboots are then not detected here).
     pub boot_id: Option<String>,
@@ -141,6 +143,8 @@ pub(super) struct Inner {
     pub(super) foreign_dirs: Mutex<Vec<String>>,
     /// When set, MPS daemons run in pods of their own ([`super::pods`]).
     pub(super) pods: std::sync::OnceLock<Arc<PodDaemons>>,
+    /// The node's one watch on daemon pods, set with `pods`.
+    pub(super) pod_watch: std::sync::OnceLock<PodWatch>,
     /// The claims the driver's checkpoint knows (`None`: not told); recovery releases the
     /// sharing of every other claim.
     pub(super) known_claims: Mutex<Option<BTreeSet<String>>>,
@@ -178,15 +182,21 @@ impl SharingManager {
                 metrics,
                 foreign_dirs: Mutex::new(Vec::new()),
                 pods: std::sync::OnceLock::new(),
+                pod_watch: std::sync::OnceLock::new(),
                 known_claims: Mutex::new(None),
             }),
         })
     }
 
-    /// Runs MPS daemons in pods of their own from now on (see [`super::pods`]). Call before
-    /// [`Self::recover`]; a second call is ignored.
+    /// Runs MPS daemons in pods of their own from now on (see [`super::pods`]), and starts the
+    /// node's one watch on them that their supervisors share ([`super::pod_watch`]). Call
+    /// before [`Self::recover`], within a Tokio runtime; a second call is ignored.
     pub fn use_pod_daemons(&self, pods: PodDaemons) {
-        let _ = self.inner.pods.set(Arc::new(pods));
+        let api = pods.api();
+        let node = pods.settings().node.clone();
+        if self.inner.pods.set(Arc::new(pods)).is_ok() {
+            let _ = self.inner.pod_watch.set(PodWatch::start(api, &node));
+        }
     }
 
     /// Names directories under `<plugin-dir>/mps` (NVIDIA MPS daemon IDs of imported claims)

@@ -10,7 +10,8 @@
 //!   restart [`recovery`] re-adopts or restarts daemons, cleans up what was interrupted and
 //!   undoes the sharing of claims the checkpoint no longer knows. With a Kubernetes client and
 //!   an image, each daemon runs in a pod of its own instead, so that it outlives the plugin's
-//!   container ([`pods`]).
+//!   container ([`pods`]); one watch per node on those pods tells every supervisor when its
+//!   pod is gone ([`pod_watch`]).
 //!   Client containers get the pipe directory and `CUDA_MPS_PIPE_DIRECTORY`, and keep their own
 //!   `/dev/shm` (see `gpu_dra_core::sharing` for why, and for the GPUs that would need more).
 //!   A memory-share GPU has one daemon shared by all claims holding a share of it, each
@@ -34,6 +35,7 @@ pub mod error;
 pub mod executor;
 pub mod manager;
 pub mod mps;
+pub mod pod_watch;
 pub mod pods;
 pub mod recovery;
 pub mod restore;

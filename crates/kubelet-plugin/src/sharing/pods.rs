@@ -106,6 +106,15 @@ fn is_not_found(e: &kube::Error) -> bool {
     matches!(e, kube::Error::Api(s) if s.code == 404)
 }
 
+/// The daemon pod [`PodDaemons::ensure`] found or made.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Ensured {
+    /// It was there already, as wanted (adopted).
+    pub kept: bool,
+    /// Its UID (tells it from an earlier pod of the same name).
+    pub uid: Option<String>,
+}
+
 impl PodDaemons {
     /// Daemon pods through `client`.
     pub fn new(client: kube::Client, settings: PodSettings) -> Self {
@@ -121,29 +130,41 @@ impl PodDaemons {
     }
 
     /// Makes the daemon pod of `record` exist as wanted: an existing pod with the same spec
-    /// digest that is not being deleted is kept (`true`: adopted as it is); any other pod of
-    /// that name is deleted first. Returns whether the pod was already there.
+    /// digest that is not being deleted is kept (adopted as it is); any other pod of that name
+    /// is deleted first. Returns whether the pod was already there, and its UID.
     pub async fn ensure(
         &self,
         root: &DriverRoot,
         id: &str,
         record: &MpsRecord,
         timeout: Duration,
-    ) -> Result<bool, SharingError> {
+    ) -> Result<Ensured, SharingError> {
         let pod = daemon_pod(&self.settings, root, id, record)?;
         let name = pod_name(record);
         match self.api.get_opt(&name).await {
             Ok(Some(old)) if old.metadata.deletion_timestamp.is_none() && same_spec(&old, &pod) => {
-                return Ok(true);
+                return Ok(Ensured {
+                    kept: true,
+                    uid: old.metadata.uid,
+                });
             }
             Ok(Some(_)) => self.delete(&name, timeout).await?,
             Ok(None) => {}
             Err(e) => return Err(api_error("reading", &name, e)),
         }
         match self.api.create(&PostParams::default(), &pod).await {
-            Ok(_) => Ok(false),
+            Ok(made) => Ok(Ensured {
+                kept: false,
+                uid: made.metadata.uid,
+            }),
             Err(e) => Err(api_error("creating", &name, e)),
         }
+    }
+
+    /// The daemon pods' API (their namespace), for the node's watch on them
+    /// ([`super::pod_watch`]).
+    pub(super) fn api(&self) -> Api<Pod> {
+        self.api.clone()
     }
 
     /// Whether the daemon pod exists and is not being deleted; `None` when the API server

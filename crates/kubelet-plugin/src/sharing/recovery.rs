@@ -142,7 +142,7 @@ impl SharingManager {
                     && mps::answers(&inner.opts.driver_root, &record, timeout).await
                 {
                     info!(daemon = %id, pod = %name, "re-adopted MPS control daemon pod");
-                    inner.supervise(&id, Proc::Pod(name));
+                    inner.supervise(&id, Proc::Pod { name, uid: None });
                     report.adopted.push(id);
                     continue;
                 }
@@ -215,9 +215,13 @@ impl SharingManager {
 
     /// Stops supervising without touching the daemons: they keep serving their claims while
     /// the plugin restarts (the next plugin process re-adopts them through [`Self::recover`]).
+    /// The watch on daemon pods stops too; a detached manager supervises nothing more.
     pub fn detach(&self) {
         for (_, s) in lock(&self.inner.supervised).drain() {
             s.task.abort();
+        }
+        if let Some(watch) = self.inner.pod_watch.get() {
+            watch.stop();
         }
     }
 }

@@ -35,8 +35,15 @@ pub(super) enum Proc {
     Child(tokio::process::Child),
     /// Started by an earlier plugin process: polled through `/proc`.
     Adopted(u32),
-    /// Running in its own pod (see [`super::pods`]): watched through the API server.
-    Pod(String),
+    /// Running in its own pod (see [`super::pods`]): watched through the node's one watch on
+    /// daemon pods ([`super::pod_watch`]). The UID tells it from an earlier pod of that name
+    /// (unknown for a pod adopted at start: then any pod of that name).
+    Pod {
+        /// The pod's name.
+        name: String,
+        /// The pod's UID, when known.
+        uid: Option<String>,
+    },
     /// Not running (a restart failed); the supervisor retries.
     Dead,
 }
@@ -255,9 +262,10 @@ impl Inner {
             pods.delete(&name, self.opts.mps_quit_timeout * 2).await?;
             mps::create_dirs(record, fresh)?;
         }
-        let kept = pods
+        let ensured = pods
             .ensure(root, id, record, self.opts.mps_quit_timeout * 2)
             .await?;
+        let kept = ensured.kept;
         let ready = mps::wait_ready(
             root,
             id,
@@ -288,7 +296,10 @@ impl Inner {
             });
         }
         info!(daemon = %id, pod = %name, adopted = kept, "MPS control daemon pod ready");
-        Ok(Proc::Pod(name))
+        Ok(Proc::Pod {
+            name,
+            uid: ensured.uid,
+        })
     }
 
     /// Starts a supervisor task for daemon `id`.
@@ -444,18 +455,14 @@ async fn wait_exit(inner: &Inner, proc: &mut Proc, poll: Duration) -> String {
             }
             format!("pid {pid} gone")
         }
-        Proc::Pod(name) => {
+        Proc::Pod { name, uid } => {
             // The kubelet restarts a crashed daemon container in place, with the claim's
-            // limits in its environment; only a pod that is gone (deleted, evicted) needs us.
-            // An API server that cannot answer is not a reason to act.
-            let pods = inner.pods.get().cloned();
-            loop {
-                tokio::time::sleep(poll * 4).await;
-                if let Some(pods) = &pods
-                    && pods.alive(name).await == Some(false)
-                {
-                    return format!("pod {name} gone");
-                }
+            // limits in its environment; only a pod that is gone (deleted, evicted, ended)
+            // needs us. An API server that cannot answer is not a reason to act: the watch
+            // keeps what it last knew (see `pod_watch`).
+            match inner.pod_watch.get() {
+                Some(watch) => watch.wait_gone(name, uid.as_deref()).await,
+                None => std::future::pending().await,
             }
         }
         Proc::Dead => "not running".to_string(),
