@@ -32,12 +32,34 @@ type apiserver struct {
 	errCh chan error
 }
 
+// admissionConfig is the API server's admission configuration: ResourceQuota
+// limits pods of the critical priority classes as GKE's API server does, so
+// such a pod is admitted outside kube-system only in a namespace whose
+// ResourceQuota covers its class ("insufficient quota to match these
+// scopes"). The chart's DaemonSet, MPS daemon and cleanup pods are
+// system-node-critical; the chart ships the quota (priorityClassQuota).
+const admissionConfig = `apiVersion: apiserver.config.k8s.io/v1
+kind: AdmissionConfiguration
+plugins:
+  - name: ResourceQuota
+    configuration:
+      apiVersion: apiserver.config.k8s.io/v1
+      kind: ResourceQuotaConfiguration
+      limitedResources:
+        - resource: pods
+          matchScopes:
+            - scopeName: PriorityClass
+              operator: In
+              values: ["system-node-critical", "system-cluster-critical"]
+`
+
 // startAPIServer starts kube-apiserver in this process, configured like a
 // production control plane as far as our driver can tell: Node+RBAC
 // authorization, service-account tokens signed with a fresh key (bound
 // tokens carry the node name), the default admission chain (which includes
-// NodeRestriction, ValidatingAdmissionWebhook and ValidatingAdmissionPolicy)
-// and every GA resource.k8s.io API.
+// NodeRestriction, ResourceQuota, ValidatingAdmissionWebhook and
+// ValidatingAdmissionPolicy) with ResourceQuota configured as on GKE
+// (admissionConfig), and every GA resource.k8s.io API.
 func startAPIServer(ctx context.Context, dir, etcdURL string, ca *CA) (*apiserver, error) {
 	certFile, keyFile, err := ca.IssueServing(dir, "apiserver", "kubernetes", "kubernetes.default", "kubernetes.default.svc")
 	if err != nil {
@@ -49,6 +71,11 @@ func startAPIServer(ctx context.Context, dir, etcdURL string, ca *CA) (*apiserve
 	}
 	tokens := filepath.Join(dir, "tokens.csv")
 	if err := os.WriteFile(tokens, []byte(adminToken+`,e2e-admin,e2e-admin,"system:masters"`+"\n"), 0o600); err != nil {
+		return nil, err
+	}
+
+	admission := filepath.Join(dir, "admission.yaml")
+	if err := os.WriteFile(admission, []byte(admissionConfig), 0o600); err != nil {
 		return nil, err
 	}
 
@@ -80,6 +107,7 @@ func startAPIServer(ctx context.Context, dir, etcdURL string, ca *CA) (*apiserve
 		"--service-account-key-file=" + saKey,
 		"--service-account-signing-key-file=" + saKey,
 		"--enable-admission-plugins=NodeRestriction",
+		"--admission-control-config-file=" + admission,
 		// As kubeadm and every distribution set it: the node plugin's
 		// DaemonSet is privileged.
 		"--allow-privileged=true",

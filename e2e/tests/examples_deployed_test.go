@@ -8,8 +8,10 @@ import (
 	"testing"
 	"time"
 
+	admissionv1 "k8s.io/api/admissionregistration/v1"
 	appsv1 "k8s.io/api/apps/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/wait"
 	"sigs.k8s.io/yaml"
@@ -93,7 +95,9 @@ func TestExamplesDeployed(t *testing.T) {
 
 // applyPluginDaemonSet sets the node-plugin DaemonSet's spec to the chart's,
 // rendered
-// with the given values (and the release's name and namespace).
+// with the given values (and the release's name and namespace), and the
+// node-restriction policy's to the one rendered with them (it admits the MPS
+// daemon pods of the driver root these values name).
 func applyPluginDaemonSet(t *testing.T, set ...string) {
 	t.Helper()
 	ctx := context.Background()
@@ -101,15 +105,41 @@ func applyPluginDaemonSet(t *testing.T, set ...string) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	args := []string{"template", harness.HelmRelease, chart, "--namespace", harness.DriverNamespace,
-		"--kube-version", harness.KubernetesVersion, "--show-only", "templates/kubelet-plugin-daemonset.yaml"}
-	for _, s := range set {
-		args = append(args, "--set", s)
+	render := func(template string) string {
+		args := []string{"template", harness.HelmRelease, chart, "--namespace", harness.DriverNamespace,
+			"--kube-version", harness.KubernetesVersion, "--show-only", template}
+		for _, s := range set {
+			args = append(args, "--set", s)
+		}
+		out, err := cluster.Helm(ctx, args...)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return out
 	}
-	out, err := cluster.Helm(ctx, args...)
+	policy, err := harness.ParseYAML([]byte(render("templates/kubelet-plugin-node-restriction.yaml")))
 	if err != nil {
 		t.Fatal(err)
 	}
+	policies := cluster.Client.AdmissionregistrationV1().ValidatingAdmissionPolicies()
+	for _, o := range policy {
+		if o.GetKind() != "ValidatingAdmissionPolicy" {
+			continue
+		}
+		var want admissionv1.ValidatingAdmissionPolicy
+		if err := runtime.DefaultUnstructuredConverter.FromUnstructured(o.Object, &want); err != nil {
+			t.Fatal(err)
+		}
+		live, err := policies.Get(ctx, want.Name, metav1.GetOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		live.Spec = want.Spec
+		if _, err := policies.Update(ctx, live, metav1.UpdateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	out := render("templates/kubelet-plugin-daemonset.yaml")
 	var ds appsv1.DaemonSet
 	if err := yaml.Unmarshal([]byte(out), &ds); err != nil {
 		t.Fatal(err)

@@ -643,6 +643,9 @@ fn bad_values_are_refused_by_the_schema() {
             "kubeletPlugin.cleanupOnUninstall=maybe",
             "cleanupOnUninstall",
         ),
+        ("priorityClassQuota.pods=0", "pods"),
+        ("openshift.enabled=maybe", "openshift"),
+        ("openshift.scc=privileged", "openshift"),
     ] {
         let out = Command::new(&helm)
             .args(["template", "rel"])
@@ -941,8 +944,10 @@ fn node_restriction_policy_keeps_each_plugin_to_its_node() {
     let on_a = serde_json::json!({"authentication.kubernetes.io/node-name": ["node-a"],
         "authentication.kubernetes.io/pod-name": ["plugin-xyz"]});
     let slice = |node: Option<&str>| match node {
-        Some(n) => serde_json::json!({"spec": {"driver": "gpu.nvidia.com", "nodeName": n}}),
-        None => serde_json::json!({"spec": {"driver": "gpu.nvidia.com", "allNodes": true}}),
+        Some(n) => serde_json::json!({"spec": {"driver": "gpu.nvidia.com", "nodeName": n,
+            "pool": {"name": n}}}),
+        None => serde_json::json!({"spec": {"driver": "gpu.nvidia.com", "allNodes": true,
+            "pool": {"name": "node-a"}}}),
     };
     let null = Value::Null;
 
@@ -995,7 +1000,8 @@ fn node_restriction_policy_keeps_each_plugin_to_its_node() {
     assert_eq!(
         denied,
         [
-            "the kubelet plugin on node node-a may only write ResourceSlices with spec.nodeName node-a, not \"node-b\""
+            "the kubelet plugin on node node-a may only write ResourceSlices with spec.nodeName node-a, not \"node-b\"",
+            "the kubelet plugin on node node-a may only write ResourceSlices of pool node-a (its node), not \"node-b\"",
         ]
     );
     for (op, object, old) in [
@@ -1041,12 +1047,13 @@ fn node_restriction_policy_keeps_each_plugin_to_its_node() {
 
     // MPS daemon pods: only on its own node, only daemon pods.
     let pod = |node: &str, component: Option<&str>| {
-        let labels = match component {
-            Some(c) => serde_json::json!({"app.kubernetes.io/component": c}),
-            None => serde_json::json!({}),
+        let mut pod = plugin_daemon_pod(&objects, node);
+        let labels = pod["metadata"]["labels"].as_object_mut().expect("labels");
+        match component {
+            Some(c) => labels.insert("app.kubernetes.io/component".into(), c.into()),
+            None => labels.remove("app.kubernetes.io/component"),
         };
-        serde_json::json!({"metadata": {"labels": labels},
-            "spec": {"nodeName": node, "containers": [{"name": "mps-control-daemon"}]}})
+        pod
     };
     let daemon = Some("mps-control-daemon");
     assert_eq!(
@@ -1284,4 +1291,537 @@ fn a_values_file_written_for_nvidias_chart_installs() {
         ds["spec"]["template"]["metadata"]["annotations"]["team"],
         "gpu"
     );
+}
+
+/// The MPS control daemon pod the node plugin builds on `node` (its own code,
+/// `sharing::pods::daemon_pod`), with the settings the rendered DaemonSet gives it (image,
+/// priority class, service account, pull settings, driver root, plugin folder), as the JSON it
+/// sends to the API server.
+fn plugin_daemon_pod(objects: &[Value], node: &str) -> Value {
+    use gpu_dra_kubelet_plugin::sharing::pods::{DaemonPodArgs, PodSettings, daemon_pod};
+    use gpu_dra_kubelet_plugin::sharing::state::MpsRecord;
+    use gpu_dra_kubelet_plugin::sharing::tools::{DriverRoot, MPS_CONTROL};
+    use std::os::unix::fs::PermissionsExt;
+
+    let ds = find(objects, "DaemonSet", "rel-gpu-dra-driver-kubelet-plugin");
+    let env = |name: &str| plugin_env(ds, name).unwrap_or_default().to_owned();
+    let settings = DaemonPodArgs {
+        mps_daemon_service_account: env("MPS_DAEMON_SERVICE_ACCOUNT"),
+        mps_daemon_image_pull_policy: env("MPS_DAEMON_IMAGE_PULL_POLICY"),
+        mps_daemon_image_pull_secrets: env("MPS_DAEMON_IMAGE_PULL_SECRETS")
+            .split(',')
+            .map(str::to_owned)
+            .collect(),
+    }
+    .apply(PodSettings {
+        namespace: NAMESPACE.into(),
+        node: node.into(),
+        image: env("MPS_DAEMON_IMAGE"),
+        host_driver_root: env("NVIDIA_DRIVER_ROOT").into(),
+        priority_class: env("MPS_DAEMON_PRIORITY_CLASS"),
+        ..PodSettings::default()
+    });
+    // The driver root as the plugin's container sees it: only the MPS tool is looked up.
+    let root = Path::new(env!("CARGO_TARGET_TMPDIR")).join("chart-driver-root");
+    let tool = root.join("usr/bin").join(MPS_CONTROL);
+    std::fs::create_dir_all(tool.parent().expect("folder")).expect("driver root");
+    std::fs::write(&tool, "#!/bin/sh\n").expect("tool");
+    std::fs::set_permissions(&tool, std::fs::Permissions::from_mode(0o755)).expect("mode");
+    let record: MpsRecord = serde_json::from_value(serde_json::json!({
+        "claimUid": "0b6e2c46-6e0e-4c1c-9a55-3f6f5e9d1a7b",
+        "group": "c_0",
+        "phase": "starting",
+        "pid": null,
+        // The daemon's folder, as `SharingOptions::daemon_dir` names it.
+        "dir": format!("{}/mps/5d1c0d63b2a4e2f1", env("PLUGIN_DIR")),
+        "devices": ["GPU-a"],
+        "wholeGpus": ["GPU-a"],
+        "limits": {"activeThreadPercentage": 40, "pinnedMemoryMib": {"GPU-a": 2048}},
+    }))
+    .expect("an MPS record");
+    let pod = daemon_pod(&settings, &DriverRoot::new(root, None), "id", &record)
+        .expect("the plugin builds its daemon pod");
+    serde_json::to_value(pod).expect("a pod is JSON")
+}
+
+/// A plugin's credentials create only MPS daemon pods as the plugin makes them: the real pod
+/// passes; each way to reach beyond the node (another account, a token, a Secret or other
+/// volume, another host path, another image, an environment read from Secrets) is refused,
+/// each with the message that says so. Pinned to the chart's values: another driver root or
+/// image in the values moves what is admitted.
+#[test]
+fn node_restriction_policy_admits_only_daemon_pods_as_the_plugin_makes_them() {
+    let Some(helm) = helm() else { return };
+    let objects = render(&helm, &[]);
+    let vap = find(
+        &objects,
+        "ValidatingAdmissionPolicy",
+        "rel-gpu-dra-driver-node-restriction",
+    );
+    let plugin = format!("system:serviceaccount:{NAMESPACE}:rel-gpu-dra-driver-kubelet-plugin");
+    let on_a = serde_json::json!({"authentication.kubernetes.io/node-name": ["node-a"]});
+    let decide = |vap: &Value, pod: Value| {
+        node_policy(vap, &plugin, on_a.clone(), "CREATE", pod, Value::Null).expect("applies")
+    };
+    let daemon = plugin_daemon_pod(&objects, "node-a");
+    assert_eq!(
+        decide(vap, daemon.clone()),
+        Vec::<String>::new(),
+        "{daemon}"
+    );
+    let spec = &daemon["spec"];
+    assert_eq!(spec["serviceAccountName"], "rel-gpu-dra-driver-mps-daemon");
+    assert_eq!(spec["automountServiceAccountToken"], false);
+
+    let plugin_dir = "/var/lib/kubelet/plugins/gpu.nvidia.com";
+    let host_path = |path: &str| serde_json::json!({"name": "x", "hostPath": {"path": path}});
+    let add_volume = |v: Value| {
+        move |pod: &mut Value| {
+            pod["spec"]["volumes"]
+                .as_array_mut()
+                .expect("volumes")
+                .push(v.clone())
+        }
+    };
+    type Edit = Box<dyn Fn(&mut Value)>;
+    let refused: Vec<(&str, Edit, &str)> = vec![
+        (
+            "the plugin's own account",
+            Box::new(|p| {
+                p["spec"]["serviceAccountName"] = "rel-gpu-dra-driver-kubelet-plugin".into()
+            }),
+            "only create pods with service account rel-gpu-dra-driver-mps-daemon",
+        ),
+        (
+            "the namespace's default account",
+            Box::new(|p| p["spec"]["serviceAccountName"] = "default".into()),
+            "with service account rel-gpu-dra-driver-mps-daemon",
+        ),
+        (
+            "a mounted token",
+            Box::new(|p| p["spec"]["automountServiceAccountToken"] = true.into()),
+            "automountServiceAccountToken: false",
+        ),
+        (
+            "no word on the token (the account's default mounts it)",
+            Box::new(|p| {
+                p["spec"]
+                    .as_object_mut()
+                    .expect("spec")
+                    .remove("automountServiceAccountToken");
+            }),
+            "automountServiceAccountToken: false",
+        ),
+        (
+            "a Secret volume (the webhook's TLS key)",
+            Box::new(add_volume(serde_json::json!({"name": "tls",
+                "secret": {"secretName": "rel-gpu-dra-driver-webhook-tls"}}))),
+            "only create pods whose volumes are hostPath volumes",
+        ),
+        (
+            "a projected service account token",
+            Box::new(add_volume(
+                serde_json::json!({"name": "token", "projected": {"sources": [
+                {"serviceAccountToken": {"path": "token"}}]}}),
+            )),
+            "hostPath volumes",
+        ),
+        (
+            "a ConfigMap volume",
+            Box::new(add_volume(serde_json::json!({"name": "cm",
+                "configMap": {"name": "kube-root-ca.crt"}}))),
+            "hostPath volumes",
+        ),
+        (
+            "another host path",
+            Box::new(add_volume(host_path("/etc/kubernetes"))),
+            "hostPath volumes of the driver root / or of a folder in /var/lib/kubelet/plugins/gpu.nvidia.com/mps/",
+        ),
+        (
+            "the whole plugin folder (its checkpoint, its CDI hook binary)",
+            Box::new(add_volume(host_path(plugin_dir))),
+            "hostPath volumes",
+        ),
+        (
+            "a folder below a daemon folder",
+            Box::new(add_volume(host_path(&format!("{plugin_dir}/mps/a/b")))),
+            "hostPath volumes",
+        ),
+        (
+            "another image",
+            Box::new(|p| p["spec"]["containers"][0]["image"] = "busybox:latest".into()),
+            "only create pods whose containers run ghcr.io/gpu-dra/gpu-dra-driver:0.1.0",
+        ),
+        (
+            "a second container of another image",
+            Box::new(|p| {
+                let mut c = p["spec"]["containers"][0].clone();
+                c["name"] = "x".into();
+                c["image"] = "registry.example/tool:1".into();
+                p["spec"]["containers"]
+                    .as_array_mut()
+                    .expect("containers")
+                    .push(c);
+            }),
+            "containers run ghcr.io/gpu-dra/gpu-dra-driver:0.1.0",
+        ),
+        (
+            "an init container, even of the chart's image",
+            Box::new(|p| {
+                p["spec"]["initContainers"] = serde_json::json!([
+                {"name": "init", "image": "ghcr.io/gpu-dra/gpu-dra-driver:0.1.0"}])
+            }),
+            "no init or ephemeral containers",
+        ),
+        (
+            "the environment of a Secret",
+            Box::new(|p| {
+                p["spec"]["containers"][0]["envFrom"] = serde_json::json!([
+                {"secretRef": {"name": "rel-gpu-dra-driver-webhook-tls"}}])
+            }),
+            "environment is plain values",
+        ),
+        (
+            "one variable from a Secret",
+            Box::new(|p| {
+                p["spec"]["containers"][0]["env"]
+                    .as_array_mut()
+                    .expect("env")
+                    .push(
+                        serde_json::json!({"name": "KEY", "valueFrom": {"secretKeyRef":
+                        {"name": "rel-gpu-dra-driver-webhook-tls", "key": "tls.key"}}}),
+                    )
+            }),
+            "environment is plain values",
+        ),
+    ];
+    for (what, edit, want) in refused {
+        let mut pod = daemon.clone();
+        edit(&mut pod);
+        let failed = decide(vap, pod);
+        assert!(
+            failed.len() == 1 && failed[0].contains(want),
+            "{what}: want one refusal with {want:?}, got {failed:?}"
+        );
+    }
+    // A second daemon folder is fine: a group's daemon mounts its own folder only, but the
+    // rule is "a folder in <plugin dir>/mps/".
+    let mut pod = daemon.clone();
+    add_volume(host_path(&format!("{plugin_dir}/mps/0123456789abcdef")))(&mut pod);
+    assert_eq!(decide(vap, pod), Vec::<String>::new());
+
+    // The rules follow the values: a containerized driver, another kubelet root, another
+    // image; the plugin's pod under those values passes, the default one does not.
+    let objects = render(
+        &helm,
+        &[
+            "nvidiaDriverRoot=/run/nvidia/driver",
+            "kubeletPlugin.kubeletRoot=/var/data/kubelet",
+            "image.tag=2.0",
+        ],
+    );
+    let moved = find(
+        &objects,
+        "ValidatingAdmissionPolicy",
+        "rel-gpu-dra-driver-node-restriction",
+    );
+    assert_eq!(
+        decide(moved, plugin_daemon_pod(&objects, "node-a")),
+        Vec::<String>::new()
+    );
+    let failed = decide(moved, daemon.clone());
+    assert!(
+        failed
+            .iter()
+            .any(|m| m.contains("driver root /run/nvidia/driver"))
+            && failed.iter().any(|m| m.contains("gpu-dra-driver:2.0")),
+        "{failed:?}"
+    );
+
+    // Deleting stays as it was: daemon pods of its own node only.
+    let delete = |pod: Value| {
+        node_policy(vap, &plugin, on_a.clone(), "DELETE", Value::Null, pod).expect("applies")
+    };
+    assert_eq!(delete(daemon.clone()), Vec::<String>::new());
+    assert_eq!(
+        delete(plugin_daemon_pod(&render(&helm, &[]), "node-b")).len(),
+        1
+    );
+}
+
+/// A plugin writes only its driver's slices, in the pool named after its node: another pool
+/// name (with a high generation it would hide that node's devices for good) or another driver
+/// is refused, on create and update; a delete may remove any pool's slice of its node, so that
+/// it can clean up after a bad write, but never another driver's.
+#[test]
+fn node_restriction_policy_keeps_slices_to_the_driver_and_the_nodes_pool() {
+    let Some(helm) = helm() else { return };
+    let objects = render(&helm, &[]);
+    let vap = find(
+        &objects,
+        "ValidatingAdmissionPolicy",
+        "rel-gpu-dra-driver-node-restriction",
+    );
+    let plugin = format!("system:serviceaccount:{NAMESPACE}:rel-gpu-dra-driver-kubelet-plugin");
+    let on_a = serde_json::json!({"authentication.kubernetes.io/node-name": ["node-a"]});
+    let slice = |driver: &str, pool: &str| {
+        serde_json::json!({"spec": {"driver": driver, "nodeName": "node-a",
+            "pool": {"name": pool, "generation": 1_000_000, "resourceSliceCount": 1}}})
+    };
+    let ours = "gpu.nvidia.com";
+    let decide = |op: &str, object: Value, old: Value| {
+        node_policy(vap, &plugin, on_a.clone(), op, object, old).expect("applies")
+    };
+    let null = Value::Null;
+    let ok: Vec<String> = vec![];
+
+    assert_eq!(decide("CREATE", slice(ours, "node-a"), null.clone()), ok);
+    assert_eq!(
+        decide("UPDATE", slice(ours, "node-a"), slice(ours, "node-a")),
+        ok
+    );
+    assert_eq!(decide("DELETE", null.clone(), slice(ours, "node-a")), ok);
+    assert_eq!(decide("DELETE", null.clone(), slice(ours, "node-b")), ok);
+
+    let pool = "may only write ResourceSlices of pool node-a (its node), not \"node-b\"";
+    let driver =
+        "may only write ResourceSlices of driver gpu.nvidia.com, not \"other.example.com\"";
+    for (op, object, old, want) in [
+        ("CREATE", slice(ours, "node-b"), null.clone(), pool),
+        ("UPDATE", slice(ours, "node-b"), slice(ours, "node-a"), pool),
+        (
+            "CREATE",
+            slice("other.example.com", "node-a"),
+            null.clone(),
+            driver,
+        ),
+        (
+            "UPDATE",
+            slice("other.example.com", "node-a"),
+            slice(ours, "node-a"),
+            driver,
+        ),
+        (
+            "UPDATE",
+            slice(ours, "node-a"),
+            slice("other.example.com", "node-a"),
+            driver,
+        ),
+        (
+            "DELETE",
+            null.clone(),
+            slice("other.example.com", "node-a"),
+            driver,
+        ),
+    ] {
+        let failed = decide(op, object, old);
+        assert!(
+            failed.len() == 1 && failed[0].contains(want),
+            "{op}: want one refusal with {want:?}, got {failed:?}"
+        );
+    }
+}
+
+/// Daemon pods run as an account of their own, with no role bound and no token, and pull
+/// their image as the plugin pod does; the DaemonSet tells the plugin all of it, and the
+/// policy admits exactly that account.
+#[test]
+fn daemon_pods_run_as_their_own_account_and_pull_as_the_plugin() {
+    let Some(helm) = helm() else { return };
+    let objects = render(
+        &helm,
+        &[
+            "imagePullSecrets[0].name=registry-a",
+            "imagePullSecrets[1].name=registry-b",
+            "image.pullPolicy=Always",
+        ],
+    );
+    let sa = find(&objects, "ServiceAccount", "rel-gpu-dra-driver-mps-daemon");
+    assert_eq!(sa["metadata"]["namespace"], NAMESPACE);
+    assert_eq!(sa["automountServiceAccountToken"], false);
+    assert!(
+        objects
+            .iter()
+            .filter(|o| o["kind"] == "RoleBinding" || o["kind"] == "ClusterRoleBinding")
+            .all(|b| b["subjects"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .all(|s| s["name"] != "rel-gpu-dra-driver-mps-daemon")),
+        "no rights for the daemon account"
+    );
+    let ds = find(&objects, "DaemonSet", "rel-gpu-dra-driver-kubelet-plugin");
+    assert_eq!(
+        plugin_env(ds, "MPS_DAEMON_SERVICE_ACCOUNT"),
+        Some("rel-gpu-dra-driver-mps-daemon")
+    );
+    assert_eq!(
+        plugin_env(ds, "MPS_DAEMON_IMAGE_PULL_POLICY"),
+        Some("Always")
+    );
+    assert_eq!(
+        plugin_env(ds, "MPS_DAEMON_IMAGE_PULL_SECRETS"),
+        Some("registry-a,registry-b")
+    );
+    // The plugin's pod and the daemon pods it makes pull alike.
+    let plugin_pod = &ds["spec"]["template"]["spec"];
+    let daemon = plugin_daemon_pod(&objects, "node-a");
+    assert_eq!(
+        daemon["spec"]["imagePullSecrets"],
+        plugin_pod["imagePullSecrets"]
+    );
+    assert_eq!(
+        daemon["spec"]["containers"][0]["imagePullPolicy"],
+        plugin_pod["containers"][0]["imagePullPolicy"]
+    );
+    assert_eq!(
+        daemon["spec"]["containers"][0]["image"],
+        plugin_pod["containers"][0]["image"]
+    );
+
+    // Without daemon pods, no account and nothing for the plugin to set.
+    let objects = render(&helm, &["kubeletPlugin.mpsDaemonPods=false"]);
+    assert!(!kinds(&objects).contains(&"ServiceAccount/rel-gpu-dra-driver-mps-daemon".to_string()));
+    let ds = find(&objects, "DaemonSet", "rel-gpu-dra-driver-kubelet-plugin");
+    assert_eq!(plugin_env(ds, "MPS_DAEMON_SERVICE_ACCOUNT"), None);
+    // No secrets configured: the variable is left out.
+    let ds = find(
+        &render(&helm, &[]),
+        "DaemonSet",
+        "rel-gpu-dra-driver-kubelet-plugin",
+    )
+    .clone();
+    assert_eq!(plugin_env(&ds, "MPS_DAEMON_IMAGE_PULL_SECRETS"), None);
+    assert_eq!(
+        plugin_env(&ds, "MPS_DAEMON_IMAGE_PULL_POLICY"),
+        Some("IfNotPresent")
+    );
+}
+
+/// GKE admits `system-node-critical` pods outside kube-system only with a ResourceQuota that
+/// covers the class: the chart ships one for the class its pods use, in its namespace.
+#[test]
+fn a_quota_admits_the_critical_pods_where_the_class_is_limited() {
+    let Some(helm) = helm() else { return };
+    let quota_of = |objects: &[Value]| {
+        objects
+            .iter()
+            .find(|o| o["kind"] == "ResourceQuota")
+            .cloned()
+    };
+    let objects = render(&helm, &[]);
+    let quota = quota_of(&objects).expect("a ResourceQuota by default");
+    assert_eq!(quota["metadata"]["namespace"], NAMESPACE);
+    let ds = find(&objects, "DaemonSet", "rel-gpu-dra-driver-kubelet-plugin");
+    let class = &ds["spec"]["template"]["spec"]["priorityClassName"];
+    assert_eq!(class, "system-node-critical");
+    assert_eq!(
+        quota["spec"]["scopeSelector"],
+        serde_json::json!({"matchExpressions": [
+            {"scopeName": "PriorityClass", "operator": "In", "values": ["system-node-critical"]}]})
+    );
+    assert_eq!(plugin_env(ds, "MPS_DAEMON_PRIORITY_CLASS"), class.as_str());
+    assert_eq!(
+        quota["spec"]["hard"],
+        serde_json::json!({"pods": "1000000"})
+    );
+
+    let objects = render(
+        &helm,
+        &[
+            "kubeletPlugin.priorityClassName=system-cluster-critical",
+            "priorityClassQuota.pods=500",
+        ],
+    );
+    let quota = quota_of(&objects).expect("quota");
+    assert_eq!(
+        quota["spec"]["scopeSelector"]["matchExpressions"][0]["values"],
+        serde_json::json!(["system-cluster-critical"])
+    );
+    assert_eq!(quota["spec"]["hard"]["pods"], "500");
+    for off in [
+        "priorityClassQuota.enabled=false",
+        "kubeletPlugin.priorityClassName=",
+        "kubeletPlugin.enabled=false",
+    ] {
+        assert!(quota_of(&render(&helm, &[off])).is_none(), "{off}");
+    }
+}
+
+/// OpenShift: the switch lets the plugin's account (its pods and the uninstall cleanup pods)
+/// and the daemon pods' account use the privileged SCC, in the release namespace only; off by
+/// default.
+#[test]
+fn openshift_lets_the_plugin_and_daemons_use_the_privileged_scc() {
+    let Some(helm) = helm() else { return };
+    let scc_roles = |objects: &[Value]| {
+        objects
+            .iter()
+            .filter(|o| {
+                o["kind"] == "Role"
+                    && o["rules"]
+                        .as_array()
+                        .into_iter()
+                        .flatten()
+                        .any(|r| strs(&r["apiGroups"]).contains(&"security.openshift.io"))
+            })
+            .count()
+    };
+    assert_eq!(scc_roles(&render(&helm, &[])), 0, "off by default");
+
+    let objects = render(&helm, &["openshift.enabled=true"]);
+    let role = find(&objects, "Role", "rel-gpu-dra-driver-privileged-scc");
+    assert_eq!(role["metadata"]["namespace"], NAMESPACE);
+    assert_eq!(
+        role["rules"],
+        serde_json::json!([{"apiGroups": ["security.openshift.io"],
+            "resources": ["securitycontextconstraints"], "resourceNames": ["privileged"],
+            "verbs": ["use"]}])
+    );
+    let binding = find(&objects, "RoleBinding", "rel-gpu-dra-driver-privileged-scc");
+    assert_eq!(binding["metadata"]["namespace"], NAMESPACE);
+    assert_eq!(binding["roleRef"]["kind"], "Role");
+    assert_eq!(binding["roleRef"]["name"], role["metadata"]["name"]);
+    let ds = find(&objects, "DaemonSet", "rel-gpu-dra-driver-kubelet-plugin");
+    let subjects = |b: &Value| -> Vec<(String, String)> {
+        b["subjects"]
+            .as_array()
+            .expect("subjects")
+            .iter()
+            .map(|s| {
+                assert_eq!(s["kind"], "ServiceAccount");
+                (
+                    s["namespace"].as_str().expect("namespace").to_owned(),
+                    s["name"].as_str().expect("name").to_owned(),
+                )
+            })
+            .collect()
+    };
+    assert_eq!(
+        subjects(binding),
+        [
+            (
+                NAMESPACE.to_owned(),
+                ds["spec"]["template"]["spec"]["serviceAccountName"]
+                    .as_str()
+                    .expect("plugin account")
+                    .to_owned()
+            ),
+            (
+                NAMESPACE.to_owned(),
+                plugin_env(ds, "MPS_DAEMON_SERVICE_ACCOUNT")
+                    .expect("daemon account")
+                    .to_owned()
+            ),
+        ]
+    );
+    let objects = render(
+        &helm,
+        &[
+            "openshift.enabled=true",
+            "kubeletPlugin.mpsDaemonPods=false",
+        ],
+    );
+    let binding = find(&objects, "RoleBinding", "rel-gpu-dra-driver-privileged-scc");
+    assert_eq!(subjects(binding).len(), 1, "only the plugin's account");
 }

@@ -25,7 +25,7 @@ use crate::kube_client::KubeArgs;
 use crate::metrics::Metrics;
 use crate::node_layout::NodeFolders;
 use crate::sharing::{
-    DriverRoot, FileStore, PodDaemons, PodSettings, SharingManager, SharingOptions,
+    DaemonPodArgs, DriverRoot, FileStore, PodDaemons, PodSettings, SharingManager, SharingOptions,
 };
 
 /// Flags of `run`.
@@ -85,6 +85,9 @@ pub struct RunArgs {
         default_value = "system-node-critical"
     )]
     pub mps_daemon_priority_class: String,
+    /// MPS daemon pods' service account and image pull settings.
+    #[command(flatten)]
+    pub mps_daemon_pod: DaemonPodArgs,
     /// UID of the plugin's pod (the chart passes it): enables rolling updates. The sockets
     /// are then named per pod (`<driver>-<uid>-reg.sock`, `dra-<uid>.sock`, as the kubelet's
     /// DRA plugin helper names them, see `node_layout`) so that a new instance registers while
@@ -468,13 +471,14 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         info!(image = %args.mps_daemon_image, namespace = %args.namespace, "MPS control daemons run in pods of their own");
         sharing.use_pod_daemons(PodDaemons::new(
             client.clone(),
-            PodSettings {
+            args.mps_daemon_pod.apply(PodSettings {
                 namespace: args.namespace.clone(),
                 node: args.node_name.clone(),
                 image: args.mps_daemon_image.clone(),
                 host_driver_root: args.host.driver_root.clone(),
                 priority_class: args.mps_daemon_priority_class.clone(),
-            },
+                ..PodSettings::default()
+            }),
         ));
     }
     // The driver loads (migrates, imports) its checkpoint before sharing recovers, so that

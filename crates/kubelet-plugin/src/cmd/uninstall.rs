@@ -575,6 +575,39 @@ mod tests {
         );
     }
 
+    /// A private registry: the cleanup pod pulls the image as the plugin pod does (its pull
+    /// secrets and policy), else `helm uninstall` fails on `ImagePullBackOff`.
+    #[test]
+    fn the_cleanup_pod_pulls_its_image_as_the_plugin_pod_does() {
+        let mut ds = daemonset();
+        let spec = ds
+            .spec
+            .as_mut()
+            .and_then(|s| s.template.spec.as_mut())
+            .expect("template");
+        spec.image_pull_secrets = Some(vec![k8s_openapi::api::core::v1::LocalObjectReference {
+            name: "registry-a".into(),
+        }]);
+        spec.containers[0].image_pull_policy = Some("Always".into());
+        let pod = cleanup_pod(&ds, "node-a").expect("pod");
+        let spec = pod.spec.as_ref().expect("spec");
+        let secrets: Vec<&str> = spec
+            .image_pull_secrets
+            .iter()
+            .flatten()
+            .map(|s| s.name.as_str())
+            .collect();
+        assert_eq!(secrets, ["registry-a"]);
+        assert_eq!(
+            spec.containers[0].image_pull_policy.as_deref(),
+            Some("Always")
+        );
+        assert_eq!(
+            spec.containers[0].image.as_deref(),
+            Some("example/gpu-dra-driver:1.0")
+        );
+    }
+
     #[test]
     fn a_template_without_containers_is_a_clear_error() {
         let mut ds = daemonset();

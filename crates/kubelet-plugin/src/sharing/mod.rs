@@ -50,7 +50,7 @@ pub use error::SharingError;
 pub use executor::{Applied, SharingExecutor};
 pub use gpu_dra_core::sharing::{SharedDevice, daemon_id};
 pub use manager::{SharingManager, SharingMetrics, SharingOptions};
-pub use pods::{PodDaemons, PodSettings};
+pub use pods::{DaemonPodArgs, PodDaemons, PodSettings};
 pub use recovery::RecoveryReport;
 pub use restore::RestoreReport;
 pub use state::{FileStore, SharingState, SharingStore};

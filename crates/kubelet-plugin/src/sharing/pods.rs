@@ -33,14 +33,25 @@
 //!
 //! Without a client (tests with a claim file) or without an image, daemons stay children of
 //! the plugin (`supervise`).
+//!
+//! What a daemon pod may be is fixed by the chart's node-restriction policy, which refuses any
+//! other pod the plugin's credentials try to create (a compromised node must not get a pod
+//! running as another service account, reading Secrets or running another image): the
+//! chart's daemon service account (`--mps-daemon-service-account`, no API rights) with no
+//! token mounted, only hostPath volumes (the driver root and the daemon's folder under the
+//! plugin folder), the chart's image, plain environment values. The plugin pod's image pull
+//! secrets and pull policy (`--mps-daemon-image-pull-secrets`, `--mps-daemon-image-pull-policy`,
+//! set by the chart from the same values as the plugin's) go on every daemon pod: the image
+//! comes from the same registry, and without them a private registry fails every MPS prepare
+//! with `ImagePullBackOff`.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::{
-    Container, EnvVar, HostPathVolumeSource, Pod, PodSpec, ResourceRequirements, SecurityContext,
-    Toleration, Volume, VolumeMount,
+    Container, EnvVar, HostPathVolumeSource, LocalObjectReference, Pod, PodSpec,
+    ResourceRequirements, SecurityContext, Toleration, Volume, VolumeMount,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
@@ -73,7 +84,7 @@ pub struct PodDaemons {
 }
 
 /// The plain settings of daemon pods (everything but the client).
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct PodSettings {
     /// The plugin's namespace.
     pub namespace: String,
@@ -85,6 +96,57 @@ pub struct PodSettings {
     pub host_driver_root: PathBuf,
     /// Priority class of the pods (empty: none).
     pub priority_class: String,
+    /// Service account of the pods (empty: the namespace's default). Its token is never
+    /// mounted.
+    pub service_account: String,
+    /// Pull policy of the image (empty: the API server's default).
+    pub image_pull_policy: String,
+    /// Names of the image pull secrets.
+    pub image_pull_secrets: Vec<String>,
+}
+
+/// Flags of daemon pods besides the image and priority class: who they run as and how their
+/// image is pulled (the chart sets them to its daemon service account and to the plugin pod's
+/// own pull policy and secrets).
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct DaemonPodArgs {
+    /// Service account of MPS daemon pods (the chart's, which has no API rights); empty: the
+    /// namespace's default. Daemon pods never mount its token.
+    #[arg(long, env = "MPS_DAEMON_SERVICE_ACCOUNT", default_value = "")]
+    pub mps_daemon_service_account: String,
+    /// Image pull policy of MPS daemon pods (the plugin's); empty: the API server's default.
+    #[arg(
+        long,
+        env = "MPS_DAEMON_IMAGE_PULL_POLICY",
+        default_value = "",
+        value_parser = ["", "Always", "IfNotPresent", "Never"]
+    )]
+    pub mps_daemon_image_pull_policy: String,
+    /// Image pull secrets of MPS daemon pods (the plugin's), comma-separated names.
+    #[arg(
+        long,
+        env = "MPS_DAEMON_IMAGE_PULL_SECRETS",
+        value_delimiter = ',',
+        default_value = ""
+    )]
+    pub mps_daemon_image_pull_secrets: Vec<String>,
+}
+
+impl DaemonPodArgs {
+    /// Sets these flags' parts of `settings` (empty secret names are dropped).
+    pub fn apply(&self, settings: PodSettings) -> PodSettings {
+        PodSettings {
+            service_account: self.mps_daemon_service_account.clone(),
+            image_pull_policy: self.mps_daemon_image_pull_policy.clone(),
+            image_pull_secrets: self
+                .mps_daemon_image_pull_secrets
+                .iter()
+                .map(|s| s.trim().to_owned())
+                .filter(|s| !s.is_empty())
+                .collect(),
+            ..settings
+        }
+    }
 }
 
 impl std::fmt::Debug for PodDaemons {
@@ -315,7 +377,7 @@ pub fn daemon_pod(
         env.push(("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT".into(), v));
     }
     let path = |p: &Path| p.to_string_lossy().into_owned();
-    let container = Container {
+    let mut container = Container {
         name: CONTAINER.into(),
         image: Some(settings.image.clone()),
         command: Some(vec![path(&tool), "-f".into()]),
@@ -359,11 +421,16 @@ pub fn daemon_pod(
         ]),
         ..Container::default()
     };
+    // The digest covers what the daemon runs with, not how its image is pulled or which
+    // account it runs as: a plugin upgrade that changes only those keeps running daemons
+    // (a new pod would end every client's MPS context).
     let digest = sha256_hex(
         serde_json::to_string(&(&container, &settings.host_driver_root, &settings.node))
             .unwrap_or_default()
             .as_bytes(),
     );
+    container.image_pull_policy =
+        (!settings.image_pull_policy.is_empty()).then(|| settings.image_pull_policy.clone());
     let host_path = |name: &str, p: &Path, kind: &str| Volume {
         name: name.into(),
         host_path: Some(HostPathVolumeSource {
@@ -399,7 +466,18 @@ pub fn daemon_pod(
             restart_policy: Some("Always".into()),
             priority_class_name: (!settings.priority_class.is_empty())
                 .then(|| settings.priority_class.clone()),
+            // The chart's daemon account, never its token: the daemon needs no API access,
+            // and the node-restriction policy refuses any other account or a mounted token.
+            service_account_name: (!settings.service_account.is_empty())
+                .then(|| settings.service_account.clone()),
             automount_service_account_token: Some(false),
+            image_pull_secrets: (!settings.image_pull_secrets.is_empty()).then(|| {
+                settings
+                    .image_pull_secrets
+                    .iter()
+                    .map(|name| LocalObjectReference { name: name.clone() })
+                    .collect()
+            }),
             enable_service_links: Some(false),
             termination_grace_period_seconds: Some(10),
             // Bound to the node: taints must not evict the daemon of running clients.
@@ -448,6 +526,9 @@ mod tests {
             image: "registry.example/gpu-dra-driver:1.0".into(),
             host_driver_root: "/".into(),
             priority_class: "system-node-critical".into(),
+            service_account: "rel-gpu-dra-driver-mps-daemon".into(),
+            image_pull_policy: "Always".into(),
+            image_pull_secrets: vec!["registry-a".into(), "registry-b".into()],
         }
     }
 
@@ -536,6 +617,100 @@ mod tests {
         let b = daemon_pod(&settings(), &root, "id", &other).unwrap();
         assert!(!same_spec(&a, &b), "other limits, other pod");
         assert_eq!(pod_name(&other), name, "one pod name per daemon");
+    }
+
+    /// What the chart's node-restriction policy admits from the plugin: its daemon account
+    /// with no token, only hostPath volumes (driver root, the daemon's folder), the one image,
+    /// plain environment values; and the plugin's pull settings, so a private registry works.
+    #[test]
+    fn the_pod_is_what_the_node_policy_admits_and_pulls_as_the_plugin_does() {
+        let tmp = tempfile::tempdir().unwrap();
+        let rec = record(tmp.path());
+        let pod = daemon_pod(&settings(), &root(tmp.path()), "id", &rec).unwrap();
+        let spec = pod.spec.as_ref().unwrap();
+        assert_eq!(
+            spec.service_account_name.as_deref(),
+            Some("rel-gpu-dra-driver-mps-daemon")
+        );
+        assert_eq!(spec.automount_service_account_token, Some(false));
+        let volumes = spec.volumes.as_ref().unwrap();
+        let host_paths: Vec<&str> = volumes
+            .iter()
+            .map(|v| {
+                v.host_path
+                    .as_ref()
+                    .expect("only hostPath volumes")
+                    .path
+                    .as_str()
+            })
+            .collect();
+        assert_eq!(host_paths, ["/", rec.dir.to_str().unwrap()]);
+        assert!(spec.init_containers.is_none() && spec.containers.len() == 1);
+        let c = &spec.containers[0];
+        assert_eq!(
+            c.image.as_deref(),
+            Some("registry.example/gpu-dra-driver:1.0")
+        );
+        assert!(c.env_from.is_none());
+        assert!(c.env.iter().flatten().all(|e| e.value_from.is_none()));
+        assert_eq!(c.image_pull_policy.as_deref(), Some("Always"));
+        let secrets: Vec<&str> = spec
+            .image_pull_secrets
+            .iter()
+            .flatten()
+            .map(|s| s.name.as_str())
+            .collect();
+        assert_eq!(secrets, ["registry-a", "registry-b"]);
+    }
+
+    #[test]
+    fn without_pull_settings_or_account_the_pod_names_none() {
+        let tmp = tempfile::tempdir().unwrap();
+        let rec = record(tmp.path());
+        let bare = PodSettings {
+            service_account: String::new(),
+            image_pull_policy: String::new(),
+            image_pull_secrets: vec![],
+            ..settings()
+        };
+        let pod = daemon_pod(&bare, &root(tmp.path()), "id", &rec).unwrap();
+        let spec = pod.spec.as_ref().unwrap();
+        assert!(spec.service_account_name.is_none());
+        assert!(spec.image_pull_secrets.is_none());
+        assert!(spec.containers[0].image_pull_policy.is_none());
+        assert_eq!(spec.automount_service_account_token, Some(false));
+        // Same daemon, same digest: a plugin upgrade that adds pull settings or the account
+        // keeps the running pod.
+        let full = daemon_pod(&settings(), &root(tmp.path()), "id", &rec).unwrap();
+        assert!(same_spec(&pod, &full));
+    }
+
+    #[test]
+    fn the_flags_fill_the_settings_and_drop_empty_secret_names() {
+        use clap::Parser;
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            pods: DaemonPodArgs,
+        }
+        let cli = Cli::try_parse_from([
+            "x",
+            "--mps-daemon-service-account=sa",
+            "--mps-daemon-image-pull-policy=IfNotPresent",
+            "--mps-daemon-image-pull-secrets=a,,b",
+        ])
+        .unwrap();
+        let s = cli.pods.apply(settings());
+        assert_eq!(s.service_account, "sa");
+        assert_eq!(s.image_pull_policy, "IfNotPresent");
+        assert_eq!(s.image_pull_secrets, ["a", "b"]);
+        assert_eq!(s.image, settings().image, "the rest is kept");
+        let none = Cli::try_parse_from(["x"]).unwrap().pods.apply(settings());
+        assert!(none.image_pull_secrets.is_empty() && none.service_account.is_empty());
+        assert!(
+            Cli::try_parse_from(["x", "--mps-daemon-image-pull-policy=Sometimes"]).is_err(),
+            "only Kubernetes' pull policies"
+        );
     }
 
     #[test]

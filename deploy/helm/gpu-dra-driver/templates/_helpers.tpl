@@ -24,6 +24,16 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- .Values.kubeletPlugin.serviceAccount.name | default (printf "%s-kubelet-plugin" (include "gpu-dra.fullname" .)) -}}
 {{- end -}}
 
+{{/* MPS control daemon pods run as this account: no RBAC, its token never mounted. */}}
+{{- define "gpu-dra.mpsDaemonServiceAccount" -}}
+{{- printf "%s-mps-daemon" (include "gpu-dra.fullname" .) -}}
+{{- end -}}
+
+{{/* The plugin folder on the host (PLUGIN_DIR); MPS daemon folders are under <it>/mps. */}}
+{{- define "gpu-dra.pluginDir" -}}
+{{- printf "%s/plugins/%s" .Values.kubeletPlugin.kubeletRoot .Values.driverName -}}
+{{- end -}}
+
 {{- define "gpu-dra.webhookName" -}}
 {{- printf "%s-webhook" (include "gpu-dra.fullname" .) -}}
 {{- end -}}

@@ -1,0 +1,217 @@
+package deployed
+
+import (
+	"context"
+	"fmt"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	authv1 "k8s.io/api/authentication/v1"
+	v1 "k8s.io/api/core/v1"
+	resourceapi "k8s.io/api/resource/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/wait"
+	"k8s.io/client-go/kubernetes"
+	resourceclient "k8s.io/client-go/kubernetes/typed/resource/v1"
+
+	"github.com/gpu-dra/e2e/harness"
+)
+
+// The chart's names for release harness.HelmRelease.
+const (
+	nodeRestrictionPolicy = harness.HelmRelease + "-gpu-dra-driver-node-restriction"
+	pluginAccount         = harness.HelmRelease + "-gpu-dra-driver-kubelet-plugin"
+	daemonAccount         = harness.HelmRelease + "-gpu-dra-driver-mps-daemon"
+	webhookSecret         = harness.HelmRelease + "-gpu-dra-driver-webhook-tls"
+)
+
+// TestNodePluginCredentialsStayOnTheirNode: a node plugin's own credentials
+// (its service-account token bound to its pod, which carries the node name)
+// can do what the plugin does and nothing else, as the API server decides
+// with the chart's node-restriction policy. The plugin creates an MPS
+// daemon pod (with the chart's daemon account, no token, and the plugin
+// pod's image pull secrets and pull policy); with the plugin's token a copy
+// of that pod and its own node's slices are admitted, while a daemon pod
+// with another service account, a Secret volume, a mounted token or another
+// image, and a slice of another pool or driver, are each refused by the
+// policy. Every request of the token is a dry run, so an admitted one
+// changes nothing (and the test fails cleanly against a looser policy).
+func TestNodePluginCredentialsStayOnTheirNode(t *testing.T) {
+	ctx := context.Background()
+	layout := harness.LayoutContainerDriver
+	n := addNode(t, "node-restricted", layout, "t4")
+	install(t, append(layout.HelmValues(), "imagePullSecrets[0].name=registry-a", "image.pullPolicy=Always")...)
+	plugin := waitPlugin(ctx, t, n, "")
+
+	// The plugin's own daemon pod gets through the policy.
+	pod, daemon, _ := runMPSWorkload(ctx, t, n, plugin, "restricted")
+	t.Cleanup(func() {
+		_ = cluster.Client.CoreV1().Pods(pod.Namespace).Delete(context.Background(), pod.Name, metav1.DeleteOptions{})
+		_ = cluster.WaitPodGone(context.Background(), pod.Namespace, pod.Name, 60*time.Second)
+	})
+	spec := daemon.Spec
+	secrets := []string{}
+	for _, s := range spec.ImagePullSecrets {
+		secrets = append(secrets, s.Name)
+	}
+	if spec.ServiceAccountName != daemonAccount || spec.AutomountServiceAccountToken == nil || *spec.AutomountServiceAccountToken ||
+		!slices.Equal(secrets, []string{"registry-a"}) || spec.Containers[0].ImagePullPolicy != v1.PullAlways {
+		t.Errorf("daemon pod runs as %q (token mounted: %v) with pull secrets %v and pull policy %q; want %q, no token, [registry-a], Always",
+			spec.ServiceAccountName, spec.AutomountServiceAccountToken, secrets, spec.Containers[0].ImagePullPolicy, daemonAccount)
+	}
+	for _, v := range spec.Volumes {
+		if v.HostPath == nil {
+			t.Errorf("daemon pod volume %s is not a hostPath volume: %+v", v.Name, v.VolumeSource)
+		}
+	}
+
+	// The plugin's credentials, as its container has them: its account's
+	// token bound to its pod.
+	tr, err := cluster.Client.CoreV1().ServiceAccounts(harness.DriverNamespace).CreateToken(ctx, pluginAccount, &authv1.TokenRequest{
+		Spec: authv1.TokenRequestSpec{BoundObjectRef: &authv1.BoundObjectReference{
+			Kind: "Pod", APIVersion: "v1", Name: plugin.Pod.Name, UID: plugin.Pod.UID,
+		}},
+	}, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	as, err := kubernetes.NewForConfig(cluster.TokenConfig(tr.Status.Token))
+	if err != nil {
+		t.Fatal(err)
+	}
+	dryRun := metav1.CreateOptions{DryRun: []string{metav1.DryRunAll}}
+
+	// Daemon pods: the plugin's own spec is admitted, each escape refused.
+	pods := as.CoreV1().Pods(harness.DriverNamespace)
+	variant := func(edit func(*v1.Pod)) *v1.Pod {
+		p := &v1.Pod{
+			ObjectMeta: metav1.ObjectMeta{
+				Name: daemon.Name + "-x", Namespace: daemon.Namespace,
+				Labels: daemon.Labels, Annotations: daemon.Annotations,
+			},
+			Spec: *daemon.Spec.DeepCopy(),
+		}
+		if edit != nil {
+			edit(p)
+		}
+		return p
+	}
+	if _, err := pods.Create(ctx, variant(nil), dryRun); err != nil {
+		t.Errorf("the plugin's credentials may not create a daemon pod as the plugin makes it: %v", err)
+	}
+	for _, c := range []struct {
+		what string
+		edit func(*v1.Pod)
+		want string
+	}{
+		{"the plugin's own service account", func(p *v1.Pod) { p.Spec.ServiceAccountName = pluginAccount; p.Spec.DeprecatedServiceAccount = "" },
+			"only create pods with service account " + daemonAccount},
+		{"a Secret volume (the webhook's TLS key)", func(p *v1.Pod) {
+			p.Spec.Volumes = append(p.Spec.Volumes, v1.Volume{Name: "tls", VolumeSource: v1.VolumeSource{Secret: &v1.SecretVolumeSource{SecretName: webhookSecret}}})
+			p.Spec.Containers[0].VolumeMounts = append(p.Spec.Containers[0].VolumeMounts, v1.VolumeMount{Name: "tls", MountPath: "/tls"})
+		}, "whose volumes are hostPath volumes"},
+		{"a mounted service account token", func(p *v1.Pod) { p.Spec.AutomountServiceAccountToken = new(true) },
+			"automountServiceAccountToken: false"},
+		{"another image", func(p *v1.Pod) { p.Spec.Containers[0].Image = "busybox:latest" },
+			"whose containers run "},
+	} {
+		_, err := pods.Create(ctx, variant(c.edit), dryRun)
+		checkRefused(t, "daemon pod with "+c.what, err, c.want)
+	}
+
+	// ResourceSlices: its own pool (the node's name) and driver only.
+	list, err := cluster.Client.ResourceV1().ResourceSlices().List(ctx, metav1.ListOptions{FieldSelector: "spec.nodeName=" + n.Name})
+	if err != nil || len(list.Items) == 0 {
+		t.Fatalf("no slice of %s: %v", n.Name, err)
+	}
+	own := list.Items[0]
+	sliceAPI := as.ResourceV1().ResourceSlices()
+	sliceVariant := func(edit func(*resourceapi.ResourceSlice)) *resourceapi.ResourceSlice {
+		s := &resourceapi.ResourceSlice{ObjectMeta: metav1.ObjectMeta{Name: own.Name + "-x"}, Spec: *own.Spec.DeepCopy()}
+		if edit != nil {
+			edit(s)
+		}
+		return s
+	}
+	if _, err := sliceAPI.Create(ctx, sliceVariant(nil), dryRun); err != nil {
+		t.Errorf("the plugin's credentials may not create a slice of its own pool: %v", err)
+	}
+	if err := updateSlice(ctx, sliceAPI, own.Name); err != nil {
+		t.Errorf("the plugin's credentials may not update its own slice: %v", err)
+	}
+	other := "node-someone-else"
+	_, err = sliceAPI.Create(ctx, sliceVariant(func(s *resourceapi.ResourceSlice) {
+		s.Spec.Pool = resourceapi.ResourcePool{Name: other, Generation: 1 << 40, ResourceSliceCount: 1}
+	}), dryRun)
+	checkRefused(t, "a slice of another node's pool (with a high generation)", err,
+		fmt.Sprintf("may only write ResourceSlices of pool %s (its node), not %q", n.Name, other))
+	_, err = sliceAPI.Create(ctx, sliceVariant(func(s *resourceapi.ResourceSlice) { s.Spec.Driver = "other.example.com" }), dryRun)
+	checkRefused(t, "a slice of another driver", err, "may only write ResourceSlices of driver "+harness.DefaultDriver)
+	// (An update cannot move a slice to another pool or driver: the API
+	// server's validation keeps both immutable.)
+}
+
+// updateSlice reads the slice (as the admin) and writes it back unchanged
+// through client as a dry run, again when the publisher changed it meanwhile.
+func updateSlice(ctx context.Context, client resourceclient.ResourceSliceInterface, name string) error {
+	var err error
+	for range 5 {
+		var s *resourceapi.ResourceSlice
+		s, err = cluster.Client.ResourceV1().ResourceSlices().Get(ctx, name, metav1.GetOptions{})
+		if err != nil {
+			return err
+		}
+		_, err = client.Update(ctx, s, metav1.UpdateOptions{DryRun: []string{metav1.DryRunAll}})
+		if !apierrors.IsConflict(err) {
+			return err
+		}
+	}
+	return err
+}
+
+// checkRefused asserts that err is the node-restriction policy's refusal
+// carrying want.
+func checkRefused(t *testing.T, what string, err error, want string) {
+	t.Helper()
+	switch {
+	case err == nil:
+		t.Errorf("%s: admitted for the plugin's credentials, want the node-restriction policy's refusal", what)
+	case !apierrors.IsForbidden(err):
+		t.Errorf("%s: refused, but not by admission: %v", what, err)
+	case !strings.Contains(err.Error(), nodeRestrictionPolicy) || !strings.Contains(err.Error(), want):
+		t.Errorf("%s: refused with %q, want the policy %s saying %q", what, err, nodeRestrictionPolicy, want)
+	default:
+		t.Logf("%s: refused: %v", what, err)
+	}
+}
+
+// TestCriticalPodsNeedTheQuota: the API server limits the critical priority
+// classes as GKE's does (ResourceQuota admission, limitedResources), so
+// without the chart's quota the plugin's DaemonSet pod is refused ("insufficient
+// quota to match these scopes"); with it (the default) the plugin runs.
+func TestCriticalPodsNeedTheQuota(t *testing.T) {
+	ctx := context.Background()
+	layout := harness.LayoutContainerDriver
+	n := addNode(t, "node-quota", layout, "t4")
+	install(t, append(layout.HelmValues(), "priorityClassQuota.enabled=false")...)
+	ds := harness.DriverNamespace + "/" + harness.HelmRelease + "-gpu-dra-driver-kubelet-plugin"
+	var last error
+	err := wait.PollUntilContextTimeout(ctx, 200*time.Millisecond, 30*time.Second, true, func(context.Context) (bool, error) {
+		last = n.DaemonPodError(ds)
+		return last != nil && strings.Contains(last.Error(), "insufficient quota to match these scopes"), nil
+	})
+	if err != nil {
+		t.Fatalf("without the quota the plugin pod was not refused for it (last error: %v, pods: %d)", last, len(n.DaemonPods()))
+	}
+	t.Logf("without the quota: %v", last)
+	if len(n.DaemonPods()) != 0 {
+		t.Fatalf("a plugin pod runs without the quota")
+	}
+	if err := cluster.HelmUpgrade(ctx, layout.HelmValues()...); err != nil {
+		t.Fatal(err)
+	}
+	waitPlugin(ctx, t, n, "")
+}
