@@ -76,6 +76,9 @@ impl Node {
                 image: "registry.example/gpu-dra-driver:test".into(),
                 host_driver_root: "/".into(),
                 priority_class: String::new(),
+                service_account: "gpu-dra-mps-daemon".into(),
+                image_pull_policy: "IfNotPresent".into(),
+                image_pull_secrets: Vec::new(),
             },
         ));
         Node {

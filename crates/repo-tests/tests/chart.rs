@@ -718,6 +718,7 @@ fn the_chart_configures_the_plugin_by_the_env_twins_of_its_flags() {
         "kubeletPlugin.nvmlLib=/usr/lib64/libnvidia-ml.so.1",
         "nvidiaCDIHookPath=/usr/local/nvidia/toolkit/nvidia-cdi-hook",
         "kubeletPlugin.mpsDaemonPods=true",
+        "imagePullSecrets[0].name=registry-credentials",
     ];
     for sets in [&[][..], &all_optional[..]] {
         let objects = render(&helm, sets);
