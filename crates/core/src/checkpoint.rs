@@ -373,7 +373,10 @@ mod tests {
             },
         );
         let json: Value = serde_json::from_slice(&cp.to_json()).expect("json");
-        assert_eq!(json["dynamicMigGpus"]["GPU-1"]["keptInstances"][0], "MIG-admin");
+        assert_eq!(
+            json["dynamicMigGpus"]["GPU-1"]["keptInstances"][0],
+            "MIG-admin"
+        );
         assert_eq!(Checkpoint::from_json(&cp.to_json()).expect("reads"), cp);
     }
 

@@ -342,7 +342,8 @@ pub fn render_dynamic_gpu(
         devices.push(device);
     }
     for mig in &gpu.mig_devices {
-        let device = slices::render_device(inventory, DeviceRef::Mig { parent: gpu, mig }, warnings);
+        let device =
+            slices::render_device(inventory, DeviceRef::Mig { parent: gpu, mig }, warnings);
         if !names.insert(device.name.clone()) {
             return Err(StaticReason::BadDeviceName { name: device.name });
         }
@@ -872,7 +873,9 @@ mod tests {
         assert_eq!(reasons.len(), 5, "{reasons:?}");
         assert_eq!(reasons[0].0, "GPU-not-here");
         assert!(
-            reasons[1].1.contains("1 MIG instances that are not dynamic claims' leave no placement free"),
+            reasons[1]
+                .1
+                .contains("1 MIG instances that are not dynamic claims' leave no placement free"),
             "{reasons:?}"
         );
         assert!(reasons[2].1.contains("no MIG profiles"));
@@ -944,7 +947,12 @@ mod tests {
             "{want:?}"
         );
         let set = &sets(&r.slices)[0].counters;
-        for gone in ["memory-slice-0", "memory-slice-4", "memory-slice-7", "ofa-engines"] {
+        for gone in [
+            "memory-slice-0",
+            "memory-slice-4",
+            "memory-slice-7",
+            "ofa-engines",
+        ] {
             assert!(!set.contains_key(gone), "{gone} is spent: {set:?}");
         }
         assert_eq!(int(&set["multiprocessors"].value.0), 98 - 42 - 14);

@@ -269,11 +269,13 @@ mod tests {
         };
         // The dynamic claim's placement is published as a placement, without its instance.
         assert!(devices["gpu-0-mig-1g5gb-19-0"].consumes_counters.is_some());
-        assert!(!devices["gpu-0-mig-1g5gb-19-0"]
-            .attributes
-            .as_ref()
-            .unwrap()
-            .contains_key("uuid"));
+        assert!(
+            !devices["gpu-0-mig-1g5gb-19-0"]
+                .attributes
+                .as_ref()
+                .unwrap()
+                .contains_key("uuid")
+        );
         assert_eq!(uuid("gpu-0-mig-3g20gb-9-4").as_deref(), Some("MIG-static"));
         for name in [
             "gpu-0",
@@ -282,7 +284,10 @@ mod tests {
             "gpu-0-mig-1g10gb-15-6",
             "gpu-0-mig-7g40gb-0-0",
         ] {
-            assert!(!devices.contains_key(name), "{name} overlaps the static 3g.20gb");
+            assert!(
+                !devices.contains_key(name),
+                "{name} overlaps the static 3g.20gb"
+            );
         }
         assert!(devices.contains_key("gpu-0-mig-4g20gb-5-0"));
         assert!(r.warnings.is_empty(), "{:?}", r.warnings);
