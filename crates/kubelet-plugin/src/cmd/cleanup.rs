@@ -64,14 +64,20 @@ pub struct CleanupArgs {
     /// The host's driver (its `nvidia-smi` and MPS control tool restore the GPUs).
     #[command(flatten)]
     pub host: HostArgs,
+    /// The kernel's boot ID file (the same inside a container), as `run` reads it: recorded
+    /// MIG instance IDs name an instance only in the boot they were recorded in (changed only
+    /// by tests).
+    #[arg(
+        long,
+        env = "BOOT_ID_FILE",
+        hide = true,
+        default_value = "/proc/sys/kernel/random/boot_id"
+    )]
+    pub boot_id_file: PathBuf,
     /// Logging.
     #[command(flatten)]
     pub log: LogArgs,
 }
-
-/// The kernel's boot ID (the same inside a container): tells whether recorded MIG IDs are of
-/// this boot.
-const BOOT_ID_FILE: &str = "/proc/sys/kernel/random/boot_id";
 
 /// One thing cleanup could not do. Each names the path or step and what to do.
 #[derive(Debug, thiserror::Error)]
@@ -518,7 +524,7 @@ pub async fn run(args: CleanupArgs) -> anyhow::Result<()> {
         Ok(mig) => Box::new(mig),
         Err(reason) => Box::new(crate::mig::NoMig(reason)),
     };
-    let boot_id = crate::cmd::run::read_boot_id(Path::new(BOOT_ID_FILE));
+    let boot_id = crate::cmd::run::read_boot_id(&args.boot_id_file);
     let report = cleanup(&args, mig.as_ref(), boot_id.as_deref()).await;
     info!(
         mps_stopped = %report.mps_stopped.join(","),
@@ -588,6 +594,7 @@ mod tests {
                     sysfs_root: self.host.sysfs_root(),
                     nvml_lib: None,
                 },
+                boot_id_file: d.join("boot_id"),
                 log: LogArgs {
                     log_format: gpu_dra_telemetry::LogFormat::Text,
                     log_level: "info".into(),
