@@ -85,8 +85,8 @@
 //! - makes the GPU static ([`StaticReason::NoFreePlacement`]) when no placement fits at all.
 //!
 //! The pool changes when such an instance appears or goes (rare: the switch of a GPU to
-//! dynamic, an admin's work); allocations made before stay valid, since no device they name
-//! goes away while its instance exists.
+//! dynamic, an admin's work). A claim allocated the static device before the switch keeps it
+//! published under the same name.
 //!
 //! # Rejected alternatives
 //! - *Counters and devices in one slice*: rejected by validation since 1.35.
