@@ -3,6 +3,7 @@ package tests
 import (
 	"context"
 	"fmt"
+	"os"
 	"os/exec"
 	"path/filepath"
 	"regexp"
@@ -14,6 +15,7 @@ import (
 	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/gpu-dra/e2e/harness"
 )
@@ -104,9 +106,31 @@ func schedulerMessage(ctx context.Context, t *testing.T, pod *v1.Pod) string {
 	return ""
 }
 
-// TestDynamicMIG: GPU 0 of an A100 node is offered as dynamic MIG. The
-// plugin destroys at start the profile's instances on it (no claim owns
-// them); the scheduler places 3g.20gb, 2g.10gb and 1g.5gb claims on
+// destroyInstances destroys GPU instances of one GPU of a node by hand, as
+// an admin does with nvidia-smi (the node's simulated driver): each of gis,
+// or every instance when gis is empty.
+func destroyInstances(t *testing.T, n *harness.Node, gpu int, gis ...int) {
+	t.Helper()
+	smi := filepath.Join(n.SimRoot(), "usr", "bin", "nvidia-smi")
+	var gi []string
+	if len(gis) > 0 {
+		var ids []string
+		for _, g := range gis {
+			ids = append(ids, fmt.Sprint(g))
+		}
+		gi = []string{"-gi", strings.Join(ids, ",")}
+	}
+	for _, op := range []string{"-dci", "-dgi"} {
+		args := append([]string{"mig", "-i", fmt.Sprint(gpu), op}, gi...)
+		if out, err := exec.Command(smi, args...).CombinedOutput(); err != nil {
+			t.Fatalf("nvidia-smi %s: %v: %s", strings.Join(args, " "), err, out)
+		}
+	}
+}
+
+// TestDynamicMIG: GPU 0 of an A100 node, emptied by the admin (the plugin
+// keeps the instances a GPU has when it becomes dynamic), is offered as
+// dynamic MIG; the scheduler places 3g.20gb, 2g.10gb and 1g.5gb claims on
 // placements that fit together, prepare creates exactly those instances and
 // each container sees exactly its MIG device; a 4g.20gb claim that cannot
 // fit stays pending with the scheduler's reason; deleting everything leaves
@@ -117,9 +141,10 @@ func TestDynamicMIG(t *testing.T) {
 	requirePlugins(t)
 	ctx := context.Background()
 	const name = "node-dynmig"
-	n := addPluginNode(ctx, t, name, "dgx-a100-40gb", []string{"--dynamic-mig-gpus=0"}, nil)
+	empty := func(n *harness.Node) { destroyInstances(t, n, 0) }
+	n := addPluginNode(ctx, t, name, "dgx-a100-40gb", []string{"--dynamic-mig-gpus=0"}, empty)
 	if got := gpuInstances(t, n, 0); len(got) != 0 {
-		t.Fatalf("GPU 0 still has instances no claim owns: %v; plugin log:\n%s", got, n.Plugin.Log())
+		t.Fatalf("GPU 0 has instances at start: %v; plugin log:\n%s", got, n.Plugin.Log())
 	}
 	if got := gpuInstances(t, n, 1); len(got) != 4 {
 		t.Errorf("GPU 1 (static) lost its instances: %v", got)
@@ -223,4 +248,180 @@ func TestDynamicMIG(t *testing.T) {
 	if !eventually(ctx, 30*time.Second, func() bool { return len(gpuInstances(t, n, 0)) == 0 }) {
 		t.Fatalf("GPU 0 instances left: %v", gpuInstances(t, n, 0))
 	}
+}
+
+// memorySlices are the memory slices a published device consumes from its
+// GPU's counter set (none for a static device).
+func memorySlices(d resourceapi.Device) []int {
+	var out []int
+	for _, c := range d.ConsumesCounters {
+		for k := range c.Counters {
+			var i int
+			if _, err := fmt.Sscanf(k, "memory-slice-%d", &i); err == nil {
+				out = append(out, i)
+			}
+		}
+	}
+	sort.Ints(out)
+	return out
+}
+
+// TestDynamicMIGSwitchKeepsInstancesInUse: GPU 0 of an A100 node is
+// partitioned statically (the admin left one 3g.20gb at memory slices 4-7)
+// and a pod runs on that static MIG device. The admin then marks GPU 0
+// dynamic with the Node annotation, applied when the plugin restarts. The
+// pod's instance survives (same UUID, the pod keeps running), it stays
+// published as the static device it is, no placement over slices 4-7 is
+// offered, and a new 2g.10gb claim gets a placement beside it. When both
+// pods are gone, the claim's dynamic instance is destroyed and the kept one
+// stays.
+func TestDynamicMIGSwitchKeepsInstancesInUse(t *testing.T) {
+	requirePlugins(t)
+	ctx := context.Background()
+	const name = "node-dynmig-switch"
+	// GI 1 is the 3g.20gb at 4 of the profile; 6, 11 and 12 the rest.
+	keepOne := func(n *harness.Node) { destroyInstances(t, n, 0, 6, 11, 12) }
+	n := addPluginNode(ctx, t, name, "dgx-a100-40gb", nil, keepOne)
+	if got := gpuInstances(t, n, 0); strings.Join(got, " ") != "3g.20gb@4" {
+		t.Fatalf("GPU 0 instances %v, want the 3g.20gb at 4 only", got)
+	}
+	const static3g = "gpu-0-mig-3g20gb-9-4"
+	devices := poolDevices(ctx, t, name)
+	gpu0 := attrString(devices[static3g], "parentUUID")
+	if gpu0 == "" {
+		t.Fatalf("static device %s not published: %v", static3g, keys(devices))
+	}
+	ns := newNamespace(ctx, t, "dynmig-switch")
+	running, claim := runClaimPod(ctx, t, migClaim(ns, "static", "3g.20gb", gpu0), claimPod(ns, "static", name, "static"))
+	if got := claim.Status.Allocation.Devices.Results[0].Device; got != static3g {
+		t.Fatalf("static claim allocated %s, want %s", got, static3g)
+	}
+	inUse := dynamicMIGUUID(t, name, gpu0, "3g.20gb")
+
+	patch := `{"metadata":{"annotations":{"gpu.nvidia.com/dynamic-mig-gpus":"0"}}}`
+	if _, err := cluster.Client.CoreV1().Nodes().Patch(ctx, name, types.MergePatchType, []byte(patch), metav1.PatchOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	n.Plugin.Stop()
+	if err := n.Plugin.Restart(); err != nil {
+		t.Fatal(err)
+	}
+	const free2g = "gpu-0-mig-2g10gb-14-0"
+	if !eventually(ctx, 60*time.Second, func() bool {
+		_, ok := poolDevices(ctx, t, name)[free2g]
+		return ok
+	}) {
+		t.Fatalf("GPU 0 not offered as dynamic MIG after the switch; plugin log:\n%s", n.Plugin.Log())
+	}
+	if got := dynamicMIGUUID(t, name, gpu0, "3g.20gb"); got != inUse {
+		t.Fatalf("the pod's instance %s was replaced by %s; plugin log:\n%s", inUse, got, n.Plugin.Log())
+	}
+	if !strings.Contains(n.Plugin.Log(), "found on a GPU that became dynamic MIG: kept") {
+		t.Errorf("plugin log does not say it kept the instance")
+	}
+	devices = poolDevices(ctx, t, name)
+	if d, ok := devices[static3g]; !ok || attrString(d, "uuid") != inUse || len(d.ConsumesCounters) != 0 {
+		t.Errorf("%s after the switch: published %v, uuid %q, counters %v; want the static device of %s", static3g, ok, attrString(d, "uuid"), d.ConsumesCounters, inUse)
+	}
+	if _, ok := devices["gpu-0"]; ok {
+		t.Errorf("whole GPU 0 offered over the kept instance")
+	}
+	for dn, d := range devices {
+		for _, i := range memorySlices(d) {
+			if i >= 4 {
+				t.Errorf("%s offered over memory slice %d of the kept instance", dn, i)
+			}
+		}
+	}
+
+	fresh, claim := runClaimPod(ctx, t, migClaim(ns, "fresh", "2g.10gb", gpu0), claimPod(ns, "fresh", name, "fresh"))
+	placed := claim.Status.Allocation.Devices.Results[0].Device
+	t.Logf("new 2g.10gb claim allocated %s", placed)
+	if !strings.HasPrefix(placed, "gpu-0-mig-2g10gb-14-") || placed == "gpu-0-mig-2g10gb-14-4" {
+		t.Fatalf("new claim allocated %s, want a 2g.10gb placement beside the kept instance", placed)
+	}
+	got := gpuInstances(t, n, 0)
+	if len(got) != 2 || got[0] != "2g.10gb@"+strings.TrimPrefix(placed, "gpu-0-mig-2g10gb-14-") || got[1] != "3g.20gb@4" {
+		t.Errorf("GPU 0 instances %v, want the new 2g.10gb and the kept 3g.20gb", got)
+	}
+	for _, pod := range []*v1.Pod{running, fresh} {
+		for _, ctr := range pod.Spec.Containers {
+			checkContainerSees(ctx, t, pod, ctr)
+		}
+	}
+	if p, err := cluster.Client.CoreV1().Pods(ns).Get(ctx, running.Name, metav1.GetOptions{}); err != nil || p.Status.Phase != v1.PodRunning {
+		t.Errorf("pod on the static device after the switch: %v (%v)", p.Status.Phase, err)
+	}
+
+	deleteClaimAndPod(ctx, t, fresh)
+	deleteClaimAndPod(ctx, t, running)
+	if !eventually(ctx, 30*time.Second, func() bool { return strings.Join(gpuInstances(t, n, 0), " ") == "3g.20gb@4" }) {
+		t.Fatalf("GPU 0 instances %v after the claims are gone, want the kept 3g.20gb only; plugin log:\n%s", gpuInstances(t, n, 0), n.Plugin.Log())
+	}
+}
+
+// TestCleanupDestroysDynamicMIGInstances: what `helm uninstall` runs on a
+// node (the chart's pre-delete hook stops the node plugin, then runs
+// `gpu-kubelet-plugin cleanup` with the plugin's host paths), here on a
+// plugin-as-process node, whose dynamic MIG GPU the deployed suite's nodes
+// lack. A claim's dynamic 2g.10gb instance is prepared when the plugin
+// goes; cleanup destroys it before it removes the checkpoint, and leaves the
+// 3g.20gb the admin had made before the GPU became dynamic.
+func TestCleanupDestroysDynamicMIGInstances(t *testing.T) {
+	requirePlugins(t)
+	ctx := context.Background()
+	const name = "node-dynmig-cleanup"
+	keepOne := func(n *harness.Node) { destroyInstances(t, n, 0, 6, 11, 12) }
+	n := addPluginNode(ctx, t, name, "dgx-a100-40gb", []string{"--dynamic-mig-gpus=0"}, keepOne)
+	var gpu0 string
+	if !eventually(ctx, 60*time.Second, func() bool {
+		gpu0 = attrString(poolDevices(ctx, t, name)["gpu-0-mig-2g10gb-14-0"], "parentUUID")
+		return gpu0 != ""
+	}) {
+		t.Fatalf("GPU 0 not offered as dynamic MIG; plugin log:\n%s", n.Plugin.Log())
+	}
+	ns := newNamespace(ctx, t, "dynmig-cleanup")
+	pod, claim := runClaimPod(ctx, t, migClaim(ns, "dyn", "2g.10gb", gpu0), claimPod(ns, "dyn", name, "dyn"))
+	t.Logf("claim allocated %s", claim.Status.Allocation.Devices.Results[0].Device)
+	if got := gpuInstances(t, n, 0); len(got) != 2 {
+		t.Fatalf("GPU 0 instances %v, want the claim's 2g.10gb and the admin's 3g.20gb", got)
+	}
+	checkpoint := filepath.Join(n.PluginDir(harness.DefaultDriver), "gpu-dra-checkpoint.json")
+	if data, err := os.ReadFile(checkpoint); err != nil || !strings.Contains(string(data), "dynamicMig") {
+		t.Fatalf("no dynamic MIG record in the checkpoint before the uninstall (%v): %s", err, data)
+	}
+
+	n.Plugin.Stop()
+	bin, err := harness.Binary("gpu-kubelet-plugin")
+	if err != nil {
+		t.Fatal(err)
+	}
+	out, err := exec.Command(bin, "cleanup",
+		"--driver-name="+harness.DefaultDriver,
+		"--plugin-dir="+n.PluginDir(harness.DefaultDriver),
+		"--registrar-dir="+n.RegistrarDir,
+		"--cdi-root="+n.CDIRoot,
+		"--driver-root="+n.SimRoot(),
+		"--dev-root="+n.SimRoot(),
+		"--sysfs-root="+filepath.Join(n.SimRoot(), "sys"),
+		"--boot-id-file="+n.BootIDFile(),
+	).CombinedOutput()
+	if err != nil {
+		t.Fatalf("cleanup: %v\n%s", err, out)
+	}
+	if !strings.Contains(string(out), "destroyed MIG instance") {
+		t.Errorf("cleanup log does not name the destroyed instance:\n%s", out)
+	}
+	if got := gpuInstances(t, n, 0); strings.Join(got, " ") != "3g.20gb@4" {
+		t.Errorf("GPU 0 instances after cleanup %v, want the admin's 3g.20gb only\n%s", got, out)
+	}
+	if _, err := os.Stat(checkpoint); !os.IsNotExist(err) {
+		t.Errorf("checkpoint left after cleanup (%v)", err)
+	}
+
+	// A plugin again, so that the kubelet can unprepare the claim (unknown now) when the pod goes.
+	if err := n.Plugin.Restart(); err != nil {
+		t.Fatal(err)
+	}
+	deleteClaimAndPod(ctx, t, pod)
 }

@@ -26,13 +26,16 @@ import (
 type exampleNode struct {
 	profile string
 	args    []string
+	// emptyGPUs are emptied of their MIG instances by hand before the plugin
+	// starts, as an admin does before offering a GPU as dynamic MIG.
+	emptyGPUs []int
 }
 
 // exampleNodes by example folder. dynamic-mig asks for MIG profiles that no
 // static instance of the suite's nodes has: only this node's dynamic GPUs
 // offer them.
 var exampleNodes = map[string]exampleNode{
-	"dynamic-mig": {profile: "dgx-a100-40gb", args: []string{"--dynamic-mig-gpus=0,1"}},
+	"dynamic-mig": {profile: "dgx-a100-40gb", args: []string{"--dynamic-mig-gpus=0,1"}, emptyGPUs: []int{0, 1}},
 }
 
 // Every scenario folder in examples/ (but invalid/): applied to a fresh
@@ -65,7 +68,12 @@ func TestExamples(t *testing.T) {
 			if needsMemoryShares(t, files) {
 				addMemoryShareNode(t)
 			} else if node, ok := exampleNodes[d.Name()]; ok {
-				addPluginNode(context.Background(), t, "node-ex-"+d.Name(), node.profile, node.args, nil)
+				empty := func(n *harness.Node) {
+					for _, gpu := range node.emptyGPUs {
+						destroyInstances(t, n, gpu)
+					}
+				}
+				addPluginNode(context.Background(), t, "node-ex-"+d.Name(), node.profile, node.args, empty)
 			}
 			runExample(t, d.Name(), files)
 		})

@@ -25,7 +25,13 @@
 //!   instance's IDs and UUID once it exists. So after a crash at any point the checkpoint names
 //!   every instance that may exist: the plugin keeps those of prepared claims, destroys those
 //!   of half-prepared ones (found by placement when the IDs were never written) and destroys
-//!   every other instance on a dynamic GPU. An older plugin keeps the field as unknown data.
+//!   the strays on a dynamic GPU. An older plugin keeps the field as unknown data;
+//! - `dynamicMigGpus` lists the GPUs the plugin last saw offered as dynamic MIG, each with the
+//!   instances that were on it, owned by no dynamic record, when it first saw it so
+//!   ([`DynamicMigGpu`]): those are an admin's or a claim's static device and are never
+//!   destroyed; only an instance that appeared later and that no claim uses is a stray.
+//!   Written before any instance of that GPU is destroyed, so a crash cannot turn a kept
+//!   instance into a stray.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -73,6 +79,10 @@ pub struct Checkpoint {
     /// UIDs of claims imported from NVIDIA's driver's checkpoint, never imported again.
     #[serde(default, skip_serializing_if = "BTreeSet::is_empty")]
     pub imported_from_nvidia: BTreeSet<String>,
+    /// The GPUs the plugin last saw offered as dynamic MIG, by UUID, with the instances it
+    /// found on each when it first saw it so and keeps as an admin's.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub dynamic_mig_gpus: BTreeMap<String, DynamicMigGpu>,
     /// Fields of a newer format, kept as they were.
     #[serde(flatten)]
     pub extra: Map<String, Value>,
@@ -157,6 +167,20 @@ impl DynamicMigInstance {
         self.placement_start < start.saturating_add(size)
             && start < self.placement_start.saturating_add(self.placement_size)
     }
+}
+
+/// A GPU the plugin saw offered as dynamic MIG.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct DynamicMigGpu {
+    /// UUIDs of the MIG devices that existed, owned by no claim's dynamic device, when the
+    /// plugin first saw the GPU dynamic: an admin's (or a claim's static device), never
+    /// destroyed by the plugin. An entry goes once its instance is gone.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub kept_instances: Vec<String>,
+    /// Fields of a newer format, kept as they were.
+    #[serde(flatten)]
+    pub extra: Map<String, Value>,
 }
 
 /// What NVIDIA's driver did for an imported claim, as far as cleaning it up needs.
@@ -337,6 +361,22 @@ mod tests {
         assert!(list[0].get("giId").is_none(), "not created yet");
         assert_eq!(list[1]["giId"], 2);
         assert_eq!(list[1]["uuid"], "MIG-2");
+        assert_eq!(Checkpoint::from_json(&cp.to_json()).expect("reads"), cp);
+
+        // The dynamic GPUs and their kept instances: absent when none, camelCase otherwise.
+        assert!(json.get("dynamicMigGpus").is_none());
+        cp.dynamic_mig_gpus.insert(
+            "GPU-1".into(),
+            DynamicMigGpu {
+                kept_instances: vec!["MIG-admin".into()],
+                ..DynamicMigGpu::default()
+            },
+        );
+        let json: Value = serde_json::from_slice(&cp.to_json()).expect("json");
+        assert_eq!(
+            json["dynamicMigGpus"]["GPU-1"]["keptInstances"][0],
+            "MIG-admin"
+        );
         assert_eq!(Checkpoint::from_json(&cp.to_json()).expect("reads"), cp);
     }
 

@@ -62,13 +62,31 @@
 //! a [`RenderWarning`] saying why: never an invalid slice, which would fail the whole publish.
 //!
 //! # Which GPUs are dynamic
-//! The caller names them by UUID. A GPU qualifies when it reports MIG profiles and has no MIG
-//! devices: existing instances are static partitions an admin made, and offering placements
-//! over them would let the scheduler allocate what cannot be created. MIG mode itself is not
-//! checked: NVIDIA's driver enables it lazily on Hopper, and discovery only lists profiles
-//! where it can. Once prepare creates instances for dynamic devices, the caller must leave those
-//! instances out of `mig_devices` before rendering, so the published pool stays the same while
-//! they are allocated.
+//! The caller names them by UUID. A GPU qualifies when it reports MIG profiles and some
+//! placement is free (below). MIG mode itself is not checked: NVIDIA's driver enables it
+//! lazily on Hopper, and discovery only lists profiles where it can. Once prepare creates
+//! instances for dynamic devices, the caller must leave those instances out of `mig_devices`
+//! before rendering, so the published pool stays the same while they are allocated.
+//!
+//! # Instances that are not the scheduler's
+//! Every MIG device the caller leaves in `mig_devices` is an instance no dynamic device stands
+//! for: a static MIG device a claim was prepared with before the GPU became dynamic, an
+//! instance an admin made, a leftover the node plugin has not destroyed yet. The scheduler
+//! knows nothing of them, so offering a placement over one would let it allocate what cannot
+//! be created, or, worse, what a running pod uses. Such an instance
+//! - is published as the static MIG device it is (with its `uuid`, consuming no counter): a
+//!   claim allocated it before the switch keeps a published device, and new claims may use it;
+//! - is subtracted from the counter set: the set holds what the instances leave (memory slices
+//!   they cover and counters they exhaust drop out, as zeros do), and a device is offered only
+//!   when its consumption fits in that. So no placement overlapping such an instance is
+//!   offered, nor the whole GPU, nor a `+me` placement next to a `+me` instance (the
+//!   `ofa-engines` total is spent). The arithmetic is the scheduler's own: a device that does
+//!   not fit could never be allocated, and publishing it would name counters the set lacks;
+//! - makes the GPU static ([`StaticReason::NoFreePlacement`]) when no placement fits at all.
+//!
+//! The pool changes when such an instance appears or goes (rare: the switch of a GPU to
+//! dynamic, an admin's work). A claim allocated the static device before the switch keeps it
+//! published under the same name.
 //!
 //! # Rejected alternatives
 //! - *Counters and devices in one slice*: rejected by validation since 1.35.
@@ -89,7 +107,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use gpu_dra_device::{DeviceRef, Gpu, Inventory, MigProfile, Placement};
+use gpu_dra_device::{DeviceRef, Gpu, Inventory, MigDevice, MigProfile, Placement};
 use k8s_openapi::api::resource::v1::{Counter, CounterSet, Device, DeviceCounterConsumption};
 
 use crate::health::Taint;
@@ -141,10 +159,13 @@ pub enum StaticReason {
         "the GPU reports no MIG profiles (not MIG capable or MIG mode off); rendered statically"
     )]
     NoProfiles,
-    /// MIG devices exist already: static partitions, which dynamic placements would overlap.
-    #[error("the GPU has {count} MIG devices already (static partitions); rendered statically")]
-    HasMigDevices {
-        /// How many MIG devices exist.
+    /// The MIG instances that stay on the GPU (a claim's static device, or instances made
+    /// before the GPU became dynamic) leave no placement free.
+    #[error(
+        "its {count} MIG instances that are not dynamic claims' leave no placement free; rendered statically until they are gone"
+    )]
+    NoFreePlacement {
+        /// How many such MIG instances exist.
         count: usize,
     },
     /// A profile lists a placement that covers no memory slice, which no counter could guard.
@@ -221,8 +242,42 @@ fn counters(values: impl IntoIterator<Item = (String, u64)>) -> BTreeMap<String,
         .collect()
 }
 
+/// The counters a MIG instance of `gpu` uses: its memory slices and its profile's totals (the
+/// instance's own values when its profile is not listed), zeros left out.
+fn instance_usage(gpu: &Gpu, m: &MigDevice) -> BTreeMap<String, u64> {
+    let own = [
+        (counter::MULTIPROCESSORS, u64::from(m.multiprocessors)),
+        (counter::COPY_ENGINES, u64::from(m.copy_engines)),
+        (counter::DECODERS, u64::from(m.decoders)),
+        (counter::ENCODERS, u64::from(m.encoders)),
+        (counter::JPEG_ENGINES, u64::from(m.jpeg_engines)),
+        (counter::OFA_ENGINES, u64::from(m.ofa_engines)),
+        (counter::MEMORY, m.memory_bytes),
+    ];
+    let totals = gpu
+        .mig_profiles
+        .iter()
+        .find(|p| p.gi_profile_id == m.gi_profile_id)
+        .map_or(own, totals);
+    usage(m.placement, totals)
+}
+
+/// The counters a placement of a profile with `totals` uses, zeros left out.
+fn usage(pl: Placement, totals: [(&'static str, u64); 7]) -> BTreeMap<String, u64> {
+    (pl.start..pl.start.saturating_add(pl.size))
+        .map(|i| (memory_slice_counter(i), 1))
+        .chain(totals.into_iter().map(|(k, v)| (k.to_string(), v)))
+        .filter(|(_, v)| *v > 0)
+        .collect()
+}
+
 /// Renders `gpu` as a dynamic MIG GPU, or says why it must be rendered statically. Warnings of
 /// the device rendering (over-long strings, as for static devices) go to `warnings`.
+///
+/// The MIG devices in `gpu.mig_devices` are instances no claim's dynamic device stands for
+/// (see "Instances that are not the scheduler's" in the module doc): each is published as the
+/// static MIG device it is, the counter set holds what they leave, and only the placements
+/// that fit in it are offered.
 pub fn render_dynamic_gpu(
     inventory: &Inventory,
     gpu: &Gpu,
@@ -230,11 +285,6 @@ pub fn render_dynamic_gpu(
 ) -> Result<DynamicGpu, StaticReason> {
     if gpu.mig_profiles.is_empty() {
         return Err(StaticReason::NoProfiles);
-    }
-    if !gpu.mig_devices.is_empty() {
-        return Err(StaticReason::HasMigDevices {
-            count: gpu.mig_devices.len(),
-        });
     }
     let mut memory_slices = 0u32;
     let mut max = BTreeMap::<&str, u64>::new();
@@ -253,35 +303,67 @@ pub fn render_dynamic_gpu(
             *m = (*m).max(v);
         }
     }
-    let set_values = counters(
-        (0..memory_slices)
-            .map(|i| (memory_slice_counter(i), 1))
-            .chain(max.iter().map(|(k, v)| (k.to_string(), *v))),
-    );
-    let needed = set_values.len();
+    let whole: BTreeMap<String, u64> = (0..memory_slices)
+        .map(|i| (memory_slice_counter(i), 1))
+        .chain(max.iter().map(|(k, v)| (k.to_string(), *v)))
+        .filter(|(_, v)| *v > 0)
+        .collect();
+    let needed = whole.len();
     if needed > MAX_COUNTERS_PER_COUNTER_SET {
         return Err(StaticReason::TooManyCounters { needed });
     }
+    // What the instances that stay leave to the placements.
+    let mut free = whole.clone();
+    for m in &gpu.mig_devices {
+        for (k, v) in instance_usage(gpu, m) {
+            if let Some(f) = free.get_mut(&k) {
+                *f = f.saturating_sub(v);
+            }
+        }
+    }
+    let fits = |used: &BTreeMap<String, u64>| {
+        used.iter()
+            .all(|(k, v)| free.get(k).is_some_and(|f| f >= v))
+    };
     let set_name = counter_set_name(gpu);
-    let consumes = |values: BTreeMap<String, Counter>| {
+    let consumes = |values: &BTreeMap<String, u64>| {
         Some(vec![DeviceCounterConsumption {
             counter_set: set_name.clone(),
-            counters: values,
+            counters: counters(values.iter().map(|(k, v)| (k.clone(), *v))),
         }])
     };
 
     let mut devices = Vec::new();
-    let mut whole = slices::render_device(inventory, DeviceRef::Gpu(gpu), warnings);
-    whole.consumes_counters = consumes(set_values.clone());
-    devices.push(whole);
-    let mut names = BTreeSet::from([gpu.device_name()]);
+    let mut names = BTreeSet::new();
+    if fits(&whole) {
+        let mut device = slices::render_device(inventory, DeviceRef::Gpu(gpu), warnings);
+        device.consumes_counters = consumes(&whole);
+        names.insert(device.name.clone());
+        devices.push(device);
+    }
+    for mig in &gpu.mig_devices {
+        let device =
+            slices::render_device(inventory, DeviceRef::Mig { parent: gpu, mig }, warnings);
+        if !names.insert(device.name.clone()) {
+            return Err(StaticReason::BadDeviceName { name: device.name });
+        }
+        devices.push(device);
+    }
+    let mut placements = 0usize;
     for p in &gpu.mig_profiles {
         for pl in &p.placements {
             // The UUID and IDs are assigned by the driver at creation; the UUID is removed
             // from the attributes below.
             let mig = p.device(*pl, String::new(), 0, 0);
             let name = mig.device_name(gpu);
-            if name.len() > MAX_DNS_LABEL_LENGTH || !names.insert(name.clone()) {
+            if name.len() > MAX_DNS_LABEL_LENGTH {
+                return Err(StaticReason::BadDeviceName { name });
+            }
+            let used = usage(*pl, totals(p));
+            if !fits(&used) {
+                continue;
+            }
+            if !names.insert(name.clone()) {
                 return Err(StaticReason::BadDeviceName { name });
             }
             let mut device = slices::render_device(
@@ -295,19 +377,20 @@ pub fn render_dynamic_gpu(
             if let Some(attributes) = device.attributes.as_mut() {
                 attributes.remove(slices::attr::UUID);
             }
-            let used = counters(
-                (pl.start..pl.start.saturating_add(pl.size))
-                    .map(|i| (memory_slice_counter(i), 1))
-                    .chain(totals(p).into_iter().map(|(k, v)| (k.to_string(), v))),
-            );
-            device.consumes_counters = consumes(used);
+            device.consumes_counters = consumes(&used);
             devices.push(device);
+            placements += 1;
         }
+    }
+    if placements == 0 {
+        return Err(StaticReason::NoFreePlacement {
+            count: gpu.mig_devices.len(),
+        });
     }
     Ok(DynamicGpu {
         counter_set: CounterSet {
             name: set_name,
-            counters: set_values,
+            counters: counters(free),
         },
         devices,
     })
@@ -760,8 +843,9 @@ mod tests {
 
     #[test]
     fn gpus_that_cannot_be_dynamic_are_rendered_statically_with_a_warning() {
+        // A 7g.40gb instance that is not a dynamic claim's covers every memory slice.
         let with_instances = a100(0)
-            .mig(mig_1g5gb(0))
+            .mig(MigBuilder::new("7g.40gb", 0, 0, 8))
             .mig_profiles(a100_40gb_profiles())
             .build();
         let no_profiles = t4(1).build();
@@ -789,7 +873,9 @@ mod tests {
         assert_eq!(reasons.len(), 5, "{reasons:?}");
         assert_eq!(reasons[0].0, "GPU-not-here");
         assert!(
-            reasons[1].1.contains("1 MIG devices already"),
+            reasons[1]
+                .1
+                .contains("1 MIG instances that are not dynamic claims' leave no placement free"),
             "{reasons:?}"
         );
         assert!(reasons[2].1.contains("no MIG profiles"));
@@ -803,6 +889,84 @@ mod tests {
             ["GPU-not-here", "gpu-0", "gpu-1", "gpu-2", "gpu-3"]
         );
         assert!(r.warnings.iter().skip(1).all(|w| w.field == "dynamicMig"));
+    }
+
+    /// Instances that no dynamic device stands for (a claim's static `3g.20gb` at 4 and an
+    /// admin's `1g.5gb+me` at 0, left in `mig_devices` by the caller) stay published as the
+    /// static devices they are; exactly the placements that fit beside them are offered.
+    #[test]
+    fn no_placement_overlapping_an_instance_that_stays_is_offered() {
+        let g3 = MigBuilder::new("3g.20gb", 9, 4, 4)
+            .uuid("MIG-static-3g")
+            .multiprocessors(42)
+            .copy_engines(3)
+            .decoders(2)
+            .memory_bytes(19968 << 20);
+        let me = MigBuilder::new("1g.5gb+me", 20, 0, 1)
+            .uuid("MIG-admin-me")
+            .decoders(1)
+            .jpeg_engines(1)
+            .ofa_engines(1);
+        let gpu = a100_dynamic(0).mig(g3).mig(me).build();
+        let r = render_pool(
+            &inventory([gpu.clone()]),
+            &params(),
+            &BTreeMap::new(),
+            &uuids([&gpu]),
+        );
+        assert!(r.warnings.is_empty(), "{:?}", r.warnings);
+        assert_valid_pool(&r.slices);
+        let all = devices(&r.slices);
+        for (name, uuid) in [
+            ("gpu-0-mig-3g20gb-9-4", "MIG-static-3g"),
+            ("gpu-0-mig-1g5gb-me-20-0", "MIG-admin-me"),
+        ] {
+            let d = all.iter().find(|d| d.name == name).expect(name);
+            assert_eq!(
+                d.attributes.as_ref().unwrap()["uuid"].string.as_deref(),
+                Some(uuid)
+            );
+            assert!(d.consumes_counters.is_none(), "{name} is static");
+        }
+        let taken: BTreeSet<u32> = [0, 4, 5, 6, 7].into();
+        let offered: BTreeSet<&str> = all
+            .iter()
+            .filter(|d| d.consumes_counters.is_some())
+            .map(|d| d.name.as_str())
+            .collect();
+        // Every placement disjoint from the instances, but no second `+me` (one OFA engine).
+        let expected = expected_placements(0);
+        let want: BTreeSet<&str> = expected
+            .iter()
+            .filter(|(n, slices)| slices.is_disjoint(&taken) && !n.contains("-me-"))
+            .map(|(n, _)| n.as_str())
+            .collect();
+        assert_eq!(offered, want);
+        assert!(
+            want.contains("gpu-0-mig-2g10gb-14-2") && !want.contains("gpu-0"),
+            "{want:?}"
+        );
+        let set = &sets(&r.slices)[0].counters;
+        for gone in [
+            "memory-slice-0",
+            "memory-slice-4",
+            "memory-slice-7",
+            "ofa-engines",
+        ] {
+            assert!(!set.contains_key(gone), "{gone} is spent: {set:?}");
+        }
+        assert_eq!(int(&set["multiprocessors"].value.0), 98 - 42 - 14);
+
+        // Without them the same GPU offers everything again.
+        let mut free = gpu.clone();
+        free.mig_devices.clear();
+        let r = render_pool(
+            &inventory([free.clone()]),
+            &params(),
+            &BTreeMap::new(),
+            &uuids([&free]),
+        );
+        assert_eq!(devices(&r.slices).len(), expected_placements(0).len());
     }
 
     #[test]

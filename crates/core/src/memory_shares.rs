@@ -219,7 +219,13 @@ mod tests {
             memory_shares: GpuSelection::parse("0,2").expect("selection"),
             ..Partitioning::default()
         };
-        let r = render(&inv, &params(), &BTreeMap::new(), &partitioning);
+        let r = render(
+            &inv,
+            &params(),
+            &BTreeMap::new(),
+            &partitioning,
+            &BTreeSet::new(),
+        );
         let shared = device(&r, "gpu-0");
         assert_eq!(shared.allow_multiple_allocations, Some(true));
         let memory = &shared.capacity.as_ref().expect("capacity")["memory"];

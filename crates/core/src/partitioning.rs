@@ -154,15 +154,21 @@ impl Partitioning {
 }
 
 /// Renders the node's pool as `partitioning` says: dynamic MIG GPUs as partitionable devices
-/// ([`crate::dynamic_mig::render_pool`]; the MIG instances that exist on them are claims' and
-/// are left out of the rendering: the scheduler tracks those allocations on the partitionable
-/// devices), memory-share GPUs as whole GPUs several claims may hold
-/// ([`crate::memory_shares::apply`]), every other GPU statically.
+/// ([`crate::dynamic_mig::render_pool`]), memory-share GPUs as whole GPUs several claims may
+/// hold ([`crate::memory_shares::apply`]), every other GPU statically.
+///
+/// `dynamic_instances` names the MIG devices on dynamic GPUs that claims' dynamic devices stand
+/// for (the placements their checkpoint records hold, also before the instance exists): they
+/// are left out of the rendering, since the scheduler tracks those allocations on the
+/// partitionable devices. Every other MIG device on a dynamic GPU (a claim's static device,
+/// an instance made before the GPU became dynamic) stays a static device of the GPU, and no
+/// placement overlapping it is offered.
 pub fn render(
     inventory: &Inventory,
     params: &SliceParams<'_>,
     taints: &BTreeMap<String, Vec<Taint>>,
     partitioning: &Partitioning,
+    dynamic_instances: &BTreeSet<String>,
 ) -> Rendered {
     let dynamic = partitioning.uuids(inventory, GpuMode::DynamicMig);
     let mut rendered = if dynamic.is_empty() {
@@ -174,7 +180,9 @@ pub fn render(
             .iter_mut()
             .filter(|g| dynamic.contains(&g.uuid))
         {
-            gpu.mig_devices.clear();
+            let parent = gpu.clone();
+            gpu.mig_devices
+                .retain(|m| !dynamic_instances.contains(&m.device_name(&parent)));
         }
         crate::dynamic_mig::render_pool(&offered, params, taints, &dynamic)
     };
@@ -186,7 +194,7 @@ pub fn render(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use gpu_dra_device::testing::{a100, inventory};
+    use gpu_dra_device::testing::{MigBuilder, a100, a100_dynamic, inventory, mig_1g5gb};
 
     #[test]
     fn selections_parse_and_match_by_index_minor_or_uuid() {
@@ -225,5 +233,63 @@ mod tests {
         let (kept, problems) = flags.with_node_annotations(|_| Some("nonsense"));
         assert_eq!(kept, flags);
         assert_eq!(problems.len(), 2);
+    }
+
+    /// A dynamic GPU with a claim's dynamic instance (named in `dynamic_instances`) and a
+    /// static `3g.20gb` a claim was prepared with before the switch: the first is left to its
+    /// placement device, the second stays a static device and nothing overlapping it is offered.
+    #[test]
+    fn only_instances_of_dynamic_devices_are_left_to_their_placements() {
+        let gpu = a100_dynamic(0)
+            .mig(mig_1g5gb(0).uuid("MIG-dynamic"))
+            .mig(MigBuilder::new("3g.20gb", 9, 4, 4).uuid("MIG-static"))
+            .build();
+        let inv = inventory([gpu]);
+        let partitioning = Partitioning {
+            dynamic_mig: GpuSelection::All,
+            memory_shares: GpuSelection::None,
+        };
+        let params = SliceParams {
+            node_name: "node-a",
+            driver_name: "gpu.nvidia.com",
+            generation: 1,
+        };
+        let ours = BTreeSet::from(["gpu-0-mig-1g5gb-19-0".to_string()]);
+        let r = render(&inv, &params, &BTreeMap::new(), &partitioning, &ours);
+        let devices: BTreeMap<&str, _> = r
+            .slices
+            .iter()
+            .flat_map(|s| s.spec.devices.iter().flatten())
+            .map(|d| (d.name.as_str(), d))
+            .collect();
+        let uuid = |n: &str| {
+            devices[n].attributes.as_ref().unwrap()["uuid"]
+                .string
+                .clone()
+        };
+        // The dynamic claim's placement is published as a placement, without its instance.
+        assert!(devices["gpu-0-mig-1g5gb-19-0"].consumes_counters.is_some());
+        assert!(
+            !devices["gpu-0-mig-1g5gb-19-0"]
+                .attributes
+                .as_ref()
+                .unwrap()
+                .contains_key("uuid")
+        );
+        assert_eq!(uuid("gpu-0-mig-3g20gb-9-4").as_deref(), Some("MIG-static"));
+        for name in [
+            "gpu-0",
+            "gpu-0-mig-1g5gb-19-4",
+            "gpu-0-mig-2g10gb-14-4",
+            "gpu-0-mig-1g10gb-15-6",
+            "gpu-0-mig-7g40gb-0-0",
+        ] {
+            assert!(
+                !devices.contains_key(name),
+                "{name} overlaps the static 3g.20gb"
+            );
+        }
+        assert!(devices.contains_key("gpu-0-mig-4g20gb-5-0"));
+        assert!(r.warnings.is_empty(), "{:?}", r.warnings);
     }
 }

@@ -88,6 +88,7 @@ fn render_memory_shares() -> String {
         },
         &BTreeMap::new(),
         &partitioning,
+        &BTreeSet::new(),
     );
     assert!(rendered.warnings.is_empty(), "{:?}", rendered.warnings);
     let mut text = serde_json::to_string_pretty(&rendered.slices).expect("serialisable");

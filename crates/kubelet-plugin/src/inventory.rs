@@ -22,13 +22,15 @@
 //! Dynamic MIG GPUs ([`GpuMode::DynamicMig`]) are published as placements, not as the MIG
 //! devices that exist on them: those are instances prepare created for claims, with a new UUID
 //! each time. So they are never recorded as published identities, and [`LiveInventory::resolve`]
-//! takes a device on a dynamic GPU as it is now (prepare has just created it).
+//! takes a device on a dynamic GPU as it is now (prepare has just created it). Which of them
+//! are claims' dynamic devices, the driver tells ([`LiveInventory::set_dynamic_mig_devices`]);
+//! the others (kept from before the GPU became dynamic) stay static devices in the rendering.
 //!
 //! Health: observations of a [`gpu_dra_device::HealthSource`] go into one
 //! [`HealthBook`]; the snapshot carries its [`HealthView`] for the inventory of the moment
 //! (taints for the publisher, health for the kubelet's health stream).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 
 use gpu_dra_core::health::{HealthBook, HealthPolicy, HealthView};
@@ -47,6 +49,11 @@ pub struct Snapshot {
     pub health: Arc<HealthView>,
     /// How each GPU is offered.
     pub partitioning: Arc<Partitioning>,
+    /// Names of the dynamic MIG devices that claims' checkpoint records hold (set before their
+    /// instances are created, cleared after they are destroyed): their instances are left to
+    /// their placement devices when rendering; every other MIG device on a dynamic GPU stays
+    /// a static device ([`gpu_dra_core::partitioning::render`]).
+    pub dynamic_mig_devices: Arc<BTreeSet<String>>,
 }
 
 impl Snapshot {
@@ -55,6 +62,7 @@ impl Snapshot {
         self.inventory == other.inventory
             && self.health.taints == other.health.taints
             && self.partitioning == other.partitioning
+            && self.dynamic_mig_devices == other.dynamic_mig_devices
     }
 }
 
@@ -196,6 +204,7 @@ impl LiveInventory {
             inventory,
             health,
             partitioning: Arc::default(),
+            dynamic_mig_devices: Arc::default(),
         });
         Arc::new(Self {
             backend,
@@ -278,6 +287,18 @@ impl LiveInventory {
             }
             info!(?partitioning, "GPU partitioning changed");
             snap.partitioning = Arc::new(partitioning);
+            true
+        });
+    }
+
+    /// Sets the names of the dynamic MIG devices that claims' records hold (see
+    /// [`Snapshot::dynamic_mig_devices`]); wakes the publisher when they changed.
+    pub fn set_dynamic_mig_devices(&self, names: BTreeSet<String>) {
+        self.tx.send_if_modified(|snap| {
+            if *snap.dynamic_mig_devices == names {
+                return false;
+            }
+            snap.dynamic_mig_devices = Arc::new(names);
             true
         });
     }

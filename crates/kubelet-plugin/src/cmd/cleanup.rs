@@ -11,6 +11,12 @@
 //!   [`crate::sharing::SharingManager::restore_all`]);
 //! - file systems mounted under our MPS directories (a `/dev/shm` tmpfs of earlier versions)
 //!   are unmounted first;
+//! - the MIG instances of claims' dynamic MIG devices (the checkpoint's `dynamicMig` records)
+//!   are destroyed, found as the driver finds them: by the UUID recorded at creation; in the
+//!   boot they were made in (the entry's boot ID is the node's), also by the recorded GI and
+//!   CI IDs (an instance half destroyed, its compute instance gone) or, for a record written
+//!   before its instance's IDs, by profile and placement. The checkpoint is the only record of
+//!   which instances are ours, so it goes only once none is left;
 //! - our files go, exactly those [`NodeFolders::owned`] lists: claim specs from the CDI root,
 //!   checkpoint, sharing state, sockets, hook copies and the MPS folder from the plugin
 //!   directory, our registration sockets from the registrar directory; the plugin directory
@@ -19,9 +25,11 @@
 //!
 //! Invariants: only what this driver wrote is removed. NVIDIA's driver shares the plugin and
 //! CDI folders (its `checkpoint.json`, its `.yaml` specs, the MPS directories of claims
-//! imported from it): those stay. While anything of the sharing state could not be undone,
-//! `sharing.json` and the checkpoint stay too, so running the command again (it is idempotent)
-//! finishes the job; the exit status says whether everything was done. It refuses to run
+//! imported from it): those stay, and so do MIG instances no record names (static ones, an
+//! admin's). While anything of the sharing state or a recorded MIG instance could not be
+//! undone (an instance in use is refused by NVML), `sharing.json` and the checkpoint stay too,
+//! so running the command again (it is idempotent) finishes the job; the exit status says
+//! whether everything was done, naming what is left. It refuses to run
 //! while a plugin still answers on `dra.sock`, which would re-apply what it undoes.
 //!
 //! Why a subcommand of the plugin binary: it needs exactly the plugin's view of the host (its
@@ -37,6 +45,7 @@ use gpu_dra_telemetry::LogArgs;
 use tracing::{info, warn};
 
 use crate::host::HostArgs;
+use crate::mig::{MigControl, MigInstance};
 use crate::node_layout::{EntryKind, NodeFolders};
 use crate::sharing::{
     DriverRoot, FileStore, SharingError, SharingManager, SharingMetrics, SharingOptions,
@@ -55,6 +64,16 @@ pub struct CleanupArgs {
     /// The host's driver (its `nvidia-smi` and MPS control tool restore the GPUs).
     #[command(flatten)]
     pub host: HostArgs,
+    /// The kernel's boot ID file (the same inside a container), as `run` reads it: recorded
+    /// MIG instance IDs name an instance only in the boot they were recorded in (changed only
+    /// by tests).
+    #[arg(
+        long,
+        env = "BOOT_ID_FILE",
+        hide = true,
+        default_value = "/proc/sys/kernel/random/boot_id"
+    )]
+    pub boot_id_file: PathBuf,
     /// Logging.
     #[command(flatten)]
     pub log: LogArgs,
@@ -93,6 +112,21 @@ pub enum CleanupError {
         /// Why.
         reason: String,
     },
+    /// A claim's dynamic MIG instance could not be destroyed (or its GPU's instances not
+    /// listed); the checkpoint, which names it, is kept.
+    #[error(
+        "MIG instance of dynamic device {device} on GPU {gpu} ({instance}) not destroyed: {reason}; the checkpoint is kept: stop what uses the instance, then run cleanup again"
+    )]
+    MigInstance {
+        /// The dynamic device the instance was made for.
+        device: String,
+        /// The parent GPU's UUID.
+        gpu: String,
+        /// GI and CI IDs and UUID, as far as known.
+        instance: String,
+        /// What NVML said.
+        reason: String,
+    },
     /// A file, folder or mount could not be removed.
     #[error("cannot {what} {path}: {source}")]
     Io {
@@ -115,14 +149,22 @@ pub struct CleanupReport {
     pub timeslice_reset: Vec<String>,
     /// Mount points unmounted.
     pub unmounted: Vec<PathBuf>,
+    /// Dynamic MIG instances destroyed, as `GPU/GI/CI`.
+    pub mig_destroyed: Vec<String>,
     /// Files and folders removed.
     pub removed: Vec<PathBuf>,
     /// What failed; empty when the node is clean.
     pub failures: Vec<CleanupError>,
 }
 
-/// Cleans the node described by `args` (see the module documentation).
-pub async fn cleanup(args: &CleanupArgs) -> CleanupReport {
+/// Cleans the node described by `args` (see the module documentation), destroying recorded
+/// dynamic MIG instances through `mig`; `boot_id` is the node's (`None`: unknown, instances
+/// are then found by UUID only).
+pub async fn cleanup(
+    args: &CleanupArgs,
+    mig: &dyn MigControl,
+    boot_id: Option<&str>,
+) -> CleanupReport {
     let mut report = CleanupReport::default();
     let folders = &args.folders;
     let dra_sock = folders.sockets(&args.driver_name, "").dra;
@@ -145,8 +187,8 @@ pub async fn cleanup(args: &CleanupArgs) -> CleanupReport {
 
     // NVIDIA's MPS directories (claims imported from its checkpoint) are not ours to remove.
     let checkpoint_path = folders.checkpoint();
-    let foreign = match imported_mps_daemons(&checkpoint_path) {
-        Ok(ids) => Some(ids),
+    let doc = match read_checkpoint(&checkpoint_path) {
+        Ok(doc) => Some(doc),
         Err(reason) => {
             report.failures.push(CleanupError::Checkpoint {
                 path: checkpoint_path.clone(),
@@ -155,6 +197,7 @@ pub async fn cleanup(args: &CleanupArgs) -> CleanupReport {
             None
         }
     };
+    let foreign = doc.as_ref().map(imported_mps_daemons);
 
     unmount_ours(
         &folders.mps_root(),
@@ -164,6 +207,9 @@ pub async fn cleanup(args: &CleanupArgs) -> CleanupReport {
 
     let state_path = folders.sharing_state();
     let sharing_done = restore_sharing(args, &state_path, foreign.as_ref(), &mut report).await;
+    let mig_done = doc
+        .as_ref()
+        .is_none_or(|doc| destroy_dynamic_instances(doc, mig, boot_id, &mut report));
 
     let owned = folders.owned(&args.driver_name);
     // Claim specs (NVIDIA's `.yaml` stay), the nvidia-cdi-hook copies (our specs, which name
@@ -184,7 +230,7 @@ pub async fn cleanup(args: &CleanupArgs) -> CleanupReport {
         remove_file(&owned.legacy_checkpoint, &mut report);
     }
     // The records go last, and only when nothing they record is still owed.
-    if sharing_done && foreign.is_some() {
+    if sharing_done && mig_done && foreign.is_some() {
         ours.extend(owned.records);
     }
     for path in ours {
@@ -264,21 +310,105 @@ async fn restore_sharing(
     }
 }
 
-/// MPS daemon IDs of claims imported from NVIDIA's driver, from our checkpoint (read only:
-/// no migration or import is written here). A missing checkpoint has none.
-fn imported_mps_daemons(path: &Path) -> Result<BTreeSet<String>, String> {
+/// Our checkpoint, read only (no migration or import is written here). A missing checkpoint
+/// is an empty one.
+fn read_checkpoint(path: &Path) -> Result<checkpoint::Checkpoint, String> {
     let bytes = match std::fs::read(path) {
         Ok(b) => b,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(BTreeSet::new()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Ok(checkpoint::Checkpoint::new());
+        }
         Err(e) => return Err(e.to_string()),
     };
-    let doc = checkpoint::Checkpoint::from_json(&bytes).map_err(|e| e.to_string())?;
-    Ok(doc
-        .claims
+    checkpoint::Checkpoint::from_json(&bytes).map_err(|e| e.to_string())
+}
+
+/// MPS daemon IDs of claims imported from NVIDIA's driver.
+fn imported_mps_daemons(doc: &checkpoint::Checkpoint) -> BTreeSet<String> {
+    doc.claims
         .values()
         .filter_map(|e| e.imported.as_ref())
         .flat_map(|i| i.mps_control_daemons.iter().cloned())
-        .collect())
+        .collect()
+}
+
+/// Destroys the MIG instances the checkpoint's dynamic MIG records name (see the module
+/// documentation for how each is found); true when none of them is left.
+fn destroy_dynamic_instances(
+    doc: &checkpoint::Checkpoint,
+    mig: &dyn MigControl,
+    boot_id: Option<&str>,
+    report: &mut CleanupReport,
+) -> bool {
+    let mut done = true;
+    let mut lists: std::collections::BTreeMap<String, Vec<MigInstance>> = Default::default();
+    for entry in doc.claims.values() {
+        // IDs are reused after a reboot (which destroys every instance): only a UUID, new on
+        // every creation, names an instance of another boot.
+        let this_boot = boot_id.is_some() && entry.boot_id.as_deref() == boot_id;
+        for r in &entry.dynamic_mig {
+            let failed = |instance: String, reason: String| CleanupError::MigInstance {
+                device: r.device.clone(),
+                gpu: r.gpu_uuid.clone(),
+                instance,
+                reason,
+            };
+            let list = match lists.get(&r.gpu_uuid) {
+                Some(list) => list,
+                None => match mig.list(&r.gpu_uuid) {
+                    Ok(list) => lists.entry(r.gpu_uuid.clone()).or_insert(list),
+                    Err(e) => {
+                        report
+                            .failures
+                            .push(failed("instances not listed".into(), e.reason));
+                        done = false;
+                        continue;
+                    }
+                },
+            };
+            let by_uuid = r
+                .uuid
+                .as_ref()
+                .and_then(|u| list.iter().find(|m| m.uuid == *u));
+            let target = match (by_uuid, r.gi_id, r.ci_id) {
+                (Some(m), _, _) => Some((m.gi_id, m.ci_id)),
+                // Its compute instance gone, the GPU instance may be left; what is gone
+                // already is success. Not when someone else's instance has both IDs now.
+                (None, Some(gi), Some(ci)) if this_boot => {
+                    (!list.iter().any(|m| m.gi_id == gi && m.ci_id == ci)).then_some((gi, ci))
+                }
+                // Recorded before its IDs: at its placement.
+                (None, None, _) if this_boot && r.uuid.is_none() => list
+                    .iter()
+                    .find(|m| {
+                        m.gi_profile_id == r.gi_profile_id && m.placement.start == r.placement_start
+                    })
+                    .map(|m| (m.gi_id, m.ci_id)),
+                _ => None,
+            };
+            let Some((gi, ci)) = target else {
+                continue;
+            };
+            let name = format!("GPU instance {gi}, compute instance {ci}");
+            match mig.destroy(&r.gpu_uuid, gi, ci) {
+                Ok(()) => {
+                    info!(device = %r.device, gpu = %r.gpu_uuid, gi, ci, "destroyed MIG instance");
+                    report
+                        .mig_destroyed
+                        .push(format!("{}/{gi}/{ci}", r.gpu_uuid));
+                }
+                Err(e) => {
+                    let instance = match &r.uuid {
+                        Some(u) => format!("{name}, {u}"),
+                        None => name,
+                    };
+                    report.failures.push(failed(instance, e.reason));
+                    done = false;
+                }
+            }
+        }
+    }
+    done
 }
 
 /// Unmounts what is mounted under `mps_root`, deepest first, except under NVIDIA's `foreign`
@@ -383,10 +513,23 @@ fn remove_file(path: &Path, report: &mut CleanupReport) {
 /// The `cleanup` subcommand: cleans the node, logs what it did and every failure; an error
 /// when anything is left to do.
 pub async fn run(args: CleanupArgs) -> anyhow::Result<()> {
-    let report = cleanup(&args).await;
+    // NVML is needed only for recorded dynamic MIG instances; without it those fail, named.
+    let mig: Box<dyn MigControl> = match crate::host::nvml_library(
+        args.host.driver_root_here(),
+        args.host.nvml_lib.as_deref(),
+    )
+    .map_err(|e| e.to_string())
+    .and_then(|lib| crate::mig::NvmlMig::open(&lib).map_err(|e| e.reason))
+    {
+        Ok(mig) => Box::new(mig),
+        Err(reason) => Box::new(crate::mig::NoMig(reason)),
+    };
+    let boot_id = crate::cmd::run::read_boot_id(&args.boot_id_file);
+    let report = cleanup(&args, mig.as_ref(), boot_id.as_deref()).await;
     info!(
         mps_stopped = %report.mps_stopped.join(","),
         timeslice_reset = %report.timeslice_reset.join(","),
+        mig_destroyed = %report.mig_destroyed.join(","),
         unmounted = report.unmounted.len(),
         removed = report.removed.len(),
         "node cleanup done"
@@ -420,6 +563,7 @@ mod tests {
     const CLAIM_A: &str = "0b6e2c46-6e0e-4c1c-9a55-3f6f5e9d1a7b";
     const CLAIM_B: &str = "5f1c7d2a-8b3e-4f6a-9c0d-1e2f3a4b5c6d";
     const POD_UID: &str = "3c2b1a09-8f7e-4d6c-b5a4-392817160504";
+    const BOOT: &str = "9d1f6a2e-boot";
 
     struct Node {
         host: SimHost,
@@ -450,6 +594,7 @@ mod tests {
                     sysfs_root: self.host.sysfs_root(),
                     nvml_lib: None,
                 },
+                boot_id_file: d.join("boot_id"),
                 log: LogArgs {
                     log_format: gpu_dra_telemetry::LogFormat::Text,
                     log_level: "info".into(),
@@ -467,6 +612,13 @@ mod tests {
                 SharingMetrics::default(),
             )
             .expect("manager")
+        }
+        /// Cleanup with the simulator's NVML, in boot [`BOOT`].
+        async fn clean(&self, a: &CleanupArgs) -> CleanupReport {
+            cleanup(a, &self.mig(), Some(BOOT)).await
+        }
+        fn mig(&self) -> crate::mig::NvmlMig {
+            crate::mig::NvmlMig::open(&self.host.lib_path()).expect("NVML")
         }
         fn gpu(&self, i: usize) -> String {
             self.host.profile().gpus[i].uuid.clone()
@@ -556,7 +708,7 @@ mod tests {
         assert_eq!(node.host.state().gpus[5].timeslice, 3);
         let a = node.args();
 
-        let report = cleanup(&a).await;
+        let report = node.clean(&a).await;
         assert!(report.failures.is_empty(), "{:?}", report.failures);
         assert_eq!(report.mps_stopped, [format!("{CLAIM_A}-0")]);
         assert_eq!(report.timeslice_reset, [node.gpu(5)]);
@@ -580,14 +732,14 @@ mod tests {
         assert_eq!(names(&a.folders.registrar_dir), ["other-reg.sock"]);
 
         // Idempotent: a second run finds nothing to do and fails on nothing.
-        let again = cleanup(&a).await;
+        let again = node.clean(&a).await;
         assert!(again.failures.is_empty(), "{:?}", again.failures);
         assert!(again.removed.is_empty(), "{:?}", again.removed);
         assert!(again.mps_stopped.is_empty() && again.timeslice_reset.is_empty());
 
         // Without NVIDIA's file the plugin directory itself goes.
         std::fs::remove_file(a.folders.plugin_dir.join("checkpoint.json")).expect("remove");
-        assert!(cleanup(&a).await.failures.is_empty());
+        assert!(node.clean(&a).await.failures.is_empty());
         assert!(!a.folders.plugin_dir.exists());
     }
 
@@ -598,7 +750,7 @@ mod tests {
         // No driver tools: nothing can be reset.
         let empty = tempfile::tempdir().expect("temp dir");
         a.host.driver_root = empty.path().to_path_buf();
-        let report = cleanup(&a).await;
+        let report = node.clean(&a).await;
         assert!(
             report
                 .failures
@@ -616,7 +768,7 @@ mod tests {
         );
 
         let a = node.args();
-        let report = cleanup(&a).await;
+        let report = node.clean(&a).await;
         assert!(report.failures.is_empty(), "{:?}", report.failures);
         assert_eq!(node.host.state().gpus[5].timeslice, 0);
         assert_eq!(node.host.state().gpus[4].compute_mode, ComputeMode::Default);
@@ -630,7 +782,7 @@ mod tests {
         let _listener =
             std::os::unix::net::UnixListener::bind(a.folders.sockets("gpu.nvidia.com", "").dra)
                 .expect("bind dra.sock");
-        let report = cleanup(&a).await;
+        let report = node.clean(&a).await;
         assert!(
             matches!(
                 report.failures.as_slice(),
@@ -659,5 +811,120 @@ mod tests {
                 PathBuf::from("/var/lib/kubelet/plugins/x/mps/a/shm")
             ]
         );
+    }
+
+    /// A checkpoint entry of this boot with dynamic MIG records for `instances`.
+    fn dynamic_entry(gpu: &str, instances: &[(&str, MigInstance)]) -> checkpoint::ClaimEntry {
+        checkpoint::ClaimEntry {
+            state: checkpoint::PrepareState::PrepareCompleted,
+            namespace: "ns".into(),
+            name: "dyn".into(),
+            devices: Vec::new(),
+            sharing: None,
+            boot_id: Some(BOOT.into()),
+            imported: None,
+            dynamic_mig: instances
+                .iter()
+                .map(|(device, m)| checkpoint::DynamicMigInstance {
+                    device: (*device).into(),
+                    gpu_uuid: gpu.into(),
+                    gi_profile_id: m.gi_profile_id,
+                    placement_start: m.placement.start,
+                    placement_size: m.placement.size,
+                    gi_id: Some(m.gi_id),
+                    ci_id: Some(m.ci_id),
+                    uuid: Some(m.uuid.clone()),
+                    ..Default::default()
+                })
+                .collect(),
+            extra: Default::default(),
+        }
+    }
+
+    /// Uninstall with dynamic MIG claims still prepared: their instances (found by UUID, and
+    /// one recorded before its IDs, at its placement) are destroyed before the checkpoint
+    /// goes; an instance no record names (an admin's) stays.
+    #[tokio::test]
+    async fn dynamic_mig_instances_of_prepared_claims_are_destroyed_before_the_checkpoint_goes() {
+        let node = Node::new();
+        let a = node.args();
+        // GPUs 0-3 are partitioned statically; GPU 6 has MIG off at boot.
+        node.host
+            .update_state(|s| s.set_mig_mode(6, true))
+            .expect("MIG on");
+        let gpu = node.gpu(6);
+        let mig = node.mig();
+        let big = mig.create(&gpu, 9, 4).expect("3g.20gb");
+        let small = mig.create(&gpu, 19, 0).expect("1g.5gb");
+        let admin = mig.create(&gpu, 14, 2).expect("admin's 2g.10gb");
+        let mut cp = checkpoint::Checkpoint::new();
+        cp.claims.insert(
+            CLAIM_A.into(),
+            dynamic_entry(&gpu, &[("gpu-6-mig-3g20gb-9-4", big.clone())]),
+        );
+        let mut intent = dynamic_entry(&gpu, &[("gpu-6-mig-1g5gb-19-0", small)]);
+        intent.state = checkpoint::PrepareState::PrepareStarted;
+        let r = &mut intent.dynamic_mig[0];
+        (r.gi_id, r.ci_id, r.uuid) = (None, None, None);
+        cp.claims.insert(CLAIM_B.into(), intent);
+        node.write(
+            &a.folders.checkpoint(),
+            &String::from_utf8(cp.to_json()).expect("utf-8"),
+        );
+
+        let report = node.clean(&a).await;
+        assert!(report.failures.is_empty(), "{:?}", report.failures);
+        assert_eq!(report.mig_destroyed.len(), 2, "{:?}", report.mig_destroyed);
+        let left: Vec<String> = mig
+            .list(&gpu)
+            .expect("list")
+            .into_iter()
+            .map(|m| m.uuid)
+            .collect();
+        assert_eq!(left, [admin.uuid], "only the admin's instance is left");
+        assert!(!a.folders.checkpoint().exists());
+        assert!(node.clean(&a).await.failures.is_empty(), "idempotent");
+    }
+
+    /// An instance NVML refuses to destroy (in use) keeps the checkpoint, and the error names
+    /// it; once it is free, a rerun finishes.
+    #[tokio::test]
+    async fn an_instance_in_use_keeps_the_checkpoint_so_a_rerun_finishes() {
+        let node = Node::new();
+        let a = node.args();
+        let fake = crate::testing::FakeMig::new(&[(9, 4)]);
+        let m = fake.create("GPU-x", 9, 4).expect("create");
+        let mut cp = checkpoint::Checkpoint::new();
+        cp.claims.insert(
+            CLAIM_A.into(),
+            dynamic_entry("GPU-x", &[("gpu-0-mig-3g20gb-9-4", m.clone())]),
+        );
+        node.write(
+            &a.folders.checkpoint(),
+            &String::from_utf8(cp.to_json()).expect("utf-8"),
+        );
+        fake.fail_destroy(Some("In use by another client (NVML return code 19)"));
+        let report = cleanup(&a, &fake, Some(BOOT)).await;
+        let err = report
+            .failures
+            .iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+            .join("; ");
+        assert!(
+            err.contains("gpu-0-mig-3g20gb-9-4")
+                && err.contains(&m.uuid)
+                && err.contains("code 19")
+                && err.contains("run cleanup again"),
+            "{err}"
+        );
+        assert!(a.folders.checkpoint().exists(), "kept while owed");
+        assert_eq!(fake.instances().len(), 1);
+
+        fake.fail_destroy(None);
+        let report = cleanup(&a, &fake, Some(BOOT)).await;
+        assert!(report.failures.is_empty(), "{:?}", report.failures);
+        assert!(fake.instances().is_empty());
+        assert!(!a.folders.checkpoint().exists());
     }
 }

@@ -22,9 +22,30 @@
 //!   once its CDI spec is gone (no new container can get them), then forget them. An instance
 //!   is destroyed only when it is the recorded one (same UUID), or, for a record without IDs,
 //!   the one at the placement that no other claim owns: IDs are reused after a reboot.
-//! - **Sweep.** Every reconcile (at start, then periodically) destroys the instances on
-//!   dynamic GPUs that no checkpoint entry owns, after the half-prepared claims were rolled
-//!   back: leftovers of a crash, or instances made by hand on a GPU the plugin owns.
+//! - **What the plugin never destroys.** A GPU can become dynamic at run time (the Node
+//!   annotation, or the flag at a restart) while its MIG instances are in use: a pod runs on a
+//!   static MIG device its claim was prepared with, a process an admin started runs on an
+//!   instance made by hand. NVML cannot tell here whether an instance has processes (the
+//!   simulator does not answer `nvmlDeviceGetComputeRunningProcesses`, and a claim's pod may
+//!   be between processes), so the rule is by origin: the instances on the GPU when the
+//!   plugin first sees it dynamic (that no dynamic record owns) are *kept*, recorded in the
+//!   checkpoint (`dynamicMigGpus`) before anything is destroyed, logged once each, and never
+//!   destroyed by the plugin; an instance any prepared claim was prepared with (by MIG UUID,
+//!   or the GI ID of its device in the live inventory) is never destroyed either. The
+//!   publisher keeps all of them as static devices and offers no placement over them
+//!   ([`gpu_dra_core::dynamic_mig`]); a claim allocated one of those devices gets the
+//!   instance as it is, with no record (see [`intents`]). To give a kept instance's memory
+//!   slices to dynamic placements, an admin destroys it by hand once unused; going back to
+//!   static forgets the GPU, so a later switch keeps what is there then.
+//! - **Sweep.** Every reconcile (at start, then periodically), after the half-prepared claims
+//!   were rolled back, destroys the strays on dynamic GPUs: instances no dynamic record owns,
+//!   no claim uses and that were not kept, i.e. made by hand on a GPU the plugin already
+//!   offered dynamically (they break the scheduler's view), or leftovers of a lost checkpoint
+//!   found after the switch.
+//! - **The publisher knows the records.** The device names the dynamic records hold are
+//!   handed to the live inventory right after an intent is written (before its instance is
+//!   created) and after an instance is destroyed and its record removed, so the rendering
+//!   never takes a claim's new instance for a stranger's.
 //! - One lock (`mig_lock`) covers recording an intent and creating its instance, destroying,
 //!   and the sweep's list-then-compare, so the sweep never takes an instance being made for
 //!   its owner.
@@ -35,9 +56,18 @@
 //!   a new claim's instance.
 //! - *Sweeping only at start*: Node annotations that make a GPU dynamic are applied after the
 //!   start; a periodic sweep under the lock is as safe.
+//! - *Keeping a GPU static until the claims on it are gone*: the switch would not take effect
+//!   while any pod runs there, and an admin's instances would still be destroyed after.
+//! - *Destroying instances that have no running process*: not observable here (above), and a
+//!   pod between two processes would lose its device.
+//! - *Never destroying any instance but our own*: a stray made on a GPU the scheduler already
+//!   partitions would block the placements allocated over it for good.
 
-use gpu_dra_core::checkpoint::{ClaimEntry, DynamicMigInstance, PrepareState};
+use std::collections::BTreeMap;
+
+use gpu_dra_core::checkpoint::{ClaimEntry, DynamicMigGpu, DynamicMigInstance, PrepareState};
 use gpu_dra_core::partitioning::GpuMode;
+use gpu_dra_device::Gpu;
 use tracing::{info, warn};
 
 use super::{ClaimRef, Driver, DriverError, blocking};
@@ -68,6 +98,12 @@ pub(super) fn intents(
         let Some((gpu, profile, placement)) = found else {
             continue;
         };
+        if is_static_instance(snapshot, gpu, name) {
+            // An instance no claim's dynamic device stands for sits exactly there (one kept
+            // from before the switch, published as the static device it is): the claim gets
+            // it as a static MIG device, created by nobody and destroyed by nobody.
+            continue;
+        }
         let fresh = DynamicMigInstance {
             device: name.to_owned(),
             gpu_uuid: gpu.uuid.clone(),
@@ -90,6 +126,25 @@ pub(super) fn intents(
     }
     let stale = kept.into_iter().filter(|k| !out.contains(k)).collect();
     (out, stale)
+}
+
+/// Whether device `name` of dynamic GPU `gpu` is, in `snapshot`, an instance that no claim's
+/// dynamic device stands for.
+fn is_static_instance(snapshot: &Snapshot, gpu: &Gpu, name: &str) -> bool {
+    gpu.mig_devices.iter().any(|m| m.device_name(gpu) == name)
+        && !snapshot.dynamic_mig_devices.contains(name)
+}
+
+/// Whether [`intents`] would take one of `devices` for a static instance on a dynamic GPU:
+/// then the caller discovers first, since the snapshot may still list an instance a rollback
+/// has just destroyed.
+pub(super) fn names_static_instances(snapshot: &Snapshot, devices: &[&str]) -> bool {
+    snapshot
+        .inventory
+        .gpus
+        .iter()
+        .filter(|g| snapshot.partitioning.mode(g) == GpuMode::DynamicMig)
+        .any(|g| devices.iter().any(|d| is_static_instance(snapshot, g, d)))
 }
 
 /// Whether `record` stands for instance `m` of GPU `gpu`: the same UUID once recorded, else the
@@ -126,6 +181,24 @@ fn records(
         .collect()
 }
 
+/// Whether a claim of `doc` was prepared with MIG instance `m` of `gpu` as a device of its
+/// own (a static MIG device prepared before the GPU became dynamic): by the MIG UUID its entry
+/// recorded, or, for an entry without one, by the GI ID of the device of that name in the
+/// live inventory.
+fn held(doc: &gpu_dra_core::checkpoint::Checkpoint, gpu: Option<&Gpu>, m: &MigInstance) -> bool {
+    doc.claims.values().flat_map(|e| &e.devices).any(|d| {
+        if !d.uuid.is_empty() {
+            return d.uuid == m.uuid;
+        }
+        gpu.and_then(|g| {
+            g.mig_devices
+                .iter()
+                .find(|live| live.device_name(g) == d.device)
+        })
+        .is_some_and(|live| live.gi_id == m.gi_id)
+    })
+}
+
 fn mig_error(device: &str, e: MigError) -> DriverError {
     DriverError::DynamicMig {
         device: device.to_owned(),
@@ -151,7 +224,23 @@ impl Driver {
                     e.dynamic_mig.retain(|r| !stale.contains(r));
                 }
             })
-            .await
+            .await?;
+        self.share_dynamic_devices();
+        Ok(())
+    }
+
+    /// Tells the live inventory which dynamic MIG devices the checkpoint's records hold (see
+    /// [`crate::inventory::Snapshot::dynamic_mig_devices`]). Called after every change of the
+    /// records: after an intent is written and before its instance is created, and after an
+    /// instance is destroyed and its record removed.
+    pub(super) fn share_dynamic_devices(&self) {
+        let names = self.journal.read(|doc| {
+            doc.claims
+                .values()
+                .flat_map(|e| e.dynamic_mig.iter().map(|r| r.device.clone()))
+                .collect()
+        });
+        self.inventory.set_dynamic_mig_devices(names);
     }
 
     async fn list_instances(
@@ -211,6 +300,8 @@ impl Driver {
                     .dynamic_mig = records;
             })
             .await?;
+        // Before the instances exist, so that the publisher never takes one for a stranger.
+        self.share_dynamic_devices();
 
         for (i, w) in wanted.iter().enumerate() {
             let list = self.list_instances(&w.device, &w.gpu_uuid).await?;
@@ -234,7 +325,7 @@ impl Driver {
                         return Err(DriverError::DynamicMig {
                             device: w.device.clone(),
                             reason: format!(
-                                "MIG instance GI {} CI {} (profile ID {}, memory slices {}..{}, {}) exists on GPU {} and overlaps the placement; no claim prepared on this node owns it: the plugin destroys it at its next cleanup (or destroy it with nvidia-smi mig -dci/-dgi), then the kubelet's retry succeeds",
+                                "MIG instance GI {} CI {} (profile ID {}, memory slices {}..{}, {}) exists on GPU {} and overlaps the placement; no dynamic MIG device of a claim on this node owns it: if it was there when the GPU became dynamic, or a claim uses it, it is kept and this node no longer offers placements over it (delete this claim's pod so that it is allocated again); otherwise the plugin destroys it at its next cleanup (or destroy it with nvidia-smi mig -dci/-dgi) and the kubelet's retry succeeds",
                                 m.gi_id,
                                 m.ci_id,
                                 m.gi_profile_id,
@@ -300,28 +391,89 @@ impl Driver {
         Ok(())
     }
 
-    /// Destroys every instance on a dynamic MIG GPU that no checkpoint entry owns.
+    /// Destroys the strays on dynamic MIG GPUs: instances that no dynamic record owns, no
+    /// prepared claim was prepared with, and that were not there when the plugin first saw the
+    /// GPU dynamic (those are recorded then, and kept: see the module doc).
     pub(super) async fn sweep_instances(&self) {
         let snapshot = self.inventory.snapshot();
         let gpus = snapshot
             .partitioning
             .uuids(&snapshot.inventory, GpuMode::DynamicMig);
-        if gpus.is_empty() {
+        let known = self.journal.read(|doc| doc.dynamic_mig_gpus.clone());
+        if gpus.is_empty() && known.is_empty() {
             return;
         }
         let _mig = self.mig_lock.lock().await;
+        let mut seen = BTreeMap::new();
+        let mut listed = Vec::new();
         for gpu in gpus {
             let list = match self.list_instances(&gpu, &gpu).await {
                 Ok(list) => list,
                 Err(e) => {
                     warn!(gpu = %gpu, error = %e, "cannot list MIG instances of a dynamic MIG GPU");
+                    // Known stays as it was; an unknown GPU is looked at again next time.
+                    if let Some(k) = known.get(&gpu) {
+                        seen.insert(gpu, k.clone());
+                    }
                     continue;
                 }
             };
             // Read after the listing, under the lock: every instance listed has its record.
             let owners = self.journal.read(|doc| records(doc, None));
-            for m in list {
-                if owners.iter().any(|(_, _, r)| owns(r, &gpu, &m)) {
+            let entry = match known.get(&gpu) {
+                Some(k) => DynamicMigGpu {
+                    kept_instances: k
+                        .kept_instances
+                        .iter()
+                        .filter(|u| list.iter().any(|m| m.uuid == **u))
+                        .cloned()
+                        .collect(),
+                    extra: k.extra.clone(),
+                },
+                None => {
+                    let kept: Vec<String> = list
+                        .iter()
+                        .filter(|m| !owners.iter().any(|(_, _, r)| owns(r, &gpu, m)))
+                        .map(|m| {
+                            warn!(gpu = %gpu, gi = m.gi_id, ci = m.ci_id, profile_id = m.gi_profile_id, start = m.placement.start, uuid = %m.uuid, "MIG instance found on a GPU that became dynamic MIG: kept, published as a static MIG device, no placement over it offered; destroy it by hand once unused to free its memory slices");
+                            m.uuid.clone()
+                        })
+                        .collect();
+                    DynamicMigGpu {
+                        kept_instances: kept,
+                        ..DynamicMigGpu::default()
+                    }
+                }
+            };
+            seen.insert(gpu.clone(), entry);
+            listed.push((gpu, list));
+        }
+        if seen != known {
+            // Durable before anything is destroyed: a crash must not make a kept one a stray.
+            let record = seen.clone();
+            if let Err(e) = self
+                .journal
+                .persist(|cp| cp.dynamic_mig_gpus = record)
+                .await
+            {
+                warn!(error = %e, "cannot record the dynamic MIG GPUs; destroying nothing");
+                return;
+            }
+        }
+        for (gpu, list) in listed {
+            let kept = &seen[&gpu].kept_instances;
+            let live = snapshot.inventory.gpus.iter().find(|g| g.uuid == gpu);
+            let (owners, taken): (Vec<_>, Vec<bool>) = self.journal.read(|doc| {
+                (
+                    records(doc, None),
+                    list.iter().map(|m| held(doc, live, m)).collect(),
+                )
+            });
+            for (m, taken) in list.into_iter().zip(taken) {
+                if taken
+                    || kept.contains(&m.uuid)
+                    || owners.iter().any(|(_, _, r)| owns(r, &gpu, &m))
+                {
                     continue;
                 }
                 warn!(gpu = %gpu, gi = m.gi_id, ci = m.ci_id, profile_id = m.gi_profile_id, start = m.placement.start, uuid = %m.uuid, "destroying MIG instance that no claim owns on a dynamic MIG GPU");
@@ -358,12 +510,24 @@ mod tests {
     const D1G: &str = "gpu-0-mig-1g5gb-19-2";
     /// Overlaps `3g.20gb` at 4.
     const D1G_AT_5: &str = "gpu-0-mig-1g5gb-19-5";
+    /// Beside `3g.20gb` at 4 and `1g.5gb` at 0.
+    const D2G_AT_2: &str = "gpu-0-mig-2g10gb-14-2";
 
     struct Env {
         dir: tempfile::TempDir,
         claims: Arc<MemoryClaims>,
         fake: FakeMig,
         driver: Driver,
+    }
+
+    /// GI profile ID and memory slices of the A100-40GB profiles the tests use.
+    const SIZES: [(u32, u32); 5] = [(19, 1), (14, 2), (9, 4), (5, 4), (0, 8)];
+
+    fn dynamic() -> Partitioning {
+        Partitioning {
+            dynamic_mig: GpuSelection::All,
+            memory_shares: GpuSelection::None,
+        }
     }
 
     impl Env {
@@ -376,8 +540,17 @@ mod tests {
         }
 
         fn with_failpoints(dir: tempfile::TempDir, fake: FakeMig, failpoints: &str) -> Env {
+            Env::build(dir, fake, failpoints, dynamic())
+        }
+
+        fn build(
+            dir: tempfile::TempDir,
+            fake: FakeMig,
+            failpoints: &str,
+            partitioning: Partitioning,
+        ) -> Env {
             let fake = if fake.instances().is_empty() {
-                FakeMig::new(&[(19, 1), (14, 2), (9, 4), (5, 4), (0, 8)])
+                FakeMig::new(&SIZES)
             } else {
                 fake
             };
@@ -389,14 +562,7 @@ mod tests {
             let claims = Arc::new(MemoryClaims::default());
             let driver = DriverBuilder::new(dir.path(), first)
                 .claims(claims.clone())
-                .dynamic_mig(
-                    Arc::new(fake.clone()),
-                    backend,
-                    Partitioning {
-                        dynamic_mig: GpuSelection::All,
-                        memory_shares: GpuSelection::None,
-                    },
-                )
+                .dynamic_mig(Arc::new(fake.clone()), backend, partitioning)
                 .failpoints(Failpoints::parse(failpoints, None).expect("failpoints"))
                 .build()
                 .expect("driver");
@@ -510,6 +676,8 @@ mod tests {
     #[tokio::test]
     async fn an_overlapping_placement_is_refused_and_leaves_nothing() {
         let env = Env::new();
+        // The startup reconcile: the plugin has seen the GPU dynamic (and empty).
+        env.driver.reconcile().await;
         let a = env.add("a", &[D3G]);
         env.driver.prepare(&a).await.expect("a prepares");
         let b = env.add("b", &[D2G, D1G_AT_5]);
@@ -540,7 +708,7 @@ mod tests {
             .expect_err("unowned")
             .to_string();
         assert!(
-            err.contains("no claim prepared on this node owns it"),
+            err.contains("no dynamic MIG device of a claim on this node owns it"),
             "{err}"
         );
         assert_eq!(env.placements(), [(9, 4), (19, 0)]);
@@ -574,6 +742,7 @@ mod tests {
     #[tokio::test]
     async fn a_restart_keeps_prepared_instances_and_destroys_the_rest() {
         let env = Env::new();
+        env.driver.reconcile().await;
         let a = env.add("a", &[D3G]);
         env.driver.prepare(&a).await.expect("a prepares");
         let gpu = env.driver.inventory.current().gpus[0].uuid.clone();
@@ -690,5 +859,121 @@ mod tests {
         env.driver.prepare(&a).await.expect("prepares again");
         assert_eq!(env.fake.instances(), first);
         assert!(env.spec(&a.uid).exists());
+    }
+
+    /// A GPU partitioned statically, with a pod's claim prepared on its `3g.20gb` and a
+    /// `1g.5gb` an admin made and nothing uses, is switched to dynamic MIG at run time (the
+    /// Node annotation): the sweep destroys neither, the publisher is told that neither is a
+    /// dynamic device, a placement beside them is prepared, one overlapping them is refused.
+    /// An instance made by hand after the switch is a stray, destroyed. The claim's static
+    /// device survives its own unprepare too: it was never the plugin's.
+    #[tokio::test]
+    async fn a_switch_to_dynamic_destroys_no_instance_that_was_there() {
+        let fake = FakeMig::new(&SIZES);
+        let gpu = inventory([a100_dynamic(0).build()]).gpus[0].uuid.clone();
+        let in_use = fake.create(&gpu, 9, 4).expect("static 3g.20gb");
+        let admin = fake.create(&gpu, 19, 0).expect("admin's 1g.5gb");
+        let env = Env::build(
+            tempfile::tempdir().expect("tempdir"),
+            fake,
+            "",
+            Partitioning::default(),
+        );
+        env.driver.reconcile().await;
+        let s = env.add("s", &[D3G]);
+        let devices = env.driver.prepare(&s).await.expect("static prepare");
+        assert_eq!(devices[0].uuid, in_use.uuid);
+        assert!(env.on_disk().claims["uid-s"].dynamic_mig.is_empty());
+
+        env.driver.inventory.set_partitioning(dynamic());
+        env.driver.reconcile().await;
+        assert_eq!(
+            env.placements(),
+            [(9, 4), (19, 0)],
+            "the claim's instance and the admin's survive the switch"
+        );
+        let kept = &env.on_disk().dynamic_mig_gpus[&gpu].kept_instances;
+        assert!(
+            kept.contains(&in_use.uuid) && kept.contains(&admin.uuid),
+            "{kept:?}"
+        );
+        assert!(
+            env.driver
+                .inventory
+                .snapshot()
+                .dynamic_mig_devices
+                .is_empty()
+        );
+
+        // A placement beside them is created; one over the admin's instance is refused.
+        let d = env.add("d", &[D2G_AT_2]);
+        env.driver.prepare(&d).await.expect("beside them");
+        assert_eq!(env.placements(), [(9, 4), (14, 2), (19, 0)]);
+        assert_eq!(
+            *env.driver.inventory.snapshot().dynamic_mig_devices,
+            std::collections::BTreeSet::from([D2G_AT_2.to_string()])
+        );
+        let o = env.add("o", &[D2G]);
+        let err = env
+            .driver
+            .prepare(&o)
+            .await
+            .expect_err("overlap")
+            .to_string();
+        assert!(
+            err.contains(&admin.uuid) && err.contains("it is kept"),
+            "{err}"
+        );
+
+        // Made by hand after the switch, used by no claim: destroyed.
+        env.fake.create(&gpu, 19, 1).expect("stray");
+        env.driver.reconcile().await;
+        assert_eq!(env.placements(), [(9, 4), (14, 2), (19, 0)]);
+
+        // The static claim goes; its instance stays (kept), and a restart keeps it too.
+        env.driver.unprepare(&s).await.expect("unprepares");
+        env.driver.reconcile().await;
+        assert_eq!(env.placements(), [(9, 4), (14, 2), (19, 0)]);
+        let Env {
+            dir, fake, driver, ..
+        } = env;
+        drop(driver);
+        let env = Env::with_failpoints(dir, fake, "");
+        env.claims.insert(allocated_claim(
+            "ns",
+            "d",
+            "uid-d",
+            DRIVER_NAME,
+            NODE_NAME,
+            &[("mig", D2G_AT_2)],
+            &[],
+        ));
+        env.driver.reconcile().await;
+        assert_eq!(env.placements(), [(9, 4), (14, 2), (19, 0)]);
+
+        // Back to static: forgotten, so a later switch looks again.
+        env.driver
+            .inventory
+            .set_partitioning(Partitioning::default());
+        env.driver.reconcile().await;
+        assert!(env.on_disk().dynamic_mig_gpus.is_empty());
+    }
+
+    /// A claim allocated the static device of a kept instance on a dynamic GPU (the publisher
+    /// offers it under its own name) gets that instance: nothing is created or destroyed.
+    #[tokio::test]
+    async fn a_kept_instance_is_prepared_as_the_static_device_it_is() {
+        let fake = FakeMig::new(&SIZES);
+        let gpu = inventory([a100_dynamic(0).build()]).gpus[0].uuid.clone();
+        let kept = fake.create(&gpu, 9, 4).expect("kept 3g.20gb");
+        let env = Env::with_failpoints(tempfile::tempdir().expect("tempdir"), fake, "");
+        env.driver.reconcile().await;
+        let a = env.add("a", &[D3G]);
+        let devices = env.driver.prepare(&a).await.expect("prepares");
+        assert_eq!(devices[0].uuid, kept.uuid);
+        assert!(env.on_disk().claims["uid-a"].dynamic_mig.is_empty());
+        env.driver.unprepare(&a).await.expect("unprepares");
+        env.driver.reconcile().await;
+        assert_eq!(env.placements(), [(9, 4)]);
     }
 }

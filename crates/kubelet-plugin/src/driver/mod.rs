@@ -202,7 +202,7 @@ impl Driver {
             .map(|e| e.devices.len())
             .sum();
         parts.metrics.prepared_devices.set(prepared as i64);
-        Ok(Driver {
+        let driver = Driver {
             journal: Journal::new(parts.settings.checkpoint_path.clone(), doc),
             settings: parts.settings,
             inventory: parts.inventory,
@@ -216,7 +216,11 @@ impl Driver {
             mig_lock: tokio::sync::Mutex::new(()),
             claim_locks: ClaimLocks::default(),
             holders: Mutex::new(holders),
-        })
+        };
+        // Before anything is published: the instances of prepared claims' dynamic devices
+        // are left to their placements.
+        driver.share_dynamic_devices();
+        Ok(driver)
     }
 
     /// The metrics.

@@ -150,6 +150,12 @@ impl Driver {
         let names: Vec<&str> = input.devices.iter().map(|d| d.device.as_str()).collect();
         // Dynamic MIG devices exist once their instances do: created (or found) first, so the
         // live inventory below has them with their IDs and capability nodes.
+        if dynamic::names_static_instances(&self.inventory.snapshot(), &names) {
+            self.inventory
+                .rediscover()
+                .await
+                .map_err(crate::inventory::ResolveError::from)?;
+        }
         let (wanted, stale) = dynamic::intents(&self.inventory.snapshot(), &names, kept);
         self.drop_stale_instances(&claim.uid, stale).await?;
         if !wanted.is_empty() {

@@ -95,6 +95,9 @@ impl Driver {
                     }
                 })
                 .await?;
+            if !keep_mig && !e.dynamic_mig.is_empty() {
+                self.share_dynamic_devices();
+            }
             if e.state == PrepareState::PrepareCompleted {
                 self.metrics.prepared_devices.dec_by(e.devices.len() as i64);
             }

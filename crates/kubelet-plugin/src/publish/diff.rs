@@ -16,7 +16,7 @@
 //! Updates come before creations and deletions last, so a newer generation is complete as
 //! early as possible and no device disappears before its replacement exists.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use gpu_dra_core::health::Taint;
 use gpu_dra_core::partitioning::Partitioning;
@@ -78,6 +78,9 @@ pub struct DiffParams<'a> {
     pub taints: &'a BTreeMap<String, Vec<Taint>>,
     /// How each GPU is offered (static, dynamic MIG, memory shares).
     pub partitioning: &'a Partitioning,
+    /// Dynamic MIG devices that claims' records hold: their instances are left to their
+    /// placements ([`gpu_dra_core::partitioning::render`]).
+    pub dynamic_mig_devices: &'a BTreeSet<String>,
 }
 
 /// Decides the operations that turn `observed` (our pool's slices on the server) into the
@@ -100,6 +103,7 @@ pub fn diff(
             },
             params.taints,
             params.partitioning,
+            params.dynamic_mig_devices,
         );
         for s in &mut slices {
             s.metadata.owner_references = Some(vec![params.owner.clone()]);
@@ -268,6 +272,7 @@ mod tests {
     }
 
     static NO_TAINTS: BTreeMap<String, Vec<Taint>> = BTreeMap::new();
+    static NO_DYNAMIC_DEVICES: BTreeSet<String> = BTreeSet::new();
     static STATIC: Partitioning = Partitioning {
         dynamic_mig: gpu_dra_core::partitioning::GpuSelection::None,
         memory_shares: gpu_dra_core::partitioning::GpuSelection::None,
@@ -281,6 +286,7 @@ mod tests {
             last_generation: last,
             taints: &NO_TAINTS,
             partitioning: &STATIC,
+            dynamic_mig_devices: &NO_DYNAMIC_DEVICES,
         }
     }
 
@@ -556,6 +562,7 @@ mod tests {
             },
             &BTreeMap::new(),
             &partitioning,
+            &BTreeSet::new(),
         )
         .slices
         .remove(0);

@@ -391,6 +391,7 @@ async fn reconcile(
             last_generation,
             taints: &snapshot.health.taints,
             partitioning: &partitioning,
+            dynamic_mig_devices: &snapshot.dynamic_mig_devices,
         },
         &observed,
     );

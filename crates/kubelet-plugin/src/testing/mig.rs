@@ -21,6 +21,7 @@ struct FakeState {
     instances: Vec<(String, MigInstance)>,
     created: u32,
     fail_create: Option<String>,
+    fail_destroy: Option<String>,
 }
 
 impl FakeMig {
@@ -56,6 +57,12 @@ impl FakeMig {
     /// Makes the next creations fail with `reason` (`None`: succeed again).
     pub fn fail_create(&self, reason: Option<&str>) {
         self.lock().fail_create = reason.map(str::to_owned);
+    }
+
+    /// Makes the next destructions of existing instances fail with `reason`, as NVML refuses
+    /// an instance in use (`None`: succeed again).
+    pub fn fail_destroy(&self, reason: Option<&str>) {
+        self.lock().fail_destroy = reason.map(str::to_owned);
     }
 }
 
@@ -112,9 +119,18 @@ impl MigControl for FakeMig {
     }
 
     fn destroy(&self, gpu_uuid: &str, gi_id: u32, ci_id: u32) -> Result<(), MigError> {
-        self.lock()
-            .instances
-            .retain(|(gpu, m)| !(gpu == gpu_uuid && m.gi_id == gi_id && m.ci_id == ci_id));
+        let mut st = self.lock();
+        let at = |(gpu, m): &(String, MigInstance)| {
+            gpu == gpu_uuid && m.gi_id == gi_id && m.ci_id == ci_id
+        };
+        if let Some(reason) = &st.fail_destroy
+            && st.instances.iter().any(at)
+        {
+            return Err(MigError {
+                reason: reason.clone(),
+            });
+        }
+        st.instances.retain(|i| !at(i));
         Ok(())
     }
 
