@@ -95,12 +95,9 @@ impl Node {
             .stdout(std::process::Stdio::piped())
             .spawn()
             .unwrap();
-        child
-            .stdin
-            .take()
-            .unwrap()
-            .write_all(commands.as_bytes())
-            .unwrap();
+        // A client that finds no daemon exits without reading its input (callers retry until
+        // the daemon answers), so a broken pipe here is an answer, not a test failure.
+        let _ = child.stdin.take().unwrap().write_all(commands.as_bytes());
         let out = child.wait_with_output().unwrap();
         (
             out.status.code().unwrap_or(-1),
