@@ -269,7 +269,7 @@ func memorySlices(d resourceapi.Device) []int {
 // TestDynamicMIGSwitchKeepsInstancesInUse: GPU 0 of an A100 node is
 // partitioned statically (the admin left one 3g.20gb at memory slices 4-7)
 // and a pod runs on that static MIG device. The admin then marks GPU 0
-// dynamic with the Node annotation, applied when the plugin restarts. The
+// dynamic with the Node annotation, which the running plugin applies. The
 // pod's instance survives (same UUID, the pod keeps running), it stays
 // published as the static device it is, no placement over slices 4-7 is
 // offered, and a new 2g.10gb claim gets a placement beside it. When both
@@ -302,10 +302,7 @@ func TestDynamicMIGSwitchKeepsInstancesInUse(t *testing.T) {
 	if _, err := cluster.Client.CoreV1().Nodes().Patch(ctx, name, types.MergePatchType, []byte(patch), metav1.PatchOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	n.Plugin.Stop()
-	if err := n.Plugin.Restart(); err != nil {
-		t.Fatal(err)
-	}
+	// The running plugin watches its Node: the switch applies without a restart.
 	const free2g = "gpu-0-mig-2g10gb-14-0"
 	if !eventually(ctx, 60*time.Second, func() bool {
 		_, ok := poolDevices(ctx, t, name)[free2g]

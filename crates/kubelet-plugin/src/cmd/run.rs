@@ -517,14 +517,39 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     driver.reconcile().await;
 
     let _ = driver_tx.send(Some(driver.clone()));
+    // The periodic reconcile, and one as soon as the GPUs' partitioning changes (the Node's
+    // annotations are watched): a GPU that became dynamic MIG gets its instances recorded as
+    // kept (or swept) within seconds rather than at the next tick.
     let cleanup = {
         let driver = driver.clone();
+        let mut snapshots = Some(live.subscribe());
         let every = Duration::from_secs(args.cleanup_interval_seconds.max(1));
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(every);
             tick.tick().await;
+            let mut partitioning = snapshots
+                .as_mut()
+                .map(|s| s.borrow_and_update().partitioning.clone());
             loop {
-                tick.tick().await;
+                match snapshots.as_mut() {
+                    Some(rx) => tokio::select! {
+                        _ = tick.tick() => {}
+                        changed = rx.changed() => {
+                            if changed.is_err() {
+                                snapshots = None;
+                                continue;
+                            }
+                            let now = Some(rx.borrow_and_update().partitioning.clone());
+                            if now == partitioning {
+                                continue;
+                            }
+                            partitioning = now;
+                        }
+                    },
+                    None => {
+                        tick.tick().await;
+                    }
+                }
                 driver.reconcile().await;
             }
         })
