@@ -245,6 +245,7 @@ mod tests {
                 (DeviceKey::Uuid("gpu-2".into()), 512),
             ]
             .into(),
+            multi_user: false,
         };
         let l = mps_limits(&config, &devices());
         assert_eq!(l.active_thread_percentage, Some(50));
