@@ -363,6 +363,10 @@ pub fn plan(
             (DeviceRef::Gpu(g), Some(_), Some(bytes)) => Some(MemoryShare {
                 bytes,
                 total_bytes: g.memory_bytes,
+                compute_capability: (
+                    g.cuda_compute_capability.major,
+                    g.cuda_compute_capability.minor,
+                ),
             }),
             _ => None,
         };
@@ -507,6 +511,7 @@ fn check_mps_share(group: &SharingGroup, devices: &[DevicePlan]) -> Result<(), P
     let share = share_device.memory_share.unwrap_or(MemoryShare {
         bytes: 0,
         total_bytes: 0,
+        compute_capability: (0, 0),
     });
     let share_text = crate::slices::capacity_quantity(share.bytes).0;
     let uuids = [share_device.uuid.as_str()];
@@ -939,7 +944,8 @@ mod tests {
             p.devices[0].memory_share,
             Some(MemoryShare {
                 bytes: 10 << 30,
-                total_bytes: 40 << 30
+                total_bytes: 40 << 30,
+                compute_capability: (8, 0),
             })
         );
         // Without a share ID (a single-allocation device) there is no share.
