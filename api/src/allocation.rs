@@ -2,7 +2,8 @@
 //!
 //! Some rules cannot be checked before allocation because they depend on which devices a
 //! claim got: a `GpuConfig` landing on a MIG device (or the reverse), and per-device memory
-//! limits naming an index or UUID the config's devices do not have. Index keys count in the
+//! limits naming an index or UUID the config's devices do not have, and `multiUser` MPS on a
+//! GPU older than Volta (compute capability 7.0), whose daemon cannot run multi-user. Index keys count in the
 //! sorted UUIDs of the config's devices, NVIDIA's rule (see [`DeviceKey`]). The node plugin calls
 //! [`validate_for_devices`] before applying anything, and reports the same [`Errors`] type
 //! as decoding, with paths relative to the configuration.
@@ -12,6 +13,9 @@ use std::collections::BTreeMap;
 use crate::config::{Config, ConfigKind, DeviceKey, Sharing, sorted_uuids};
 use crate::error::{Errors, FieldError};
 
+/// The oldest compute capability whose MPS control daemon runs multi-user (`-M`): Volta.
+pub const MULTI_USER_MIN_COMPUTE_CAPABILITY: (u32, u32) = (7, 0);
+
 /// One device allocated to a claim that a config applies to.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct ClaimDevice {
@@ -19,6 +23,9 @@ pub struct ClaimDevice {
     pub uuid: String,
     /// True for a MIG device, false for a full GPU.
     pub is_mig: bool,
+    /// CUDA compute capability (major, minor) of the GPU, or of a MIG device's parent GPU;
+    /// `None` where the caller does not know it (rules that need it are then skipped).
+    pub compute_capability: Option<(u32, u32)>,
 }
 
 impl ClaimDevice {
@@ -27,6 +34,7 @@ impl ClaimDevice {
         Self {
             uuid: uuid.into(),
             is_mig: false,
+            compute_capability: None,
         }
     }
 
@@ -35,7 +43,14 @@ impl ClaimDevice {
         Self {
             uuid: uuid.into(),
             is_mig: true,
+            compute_capability: None,
         }
+    }
+
+    /// The same device with its (parent) GPU's compute capability known.
+    pub fn with_compute_capability(mut self, major: u32, minor: u32) -> Self {
+        self.compute_capability = Some((major, minor));
+        self
     }
 }
 
@@ -122,6 +137,27 @@ pub fn validate_for_devices(config: &Config, devices: &[ClaimDevice]) -> Result<
             _ => {}
         }
     }
+    if let Some(Sharing::Mps(mps)) = config.sharing()
+        && mps.multi_user
+    {
+        for (i, d) in devices.iter().enumerate() {
+            if let Some((major, minor)) = d.compute_capability
+                && (major, minor) < MULTI_USER_MIN_COMPUTE_CAPABILITY
+            {
+                errs.push(
+                    "sharing.mpsConfig.multiUser",
+                    format!(
+                        "a multi-user MPS daemon needs compute capability {}.{} (Volta) or newer, \
+                         but device {i} ({}) has {major}.{minor}; remove multiUser (pods of \
+                         different users then take turns on the MPS server) or request a newer GPU",
+                        MULTI_USER_MIN_COMPUTE_CAPABILITY.0,
+                        MULTI_USER_MIN_COMPUTE_CAPABILITY.1,
+                        d.uuid
+                    ),
+                );
+            }
+        }
+    }
     if let Some(Sharing::Mps(mps)) = config.sharing() {
         let uuids: Vec<&str> = devices.iter().map(|d| d.uuid.as_str()).collect();
         // Which device each key resolves to, to catch two keys naming the same device.
@@ -184,6 +220,52 @@ mod tests {
 
     fn messages(r: Result<(), Errors>) -> Vec<String> {
         r.unwrap_err().iter().map(ToString::to_string).collect()
+    }
+
+    fn multi_user(kind: &str) -> Config {
+        crate::decode(&json!({
+            "apiVersion": "resource.nvidia.com/v1beta1", "kind": kind,
+            "sharing": {"strategy": "MPS", "mpsConfig": {"multiUser": true}}
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn multi_user_needs_volta_or_newer() {
+        let c = multi_user("GpuConfig");
+        validate_for_devices(&c, &[ClaimDevice::gpu(GPU0).with_compute_capability(7, 0)]).unwrap();
+        validate_for_devices(&c, &[ClaimDevice::gpu(GPU0).with_compute_capability(9, 0)]).unwrap();
+        // Unknown capability (the webhook): nothing to hold against the config.
+        validate_for_devices(&c, &[ClaimDevice::gpu(GPU0)]).unwrap();
+        let m = messages(validate_for_devices(
+            &c,
+            &[
+                ClaimDevice::gpu(GPU0).with_compute_capability(8, 0),
+                ClaimDevice::gpu(GPU1).with_compute_capability(6, 1),
+            ],
+        ));
+        assert_eq!(m.len(), 1, "{m:?}");
+        assert!(
+            m[0].starts_with(
+                "sharing.mpsConfig.multiUser: a multi-user MPS daemon needs compute capability 7.0"
+            ),
+            "{m:?}"
+        );
+        assert!(
+            m[0].contains(&format!("device 1 ({GPU1}) has 6.1")),
+            "{m:?}"
+        );
+        assert!(m[0].contains("remove multiUser"), "{m:?}");
+        // A MIG device is judged by its parent's capability, which the caller passes.
+        let c = multi_user("MigDeviceConfig");
+        let m = messages(validate_for_devices(
+            &c,
+            &[ClaimDevice::mig(MIG0).with_compute_capability(6, 0)],
+        ));
+        assert_eq!(m.len(), 1, "{m:?}");
+        // Without multiUser an old GPU is fine.
+        let c = mps("GpuConfig", json!({}));
+        validate_for_devices(&c, &[ClaimDevice::gpu(GPU0).with_compute_capability(6, 0)]).unwrap();
     }
 
     #[test]

@@ -36,10 +36,11 @@ const TOP_FIELDS: [&str; 3] = ["apiVersion", "kind", "sharing"];
 const GPU_SHARING_FIELDS: [&str; 3] = ["strategy", "timeSlicingConfig", "mpsConfig"];
 const MIG_SHARING_FIELDS: [&str; 2] = ["strategy", "mpsConfig"];
 const TIME_SLICING_FIELDS: [&str; 1] = ["interval"];
-const MPS_FIELDS: [&str; 3] = [
+const MPS_FIELDS: [&str; 4] = [
     "defaultActiveThreadPercentage",
     "defaultPinnedDeviceMemoryLimit",
     "defaultPerDevicePinnedMemoryLimit",
+    "multiUser",
 ];
 
 /// Which API group/version the configuration was written against. Both carry the same schema;
@@ -203,6 +204,11 @@ pub struct MpsConfig {
     /// Per-device overrides of the limit, in MiB, keyed by device index or UUID (see
     /// [`DeviceKey`] for what an index names).
     pub per_device_pinned_memory_limit_mib: BTreeMap<DeviceKey, u64>,
+    /// `multiUser`: the control daemon runs multi-user (`nvidia-cuda-mps-control -d -M`), so
+    /// clients of every uid share one server instead of waiting for another user's server to
+    /// exit. Needs compute capability 7.0 or newer (checked against the allocated devices by
+    /// [`crate::validate_for_devices`]). NVIDIA's `mpsConfig.multiUser`, same meaning.
+    pub multi_user: bool,
 }
 
 /// A key of `defaultPerDevicePinnedMemoryLimit`.
@@ -370,6 +376,11 @@ impl Config {
                         .map(|(k, mib)| (k.to_string(), format!("{mib}Mi").into()))
                         .collect();
                     m.insert("defaultPerDevicePinnedMemoryLimit".into(), per.into());
+                }
+                // Written only when set, so configs without it keep the canonical form they
+                // had before the field existed (checkpoints compare it).
+                if mps.multi_user {
+                    m.insert("multiUser".into(), true.into());
                 }
                 Some(serde_json::json!({"strategy": "MPS", "mpsConfig": m}))
             }
@@ -803,6 +814,15 @@ fn walk_mps(v: &Value, errs: &mut Errors) -> MpsConfig {
                 "must be a map from device index or UUID to a memory quantity, got {}",
                 describe(other)
             ),
+        ),
+    }
+
+    match obj.get("multiUser") {
+        None | Some(Value::Null) => {}
+        Some(Value::Bool(b)) => mps.multi_user = *b,
+        Some(other) => errs.push(
+            "sharing.mpsConfig.multiUser",
+            format!("must be true or false, got {}", describe(other)),
         ),
     }
     mps

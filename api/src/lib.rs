@@ -26,7 +26,8 @@ mod schema;
 pub mod yaml;
 
 pub use allocation::{
-    ClaimDevice, admin_access_sharing, two_mps_configs_message, validate_for_devices,
+    ClaimDevice, MULTI_USER_MIN_COMPUTE_CAPABILITY, admin_access_sharing, two_mps_configs_message,
+    validate_for_devices,
 };
 pub use config::{
     API_VERSIONS, ApiVersion, Config, ConfigKind, DeviceKey, GpuConfig, INTERVALS, Interval, KINDS,

@@ -182,6 +182,11 @@ struct MpsConfig {
     #[serde(default)]
     #[schemars(schema_with = "per_device_limits")]
     default_per_device_pinned_memory_limit: Option<BTreeMap<String, String>>,
+    /// Run the claim's MPS control daemon multi-user (nvidia-cuda-mps-control -d -M): clients
+    /// of every user share one MPS server. Without it, a client of another user than the
+    /// running server's waits until that server exits. Needs compute capability 7.0 (Volta)
+    /// or newer. Absent: false.
+    multi_user: Option<bool>,
 }
 
 /// The JSON Schema (draft 2020-12) accepting a `GpuConfig` or a `MigDeviceConfig`.

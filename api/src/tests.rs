@@ -93,6 +93,39 @@ fn talk_example_mps_50_percent_5gi() {
 }
 
 #[test]
+fn multi_user_is_a_boolean_defaulting_to_false_in_both_kinds() {
+    assert!(!mps(&decode(&gpu(json!({"strategy": "MPS"}))).unwrap()).multi_user);
+    for config in [
+        gpu(json!({"strategy": "MPS", "mpsConfig": {"multiUser": true}})),
+        mig(json!({"strategy": "MPS", "mpsConfig": {"multiUser": true}})),
+    ] {
+        let c = decode(&config).unwrap();
+        assert!(mps(&c).multi_user);
+        // The canonical form keeps it, and only when set.
+        assert_eq!(c.to_parameters()["sharing"]["mpsConfig"]["multiUser"], true);
+        assert_eq!(decode(&c.to_parameters()).unwrap(), c);
+    }
+    let off = decode(&gpu(
+        json!({"strategy": "MPS", "mpsConfig": {"multiUser": false}}),
+    ))
+    .unwrap();
+    assert!(!mps(&off).multi_user);
+    assert_eq!(off.to_parameters()["sharing"]["mpsConfig"], json!({}));
+    one_error(
+        &gpu(json!({"strategy": "MPS", "mpsConfig": {"multiUser": "yes"}})),
+        "sharing.mpsConfig.multiUser",
+        "must be true or false, got string \"yes\"",
+    );
+    // Strict decoding still refuses a misspelling, and suggests the field.
+    let e = decode(&gpu(
+        json!({"strategy": "MPS", "mpsConfig": {"multiuser": true}}),
+    ))
+    .unwrap_err();
+    assert_eq!(e.len(), 1, "{e}");
+    assert!(e.to_string().contains("multiUser"), "{e}");
+}
+
+#[test]
 fn talk_example_mig_device_config_with_mps() {
     let c = decode(&mig(json!({"strategy": "MPS", "mpsConfig": {
         "defaultActiveThreadPercentage": 25,
@@ -570,6 +603,7 @@ fn validate_catches_hand_built_configs() {
                 DeviceKey::Uuid("nope".into()),
                 1,
             )]),
+            multi_user: false,
         })),
     });
     assert_eq!(bad.validate().unwrap_err().len(), 3);
@@ -630,6 +664,7 @@ mod fuzzish {
                 "defaultActiveThreadPercentage",
                 "defaultPinnedDeviceMemoryLimit",
                 "defaultPerDevicePinnedMemoryLimit",
+                "multiUser",
                 "0",
                 "1",
                 GPU0,

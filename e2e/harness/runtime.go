@@ -411,6 +411,25 @@ func (r *runtime) ociSpec(pod *v1.Pod, ctr *v1.Container) *rspec.Spec {
 	if cwd == "" {
 		cwd = "/"
 	}
+	// The user, as a CRI runtime takes it: the container's securityContext over
+	// the pod's; root otherwise (the test image has no USER).
+	var user rspec.User
+	if psc := pod.Spec.SecurityContext; psc != nil {
+		if psc.RunAsUser != nil {
+			user.UID = uint32(*psc.RunAsUser)
+		}
+		if psc.RunAsGroup != nil {
+			user.GID = uint32(*psc.RunAsGroup)
+		}
+	}
+	if sc := ctr.SecurityContext; sc != nil {
+		if sc.RunAsUser != nil {
+			user.UID = uint32(*sc.RunAsUser)
+		}
+		if sc.RunAsGroup != nil {
+			user.GID = uint32(*sc.RunAsGroup)
+		}
+	}
 	caps := []string{"CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FSETID", "CAP_FOWNER", "CAP_MKNOD", "CAP_NET_RAW",
 		"CAP_SETGID", "CAP_SETUID", "CAP_SETFCAP", "CAP_SETPCAP", "CAP_NET_BIND_SERVICE", "CAP_SYS_CHROOT",
 		"CAP_KILL", "CAP_AUDIT_WRITE"}
@@ -418,7 +437,7 @@ func (r *runtime) ociSpec(pod *v1.Pod, ctr *v1.Container) *rspec.Spec {
 		Version: rspec.Version,
 		Root:    &rspec.Root{Path: "rootfs"},
 		Process: &rspec.Process{
-			Args: args, Env: env, Cwd: cwd,
+			Args: args, Env: env, Cwd: cwd, User: user,
 			Capabilities:    &rspec.LinuxCapabilities{Bounding: caps, Effective: caps, Permitted: caps},
 			NoNewPrivileges: true,
 		},

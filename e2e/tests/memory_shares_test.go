@@ -208,3 +208,62 @@ func TestMemoryShares(t *testing.T) {
 		t.Errorf("compute mode of %s after the last share: %s, want DEFAULT", uuid, got)
 	}
 }
+
+// TestMemorySharesOfTwoUsers: two claims' pods on one memory-share GPU, running
+// as different users, both use its MPS server at once. An MPS daemon serves one
+// user's server at a time and a client of another user waits until that
+// server's clients are gone, so without a multi-user daemon (-M, which the
+// plugin starts on GPUs of compute capability 7.0 and newer, the A100 here
+// 8.0) the second user's program would hang while the first one runs.
+func TestMemorySharesOfTwoUsers(t *testing.T) {
+	requirePlugins(t)
+	ctx := context.Background()
+	const name = "node-memshare-users"
+	n := addPluginNode(ctx, t, name, "dgx-a100-40gb", []string{"--memory-share-gpus=" + memoryShareGPU}, nil)
+	ns := newNamespace(ctx, t, "memshare-users")
+	uuid := attrString(poolDevices(ctx, t, name)[memoryShareGPU], "uuid")
+
+	users := map[string]int64{"user-a": 1000, "user-b": 2000}
+	pods := map[string]*v1.Pod{}
+	for pod, uid := range users {
+		claim := shareClaim(t, ns, pod, uuid, "10Gi", nil)
+		p := claimPod(ns, pod, name, pod)
+		p.Spec.SecurityContext = &v1.PodSecurityContext{RunAsUser: &uid, RunAsGroup: &uid}
+		pods[pod], _ = runClaimPod(ctx, t, claim, p)
+	}
+	if daemons := n.MPSDaemons(); len(daemons) != 1 {
+		t.Fatalf("want one MPS control daemon for the shared GPU, got %d", len(daemons))
+	} else if args := strings.Join(daemons[0].Args[1:], " "); !strings.Contains(args, "-M") {
+		t.Errorf("the shared GPU's daemon runs without -M: %q", args)
+	}
+
+	// user-a's program stays on the server (in the background of its exec)...
+	held, err := n.Exec(ctx, pods["user-a"], "ctr", "sh", "-c",
+		`cuda-app --hold-seconds 60 >/dev/shm/held 2>&1 & `+
+			`for i in $(seq 100); do grep -q "MPS server" /dev/shm/held && break; sleep 0.1; done; id -u; cat /dev/shm/held`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("pod user-a: %s", held.Stdout)
+	if !strings.HasPrefix(held.Stdout, "1000\n") || mpsServer(held.Stdout) == "" {
+		t.Fatalf("pod user-a: the program did not join an MPS server as user 1000: %s%s", held.Stdout, held.Stderr)
+	}
+	// ...while user-b's joins the same server at once.
+	quick, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	res, err := n.Exec(quick, pods["user-b"], "ctr", "sh", "-c", "id -u; cuda-app")
+	if err != nil || res.ExitCode != 0 {
+		t.Fatalf("pod user-b: the CUDA program did not finish while user-a's runs (%v, exit %d): %s%s",
+			err, res.ExitCode, res.Stdout, res.Stderr)
+	}
+	t.Logf("pod user-b: %s", res.Stdout)
+	if !strings.HasPrefix(res.Stdout, "2000\n") {
+		t.Errorf("pod user-b does not run as user 2000: %s", res.Stdout)
+	}
+	if a, b := mpsServer(held.Stdout), mpsServer(res.Stdout); a != b {
+		t.Errorf("the two users' programs joined servers %q and %q, want one", a, b)
+	}
+	for _, p := range pods {
+		deleteClaimAndPod(ctx, t, p)
+	}
+}

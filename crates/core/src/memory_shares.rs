@@ -128,9 +128,18 @@ pub struct MemoryShare {
     pub bytes: u64,
     /// The GPU's memory, in bytes.
     pub total_bytes: u64,
+    /// The GPU's CUDA compute capability (major, minor): whether its one MPS daemon can run
+    /// multi-user ([`MemoryShare::multi_user_mps`]).
+    pub compute_capability: (u32, u32),
 }
 
 impl MemoryShare {
+    /// Whether the GPU's MPS control daemon can run multi-user (`-M`, compute capability
+    /// 7.0 and newer), so that claims' pods of different users share its one server.
+    pub fn multi_user_mps(&self) -> bool {
+        self.compute_capability >= gpu_dra_api::MULTI_USER_MIN_COMPUTE_CAPABILITY
+    }
+
     /// The share in whole MiB (rounded down), at least 1: the unit of MPS limits.
     pub fn mib(&self) -> u64 {
         (self.bytes / SHARE_STEP_BYTES).max(1)
@@ -254,6 +263,7 @@ mod tests {
         let quarter = MemoryShare {
             bytes: 10 << 30,
             total_bytes: total,
+            compute_capability: (8, 0),
         };
         assert_eq!(quarter.mib(), 10240);
         assert_eq!(mps_limit(quarter.mib()), "10G");
@@ -261,18 +271,33 @@ mod tests {
         let half = MemoryShare {
             bytes: 20 << 30,
             total_bytes: total,
+            compute_capability: (8, 0),
         };
         assert_eq!(half.thread_percentage(), 50);
         let odd = MemoryShare {
             bytes: 1500 << 20,
             total_bytes: total,
+            compute_capability: (8, 0),
         };
         assert_eq!(mps_limit(odd.mib()), "1500M");
         assert_eq!(odd.thread_percentage(), 3);
         let tiny = MemoryShare {
             bytes: 1 << 20,
             total_bytes: total,
+            compute_capability: (8, 0),
         };
         assert_eq!(tiny.thread_percentage(), 1);
+    }
+
+    #[test]
+    fn the_daemon_of_a_volta_or_newer_gpu_runs_multi_user() {
+        let on = |major, minor| MemoryShare {
+            bytes: 1 << 30,
+            total_bytes: 16 << 30,
+            compute_capability: (major, minor),
+        };
+        assert!(on(7, 0).multi_user_mps());
+        assert!(on(9, 0).multi_user_mps());
+        assert!(!on(6, 1).multi_user_mps());
     }
 }

@@ -238,6 +238,8 @@ pub struct DeviceTarget {
     pub uuid: String,
     /// True for a MIG device.
     pub is_mig: bool,
+    /// CUDA compute capability (major, minor) of the GPU or of a MIG device's parent GPU.
+    pub compute_capability: (u32, u32),
 }
 
 /// What the node plugin needs to build device nodes for one device.
@@ -336,6 +338,9 @@ pub fn plan(
     let mut devices: Vec<DevicePlan> = Vec::new();
     // Config index chosen per device (parallel to `devices`).
     let mut chosen: Vec<Option<usize>> = Vec::new();
+    // Compute capability of each device's (parent) GPU (parallel to `devices`), which some
+    // config rules need and the plan itself does not carry.
+    let mut capabilities: Vec<(u32, u32)> = Vec::new();
     for result in &input.devices {
         let request = base_request(&result.request).to_owned();
         let config = effective_config(&input.configs, &result.request).map(|c| c.index);
@@ -358,6 +363,10 @@ pub fn plan(
             (DeviceRef::Gpu(g), Some(_), Some(bytes)) => Some(MemoryShare {
                 bytes,
                 total_bytes: g.memory_bytes,
+                compute_capability: (
+                    g.cuda_compute_capability.major,
+                    g.cuda_compute_capability.minor,
+                ),
             }),
             _ => None,
         };
@@ -386,6 +395,8 @@ pub fn plan(
             group: 0,
         });
         chosen.push(config);
+        let cc = dev.gpu().cuda_compute_capability;
+        capabilities.push((cc.major, cc.minor));
     }
 
     // Group devices by chosen config, in first-seen order, then decode each config once
@@ -420,6 +431,7 @@ pub fn plan(
             .map(|&d| DeviceTarget {
                 uuid: devices[d].uuid.clone(),
                 is_mig: devices[d].nodes.mig.is_some(),
+                compute_capability: capabilities[d],
             })
             .collect();
         let decoded = decoder
@@ -499,6 +511,7 @@ fn check_mps_share(group: &SharingGroup, devices: &[DevicePlan]) -> Result<(), P
     let share = share_device.memory_share.unwrap_or(MemoryShare {
         bytes: 0,
         total_bytes: 0,
+        compute_capability: (0, 0),
     });
     let share_text = crate::slices::capacity_quantity(share.bytes).0;
     let uuids = [share_device.uuid.as_str()];
@@ -549,6 +562,7 @@ impl ConfigDecoder for ApiDecoder {
             .map(|d| ClaimDevice {
                 uuid: d.uuid.clone(),
                 is_mig: d.is_mig,
+                compute_capability: Some(d.compute_capability),
             })
             .collect();
         gpu_dra_api::validate_for_devices(&config, &claim_devices)?;
@@ -756,7 +770,11 @@ mod tests {
             .decode(
                 &json!({"apiVersion": "gpu.nvidia.com/v1alpha1", "kind": "MigDeviceConfig",
                         "sharing": {"strategy": "MPS", "mpsConfig": {"defaultActiveThreadPercentage": 50}}}),
-                &[DeviceTarget { uuid: "MIG-1".into(), is_mig: true }],
+                &[DeviceTarget {
+                    uuid: "MIG-1".into(),
+                    is_mig: true,
+                    compute_capability: (8, 0),
+                }],
             )
             .expect("mps");
         assert_eq!(mps.kind(), gpu_dra_api::ConfigKind::Mig);
@@ -776,6 +794,38 @@ mod tests {
     /// A second GPU of the same shape, for claims of two whole GPUs.
     fn two_gpus() -> Inventory {
         testing::inventory([a100(0).build(), a100(1).build(), a100(2).build()])
+    }
+
+    #[test]
+    fn multi_user_mps_is_refused_on_a_gpu_older_than_volta() {
+        let mut pascal = a100(0).build();
+        pascal.cuda_compute_capability = gpu_dra_device::ComputeCapability { major: 6, minor: 0 };
+        let inventory = testing::inventory([pascal, a100(1).build()]);
+        let multi_user = json!({"apiVersion": "resource.nvidia.com/v1beta1", "kind": "GpuConfig",
+               "sharing": {"strategy": "MPS", "mpsConfig": {"multiUser": true}}});
+        let configs = || vec![cfg(0, ConfigSource::FromClaim, &[], multi_user.clone())];
+        let err = plan(
+            &input(vec![dev(0, "gpu", "gpu-0")], configs()),
+            &inventory,
+            &ApiDecoder,
+        )
+        .expect_err("a 6.0 GPU cannot run a multi-user daemon");
+        let PlanError::Config { index: 0, errors } = &err else {
+            panic!("config error expected, got {err:?}");
+        };
+        assert_eq!(errors.len(), 1, "{errors}");
+        assert_eq!(errors.0[0].path, "sharing.mpsConfig.multiUser", "{errors}");
+        assert!(errors.0[0].message.contains("has 6.0"), "{errors}");
+        let p = plan(
+            &input(vec![dev(0, "gpu", "gpu-1")], configs()),
+            &inventory,
+            &ApiDecoder,
+        )
+        .expect("an 8.0 GPU can");
+        let Some(Sharing::Mps(mps)) = &p.groups[0].sharing else {
+            panic!("MPS expected");
+        };
+        assert!(mps.multi_user);
     }
 
     #[test]
@@ -894,7 +944,8 @@ mod tests {
             p.devices[0].memory_share,
             Some(MemoryShare {
                 bytes: 10 << 30,
-                total_bytes: 40 << 30
+                total_bytes: 40 << 30,
+                compute_capability: (8, 0),
             })
         );
         // Without a share ID (a single-allocation device) there is no share.

@@ -113,6 +113,11 @@ pub struct MpsLimits {
     pub active_thread_percentage: Option<u8>,
     /// `set_default_device_pinned_mem_limit <uuid> <MiB>M`, by UUID.
     pub pinned_memory_mib: BTreeMap<String, u64>,
+    /// The daemon runs multi-user (`nvidia-cuda-mps-control -M`): clients of every user share
+    /// one server. Written only when set, so state files of daemons without it keep their
+    /// shape and older plugins read them.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub multi_user: bool,
 }
 
 /// Resolves `config`'s limits for the group's `devices`: per device a key naming its UUID, else
@@ -147,6 +152,7 @@ pub fn mps_limits(config: &MpsConfig, devices: &[SharedDevice]) -> MpsLimits {
     MpsLimits {
         active_thread_percentage: config.active_thread_percentage,
         pinned_memory_mib,
+        multi_user: config.multi_user,
     }
 }
 
@@ -245,6 +251,7 @@ mod tests {
                 (DeviceKey::Uuid("gpu-2".into()), 512),
             ]
             .into(),
+            multi_user: false,
         };
         let l = mps_limits(&config, &devices());
         assert_eq!(l.active_thread_percentage, Some(50));
@@ -278,6 +285,7 @@ mod tests {
         let l = MpsLimits {
             active_thread_percentage: Some(40),
             pinned_memory_mib: [("GPU-1".to_owned(), 1024)].into(),
+            multi_user: false,
         };
         assert_eq!(
             serde_json::to_value(&l).expect("serializes"),
@@ -319,6 +327,7 @@ mod tests {
         let share = MemoryShare {
             bytes: 10 << 30,
             total_bytes: 40 << 30,
+            compute_capability: (8, 0),
         };
         let device = SharedDevice {
             share: Some(share),

@@ -86,6 +86,7 @@ async fn main() {
             active_thread_percentage: Some(50),
             pinned_memory_limit_mib: Some(4096),
             per_device_pinned_memory_limit_mib: [(DeviceKey::Index(1), 2048)].into(),
+            multi_user: false,
         }),
     );
     let timeslice = (

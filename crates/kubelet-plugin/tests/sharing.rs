@@ -806,6 +806,7 @@ fn share(node: &Node, index: usize, gib: u64) -> SharedDevice {
         share: Some(gpu_dra_core::memory_shares::MemoryShare {
             bytes: gib << 30,
             total_bytes: 40 << 30,
+            compute_capability: (8, 0),
         }),
         ..gpu(&node.gpu_uuid(index))
     }
@@ -905,4 +906,76 @@ async fn memory_shares_of_a_gpu_share_one_daemon_started_first_and_stopped_last(
     assert_eq!(m.mps_pid(OWNER, &gpu4), None);
     assert_eq!(node.compute_mode(4), ComputeMode::Default);
     m.unprepare(CLAIM_C).await.unwrap();
+}
+
+/// The arguments `pid` runs with, after the program.
+fn daemon_args(pid: u32) -> Vec<String> {
+    String::from_utf8_lossy(&std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default())
+        .split('\0')
+        .skip(1)
+        .filter(|a| !a.is_empty())
+        .map(str::to_owned)
+        .collect()
+}
+
+#[tokio::test]
+async fn a_claims_daemon_runs_multi_user_only_when_its_config_says_so() {
+    let node = Node::new(PROFILE);
+    let m = node.manager();
+    let multi_user = MpsConfig {
+        multi_user: true,
+        ..Default::default()
+    };
+    prepare(&m, CLAIM_A, &mps(vec![gpu(&node.gpu_uuid(4))], multi_user))
+        .await
+        .unwrap();
+    let pid = m.mps_pid(CLAIM_A, "0").expect("daemon");
+    assert_eq!(daemon_args(pid), ["-f", "-M"]);
+    prepare(
+        &m,
+        CLAIM_B,
+        &mps(vec![gpu(&node.gpu_uuid(5))], MpsConfig::default()),
+    )
+    .await
+    .unwrap();
+    let pid = m.mps_pid(CLAIM_B, "0").expect("daemon");
+    assert_eq!(
+        daemon_args(pid),
+        ["-f"],
+        "one claim's daemon keeps its mode"
+    );
+    m.unprepare(CLAIM_A).await.unwrap();
+    m.unprepare(CLAIM_B).await.unwrap();
+}
+
+#[tokio::test]
+async fn a_memory_share_daemon_runs_multi_user_where_the_gpu_supports_it() {
+    use gpu_dra_core::sharing::MEMORY_SHARE_DAEMON_OWNER as OWNER;
+    let node = Node::new(PROFILE);
+    let m = node.manager();
+    prepare(
+        &m,
+        CLAIM_A,
+        &mps(vec![share(&node, 4, 10)], MpsConfig::default()),
+    )
+    .await
+    .unwrap();
+    let pid = m.mps_pid(OWNER, &node.gpu_uuid(4)).expect("daemon");
+    assert_eq!(
+        daemon_args(pid),
+        ["-f", "-M"],
+        "claims' pods of different users share its server"
+    );
+    // A GPU older than Volta cannot: one user's pods at a time (docs/STATUS.md).
+    let mut pascal = share(&node, 5, 10);
+    if let Some(s) = pascal.share.as_mut() {
+        s.compute_capability = (6, 1);
+    }
+    prepare(&m, CLAIM_B, &mps(vec![pascal], MpsConfig::default()))
+        .await
+        .unwrap();
+    let pid = m.mps_pid(OWNER, &node.gpu_uuid(5)).expect("daemon");
+    assert_eq!(daemon_args(pid), ["-f"]);
+    m.unprepare(CLAIM_A).await.unwrap();
+    m.unprepare(CLAIM_B).await.unwrap();
 }

@@ -14,6 +14,9 @@
 //! server) it then fails with `cudaErrorDevicesUnavailable`, which is what this prints
 //! (exit 1). On a GPU in `DEFAULT` mode it runs without MPS and says so.
 //!
+//! `--hold-seconds <n>` keeps the client attached that long after it has printed (a program
+//! still running on its MPS server).
+//!
 //! Output, one fact per line: `GPU <i>: <uuid> (compute mode <mode>)` for each visible GPU,
 //! then either the daemon's reply (`MPS server <pid>`, `active thread percentage <p>`,
 //! `device <n> <uuid> pinned memory limit <limit|none>`: what this client got, its own
@@ -58,8 +61,15 @@ impl ClientEnv {
 }
 
 /// Runs the program: `state` is the simulator state as this process sees it (`None`: no
-/// simulated host, no GPUs), `env` its MPS client variables.
-pub fn run(state: Option<&State>, env: &ClientEnv, out: &mut dyn Write) -> i32 {
+/// simulated host, no GPUs), `env` its MPS client variables. With `hold`, a client that
+/// joined MPS stays attached that long after printing, as a program still computing does
+/// (`cuda-app --hold-seconds <n>`).
+pub fn run(
+    state: Option<&State>,
+    env: &ClientEnv,
+    hold: Option<std::time::Duration>,
+    out: &mut dyn Write,
+) -> i32 {
     let gpus: Vec<(String, ComputeMode)> = state
         .map(|s| {
             s.profile
@@ -81,8 +91,13 @@ pub fn run(state: Option<&State>, env: &ClientEnv, out: &mut dyn Write) -> i32 {
         let _ = writeln!(out, "GPU {i}: {uuid} (compute mode {})", mode.smi_name());
     }
     match attach(env) {
-        Some(reply) => {
+        Some((reply, conn)) => {
             let _ = out.write_all(reply.as_bytes());
+            let _ = out.flush();
+            if let Some(hold) = hold {
+                std::thread::sleep(hold);
+            }
+            drop(conn);
             0
         }
         None if gpus
@@ -101,7 +116,8 @@ pub fn run(state: Option<&State>, env: &ClientEnv, out: &mut dyn Write) -> i32 {
 
 /// Joins the daemon's server through `<pipe dir>/control`, sending the client's own limits;
 /// `None` when no daemon answers.
-fn attach(env: &ClientEnv) -> Option<String> {
+/// The connection is returned with the reply: the client stays attached while it is open.
+fn attach(env: &ClientEnv) -> Option<(String, UnixStream)> {
     let pipe_dir = env
         .pipe_dir
         .clone()
@@ -124,5 +140,5 @@ fn attach(env: &ClientEnv) -> Option<String> {
     conn.read_exact(&mut len).ok()?;
     let mut body = vec![0u8; u32::from_le_bytes(len) as usize];
     conn.read_exact(&mut body).ok()?;
-    String::from_utf8(body).ok()
+    Some((String::from_utf8(body).ok()?, conn))
 }

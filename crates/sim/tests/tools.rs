@@ -639,3 +639,134 @@ fn mps_clients_own_limits_only_lower_the_servers() {
     let o = ui(&host, &m, "quit\n");
     assert_eq!(o.status.code(), Some(0));
 }
+
+/// Makes `path` and the folders above it, up to the temporary folder, reachable by any user,
+/// for a client that runs as another user.
+fn open_to_all(path: &Path) {
+    use std::os::unix::fs::PermissionsExt;
+    let top = std::env::temp_dir();
+    for p in path
+        .ancestors()
+        .take_while(|p| p.starts_with(&top) && *p != top)
+    {
+        // Read (and search, for folders) for all; a socket keeps the write bit it has.
+        let mode = std::fs::metadata(p).expect("stat").permissions().mode();
+        let add = if p.is_dir() { 0o555 } else { 0o444 };
+        std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode | add)).expect("chmod");
+    }
+}
+
+/// Holds an MPS client of this process's user attached to the daemon at `pipe`, as a
+/// running CUDA program does, until dropped.
+fn hold_client(pipe: &Path) -> std::os::unix::net::UnixStream {
+    let mut conn = std::os::unix::net::UnixStream::connect(pipe.join("control")).expect("connect");
+    conn.write_all(
+        format!(
+            "{} {} 0\n",
+            gpu_dra_sim::mps::CLIENT_HELLO,
+            std::process::id()
+        )
+        .as_bytes(),
+    )
+    .expect("hello");
+    let mut len = [0u8; 4];
+    std::io::Read::read_exact(&mut conn, &mut len).expect("reply");
+    let mut body = vec![0u8; u32::from_le_bytes(len) as usize];
+    std::io::Read::read_exact(&mut conn, &mut body).expect("reply");
+    let reply = String::from_utf8_lossy(&body);
+    assert!(reply.starts_with("MPS server "), "{reply}");
+    conn
+}
+
+/// Starts `cuda-app` as user `uid` against the daemon at `m`.
+fn cuda_app_as(host: &SimHost, m: &Mps, uid: u32) -> Child {
+    use std::os::unix::process::CommandExt;
+    Command::new(env!("CARGO_BIN_EXE_cuda-app"))
+        .env("GPU_SIM_STATE", host.state_file().path())
+        .env("CUDA_MPS_PIPE_DIRECTORY", &m.pipe)
+        .uid(uid)
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("spawn cuda-app")
+}
+
+/// Whether `child` exits within `within`.
+fn exits_within(child: &mut Child, within: Duration) -> bool {
+    let t = Instant::now();
+    while t.elapsed() < within {
+        if child.try_wait().expect("wait").is_some() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    false
+}
+
+/// The daemon tells users apart by the kernel's credentials for the client's socket, so
+/// this needs clients of two real users, which only root can start; elsewhere the same
+/// rules are covered by the server's unit tests.
+#[test]
+fn mps_clients_of_another_user_wait_unless_the_daemon_is_multi_user() {
+    if effective_uid() != 0 {
+        eprintln!("skipped: starting a client as another user needs root");
+        return;
+    }
+    const OTHER: u32 = 65534;
+    for multi_user in [false, true] {
+        let host = SimHost::new("t4");
+        let m = mps_dirs();
+        let mut daemon = mps_cmd(&host, &m);
+        daemon.arg("-d");
+        if multi_user {
+            daemon.arg("-M");
+        }
+        let o = daemon.output().expect("daemon");
+        assert!(o.status.success(), "{}", text(&o));
+        open_to_all(&m.pipe.join("control"));
+        open_to_all(host.state_file().path());
+        open_to_all(Path::new(env!("CARGO_BIN_EXE_cuda-app")));
+
+        let held = hold_client(&m.pipe);
+        let mut other = cuda_app_as(&host, &m, OTHER);
+        if multi_user {
+            assert!(
+                exits_within(&mut other, Duration::from_secs(10)),
+                "-M: a client of another user joins at once"
+            );
+        } else {
+            if exits_within(&mut other, Duration::from_millis(500)) {
+                let out = other.wait_with_output().expect("output");
+                panic!(
+                    "without -M a client of another user waits while root's server has a \
+                     client, but it exited: {}",
+                    String::from_utf8_lossy(&out.stdout)
+                );
+            }
+            drop(held);
+            assert!(
+                exits_within(&mut other, Duration::from_secs(10)),
+                "the waiting client runs once root's server has no clients"
+            );
+        }
+        let out = other.wait_with_output().expect("output");
+        let out = String::from_utf8_lossy(&out.stdout);
+        assert!(out.contains("MPS server "), "{out}");
+        let log = std::fs::read_to_string(m.log.join("control.log")).expect("log");
+        if multi_user {
+            assert!(!log.contains(&format!("user {OTHER}")), "{log}");
+        } else {
+            assert!(
+                log.contains("Starting new server") && log.contains(&format!("for user {OTHER}")),
+                "{log}"
+            );
+        }
+        let o = ui(&host, &m, "quit\n");
+        assert_eq!(o.status.code(), Some(0));
+    }
+}
+
+/// This process's effective user, from the owner of `/proc/self`.
+fn effective_uid() -> u32 {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata("/proc/self").map_or(u32::MAX, |m| m.uid())
+}

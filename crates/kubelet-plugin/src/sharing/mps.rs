@@ -7,6 +7,11 @@
 //! in its log directory, never to a pipe of ours: it must outlive the plugin process, and a
 //! daemon writing into a dead pipe would die of SIGPIPE.
 //!
+//! With `limits.multi_user` it runs `-f -M` (multi-user: clients of every user share one MPS
+//! server; without it the daemon serves one user's server at a time and a client of another
+//! user waits until that server exits). [`daemon_args`] is the one place that builds the
+//! arguments, for a child process and for a daemon pod alike.
+//!
 //! A daemon is "ours" only if its command line is the MPS control tool with `-f` and its
 //! environment names our pipe directory; a recycled pid never passes that test.
 
@@ -43,6 +48,15 @@ pub fn daemon_env(record: &MpsRecord) -> Vec<(String, String)> {
             record.log_dir().display().to_string(),
         ),
     ]
+}
+
+/// The daemon's arguments: `-f`, and `-M` when it runs multi-user.
+pub fn daemon_args(record: &MpsRecord) -> Vec<&'static str> {
+    let mut args = vec!["-f"];
+    if record.limits.multi_user {
+        args.push("-M");
+    }
+    args
 }
 
 /// Checks that the control sockets fit in a UNIX socket path.
@@ -108,7 +122,7 @@ pub fn spawn(root: &DriverRoot, record: &MpsRecord) -> Result<tokio::process::Ch
     let err = out
         .try_clone()
         .map_err(|e| SharingError::io("open", &out_path, e))?;
-    let mut cmd = root.command(MPS_CONTROL, &["-f"], &daemon_env(record))?;
+    let mut cmd = root.command(MPS_CONTROL, &daemon_args(record), &daemon_env(record))?;
     cmd.stdin(Stdio::null())
         .stdout(Stdio::from(out))
         .stderr(Stdio::from(err))
@@ -377,9 +391,18 @@ mod tests {
             limits: MpsLimits {
                 active_thread_percentage: Some(40),
                 pinned_memory_mib: [("GPU-a".to_string(), 1024), ("MIG-b".to_string(), 512)].into(),
+                multi_user: false,
             },
             share_claims: Default::default(),
         }
+    }
+
+    #[test]
+    fn the_daemon_runs_multi_user_only_when_asked() {
+        let mut r = record("/p/mps/c-0");
+        assert_eq!(daemon_args(&r), ["-f"]);
+        r.limits.multi_user = true;
+        assert_eq!(daemon_args(&r), ["-f", "-M"]);
     }
 
     #[test]

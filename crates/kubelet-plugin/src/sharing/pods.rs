@@ -380,7 +380,11 @@ pub fn daemon_pod(
     let mut container = Container {
         name: CONTAINER.into(),
         image: Some(settings.image.clone()),
-        command: Some(vec![path(&tool), "-f".into()]),
+        command: Some(
+            std::iter::once(path(&tool))
+                .chain(mps::daemon_args(record).into_iter().map(String::from))
+                .collect(),
+        ),
         env: Some(
             env.into_iter()
                 .map(|(name, value)| EnvVar {
@@ -514,6 +518,7 @@ mod tests {
             limits: MpsLimits {
                 active_thread_percentage: Some(40),
                 pinned_memory_mib: BTreeMap::from([("GPU-b".into(), 2048)]),
+                multi_user: false,
             },
             share_claims: Default::default(),
         }
@@ -573,6 +578,16 @@ mod tests {
         let env = env_of(&pod);
         assert_eq!(env["CUDA_VISIBLE_DEVICES"], "GPU-a,GPU-b");
         assert_eq!(env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"], "40");
+        let mut multi_user = rec.clone();
+        multi_user.limits.multi_user = true;
+        let pod = daemon_pod(&settings(), &root, "the-id", &multi_user).unwrap();
+        assert_eq!(
+            pod.spec.as_ref().unwrap().containers[0]
+                .command
+                .as_ref()
+                .unwrap()[1..],
+            ["-f", "-M"]
+        );
         // Ordinal 1 is GPU-b in the daemon's numbering.
         assert_eq!(env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"], "1=2048M");
         assert_eq!(

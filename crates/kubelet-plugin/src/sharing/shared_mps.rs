@@ -3,14 +3,22 @@
 //!
 //! Why one daemon and client-side limits: a GPU in MPS mode is in compute mode
 //! `EXCLUSIVE_PROCESS`, owned by one MPS server, so claims sharing it must join the same
-//! daemon, and their clients (all of one user) the same server. Per-server limits would then
-//! apply to every claim alike, so the daemon sets no defaults of its own (MPS's defaults: 100%
-//! of the threads, no pinned memory limit) and each claim's containers carry their limits in
+//! daemon, and their clients the same server. Per-server limits would then apply to every
+//! claim alike, so the daemon sets no defaults of its own (MPS's defaults: 100% of the
+//! threads, no pinned memory limit) and each claim's containers carry their limits in
 //! their environment (`CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`, `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`,
 //! see `gpu_dra_core::sharing::mps_share_env`), which MPS applies to that client; a client's
 //! variables can only lower the daemon's defaults. Consequence: the limits hold for workloads
 //! that keep the environment they are given; a container that unsets them is bounded only by
 //! the daemon's defaults, i.e. the whole GPU (docs/STATUS.md).
+//!
+//! Users: claims' pods may run as different users, and an MPS daemon runs one user's server
+//! at a time (a client of another user waits until that server's clients are gone), so a
+//! second user's pod would hang until the first user's pods end. The daemon therefore runs
+//! multi-user (`-M`, one server for all users) where the GPU supports it (compute capability
+//! 7.0 and newer, [`gpu_dra_core::memory_shares::MemoryShare::multi_user_mps`]). On older GPUs
+//! it cannot, and the plugin cannot refuse the second user's claim either: prepare does not
+//! know which user the claim's pods will run as (docs/STATUS.md).
 //!
 //! Record and lifecycle: the daemon's [`MpsRecord`] has owner
 //! [`MEMORY_SHARE_DAEMON_OWNER`] and the GPU's UUID as group, and lists its claims in
@@ -87,7 +95,12 @@ impl SharingManager {
             phase: MpsPhase::Starting,
             pid: None,
             dir: inner.opts.daemon_dir(MEMORY_SHARE_DAEMON_OWNER, &gpu),
-            limits: MpsLimits::default(),
+            // Multi-user where the GPU allows it, so pods of different users all get on;
+            // below Volta one user's pods at a time (docs/STATUS.md).
+            limits: MpsLimits {
+                multi_user: share.multi_user_mps(),
+                ..MpsLimits::default()
+            },
             devices: vec![gpu.clone()],
             whole_gpus: vec![gpu.clone()],
             share_claims: [claim_uid.to_owned()].into(),

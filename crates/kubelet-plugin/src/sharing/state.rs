@@ -224,6 +224,7 @@ mod tests {
                 limits: MpsLimits {
                     active_thread_percentage: Some(50),
                     pinned_memory_mib: [("GPU-1".to_string(), 1024)].into(),
+                    multi_user: false,
                 },
                 share_claims: Default::default(),
             },

@@ -10,10 +10,10 @@
 use std::collections::BTreeMap;
 use std::fs::{self, File, OpenOptions};
 use std::io::{BufRead, BufReader, Read, Write};
-use std::os::unix::fs::PermissionsExt;
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use super::protocol::{execute, parse_percentage, parse_pinned_entry, write_frame};
@@ -202,6 +202,13 @@ pub(super) struct Daemon {
     pub(super) server_log: Option<Mutex<File>>,
     /// Servers started so far (each gets a new PID).
     pub(super) servers_started: Mutex<u32>,
+    /// Signalled (with `server` locked) when the server loses a client or goes away, which a
+    /// client of another user waits for.
+    pub(super) server_changed: Condvar,
+    /// `-M`: every client is served as [`Daemon::own_uid`], all by one server.
+    pub(super) multi_user: bool,
+    /// The daemon's own user.
+    pub(super) own_uid: u32,
 }
 
 /// The files the daemon creates in the pipe directory (and removes on start and `quit`).
@@ -213,7 +220,14 @@ const PIPE_FILES: &[&str] = &[
 ];
 
 /// Runs the daemon in this process (`-f`, or the detached child of `-d`) until `quit`.
-pub(super) fn serve(env: &MpsEnv, state: Option<&State>, mode: Mode, out: &mut dyn Write) -> i32 {
+/// `multi_user` is `-M`.
+pub(super) fn serve(
+    env: &MpsEnv,
+    state: Option<&State>,
+    mode: Mode,
+    multi_user: bool,
+    out: &mut dyn Write,
+) -> i32 {
     let fail = |out: &mut dyn Write, msg: &str| {
         let _ = writeln!(out, "{msg}");
         let _ = out.flush();
@@ -361,6 +375,9 @@ pub(super) fn serve(env: &MpsEnv, state: Option<&State>, mode: Mode, out: &mut d
         server: Mutex::new(None),
         server_log,
         servers_started: Mutex::new(0),
+        server_changed: Condvar::new(),
+        multi_user,
+        own_uid: std::fs::metadata("/proc/self").map_or(0, |m| m.uid()),
     });
     if mode == Mode::Child {
         // Tell the `-d` parent we listen; nothing else is ever written to this pipe.
@@ -402,7 +419,11 @@ fn handle_ui(conn: UnixStream, daemon: &Daemon) {
         return;
     }
     if let Some(hello) = line.strip_prefix(CLIENT_HELLO) {
-        let Ok((pid, reply)) = daemon.attach(hello) else {
+        let Some(peer_uid) = peer_uid(&writer) else {
+            daemon.log.line("User did not send valid credentials");
+            return;
+        };
+        let Ok((pid, reply)) = daemon.attach(hello, peer_uid) else {
             return;
         };
         let _ = write_frame(&mut writer, &reply);
@@ -442,6 +463,32 @@ fn handle_ui(conn: UnixStream, daemon: &Daemon) {
         }
     }
     daemon.log.line("UI closed");
+}
+
+/// The user of the process at the other end of `conn`, as the kernel recorded it when it
+/// connected (`SO_PEERCRED`, in this daemon's user namespace): how the real daemon tells
+/// users apart, so a client cannot pass itself off as another user.
+#[allow(unsafe_code)]
+fn peer_uid(conn: &UnixStream) -> Option<u32> {
+    use std::os::fd::AsRawFd;
+    let mut cred = libc::ucred {
+        pid: 0,
+        uid: 0,
+        gid: 0,
+    };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: the descriptor is open for the borrow of `conn`; `cred` and `len` are valid,
+    // writable and `len` holds the size of `cred`, so the kernel writes within it.
+    let rc = unsafe {
+        libc::getsockopt(
+            conn.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&raw mut cred).cast(),
+            &raw mut len,
+        )
+    };
+    (rc == 0).then_some(cred.uid)
 }
 
 /// Binds a listening socket at a staging name, sets its mode, then renames it to `path`.

@@ -26,8 +26,10 @@
 //! number the daemon picks above its own; its log goes to `server.log` next to
 //! `control.log`. A client (the `cuda-app` stand-in for a CUDA program, see [`crate::cuda`])
 //! reaches the daemon only through the pipe directory's `control` socket, sending
-//! [`CLIENT_HELLO`] with its PID and user, and gets the server's settings back. No GPU work
-//! is simulated.
+//! [`CLIENT_HELLO`] with its PID and user, and gets the server's settings back; the daemon
+//! takes the user from the socket's peer credentials, as the real one does. One user's server
+//! runs at a time, other users' clients waiting for it to exit, unless the daemon runs with
+//! `-M` (see `server`). No GPU work is simulated.
 //!
 //! Split by role: `daemon` (the daemon process, its sockets, files and log), `server`
 //! (the simulated MPS server that CUDA clients attach to), `protocol` (the wire format
@@ -99,7 +101,7 @@ impl MpsEnv {
 const USAGE: &str = "Usage: nvidia-cuda-mps-control [-d | -f] [-M]
   -d   start the MPS control daemon in background mode
   -f   start the MPS control daemon in foreground mode
-  -M   multi-user mode (accepted; the simulator has no users to separate)
+  -M   multi-user mode: clients of every user share one MPS server
   -h   print this help
 With no option, read commands from standard input and send them to the daemon.";
 
@@ -115,11 +117,12 @@ pub fn run(
     let mut daemon = false;
     let mut foreground = false;
     let mut child = false;
+    let mut multi_user = false;
     for a in args {
         match a.as_str() {
             "-d" => daemon = true,
             "-f" => foreground = true,
-            "-M" => {}
+            "-M" => multi_user = true,
             DAEMON_CHILD_FLAG => child = true,
             "-h" | "--help" => {
                 let _ = writeln!(out, "{USAGE}");
@@ -132,10 +135,10 @@ pub fn run(
         }
     }
     if child {
-        return daemon::serve(env, state, daemon::Mode::Child, out);
+        return daemon::serve(env, state, daemon::Mode::Child, multi_user, out);
     }
     if foreground {
-        return daemon::serve(env, state, daemon::Mode::Foreground, out);
+        return daemon::serve(env, state, daemon::Mode::Foreground, multi_user, out);
     }
     if daemon {
         return daemon::spawn_background(args, out);

@@ -155,6 +155,8 @@ pub(super) fn execute(daemon: &Daemon, cmd: &str) -> (String, bool) {
             Some(srv) => {
                 daemon.server_line(srv.pid, "Server exiting");
                 *server = None;
+                // Clients of another user may be waiting for this server to go.
+                daemon.server_changed.notify_all();
                 String::new()
             }
             None => format!("Server {pid} not found\n"),

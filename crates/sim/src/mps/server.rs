@@ -2,6 +2,15 @@
 //! starts it with the daemon's defaults at that moment (active thread percentage, pinned
 //! memory limits), which it keeps; later clients of the same user join it.
 //!
+//! Users, as NVIDIA's MPS documentation (<https://docs.nvidia.com/deploy/mps/>, "Limitations")
+//! states: "Only one user on a system may have an active MPS server", and the daemon "will
+//! queue MPS server activation requests from separate users". So without `-M` a client of
+//! another user than the running server's waits, its connection unanswered, until that
+//! server's clients are gone; the server then exits and a new one starts for the waiting
+//! user. With `-M` (multi-user, Volta and newer) every client is served as the daemon's own
+//! user and all share one server. The daemon learns a client's user from the kernel
+//! (`SO_PEERCRED` on its socket), never from what the client says.
+//!
 //! The server runs inside the daemon, not as a process: its PID is a number the daemon picks
 //! above its own, and its log lines go to `server.log` next to `control.log`. A client's own
 //! limits apply to it alone and can only lower the server's values. No GPU work is simulated.
@@ -41,9 +50,13 @@ impl Daemon {
     /// `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE` and `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`, sent as
     /// `pct=` and `pinned=` words) apply to it alone and, as on real MPS, can only lower the
     /// server's values; the reply shows what the client got.
-    pub(super) fn attach(&self, hello: &str) -> Result<(u32, String), ()> {
+    ///
+    /// `peer_uid` is the user the kernel reports for the client's end of the socket
+    /// (`SO_PEERCRED`), as the real daemon learns it; the client's own word for its user is
+    /// not trusted.
+    pub(super) fn attach(&self, hello: &str, peer_uid: u32) -> Result<(u32, String), ()> {
         let mut words = hello.split_whitespace();
-        let (Some(pid), Some(uid)) = (
+        let (Some(pid), Some(_claimed_uid)) = (
             words.next().and_then(|w| w.parse::<u32>().ok()),
             words.next().and_then(|w| w.parse::<u32>().ok()),
         ) else {
@@ -61,7 +74,6 @@ impl Daemon {
                 }
             }
         }
-        let settings = self.settings.lock().unwrap_or_else(|e| e.into_inner());
         let client_pct = match client_pct.as_deref().map(parse_percentage) {
             None => None,
             Some(Some(p)) => Some(p),
@@ -73,6 +85,7 @@ impl Daemon {
             }
         };
         let mut client_limits: BTreeMap<String, u64> = BTreeMap::new();
+        let settings = self.settings.lock().unwrap_or_else(|e| e.into_inner());
         for item in client_pinned
             .iter()
             .flat_map(|v| v.split(','))
@@ -90,19 +103,48 @@ impl Daemon {
                 }
             }
         }
-        let mut server = self.server.lock().unwrap_or_else(|e| e.into_inner());
-        if server.as_ref().is_some_and(|s| s.uid != uid) {
-            self.log.line(&format!(
-                "NEW CLIENT {pid} from user {uid}: Server is busy with another user, client rejected"
-            ));
-            return Ok((
-                pid,
-                format!(
-                    "MPS server busy with user {}: client rejected\n",
-                    server.as_ref().map_or(0, |s| s.uid)
-                ),
-            ));
-        }
+        drop(settings);
+        // Without `-M` the daemon runs one user's server at a time: a client of another user
+        // waits (its connection unanswered, as a CUDA context creation blocks) until that
+        // server has no clients left, which then exits for it. With `-M` every client is
+        // served as the daemon's own user, so all share one server.
+        let uid = if self.multi_user {
+            self.own_uid
+        } else {
+            peer_uid
+        };
+        let mut waiting = false;
+        let (settings, mut server) = loop {
+            let settings = self.settings.lock().unwrap_or_else(|e| e.into_inner());
+            let mut server = self.server.lock().unwrap_or_else(|e| e.into_inner());
+            let Some(busy) = server.as_ref().filter(|s| s.uid != uid) else {
+                break (settings, server);
+            };
+            if busy.clients.is_empty() {
+                self.log.line(&format!(
+                    "Server {} exited with status 0 (no clients left, user {uid} waiting)",
+                    busy.pid
+                ));
+                self.server_line(busy.pid, "Server exiting");
+                *server = None;
+                break (settings, server);
+            }
+            if !waiting {
+                waiting = true;
+                self.log.line(&format!(
+                    "NEW CLIENT {pid} from user {uid}: Server {} of user {} is busy, push client to pending list",
+                    busy.pid, busy.uid
+                ));
+            }
+            // The settings lock is taken before the server's everywhere: release it while
+            // waiting so commands keep being answered.
+            drop(settings);
+            let guard = self
+                .server_changed
+                .wait(server)
+                .unwrap_or_else(|e| e.into_inner());
+            drop(guard);
+        };
         if server.is_none() {
             self.log.line(&format!(
                 "NEW CLIENT {pid} from user {uid}: Server is not ready, push client to pending list"
@@ -198,5 +240,132 @@ impl Daemon {
                 &format!("Client {{PID: {pid}, Context ID: 0}} exit"),
             );
         }
+        // A client of another user may be waiting for this server to have no clients.
+        self.server_changed.notify_all();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::mpsc;
+    use std::sync::{Arc, Condvar, Mutex};
+    use std::time::Duration;
+
+    use super::super::daemon::{Logger, Settings};
+    use super::*;
+
+    fn daemon(multi_user: bool) -> Arc<Daemon> {
+        Arc::new(Daemon {
+            settings: Mutex::new(Settings {
+                devices: None,
+                active_thread_percentage: 100.0,
+                pinned: BTreeMap::new(),
+                client_priority: 0,
+            }),
+            log: Logger {
+                file: None,
+                echo: false,
+            },
+            pipe_dir: "unused".into(),
+            server: Mutex::new(None),
+            server_log: None,
+            servers_started: Mutex::new(0),
+            server_changed: Condvar::new(),
+            multi_user,
+            own_uid: 0,
+        })
+    }
+
+    /// The server PID in a client's reply.
+    fn server_of(reply: &str) -> u32 {
+        reply
+            .lines()
+            .find_map(|l| l.strip_prefix("MPS server "))
+            .and_then(|p| p.parse().ok())
+            .unwrap_or_else(|| panic!("no server in {reply:?}"))
+    }
+
+    /// Attaches client `pid` of user `uid` on a thread; the reply arrives on the channel.
+    fn attach_async(d: &Arc<Daemon>, pid: u32, uid: u32) -> mpsc::Receiver<String> {
+        let (tx, rx) = mpsc::channel();
+        let d = d.clone();
+        std::thread::spawn(move || {
+            let (_, reply) = d.attach(&format!(" {pid} {uid}"), uid).expect("attach");
+            let _ = tx.send(reply);
+        });
+        rx
+    }
+
+    #[test]
+    fn another_users_client_waits_for_the_server_to_exit() {
+        let d = daemon(false);
+        let (_, first) = d.attach(" 10 1000", 1000).expect("attach");
+        let first_server = server_of(&first);
+        // Same user: joins at once.
+        let (_, same) = d.attach(" 11 1000", 1000).expect("attach");
+        assert_eq!(server_of(&same), first_server);
+
+        let waiting = attach_async(&d, 20, 2000);
+        assert!(
+            waiting.recv_timeout(Duration::from_millis(300)).is_err(),
+            "a client of another user must wait while user 1000's server has clients"
+        );
+        d.detach(10);
+        assert!(
+            waiting.recv_timeout(Duration::from_millis(300)).is_err(),
+            "one client of user 1000 is still attached"
+        );
+        d.detach(11);
+        let reply = waiting
+            .recv_timeout(Duration::from_secs(5))
+            .expect("the waiting client gets a server once the other user's clients are gone");
+        let second_server = server_of(&reply);
+        assert_ne!(second_server, first_server);
+        let server = d.server.lock().unwrap();
+        let srv = server.as_ref().expect("a server runs");
+        assert_eq!(
+            (srv.pid, srv.uid, srv.clients.clone()),
+            (second_server, 2000, vec![20])
+        );
+    }
+
+    #[test]
+    fn an_idle_server_of_another_user_exits_at_once() {
+        let d = daemon(false);
+        let (_, first) = d.attach(" 10 1000", 1000).expect("attach");
+        d.detach(10);
+        let reply = attach_async(&d, 20, 2000)
+            .recv_timeout(Duration::from_secs(5))
+            .expect("no client holds user 1000's server");
+        assert_ne!(server_of(&reply), server_of(&first));
+    }
+
+    #[test]
+    fn multi_user_clients_share_one_server() {
+        let d = daemon(true);
+        let (_, first) = d.attach(" 10 1000", 1000).expect("attach");
+        let reply = attach_async(&d, 20, 2000)
+            .recv_timeout(Duration::from_secs(5))
+            .expect("-M serves every user at once");
+        assert_eq!(server_of(&reply), server_of(&first));
+        let server = d.server.lock().unwrap();
+        let srv = server.as_ref().expect("a server runs");
+        // Served as the daemon's own user.
+        assert_eq!((srv.uid, srv.clients.clone()), (0, vec![10, 20]));
+    }
+
+    #[test]
+    fn shutting_the_server_down_lets_a_waiting_client_in() {
+        let d = daemon(false);
+        let (_, first) = d.attach(" 10 1000", 1000).expect("attach");
+        let waiting = attach_async(&d, 20, 2000);
+        assert!(waiting.recv_timeout(Duration::from_millis(300)).is_err());
+        let (reply, _) =
+            super::super::protocol::execute(&d, &format!("shutdown_server {}", server_of(&first)));
+        assert_eq!(reply, "");
+        let reply = waiting
+            .recv_timeout(Duration::from_secs(5))
+            .expect("the server is gone");
+        assert_ne!(server_of(&reply), server_of(&first));
     }
 }
