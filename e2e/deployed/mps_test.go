@@ -24,11 +24,17 @@ const daemonSelector = "app.kubernetes.io/component=mps-control-daemon"
 // re-adopts the daemon. Deleting the workload unprepares the claim: the
 // daemon pod goes and the GPU is back in compute mode DEFAULT. A daemon pod
 // that no record owns (its claim gone while no plugin ran) is deleted when
-// the plugin starts.
+// the plugin starts. On each driver layout: the daemon runs the driver root's
+// nvidia-cuda-mps-control, whose library folder holds the host's own glibc.
 func TestMPSDaemonOutlivesThePlugin(t *testing.T) {
+	for _, layout := range []harness.Layout{harness.LayoutContainerDriver, harness.LayoutHostDriver} {
+		t.Run(string(layout), func(t *testing.T) { mpsDaemonOutlivesThePlugin(t, layout) })
+	}
+}
+
+func mpsDaemonOutlivesThePlugin(t *testing.T, layout harness.Layout) {
 	ctx := context.Background()
-	layout := harness.LayoutContainerDriver
-	n := addNode(t, "node-mps-pods", layout, "t4")
+	n := addNode(t, "node-mps-pods-"+string(layout), layout, "t4")
 	install(t, layout.HelmValues()...)
 	plugin := waitPlugin(ctx, t, n, "")
 

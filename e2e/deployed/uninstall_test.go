@@ -22,18 +22,25 @@ import (
 // pluginDir is the node plugin's folder on the host (the chart's default).
 const pluginDir = "/var/lib/kubelet/plugins/gpu.nvidia.com"
 
-// TestUninstallRestoresNode: install on two nodes (containerized driver),
-// run the MPS example on one and the time-slicing example on the other,
-// then `helm uninstall` while they still run. The chart's pre-delete hook
+// TestUninstallRestoresNode: on each driver layout (containerized, and
+// installed on the host; both with the host's own glibc beside the driver's
+// libraries), install on two nodes, run the MPS example on one and the
+// time-slicing example on the other, then `helm uninstall` while they still
+// run. The chart's pre-delete hook
 // Job (our binary, on the driver's image) stops the node plugins and runs
 // `gpu-kubelet-plugin cleanup` on both nodes. Afterwards the simulated GPUs
 // are back to compute mode DEFAULT and the default time-slice, and no CDI
 // spec, plugin file, socket, mount or process of ours is left on the nodes.
 func TestUninstallRestoresNode(t *testing.T) {
+	for _, layout := range []harness.Layout{harness.LayoutContainerDriver, harness.LayoutHostDriver} {
+		t.Run(string(layout), func(t *testing.T) { uninstallRestoresNode(t, layout) })
+	}
+}
+
+func uninstallRestoresNode(t *testing.T, layout harness.Layout) {
 	ctx := context.Background()
-	layout := harness.LayoutContainerDriver
-	mpsNode := addNode(t, "node-uninstall-mps", layout, "t4")
-	tsNode := addNode(t, "node-uninstall-ts", layout, "t4")
+	mpsNode := addNode(t, "node-uninstall-mps-"+string(layout), layout, "t4")
+	tsNode := addNode(t, "node-uninstall-ts-"+string(layout), layout, "t4")
 	install(t, layout.HelmValues()...)
 	mpsPlugin := waitPlugin(ctx, t, mpsNode, "")
 	tsPlugin := waitPlugin(ctx, t, tsNode, "")

@@ -47,29 +47,36 @@ fn elf_hash(name: &str) -> u32 {
 /// A 64-bit little-endian ELF shared object (x86-64) named `soname` that exports nothing:
 /// loadable by glibc's loader (one read-write `PT_LOAD` covering the file, `PT_DYNAMIC`,
 /// `PT_GNU_STACK`), with the section headers `readelf -d`, Go's `debug/elf` and `objdump -p`
-/// read. With `needs = Some((file, version))` it also requires symbol version `version` of
-/// `file` (a `DT_NEEDED` entry and a `DT_VERNEED` record), which the loader checks at start.
-pub fn elf_library(soname: &str, needs: Option<(&str, &str)>) -> Vec<u8> {
+/// read. `defines` are symbol versions it defines (`DT_VERDEF`, after the base version named
+/// by the soname); with `needs = Some((file, version))` it also requires symbol version
+/// `version` of `file` (a `DT_NEEDED` entry and a `DT_VERNEED` record). The loader checks
+/// both before a process starts.
+pub fn elf_library(soname: &str, defines: &[&str], needs: Option<(&str, &str)>) -> Vec<u8> {
     const EHDR: usize = 64;
     const PHDR: usize = 56;
     const SHDR: usize = 64;
     const PHNUM: usize = 3;
-    // .dynstr: "", soname, then the needed file and version.
+    const VERDEF: usize = 20 + 8; // Elf64_Verdef and one Elf64_Verdaux
+    // .dynstr: "", the soname, the defined versions, the needed file and version.
     let mut dynstr = vec![0u8];
-    let soname_at = dynstr.len();
-    dynstr.extend_from_slice(soname.as_bytes());
-    dynstr.push(0);
-    let needed = needs.map(|(file, version)| {
-        let file_at = dynstr.len();
-        dynstr.extend_from_slice(file.as_bytes());
+    let mut add = |text: &str| {
+        let at = dynstr.len();
+        dynstr.extend_from_slice(text.as_bytes());
         dynstr.push(0);
-        let version_at = dynstr.len();
-        dynstr.extend_from_slice(version.as_bytes());
-        dynstr.push(0);
-        (file_at, version_at, elf_hash(version))
-    });
-    let shstr: &[u8] =
-        b"\0.dynsym\0.hash\0.gnu.version\0.gnu.version_r\0.dynstr\0.dynamic\0.shstrtab\0";
+        at
+    };
+    let soname_at = add(soname);
+    // (name offset, hash); the first is the base version: the file itself.
+    let defs: Vec<(usize, u32)> = if defines.is_empty() {
+        Vec::new()
+    } else {
+        std::iter::once((soname_at, elf_hash(soname)))
+            .chain(defines.iter().map(|v| (add(v), elf_hash(v))))
+            .collect()
+    };
+    let needed = needs.map(|(file, version)| (add(file), add(version), elf_hash(version)));
+    let versioned = !defs.is_empty() || needed.is_some();
+    let shstr: &[u8] = b"\0.dynsym\0.hash\0.gnu.version\0.gnu.version_d\0.gnu.version_r\0.dynstr\0.dynamic\0.shstrtab\0";
     let name = |n: &str| -> u32 {
         let pat = format!("\0{n}\0");
         shstr
@@ -82,7 +89,9 @@ pub fn elf_library(soname: &str, needs: Option<(&str, &str)>) -> Vec<u8> {
     let dynsym_off = EHDR + PHNUM * PHDR; // one null symbol, 24 bytes
     let hash_off = dynsym_off + 24; // nbucket 1, nchain 1, bucket[0] 0, chain[0] 0
     let versym_off = hash_off + 16; // one entry, 2 bytes
-    let verneed_off = (versym_off + 2).next_multiple_of(8);
+    let verdef_off = (versym_off + 2).next_multiple_of(8);
+    let verdef_len = defs.len() * VERDEF;
+    let verneed_off = (verdef_off + verdef_len).next_multiple_of(8);
     let verneed_len = if needed.is_some() { 32 } else { 0 };
     let dynstr_off = verneed_off + verneed_len;
     let dynamic_off = (dynstr_off + dynstr.len()).next_multiple_of(8);
@@ -91,32 +100,64 @@ pub fn elf_library(soname: &str, needs: Option<(&str, &str)>) -> Vec<u8> {
         dynamic.push((1, file_at as u64)); // DT_NEEDED
     }
     dynamic.extend([
-        (14, soname_at as u64),       // DT_SONAME
-        (4, hash_off as u64),         // DT_HASH
-        (5, dynstr_off as u64),       // DT_STRTAB
-        (6, dynsym_off as u64),       // DT_SYMTAB
-        (10, dynstr.len() as u64),    // DT_STRSZ
-        (11, 24),                     // DT_SYMENT
+        (14, soname_at as u64),    // DT_SONAME
+        (4, hash_off as u64),      // DT_HASH
+        (5, dynstr_off as u64),    // DT_STRTAB
+        (6, dynsym_off as u64),    // DT_SYMTAB
+        (10, dynstr.len() as u64), // DT_STRSZ
+        (11, 24),                  // DT_SYMENT
     ]);
+    if versioned {
+        dynamic.push((0x6fff_fff0, versym_off as u64)); // DT_VERSYM
+    }
+    if !defs.is_empty() {
+        dynamic.push((0x6fff_fffc, verdef_off as u64)); // DT_VERDEF
+        dynamic.push((0x6fff_fffd, defs.len() as u64)); // DT_VERDEFNUM
+    }
     if needed.is_some() {
-        dynamic.extend([
-            (0x6fff_fff0, versym_off as u64),  // DT_VERSYM
-            (0x6fff_fffe, verneed_off as u64), // DT_VERNEED
-            (0x6fff_ffff, 1),                  // DT_VERNEEDNUM
-        ]);
+        dynamic.push((0x6fff_fffe, verneed_off as u64)); // DT_VERNEED
+        dynamic.push((0x6fff_ffff, 1)); // DT_VERNEEDNUM
     }
     dynamic.push((0, 0)); // DT_NULL
     let dynamic_len = dynamic.len() * 16;
     let shstr_off = dynamic_off + dynamic_len;
     let sh_off = (shstr_off + shstr.len()).next_multiple_of(8);
 
+    // Section indices: null, .dynsym, .hash, then the version sections present, .dynstr,
+    // .dynamic, .shstrtab.
+    let dynstr_ndx =
+        3 + u32::from(versioned) + u32::from(!defs.is_empty()) + u32::from(needed.is_some());
     // (name, type, flags, offset, size, link, info, align, entsize); flags: A = 2, WA = 3.
     let mut sections: Vec<SectionHeader> = vec![(0, 0, 0, 0, 0, 0, 0, 0, 0)];
-    let dynstr_ndx: u32 = if needed.is_some() { 5 } else { 3 };
     sections.push((name(".dynsym"), 11, 2, dynsym_off, 24, dynstr_ndx, 1, 8, 24));
     sections.push((name(".hash"), 5, 2, hash_off, 16, 1, 0, 8, 4));
+    if versioned {
+        sections.push((
+            name(".gnu.version"),
+            0x6fff_ffff,
+            2,
+            versym_off,
+            2,
+            1,
+            0,
+            2,
+            2,
+        ));
+    }
+    if !defs.is_empty() {
+        sections.push((
+            name(".gnu.version_d"),
+            0x6fff_fffd,
+            2,
+            verdef_off,
+            verdef_len,
+            dynstr_ndx,
+            defs.len() as u32,
+            8,
+            0,
+        ));
+    }
     if needed.is_some() {
-        sections.push((name(".gnu.version"), 0x6fff_ffff, 2, versym_off, 2, 1, 0, 2, 2));
         sections.push((
             name(".gnu.version_r"),
             0x6fff_fffe,
@@ -181,6 +222,22 @@ pub fn elf_library(soname: &str, needs: Option<(&str, &str)>) -> Vec<u8> {
         f.extend_from_slice(&v.to_le_bytes());
     }
     f.extend_from_slice(&0u16.to_le_bytes()); // versym of the null symbol: local
+    f.resize(verdef_off, 0);
+    for (i, (name_at, hash)) in defs.iter().enumerate() {
+        // Elf64_Verdef: version 1, flags (VER_FLG_BASE for the file itself), index from 1,
+        // one aux entry at +20, the next definition right after its aux entry.
+        let last = i + 1 == defs.len();
+        f.extend_from_slice(&1u16.to_le_bytes());
+        f.extend_from_slice(&u16::from(i == 0).to_le_bytes());
+        f.extend_from_slice(&((i + 1) as u16).to_le_bytes());
+        f.extend_from_slice(&1u16.to_le_bytes());
+        f.extend_from_slice(&hash.to_le_bytes());
+        f.extend_from_slice(&20u32.to_le_bytes());
+        f.extend_from_slice(&(if last { 0 } else { VERDEF as u32 }).to_le_bytes());
+        // Elf64_Verdaux: name, no next.
+        f.extend_from_slice(&(*name_at as u32).to_le_bytes());
+        f.extend_from_slice(&0u32.to_le_bytes());
+    }
     f.resize(verneed_off, 0);
     if let Some((file_at, version_at, hash)) = needed {
         // Elf64_Verneed: version 1, one aux entry, file, aux at +16, no next.
@@ -189,10 +246,10 @@ pub fn elf_library(soname: &str, needs: Option<(&str, &str)>) -> Vec<u8> {
         f.extend_from_slice(&(file_at as u32).to_le_bytes());
         f.extend_from_slice(&16u32.to_le_bytes());
         f.extend_from_slice(&0u32.to_le_bytes());
-        // Elf64_Vernaux: hash, flags 0, version index 2, name, no next.
+        // Elf64_Vernaux: hash, flags 0, version index after the defined ones, name, no next.
         f.extend_from_slice(&hash.to_le_bytes());
         f.extend_from_slice(&0u16.to_le_bytes());
-        f.extend_from_slice(&2u16.to_le_bytes());
+        f.extend_from_slice(&((defs.len() + 1).max(2) as u16).to_le_bytes());
         f.extend_from_slice(&(version_at as u32).to_le_bytes());
         f.extend_from_slice(&0u32.to_le_bytes());
     }
@@ -220,19 +277,39 @@ pub fn elf_library(soname: &str, needs: Option<(&str, &str)>) -> Vec<u8> {
     f
 }
 
+/// Every symbol version of glibc on x86-64 up to 2.45, and `GLIBC_PRIVATE`: what a host
+/// library stand-in defines, so that a program's own requirements pass the loader's check
+/// and the one failure it reports is the stand-in's.
+fn glibc_versions() -> Vec<String> {
+    ["2.2.5", "2.2.6", "2.3", "2.3.2", "2.3.3", "2.3.4"]
+        .iter()
+        .map(|v| format!("GLIBC_{v}"))
+        .chain((4..=45).map(|minor| format!("GLIBC_2.{minor}")))
+        .chain(std::iter::once("GLIBC_PRIVATE".to_string()))
+        .collect()
+}
+
 /// A driver library stand-in: an ELF shared object carrying only its `SONAME`, loadable
 /// (a tool may preload it) but exporting nothing.
 pub fn elf_with_soname(soname: &str) -> Vec<u8> {
-    elf_library(soname, None)
+    elf_library(soname, &[], None)
 }
 
 /// A stand-in for one of a host distribution's system libraries (`libc.so.6`, ...): an ELF
-/// shared object named `soname` that requires [`MISSING_GLIBC_VERSION`] of the loader, so
-/// that a process whose loader finds it (through `LD_LIBRARY_PATH` naming its folder) dies at
-/// start with glibc's own message, `version `GLIBC_9.99' not found`, as a process of our
-/// image dies on a real host whose newer or older glibc its loader loads.
+/// shared object named `soname` that defines glibc's symbol versions but requires
+/// [`MISSING_GLIBC_VERSION`] of the loader, so that a process whose loader finds it (through
+/// `LD_LIBRARY_PATH` naming its folder) dies at start with one line of glibc's own,
+/// ``version `GLIBC_9.99' not found (required by <folder>/libc.so.6)``, as a process of our
+/// image dies on a real host when its loader loads the host's libc (there a `GLIBC_PRIVATE`
+/// symbol of the loader the host's libc needs, or a `GLIBC_2.x` version it lacks).
 pub fn host_system_library(soname: &str) -> Vec<u8> {
-    elf_library(soname, Some((LOADER_SONAME, MISSING_GLIBC_VERSION)))
+    let versions = glibc_versions();
+    let defines: Vec<&str> = versions.iter().map(String::as_str).collect();
+    elf_library(
+        soname,
+        &defines,
+        Some((LOADER_SONAME, MISSING_GLIBC_VERSION)),
+    )
 }
 
 /// A glibc `ld.so.cache` in the new format only (what glibc >= 2.32 `ldconfig` writes):

@@ -350,7 +350,13 @@ mod tests {
             std::fs::write(lib.join(file), "").unwrap();
             std::os::unix::fs::symlink(file, lib.join(link)).unwrap();
         }
-        for so in ["libc.so.6", "libpthread.so.0", "libdl.so.2", "libm.so.6", "librt.so.1"] {
+        for so in [
+            "libc.so.6",
+            "libpthread.so.0",
+            "libdl.so.2",
+            "libm.so.6",
+            "librt.so.1",
+        ] {
             std::fs::write(lib.join(so), "").unwrap();
         }
         lib
@@ -442,7 +448,11 @@ mod tests {
                 .await
                 .unwrap();
             assert!(out.success(), "{profile}: {}", out.combined());
-            assert!(out.stdout.starts_with("GPU 0: "), "{profile}: {}", out.stdout);
+            assert!(
+                out.stdout.starts_with("GPU 0: "),
+                "{profile}: {}",
+                out.stdout
+            );
             assert!(out.stderr.is_empty(), "{profile}: {}", out.stderr);
             let pipe = tempfile::tempdir().unwrap();
             let out = root
