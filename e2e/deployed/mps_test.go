@@ -38,7 +38,7 @@ func mpsDaemonOutlivesThePlugin(t *testing.T, layout harness.Layout) {
 	install(t, layout.HelmValues()...)
 	plugin := waitPlugin(ctx, t, n, "")
 
-	pod, daemon, server := runMPSWorkload(ctx, t, n, plugin, "mps-pods")
+	pod, daemon, server := runMPSWorkload(ctx, t, n, plugin, "mps-pods-"+string(layout))
 
 	// A crash of the plugin's container: the harness starts it again.
 	const adopted = "re-adopted MPS control daemon pod"

@@ -45,8 +45,8 @@ func uninstallRestoresNode(t *testing.T, layout harness.Layout) {
 	mpsPlugin := waitPlugin(ctx, t, mpsNode, "")
 	tsPlugin := waitPlugin(ctx, t, tsNode, "")
 
-	workloads := runExample(ctx, t, "examples/mps/mps.yaml", mpsNode)
-	workloads = append(workloads, runExample(ctx, t, "examples/time-slicing-shared/shared.yaml", tsNode)...)
+	workloads := runExample(ctx, t, "examples/mps/mps.yaml", mpsNode, string(layout))
+	workloads = append(workloads, runExample(ctx, t, "examples/time-slicing-shared/shared.yaml", tsNode, string(layout))...)
 	for _, p := range workloads {
 		if _, err := cluster.WaitPodRunning(ctx, p.Namespace, p.Name, 90*time.Second); err != nil {
 			t.Fatalf("%v\nplugin logs:\n%s\n%s", err, mpsPlugin.Log(), tsPlugin.Log())
@@ -131,9 +131,10 @@ func uninstallRestoresNode(t *testing.T, layout harness.Layout) {
 }
 
 // runExample creates the claims of an example manifest and its pods (a
-// workload's pods as its controller would), pinned to node, and removes the
+// workload's pods as its controller would), pinned to node, in the example's
+// namespaces suffixed with "-"+suffix (each run its own), and removes the
 // pods at the test's end (forced: no plugin is left to unprepare them).
-func runExample(ctx context.Context, t *testing.T, file string, node *harness.Node) []*v1.Pod {
+func runExample(ctx context.Context, t *testing.T, file string, node *harness.Node, suffix string) []*v1.Pod {
 	t.Helper()
 	path, err := harness.RepoPath(file)
 	if err != nil {
@@ -149,6 +150,9 @@ func runExample(ctx context.Context, t *testing.T, file string, node *harness.No
 	}
 	var pods []*unstructured.Unstructured
 	for _, o := range objs {
+		if ns := o.GetNamespace(); ns != "" {
+			o.SetNamespace(ns + "-" + suffix)
+		}
 		if err := cluster.CreateNamespace(ctx, o.GetNamespace()); err != nil {
 			t.Fatal(err)
 		}

@@ -21,9 +21,9 @@
 //! itself) needs none of this: its loader and its libraries belong together.
 //!
 //! Rejected: running the MPS daemon with `chroot <driver root>`, as NVIDIA's MPS template
-//! does, so that it uses the host's own loader and libc. It needs a loader (and NVIDIA's a
-//! shell) in the root, which GKE's layout and a driver-only folder lack, hence NVIDIA's
-//! `PATH`/`LD_LIBRARY_PATH` fallback there; inside the root, the daemon's pipe and log
+//! does, so that it uses the host's own loader and libc. It needs a loader in the root (and
+//! NVIDIA's template a shell), which GKE's layout and a driver-only folder lack, hence
+//! NVIDIA's `PATH`/`LD_LIBRARY_PATH` fallback there; inside the root, the daemon's pipe and log
 //! directories (under the kubelet's plugin folder), `/dev` and `/proc` must be visible, which
 //! a containerized driver root does not give; our image has no shell or `chroot` to run it in
 //! the daemon pod; and a simulated host has no loader of its own, so it could never be tested.
