@@ -26,15 +26,22 @@ const daemonSelector = "app.kubernetes.io/component=mps-control-daemon"
 // deleted by someone else is replaced, with the claim's limits: the plugin
 // learns of it through its watch on the node's daemon pods (with the chart's
 // RBAC). Deleting the workload unprepares the claim: the daemon pod goes and
-// the GPU is back in compute mode DEFAULT.
+// the GPU is back in compute mode DEFAULT. On each driver layout: the daemon
+// runs the driver root's nvidia-cuda-mps-control, whose library folder holds
+// the host's own glibc.
 func TestMPSDaemonOutlivesThePlugin(t *testing.T) {
+	for _, layout := range []harness.Layout{harness.LayoutContainerDriver, harness.LayoutHostDriver} {
+		t.Run(string(layout), func(t *testing.T) { mpsDaemonOutlivesThePlugin(t, layout) })
+	}
+}
+
+func mpsDaemonOutlivesThePlugin(t *testing.T, layout harness.Layout) {
 	ctx := context.Background()
-	layout := harness.LayoutContainerDriver
-	n := addNode(t, "node-mps-pods", layout, "t4")
+	n := addNode(t, "node-mps-pods-"+string(layout), layout, "t4")
 	install(t, layout.HelmValues()...)
 	plugin := waitPlugin(ctx, t, n, "")
 
-	pod, daemon, server := runMPSWorkload(ctx, t, n, plugin, "mps-pods")
+	pod, daemon, server := runMPSWorkload(ctx, t, n, plugin, "mps-pods-"+string(layout))
 
 	// A crash of the plugin's container: the harness starts it again.
 	const adopted = "re-adopted MPS control daemon pod"

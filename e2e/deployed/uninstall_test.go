@@ -22,24 +22,31 @@ import (
 // pluginDir is the node plugin's folder on the host (the chart's default).
 const pluginDir = "/var/lib/kubelet/plugins/gpu.nvidia.com"
 
-// TestUninstallRestoresNode: install on two nodes (containerized driver),
-// run the MPS example on one and the time-slicing example on the other,
-// then `helm uninstall` while they still run. The chart's pre-delete hook
+// TestUninstallRestoresNode: on each driver layout (containerized, and
+// installed on the host; both with the host's own glibc beside the driver's
+// libraries), install on two nodes, run the MPS example on one and the
+// time-slicing example on the other, then `helm uninstall` while they still
+// run. The chart's pre-delete hook
 // Job (our binary, on the driver's image) stops the node plugins and runs
 // `gpu-kubelet-plugin cleanup` on both nodes. Afterwards the simulated GPUs
 // are back to compute mode DEFAULT and the default time-slice, and no CDI
 // spec, plugin file, socket, mount or process of ours is left on the nodes.
 func TestUninstallRestoresNode(t *testing.T) {
+	for _, layout := range []harness.Layout{harness.LayoutContainerDriver, harness.LayoutHostDriver} {
+		t.Run(string(layout), func(t *testing.T) { uninstallRestoresNode(t, layout) })
+	}
+}
+
+func uninstallRestoresNode(t *testing.T, layout harness.Layout) {
 	ctx := context.Background()
-	layout := harness.LayoutContainerDriver
-	mpsNode := addNode(t, "node-uninstall-mps", layout, "t4")
-	tsNode := addNode(t, "node-uninstall-ts", layout, "t4")
+	mpsNode := addNode(t, "node-uninstall-mps-"+string(layout), layout, "t4")
+	tsNode := addNode(t, "node-uninstall-ts-"+string(layout), layout, "t4")
 	install(t, layout.HelmValues()...)
 	mpsPlugin := waitPlugin(ctx, t, mpsNode, "")
 	tsPlugin := waitPlugin(ctx, t, tsNode, "")
 
-	workloads := runExample(ctx, t, "examples/mps/mps.yaml", mpsNode)
-	workloads = append(workloads, runExample(ctx, t, "examples/time-slicing-shared/shared.yaml", tsNode)...)
+	workloads := runExample(ctx, t, "examples/mps/mps.yaml", mpsNode, string(layout))
+	workloads = append(workloads, runExample(ctx, t, "examples/time-slicing-shared/shared.yaml", tsNode, string(layout))...)
 	for _, p := range workloads {
 		if _, err := cluster.WaitPodRunning(ctx, p.Namespace, p.Name, 90*time.Second); err != nil {
 			t.Fatalf("%v\nplugin logs:\n%s\n%s", err, mpsPlugin.Log(), tsPlugin.Log())
@@ -124,9 +131,10 @@ func TestUninstallRestoresNode(t *testing.T) {
 }
 
 // runExample creates the claims of an example manifest and its pods (a
-// workload's pods as its controller would), pinned to node, and removes the
+// workload's pods as its controller would), pinned to node, in the example's
+// namespaces suffixed with "-"+suffix (each run its own), and removes the
 // pods at the test's end (forced: no plugin is left to unprepare them).
-func runExample(ctx context.Context, t *testing.T, file string, node *harness.Node) []*v1.Pod {
+func runExample(ctx context.Context, t *testing.T, file string, node *harness.Node, suffix string) []*v1.Pod {
 	t.Helper()
 	path, err := harness.RepoPath(file)
 	if err != nil {
@@ -142,6 +150,9 @@ func runExample(ctx context.Context, t *testing.T, file string, node *harness.No
 	}
 	var pods []*unstructured.Unstructured
 	for _, o := range objs {
+		if ns := o.GetNamespace(); ns != "" {
+			o.SetNamespace(ns + "-" + suffix)
+		}
 		if err := cluster.CreateNamespace(ctx, o.GetNamespace()); err != nil {
 			t.Fatal(err)
 		}

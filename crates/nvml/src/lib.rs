@@ -89,7 +89,7 @@ pub fn find_library(driver_root: &Path) -> Option<PathBuf> {
 
 /// Follows symlinks of `path`, re-rooting absolute targets under `root`; returns the final path
 /// when it is a regular file. Gives up after 16 links (a loop).
-fn resolve_in_root(root: &Path, path: &Path) -> Option<PathBuf> {
+pub fn resolve_in_root(root: &Path, path: &Path) -> Option<PathBuf> {
     let mut current = path.to_path_buf();
     for _ in 0..16 {
         let meta = std::fs::symlink_metadata(&current).ok()?;

@@ -5,6 +5,12 @@
 //!   `libnvidia-ml.so.1` and `libnvidia-ml.so` links, as the driver installs it (runtimes
 //!   mount the versioned file); `libcuda.so.<ver>` (+ `libcuda.so.1`),
 //!   `libnvidia-ptxjitcompiler.so.<ver>` (+ `.so.1`), `lib/firmware/nvidia/<ver>/gsp_ga10x.bin`;
+//! - beside `libnvidia-ml.so.1`, in every layout, the host distribution's system libraries
+//!   ([`HOST_SYSTEM_LIBRARIES`]: `libc.so.6`, ...) as stand-ins no loader can use (see
+//!   [`crate::driverfiles::host_system_library`]): on a real host the folder holding the
+//!   driver's libraries holds a glibc other than the one of the process running a tool from a
+//!   container, so a tool started with `LD_LIBRARY_PATH` naming that folder fails at start
+//!   here as it does there;
 //! - `usr/bin/nvidia-smi`, `usr/bin/nvidia-cuda-mps-control`, `usr/bin/nvidia-persistenced`;
 //! - `dev/nvidia<minor>`, `dev/nvidiactl`, `dev/nvidia-uvm`, `dev/nvidia-uvm-tools`,
 //!   `dev/nvidia-caps/nvidia-cap<N>` (regular files standing in for device nodes);
@@ -34,6 +40,15 @@ pub const NVML_LIB: &str = "usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1";
 pub const BIN_DIR: &str = "usr/bin";
 /// File name of the cdylib as cargo builds it.
 pub const CDYLIB_NAME: &str = "libgpu_dra_sim.so";
+/// The host distribution's system libraries that setup puts beside the NVML library (the
+/// ones a driver tool links against).
+pub const HOST_SYSTEM_LIBRARIES: &[&str] = &[
+    "libc.so.6",
+    "libpthread.so.0",
+    "libdl.so.2",
+    "libm.so.6",
+    "librt.so.1",
+];
 /// The stand-in tools installed by setup.
 pub const TOOLS: &[&str] = &["nvidia-smi", "nvidia-cuda-mps-control"];
 
@@ -247,6 +262,11 @@ fn install_libraries(
         };
         symlink(&so, &lib.join(format!("{stem}.so")))?;
         cache.push((so.clone(), format!("/{}/{so}", layout.lib_dir())));
+    }
+    // The host's own glibc beside the driver's libraries. Not in the root's ld.so.cache: the
+    // toolkit looks up driver libraries there, and only those.
+    for so in HOST_SYSTEM_LIBRARIES {
+        write(&lib.join(so), &crate::driverfiles::host_system_library(so))?;
     }
     // ldconfig lists entries in descending name order.
     cache.sort_by(|a, b| b.0.cmp(&a.0));
@@ -656,6 +676,26 @@ mod tests {
         let ctl = fs::metadata(root.join("dev/nvidiactl")).expect("nvidiactl");
         if ctl.file_type().is_char_device() {
             assert_eq!(ctl.rdev(), libc::makedev(NVIDIA_MAJOR, 255));
+        }
+    }
+
+    #[test]
+    fn every_profile_has_the_hosts_system_libraries_beside_nvml() {
+        let tmp = tempfile::tempdir().expect("tmp");
+        let art = fake_artefacts(tmp.path());
+        for name in crate::profile::builtin_names() {
+            let root = tmp.path().join(name);
+            let profile = Profile::load(name).expect("profile");
+            setup(&root, &profile, &art).expect("setup");
+            let lib = root.join(profile.driver_layout.lib_dir());
+            assert!(lib.join("libnvidia-ml.so.1").exists(), "{name}");
+            for so in HOST_SYSTEM_LIBRARIES {
+                assert_eq!(
+                    fs::read(lib.join(so)).expect("stand-in"),
+                    crate::driverfiles::host_system_library(so),
+                    "{name}: {so}"
+                );
+            }
         }
     }
 

@@ -122,6 +122,65 @@ fn nvidia_smi_without_a_host_fails_like_without_a_driver() {
     assert_eq!(out.status.code(), Some(9));
 }
 
+/// What a driver tool from the container gets on a real host when the loader searches the
+/// driver's library folder, which also holds the host's own glibc: it dies at start. Started
+/// with the driver's libraries preloaded and the process's own glibc, it runs. Both layouts.
+#[test]
+fn tools_die_on_the_hosts_glibc_and_run_with_only_the_driver_libraries_preloaded() {
+    for profile in ["t4", "h100-usr-local-nvidia"] {
+        let host = SimHost::new(profile);
+        let lib_dir = host.lib_path().parent().expect("lib dir").to_path_buf();
+        for (name, args, stdin) in [
+            ("nvidia-smi", &["-L"][..], ""),
+            ("nvidia-cuda-mps-control", &[][..], "get_server_list\n"),
+        ] {
+            let run = |var: &str, value: String| {
+                let mut child = tool(&host, name)
+                    .args(args)
+                    .env(var, value)
+                    .env("CUDA_MPS_PIPE_DIRECTORY", host.root().join("no-daemon"))
+                    .stdin(Stdio::piped())
+                    .stdout(Stdio::piped())
+                    .stderr(Stdio::piped())
+                    .spawn()
+                    .expect("spawn");
+                let _ = child
+                    .stdin
+                    .take()
+                    .expect("stdin")
+                    .write_all(stdin.as_bytes());
+                child.wait_with_output().expect("wait")
+            };
+            let out = run("LD_LIBRARY_PATH", lib_dir.display().to_string());
+            assert!(!out.status.success(), "{profile} {name}");
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert!(
+                err.contains("version `GLIBC_9.99' not found"),
+                "{profile} {name}: {err}"
+            );
+            let preload = format!(
+                "{} {}",
+                host.lib_path().display(),
+                lib_dir.join("libcuda.so.1").display()
+            );
+            let out = run("LD_PRELOAD", preload);
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert!(!err.contains("ld.so"), "{profile} {name}: {err}");
+            if name == "nvidia-smi" {
+                assert!(out.status.success(), "{profile} {name}: {err}");
+                assert!(String::from_utf8_lossy(&out.stdout).starts_with("GPU 0: "));
+            } else {
+                // No daemon to talk to: the tool ran and said so.
+                assert!(
+                    String::from_utf8_lossy(&out.stdout).contains("Cannot find MPS control daemon"),
+                    "{profile} {name}: {}",
+                    String::from_utf8_lossy(&out.stdout)
+                );
+            }
+        }
+    }
+}
+
 struct Mps {
     pipe: PathBuf,
     log: PathBuf,

@@ -368,7 +368,7 @@ pub fn daemon_pod(
     record: &MpsRecord,
 ) -> Result<Pod, SharingError> {
     let tool = root.find_tool(MPS_CONTROL)?;
-    let mut env: Vec<(String, String)> = root.base_env();
+    let mut env: Vec<(String, String)> = root.tool_env(MPS_CONTROL);
     env.extend(mps::daemon_env(record));
     if let Some(p) = record.limits.active_thread_percentage {
         env.push(("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE".into(), p.to_string()));

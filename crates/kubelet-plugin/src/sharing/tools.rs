@@ -1,10 +1,33 @@
 //! Finding and running the driver's command-line tools (`nvidia-smi`, `nvidia-cuda-mps-control`).
 //!
 //! One resolution for real and simulated hosts alike: a tool is looked up under the driver root
-//! in NVIDIA's order (`usr/bin`, `usr/sbin`, `bin`, `sbin`, `opt/bin`). When the driver root is
-//! not `/` (driver installed by the GPU operator, or a simulated host), the tool runs with
-//! `LD_PRELOAD` and `LD_LIBRARY_PATH` pointing at that root's `libnvidia-ml.so.1`, like the
-//! NVIDIA driver does, so it talks to that driver and not to whatever the plugin image holds.
+//! in NVIDIA's order (`usr/bin`, `usr/sbin`, `bin`, `sbin`, `opt/bin`).
+//!
+//! How a tool runs. The driver root is seldom a folder of NVIDIA's files only: with a driver
+//! installed on the host (the chart's default `nvidiaDriverRoot: /`) or in the GPU Operator's
+//! driver container, the folder holding `libnvidia-ml.so.1` (`/usr/lib/x86_64-linux-gnu`,
+//! `/usr/lib64`) also holds that distribution's `libc.so.6`, `libpthread`, `libdl`, `libm` and
+//! `librt`, of another glibc than our image's. A tool started from our container with
+//! `LD_LIBRARY_PATH` naming that folder gets the host's libc under our image's loader and dies
+//! at start (glibc version or relocation errors), and with it every time-slicing and MPS
+//! prepare. So a tool runs from our container, under our image's loader and glibc, and gets
+//! only the driver's own libraries, each preloaded by its full path (`LD_PRELOAD`): for every
+//! tool `libnvidia-ml.so.1` (what `nvidia-smi` loads, as NVIDIA's plugin runs it), and for the
+//! MPS control tool also `libcuda.so.1`, which the MPS server it starts loads (a preloaded
+//! library satisfies a later load of its soname). The driver's libraries are built against an
+//! old glibc baseline and are meant to run under any newer one: that is how every CUDA
+//! container uses them. No environment names a library folder (tested), so nothing else of
+//! the host can be picked up. A driver root of `/` seen as `/` (the plugin running on the host
+//! itself) needs none of this: its loader and its libraries belong together.
+//!
+//! Rejected: running the MPS daemon with `chroot <driver root>`, as NVIDIA's MPS template
+//! does, so that it uses the host's own loader and libc. It needs a loader in the root (and
+//! NVIDIA's template a shell), which GKE's layout and a driver-only folder lack, hence
+//! NVIDIA's `PATH`/`LD_LIBRARY_PATH` fallback there; inside the root, the daemon's pipe and log
+//! directories (under the kubelet's plugin folder), `/dev` and `/proc` must be visible, which
+//! a containerized driver root does not give; our image has no shell or `chroot` to run it in
+//! the daemon pod; and a simulated host has no loader of its own, so it could never be tested.
+//! Preloading works the same on every layout and is what our tests run.
 //!
 //! Invariant: a tool never inherits the plugin's environment; it gets exactly the variables
 //! built here plus those the caller names, so behaviour does not depend on how the plugin was
@@ -23,6 +46,9 @@ use super::error::SharingError;
 pub const NVIDIA_SMI: &str = "nvidia-smi";
 /// Name of the MPS control tool (daemon and client in one binary).
 pub const MPS_CONTROL: &str = "nvidia-cuda-mps-control";
+
+/// The CUDA driver library, which the MPS server loads.
+pub const CUDA_LIB: &str = "libcuda.so.1";
 
 /// Directories under the driver root searched for tools, in NVIDIA's order.
 pub const TOOL_DIRS: [&str; 5] = ["usr/bin", "usr/sbin", "bin", "sbin", "opt/bin"];
@@ -49,7 +75,7 @@ impl DriverRoot {
         &self.root
     }
 
-    /// Whether the driver is installed at `/` (no loader variables needed then).
+    /// Whether the driver is installed at `/` of this process (no loader variables needed then).
     pub fn is_host_root(&self) -> bool {
         self.root == Path::new("/")
     }
@@ -75,8 +101,40 @@ impl DriverRoot {
             })
     }
 
-    /// The environment every tool from this root runs with (before caller additions).
-    pub fn base_env(&self) -> Vec<(String, String)> {
+    /// The driver's own libraries `tool` needs preloaded, by full path: the NVML library, and
+    /// for the MPS control tool `libcuda.so.1` from the same folder when there is one (see the
+    /// module documentation). Each is named by its soname link where the loader can follow
+    /// it, so that a daemon restarted after a driver upgrade in place finds the new files.
+    pub fn preloads(&self, tool: &str) -> Vec<PathBuf> {
+        let Some(nvml) = &self.nvml_lib else {
+            return Vec::new();
+        };
+        let Some(dir) = nvml.parent() else {
+            return vec![nvml.clone()];
+        };
+        // The soname link where the loader can follow it to the file meant; else the file.
+        let link = dir.join(gpu_dra_nvml::LIBRARY_NAME);
+        let same_file = std::fs::canonicalize(&link)
+            .ok()
+            .is_some_and(|l| std::fs::canonicalize(nvml).ok() == Some(l));
+        let mut libs = vec![if same_file { link } else { nvml.clone() }];
+        if tool == MPS_CONTROL {
+            let link = dir.join(CUDA_LIB);
+            let cuda = if std::fs::metadata(&link).is_ok_and(|m| m.is_file()) {
+                Some(link)
+            } else {
+                // An absolute link target is a path in the driver's own root.
+                gpu_dra_nvml::resolve_in_root(&self.root, &link)
+            };
+            libs.extend(cuda);
+        }
+        libs
+    }
+
+    /// The environment `tool` from this root runs with (before caller additions): `PATH` with
+    /// the root's tool folders, and the driver libraries it needs preloaded. Never a library
+    /// search path (see the module documentation).
+    pub fn tool_env(&self, tool: &str) -> Vec<(String, String)> {
         let mut path: Vec<String> = Vec::new();
         if !self.is_host_root() {
             path.extend(
@@ -91,13 +149,10 @@ impl DriverRoot {
                 .map(|s| s.to_string()),
         );
         let mut env = vec![("PATH".to_string(), path.join(":"))];
-        if !self.is_host_root()
-            && let Some(lib) = &self.nvml_lib
-        {
-            env.push(("LD_PRELOAD".to_string(), lib.display().to_string()));
-            if let Some(dir) = lib.parent() {
-                env.push(("LD_LIBRARY_PATH".to_string(), dir.display().to_string()));
-            }
+        let preloads = self.preloads(tool);
+        if !self.is_host_root() && !preloads.is_empty() {
+            let list: Vec<String> = preloads.iter().map(|p| p.display().to_string()).collect();
+            env.push(("LD_PRELOAD".to_string(), list.join(":")));
         }
         env
     }
@@ -114,7 +169,7 @@ impl DriverRoot {
         let mut cmd = tokio::process::Command::new(&path);
         cmd.args(args)
             .env_clear()
-            .envs(self.base_env())
+            .envs(self.tool_env(tool))
             .envs(extra.iter().map(|(k, v)| (k.as_str(), v.as_str())))
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -283,22 +338,143 @@ mod tests {
         assert!(err.contains("--nvidia-driver-root"), "{err}");
     }
 
+    /// A driver root whose library folder holds the driver's libraries (soname links to
+    /// versioned files) and the host's own glibc, as a distribution's does.
+    fn distro_root(dir: &Path) -> PathBuf {
+        let lib = dir.join("usr/lib/x86_64-linux-gnu");
+        std::fs::create_dir_all(&lib).unwrap();
+        for (file, link) in [
+            ("libnvidia-ml.so.580.95.05", "libnvidia-ml.so.1"),
+            ("libcuda.so.580.95.05", "libcuda.so.1"),
+        ] {
+            std::fs::write(lib.join(file), "").unwrap();
+            std::os::unix::fs::symlink(file, lib.join(link)).unwrap();
+        }
+        for so in [
+            "libc.so.6",
+            "libpthread.so.0",
+            "libdl.so.2",
+            "libm.so.6",
+            "librt.so.1",
+        ] {
+            std::fs::write(lib.join(so), "").unwrap();
+        }
+        lib
+    }
+
+    /// Every folder an environment names (search paths and the folders of preloaded files).
+    fn folders_named(env: &[(String, String)]) -> Vec<PathBuf> {
+        env.iter()
+            .flat_map(|(_, v)| v.split([':', ' ']).map(PathBuf::from))
+            .filter(|p| p.is_absolute())
+            .map(|p| if p.is_dir() { p } else { PathBuf::new() })
+            .filter(|p| !p.as_os_str().is_empty())
+            .collect()
+    }
+
     #[test]
-    fn loader_variables_only_for_a_non_host_root() {
+    fn no_tool_environment_names_a_folder_holding_a_libc() {
         let dir = tempfile::tempdir().unwrap();
-        let lib = dir
-            .path()
-            .join("usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1");
-        std::fs::create_dir_all(lib.parent().unwrap()).unwrap();
-        std::fs::write(&lib, "").unwrap();
-        let env = DriverRoot::new(dir.path(), None).base_env();
-        assert!(env.contains(&("LD_PRELOAD".into(), lib.display().to_string())));
-        assert!(env.contains(&(
-            "LD_LIBRARY_PATH".into(),
-            lib.parent().unwrap().display().to_string()
-        )));
-        let host = DriverRoot::new("/", None).base_env();
-        assert!(host.iter().all(|(k, _)| k != "LD_PRELOAD"));
+        distro_root(dir.path());
+        let root = DriverRoot::new(dir.path(), None);
+        for tool in [NVIDIA_SMI, MPS_CONTROL] {
+            let env = root.tool_env(tool);
+            assert!(env.iter().all(|(k, _)| k != "LD_LIBRARY_PATH"), "{env:?}");
+            for folder in folders_named(&env) {
+                assert!(
+                    !folder.join("libc.so.6").exists(),
+                    "{tool}: {} holds a libc: {env:?}",
+                    folder.display()
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn tools_preload_only_the_driver_libraries_they_need_by_soname() {
+        let dir = tempfile::tempdir().unwrap();
+        let lib = distro_root(dir.path());
+        let root = DriverRoot::new(dir.path(), None);
+        let preload = |tool| {
+            root.tool_env(tool)
+                .into_iter()
+                .find(|(k, _)| k == "LD_PRELOAD")
+                .map(|(_, v)| v)
+        };
+        let nvml = lib.join("libnvidia-ml.so.1").display().to_string();
+        let cuda = lib.join("libcuda.so.1").display().to_string();
+        assert_eq!(preload(NVIDIA_SMI), Some(nvml.clone()));
+        assert_eq!(preload(MPS_CONTROL), Some(format!("{nvml}:{cuda}")));
+        // A driver at the process's own `/` needs no loader variable.
+        let host = DriverRoot::new("/", None);
+        for tool in [NVIDIA_SMI, MPS_CONTROL] {
+            assert!(host.tool_env(tool).iter().all(|(k, _)| k == "PATH"));
+        }
+    }
+
+    #[test]
+    fn an_absolute_link_is_followed_inside_the_driver_root() {
+        // A containerized driver's links name paths of its own root.
+        let dir = tempfile::tempdir().unwrap();
+        let lib = distro_root(dir.path());
+        std::fs::remove_file(lib.join("libcuda.so.1")).unwrap();
+        std::os::unix::fs::symlink(
+            "/usr/lib/x86_64-linux-gnu/libcuda.so.580.95.05",
+            lib.join("libcuda.so.1"),
+        )
+        .unwrap();
+        let preloads = DriverRoot::new(dir.path(), None).preloads(MPS_CONTROL);
+        assert_eq!(preloads[1], lib.join("libcuda.so.580.95.05"));
+        // No libcuda at all: the NVML library alone.
+        std::fs::remove_file(lib.join("libcuda.so.1")).unwrap();
+        assert_eq!(
+            DriverRoot::new(dir.path(), None).preloads(MPS_CONTROL),
+            [lib.join("libnvidia-ml.so.1")]
+        );
+    }
+
+    /// The simulated host's library folder holds stand-ins for the host's glibc that no
+    /// loader can use: the tools run all the same, on both layouts of the driver's files.
+    #[tokio::test]
+    async fn tools_run_on_a_simulated_host_whose_library_folder_holds_its_glibc() {
+        // Driver roots: the host's `/`, or the folder the driver was installed under.
+        for (profile, under) in [("t4", ""), ("h100-usr-local-nvidia", "usr/local/nvidia")] {
+            let host = gpu_dra_sim::testing::SimHost::new(profile);
+            let lib_dir = host.lib_path().parent().unwrap().to_path_buf();
+            assert!(lib_dir.join("libc.so.6").is_file(), "{profile}");
+            let root = DriverRoot::new(host.root().join(under), None);
+            let out = root
+                .run(NVIDIA_SMI, &["-L"], &[], None, Duration::from_secs(10))
+                .await
+                .unwrap();
+            assert!(out.success(), "{profile}: {}", out.combined());
+            assert!(
+                out.stdout.starts_with("GPU 0: "),
+                "{profile}: {}",
+                out.stdout
+            );
+            assert!(out.stderr.is_empty(), "{profile}: {}", out.stderr);
+            let pipe = tempfile::tempdir().unwrap();
+            let out = root
+                .run(
+                    MPS_CONTROL,
+                    &[],
+                    &[(
+                        "CUDA_MPS_PIPE_DIRECTORY".into(),
+                        pipe.path().display().to_string(),
+                    )],
+                    Some("get_server_list\n"),
+                    Duration::from_secs(10),
+                )
+                .await
+                .unwrap();
+            assert!(out.stderr.is_empty(), "{profile}: {}", out.stderr);
+            assert!(
+                out.stdout.contains("Cannot find MPS control daemon"),
+                "{profile}: {}",
+                out.combined()
+            );
+        }
     }
 
     #[tokio::test]
