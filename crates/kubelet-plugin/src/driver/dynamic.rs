@@ -543,6 +543,16 @@ mod tests {
             Env::build(dir, fake, failpoints, dynamic())
         }
 
+        /// The plugin restarted: a new driver (and claim source) over the same folder and
+        /// MIG hardware, the old driver dropped first.
+        fn restart(self) -> Env {
+            let Env {
+                dir, fake, driver, ..
+            } = self;
+            drop(driver);
+            Env::with_failpoints(dir, fake, "")
+        }
+
         fn build(
             dir: tempfile::TempDir,
             fake: FakeMig,
@@ -779,12 +789,7 @@ mod tests {
             .join("plugin")
             .join(gpu_dra_core::checkpoint::FILE_NAME);
         std::fs::write(&path, cp.to_json()).expect("write");
-        let Env {
-            dir, fake, driver, ..
-        } = env;
-        drop(driver);
-
-        let env = Env::with_failpoints(dir, fake, "");
+        let env = env.restart();
         env.claims.insert(allocated_claim(
             "ns",
             "a",
@@ -934,11 +939,7 @@ mod tests {
         env.driver.unprepare(&s).await.expect("unprepares");
         env.driver.reconcile().await;
         assert_eq!(env.placements(), [(9, 4), (14, 2), (19, 0)]);
-        let Env {
-            dir, fake, driver, ..
-        } = env;
-        drop(driver);
-        let env = Env::with_failpoints(dir, fake, "");
+        let env = env.restart();
         env.claims.insert(allocated_claim(
             "ns",
             "d",
