@@ -68,15 +68,22 @@ struct Opts {
     help: bool,
 }
 
+/// One argument as `(name, inline value)`: `--name=value` and `-n=value` carry their value,
+/// anything else (a flag whose value follows, or a plain word) carries none. Every
+/// subcommand's parser splits its arguments with it.
+fn split_flag(arg: &str) -> (&str, Option<String>) {
+    match arg.split_once('=') {
+        Some((n, v)) if n.starts_with('-') => (n, Some(v.to_string())),
+        _ => (arg, None),
+    }
+}
+
 /// Splits `--name=value` / `-n=value` / `-n value` style arguments.
 fn parse_opts(args: &[String]) -> Result<Opts, String> {
     let mut o = Opts::default();
     let mut it = args.iter();
     while let Some(arg) = it.next() {
-        let (name, inline) = match arg.split_once('=') {
-            Some((n, v)) if n.starts_with('-') => (n, Some(v.to_string())),
-            _ => (arg.as_str(), None),
-        };
+        let (name, inline) = split_flag(arg);
         let mut value = |inline: Option<String>| -> Result<String, String> {
             match inline {
                 Some(v) => Ok(v),

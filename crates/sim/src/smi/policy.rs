@@ -35,10 +35,7 @@ pub(super) fn compute_policy(
     let mut commands = 0;
     let mut it = args.iter();
     while let Some(arg) = it.next() {
-        let (name, inline) = match arg.split_once('=') {
-            Some((n, v)) if n.starts_with('-') => (n, Some(v.to_string())),
-            _ => (arg.as_str(), None),
-        };
+        let (name, inline) = super::split_flag(arg);
         let mut value = || inline.clone().or_else(|| it.next().cloned());
         match name {
             "-i" | "--id" => id = value(),
