@@ -106,9 +106,16 @@ func TestMemoryShares(t *testing.T) {
 		{"share-b", "10Gi", "10G", "25.0"},
 		{"share-c", "20Gi", "20G", "50.0"},
 	}
+	// Created one after the other, each once the previous one runs: three created in the same
+	// instant once left the third Pending for good (the scheduler's "cannot allocate all
+	// claims" from a moment when the first two were being allocated, with no later event to
+	// retry it within the wait), which is the scheduler's queueing, not what is tested here.
 	pods := map[string]*v1.Pod{}
 	for _, s := range shares {
 		pods[s.name] = createClaimAndPod(ctx, t, shareClaim(t, ns, s.name, uuid, s.memory, nil), name)
+		if _, err := cluster.WaitPodRunning(ctx, ns, s.name, 90*time.Second); err != nil {
+			t.Fatalf("pod %s: %v; kubelet errors: %v\nplugin log:\n%s", s.name, err, n.DRAErrors(), n.Plugin.Log())
+		}
 	}
 	servers := map[string]bool{}
 	for _, s := range shares {
