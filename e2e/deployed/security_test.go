@@ -99,6 +99,15 @@ func TestNodePluginCredentialsStayOnTheirNode(t *testing.T) {
 		}
 		return p
 	}
+	// The API server starts enforcing a policy created with the chart a moment later (its
+	// policy informer): wait until an escape is refused before checking each one.
+	otherImage := func(p *v1.Pod) { p.Spec.Containers[0].Image = "busybox:latest" }
+	if err := wait.PollUntilContextTimeout(ctx, 200*time.Millisecond, 30*time.Second, true, func(ctx context.Context) (bool, error) {
+		_, err := pods.Create(ctx, variant(otherImage), dryRun)
+		return err != nil, nil
+	}); err != nil {
+		t.Errorf("the node-restriction policy is not enforced 30 s after the install")
+	}
 	if _, err := pods.Create(ctx, variant(nil), dryRun); err != nil {
 		t.Errorf("the plugin's credentials may not create a daemon pod as the plugin makes it: %v", err)
 	}
@@ -115,8 +124,7 @@ func TestNodePluginCredentialsStayOnTheirNode(t *testing.T) {
 		}, "whose volumes are hostPath volumes"},
 		{"a mounted service account token", func(p *v1.Pod) { p.Spec.AutomountServiceAccountToken = new(true) },
 			"automountServiceAccountToken: false"},
-		{"another image", func(p *v1.Pod) { p.Spec.Containers[0].Image = "busybox:latest" },
-			"whose containers run "},
+		{"another image", otherImage, "whose containers run "},
 	} {
 		_, err := pods.Create(ctx, variant(c.edit), dryRun)
 		checkRefused(t, "daemon pod with "+c.what, err, c.want)
