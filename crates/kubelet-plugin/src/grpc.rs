@@ -15,6 +15,10 @@
 //! `:authority` (see `authority`); `v1.DRAPlugin` is advertised before `v1beta1.DRAPlugin`
 //! so kubelets that know v1 use it. Claims of one call are prepared concurrently; every
 //! claim of the request gets an entry in the answer (a missing one fails the pod).
+//!
+//! The kubelet's requests are recorded here, per claim, in NVIDIA's metric family
+//! ([`crate::metrics::NvidiaMetrics`]): that family counts requests, not the prepares and
+//! unprepares the plugin runs on its own.
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
@@ -31,6 +35,7 @@ use tracing::{info, warn};
 
 use crate::authority::AuthorityFix;
 use crate::driver::{ClaimRef, Driver};
+use crate::metrics::Operation;
 
 /// Binds a unix socket at `path`, replacing a stale socket file, with owner-only access.
 ///
@@ -193,7 +198,10 @@ impl DraService {
                 Ok(d) => d,
                 Err(e) => return (c.uid, Err(e)),
             };
-            let result = driver.prepare(&c).await.map(|devices| {
+            let request = driver.metrics().nvidia.begin(Operation::Prepare);
+            let result = driver.prepare(&c).await;
+            request.finish(result.is_ok());
+            let result = result.map(|devices| {
                 devices
                     .into_iter()
                     .map(|d| v1::Device {
@@ -224,9 +232,10 @@ impl DraService {
                 Ok(d) => d,
                 Err(e) => return (c.uid, e),
             };
-            let error = driver
-                .unprepare(&c)
-                .await
+            let request = driver.metrics().nvidia.begin(Operation::Unprepare);
+            let result = driver.unprepare(&c).await;
+            request.finish(result.is_ok());
+            let error = result
                 .err()
                 .map(|e| e.to_string())
                 .unwrap_or_default();

@@ -1,4 +1,5 @@
-//! The operations endpoint: `/metrics` (OpenMetrics text), `/healthz` (the process serves),
+//! The operations endpoint: the metrics (OpenMetrics text, at [`Metrics::path`]: `/metrics`
+//! unless `--metrics-path` says otherwise, or not at all), `/healthz` (the process serves),
 //! `/readyz` (the gRPC sockets are up). Plain HTTP/1 on `--http-address`, which is loopback
 //! unless set: the chart binds the pod's own address so that the kubelet's probes reach it.
 //!
@@ -126,7 +127,7 @@ pub async fn serve_with<L: Listener>(
 
 fn answer(path: &str, metrics: &Metrics, ready: &AtomicBool) -> Response<Full<Bytes>> {
     let (status, ctype, body) = match path {
-        "/metrics" => (
+        p if metrics.path() == Some(p) => (
             StatusCode::OK,
             "application/openmetrics-text; version=1.0.0; charset=utf-8",
             metrics.render(),
@@ -293,5 +294,23 @@ mod tests {
         // 10 + 20 + 40 + 80 + 160 ms of pauses fit in 300 ms: about six tries; a loop that
         // retries at once makes hundreds of thousands.
         assert!((1..=10).contains(&n), "{n} accept calls in 300 ms");
+    }
+
+    #[test]
+    fn metrics_are_served_at_their_path_only_and_health_always() {
+        let ready = AtomicBool::new(true);
+        let custom = Metrics::served_at(Some("/custom".into()));
+        assert_eq!(answer("/custom", &custom, &ready).status(), StatusCode::OK);
+        assert_eq!(
+            answer("/metrics", &custom, &ready).status(),
+            StatusCode::NOT_FOUND
+        );
+        let off = Metrics::served_at(None);
+        assert_eq!(
+            answer("/metrics", &off, &ready).status(),
+            StatusCode::NOT_FOUND
+        );
+        assert_eq!(answer("/healthz", &off, &ready).status(), StatusCode::OK);
+        assert_eq!(answer("/readyz", &off, &ready).status(), StatusCode::OK);
     }
 }

@@ -50,6 +50,11 @@ pub struct RunArgs {
     /// set the pod's address or `0.0.0.0:<port>` so that the kubelet's probes reach it.
     #[arg(long, env = "HTTP_ADDRESS", default_value = "127.0.0.1:8080")]
     pub http_address: String,
+    /// HTTP path of the metrics on `--http-address` (NVIDIA's chart value
+    /// `kubeletPlugin.metrics.metricsPath`); empty: metrics are not served, the health
+    /// endpoints still are.
+    #[arg(long, env = "METRICS_PATH", default_value = crate::metrics::DEFAULT_PATH, value_parser = metrics_path)]
+    pub metrics_path: String,
     /// Host path of NVIDIA's `nvidia-cdi-hook` (NVIDIA's chart value `nvidiaCDIHookPath`),
     /// named by the toolkit's hooks in our specs (driver library links, loader cache, CUDA
     /// compat, no device node creation). Unset: `--cdi-hook-source` is installed under the
@@ -377,13 +382,15 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         shutdown_signal().await;
         let _ = stop_tx.send(true);
     });
-    let metrics = Arc::new(Metrics::default());
+    let metrics = Arc::new(Metrics::served_at(
+        Some(args.metrics_path.clone()).filter(|p| !p.is_empty()),
+    ));
     let ready = Arc::new(AtomicBool::new(false));
     if !args.http_address.is_empty() {
         let listener = tokio::net::TcpListener::bind(&args.http_address)
             .await
             .with_context(|| format!("binding --http-address {}", args.http_address))?;
-        info!(address = %args.http_address, "serving /metrics /healthz /readyz");
+        info!(address = %args.http_address, metrics = %args.metrics_path, "serving metrics, /healthz and /readyz");
         tokio::spawn(crate::http::serve(listener, metrics.clone(), ready.clone()));
     }
     let sockets = args.folders.sockets(&args.driver_name, &args.pod_uid);
@@ -645,6 +652,33 @@ async fn shutdown_signal() {
     info!("shutting down");
 }
 
+/// Parses `--metrics-path`: empty (off), or an absolute path other than the health endpoints';
+/// a relative one is taken from the root (`metrics` is `/metrics`), as NVIDIA's driver does.
+fn metrics_path(raw: &str) -> Result<String, String> {
+    if raw.is_empty() {
+        return Ok(String::new());
+    }
+    let path = if raw.starts_with('/') {
+        raw.to_owned()
+    } else {
+        format!("/{raw}")
+    };
+    if path == "/healthz" || path == "/readyz" {
+        return Err(format!(
+            "{path} is the health endpoint; pick another path for the metrics (e.g. /metrics)"
+        ));
+    }
+    if path
+        .chars()
+        .any(|c| c.is_whitespace() || c == '?' || c == '#')
+    {
+        return Err(format!(
+            "{raw:?} is not a URL path (no spaces, '?' or '#'); e.g. /metrics"
+        ));
+    }
+    Ok(path)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -699,5 +733,15 @@ mod tests {
             (5, 6, 7, 8)
         );
         assert_eq!(health_policy(&former).expect("policy").hold_secs, 6);
+    }
+
+    #[test]
+    fn metrics_path_is_rooted_and_keeps_off_the_health_endpoints() {
+        assert_eq!(metrics_path("/metrics").as_deref(), Ok("/metrics"));
+        assert_eq!(metrics_path("custom").as_deref(), Ok("/custom"));
+        assert_eq!(metrics_path("").as_deref(), Ok(""));
+        for bad in ["/healthz", "readyz", "/a b", "/m?x=1"] {
+            assert!(metrics_path(bad).is_err(), "{bad} accepted");
+        }
     }
 }

@@ -16,11 +16,12 @@
 //!   (the caller then fails its operation, and its rollback or retry writes again).
 
 use std::path::PathBuf;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use gpu_dra_core::checkpoint::{Checkpoint, ClaimEntry};
 
 use super::{DriverError, blocking, lock};
+use crate::metrics::Metrics;
 
 /// The checkpoint in memory and the one writer of its file.
 pub(super) struct Journal {
@@ -28,6 +29,9 @@ pub(super) struct Journal {
     state: Mutex<State>,
     /// Serializes file writes; holds the change count last written.
     writer: tokio::sync::Mutex<u64>,
+    /// Recounts NVIDIA's `prepared_devices` from the document on every change, as NVIDIA's
+    /// driver recounts it from its checkpoint.
+    metrics: Option<Arc<Metrics>>,
 }
 
 struct State {
@@ -43,7 +47,16 @@ impl Journal {
             path,
             state: Mutex::new(State { doc, changes: 0 }),
             writer: tokio::sync::Mutex::new(0),
+            metrics: None,
         }
+    }
+
+    /// Keeps `metrics`' count of prepared devices by type in step with the document (counted
+    /// now and after every change).
+    pub(super) fn counted_in(mut self, metrics: Arc<Metrics>) -> Self {
+        self.read(|doc| metrics.nvidia.count_prepared(doc));
+        self.metrics = Some(metrics);
+        self
     }
 
     /// Reads the document in memory (under its lock: keep `f` short).
@@ -65,6 +78,9 @@ impl Journal {
             let mut st = lock(&self.state);
             change(&mut st.doc);
             st.changes += 1;
+            if let Some(m) = &self.metrics {
+                m.nvidia.count_prepared(&st.doc);
+            }
             st.changes
         };
         let mut written = self.writer.lock().await;

@@ -202,8 +202,13 @@ impl Driver {
             .map(|e| e.devices.len())
             .sum();
         parts.metrics.prepared_devices.set(prepared as i64);
+        parts
+            .metrics
+            .nvidia
+            .identify(&parts.settings.driver_name, &parts.settings.node_name);
         let driver = Driver {
-            journal: Journal::new(parts.settings.checkpoint_path.clone(), doc),
+            journal: Journal::new(parts.settings.checkpoint_path.clone(), doc)
+                .counted_in(parts.metrics.clone()),
             settings: parts.settings,
             inventory: parts.inventory,
             claims: parts.claims,
