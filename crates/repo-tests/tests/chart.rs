@@ -646,6 +646,31 @@ fn bad_values_are_refused_by_the_schema() {
         ("priorityClassQuota.pods=0", "pods"),
         ("openshift.enabled=maybe", "openshift"),
         ("openshift.scc=privileged", "openshift"),
+        // Typos in our own keys next to NVIDIA's, which are accepted.
+        (
+            "kubeletPlugin.kubeletRot=/var/lib/k0s/kubelet",
+            "kubeletRot",
+        ),
+        ("kubeletPlugin.metrics.enable=false", "enable"),
+        ("webhook.containerport=443", "containerport"),
+        ("kubeletPlugin.metrics.metricsPath=/healthz", "metricsPath"),
+        (
+            "kubeletPlugin.metrics.gpuHttpEndpoint=9400",
+            "gpuHttpEndpoint",
+        ),
+        (
+            "kubeletPlugin.kubeletPluginsDirectoryPath=plugins",
+            "kubeletPluginsDirectoryPath",
+        ),
+        (
+            "resourceApiVersion=resource.k8s.io/v2",
+            "resourceApiVersion",
+        ),
+        ("resources.gpus.enable=true", "enable"),
+        (
+            "webhook.tls.mode=cert-manager,webhook.tls.certManager.issuerType=clusterissuer",
+            "needs webhook.tls.certManager.issuerName",
+        ),
     ] {
         let out = Command::new(&helm)
             .args(["template", "rel"])
@@ -1270,13 +1295,112 @@ fn webhook_is_sent_only_objects_with_configs_or_selectors_for_our_driver() {
     assert!(sent(&classes, "UPDATE", changed, with_ours.clone()));
 }
 
+/// The values file of a user of NVIDIA's chart (v0.5), every key of its values.yaml.
+fn nvidia_values() -> PathBuf {
+    repo().join("crates/repo-tests/tests/testdata/nvidia-v0.5-values.yaml")
+}
+
+/// The install notes (NOTES.txt) as `helm install` prints them, rendered offline: `helm
+/// template` leaves NOTES.txt out and `helm install --dry-run` needs a cluster, so a copy of
+/// the chart renders the real file through `tpl` into a ConfigMap.
+fn render_notes(helm: &Path, args: &[&str]) -> String {
+    fn copy(from: &Path, to: &Path) {
+        std::fs::create_dir_all(to).expect("copy of the chart");
+        for entry in std::fs::read_dir(from).expect("chart folder") {
+            let entry = entry.expect("chart file");
+            let path = entry.path();
+            if path.is_dir() {
+                copy(&path, &to.join(entry.file_name()));
+            } else {
+                std::fs::copy(&path, to.join(entry.file_name())).expect("copy of a chart file");
+            }
+        }
+    }
+    let chart = repo().join("deploy/helm/gpu-dra-driver");
+    let copied = Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("notes-chart-{}", std::process::id()))
+        .join("gpu-dra-driver");
+    let _ = std::fs::remove_dir_all(&copied);
+    copy(&chart, &copied);
+    std::fs::copy(chart.join("templates/NOTES.txt"), copied.join("notes.tpl")).expect("notes");
+    std::fs::write(
+        copied.join("templates/rendered-notes.yaml"),
+        "apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: rendered-notes\ndata:\n  notes: {{ tpl (.Files.Get \"notes.tpl\") . | quote }}\n",
+    )
+    .expect("notes template");
+    let out = Command::new(helm)
+        .args(["template", "rel"])
+        .arg(&copied)
+        .args(["--namespace", NAMESPACE, "--kube-version", KUBE_VERSION])
+        .args(["--show-only", "templates/rendered-notes.yaml"])
+        .args(args)
+        .output()
+        .expect("helm runs");
+    let _ = std::fs::remove_dir_all(copied.parent().expect("temp folder"));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let doc: Value =
+        serde_saphyr::from_str(&String::from_utf8_lossy(&out.stdout)).expect("the notes ConfigMap");
+    doc["data"]["notes"]
+        .as_str()
+        .expect("rendered notes")
+        .to_owned()
+}
+
+/// A values file written for NVIDIA's chart (v0.5), with every key of its values.yaml, installs
+/// unchanged: the values with an equivalent here show their effect in the rendered objects
+/// (host paths, ports, network policy, labels, webhook and TLS settings), the rest are named by
+/// the install notes.
 #[test]
 fn a_values_file_written_for_nvidias_chart_installs() {
     let Some(helm) = helm() else { return };
-    let values = repo().join("crates/repo-tests/tests/testdata/nvidia-chart-values.yaml");
-    let objects = render_args(&helm, &["--values", values.to_str().unwrap()]);
+    let values = nvidia_values();
+    let values = values.to_str().unwrap();
+    let objects = render_args(&helm, &["--values", values]);
+
+    // The node plugin, at a k0s kubelet's folders.
     let ds = find(&objects, "DaemonSet", "rel-gpu-dra-driver-kubelet-plugin");
-    // The values with the same meaning carry over.
+    let plugin_dir = "/var/lib/k0s/kubelet/plugins/gpu.nvidia.com";
+    let registrar_dir = "/var/lib/k0s/kubelet/plugins_registry";
+    assert_eq!(plugin_env(ds, "PLUGIN_DIR"), Some(plugin_dir));
+    assert_eq!(plugin_env(ds, "REGISTRAR_DIR"), Some(registrar_dir));
+    let pod = &ds["spec"]["template"]["spec"];
+    let host_paths: Vec<&str> = pod["volumes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|v| v["hostPath"]["path"].as_str())
+        .collect();
+    let mounts = mount_paths(ds);
+    for p in [plugin_dir, registrar_dir] {
+        assert!(host_paths.contains(&p), "{p}: {host_paths:?}");
+        assert!(mounts.contains(&p), "{p}: {mounts:?}");
+    }
+    assert!(
+        !host_paths.iter().any(|p| p.starts_with("/var/lib/kubelet")),
+        "{host_paths:?}"
+    );
+    // Metrics on NVIDIA's endpoint port, every address (the probes use the same server).
+    assert_eq!(plugin_env(ds, "HTTP_ADDRESS"), Some("0.0.0.0:9400"));
+    assert_eq!(plugin_env(ds, "METRICS_PATH"), Some("/metrics"));
+    let container = &pod["containers"][0];
+    assert_eq!(container["ports"][0]["containerPort"], 9400);
+    assert_eq!(container["livenessProbe"]["httpGet"]["port"], "http");
+    // NVIDIA's GPU container values apply to ours.
+    assert_eq!(
+        container["resources"],
+        serde_json::json!({"requests": {"cpu": "50m", "memory": "64Mi"}, "limits": {"memory": "512Mi"}})
+    );
+    assert_eq!(
+        plugin_env(ds, "HTTPS_PROXY"),
+        Some("http://proxy.example.internal:3128")
+    );
+    assert_eq!(container["securityContext"]["privileged"], true);
+    assert_eq!(container["securityContext"]["runAsUser"], 0);
+    // The values of the same meaning carry over.
     assert_eq!(
         plugin_env(ds, "NVIDIA_DRIVER_ROOT"),
         Some("/run/nvidia/driver")
@@ -1285,13 +1409,378 @@ fn a_values_file_written_for_nvidias_chart_installs() {
         plugin_env(ds, "NVIDIA_CDI_HOOK_PATH"),
         Some("/usr/local/nvidia/toolkit/nvidia-cdi-hook")
     );
-    let pod = &ds["spec"]["template"]["spec"];
     assert_eq!(pod["nodeSelector"]["nvidia.com/gpu.present"], "true");
+    assert_eq!(
+        pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+            [0]["matchExpressions"][0]["key"],
+        "nvidia.com/gpu.present"
+    );
     assert_eq!(pod["imagePullSecrets"][0]["name"], "registry-credentials");
     assert_eq!(
         ds["spec"]["template"]["metadata"]["annotations"]["team"],
         "gpu"
     );
+    assert_eq!(
+        ds["spec"]["updateStrategy"]["rollingUpdate"]["maxUnavailable"],
+        "100%"
+    );
+    // NVIDIA's image has none of our binaries: ours runs, with NVIDIA's pull policy.
+    // (the chart's default image: values.yaml and the helper that replaces NVIDIA's agree).
+    let defaults = render(&helm, &[]);
+    let default_ds = find(&defaults, "DaemonSet", "rel-gpu-dra-driver-kubelet-plugin");
+    let image = default_ds["spec"]["template"]["spec"]["containers"][0]["image"]
+        .as_str()
+        .expect("image")
+        .to_owned();
+    assert_eq!(
+        image,
+        format!("ghcr.io/gpu-dra/gpu-dra-driver:{}", chart_app_version())
+    );
+    assert_eq!(container["image"], image.as_str());
+    assert_eq!(container["imagePullPolicy"], "Always");
+    assert_eq!(
+        plugin_env(ds, "MPS_DAEMON_IMAGE"),
+        Some(image.as_str()),
+        "the daemon pods run it too"
+    );
+
+    // kubeletPlugin.networkPolicy: egress to the API server's ports only, from plugin pods.
+    let np = find(
+        &objects,
+        "NetworkPolicy",
+        "rel-gpu-dra-driver-kubelet-plugin",
+    );
+    assert_eq!(strs(&np["spec"]["policyTypes"]), ["Egress"]);
+    assert_eq!(
+        np["spec"]["podSelector"]["matchLabels"],
+        serde_json::json!({"app.kubernetes.io/instance": "rel", "app.kubernetes.io/component": "kubelet-plugin"})
+    );
+    assert_eq!(
+        np["spec"]["egress"],
+        serde_json::json!([{"ports": [{"protocol": "TCP", "port": 443}, {"protocol": "TCP", "port": 6443}]}])
+    );
+
+    // The webhook, with NVIDIA's port 443 (bindable without privileges), priority class,
+    // strategy, pod security context (merged over ours), resources, and cert-manager issuer.
+    let deploy = find(&objects, "Deployment", "rel-gpu-dra-driver-webhook");
+    let wpod = &deploy["spec"]["template"]["spec"];
+    let wc = &wpod["containers"][0];
+    assert_eq!(deploy["spec"]["replicas"], 2);
+    assert_eq!(wc["ports"][0]["containerPort"], 443);
+    assert_eq!(
+        wc["env"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|e| e["name"] == "BIND_ADDRESS")
+            .unwrap()["value"],
+        "0.0.0.0:443"
+    );
+    assert_eq!(
+        wpod["securityContext"]["sysctls"],
+        serde_json::json!([{"name": "net.ipv4.ip_unprivileged_port_start", "value": "443"}])
+    );
+    assert_eq!(wpod["securityContext"]["fsGroup"], 65532);
+    assert_eq!(wpod["securityContext"]["runAsNonRoot"], true);
+    assert_eq!(wpod["priorityClassName"], "system-cluster-critical");
+    assert_eq!(
+        deploy["spec"]["strategy"],
+        serde_json::json!({"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1}})
+    );
+    assert_eq!(
+        wc["resources"],
+        serde_json::json!({"requests": {"cpu": "50m", "memory": "48Mi"}})
+    );
+    assert_eq!(wc["securityContext"]["privileged"], false);
+    assert_eq!(wc["securityContext"]["readOnlyRootFilesystem"], true);
+    assert_eq!(
+        wpod["nodeSelector"]["node-role.kubernetes.io/control-plane"],
+        ""
+    );
+    let service = find(&objects, "Service", "rel-gpu-dra-driver-webhook");
+    assert_eq!(service["spec"]["ports"][0]["port"], 443);
+    let cert = find(&objects, "Certificate", "rel-gpu-dra-driver-webhook");
+    assert_eq!(
+        cert["spec"]["issuerRef"],
+        serde_json::json!({"kind": "ClusterIssuer", "name": "cluster-ca"})
+    );
+    assert!(strs(&cert["spec"]["dnsNames"]).contains(&"gpu-webhook.example.internal"));
+    assert!(
+        !kinds(&objects).iter().any(|k| k.starts_with("Issuer/")),
+        "their cluster issuer, not a self-signed one"
+    );
+    let hook = find(
+        &objects,
+        "ValidatingWebhookConfiguration",
+        "rel-gpu-dra-driver-webhook",
+    );
+    assert_eq!(hook["webhooks"][0]["failurePolicy"], "Fail");
+    assert_eq!(
+        hook["metadata"]["annotations"]["cert-manager.io/inject-ca-from"],
+        format!("{NAMESPACE}/rel-gpu-dra-driver-webhook")
+    );
+    // The quota admits both critical classes (GKE).
+    let quota = find(
+        &objects,
+        "ResourceQuota",
+        "rel-gpu-dra-driver-critical-pods",
+    );
+    assert_eq!(
+        strs(&quota["spec"]["scopeSelector"]["matchExpressions"][0]["values"]),
+        ["system-node-critical", "system-cluster-critical"]
+    );
+
+    // The plugin's MPS daemon pods, built with these folders, pass the node policy.
+    let vap = find(
+        &objects,
+        "ValidatingAdmissionPolicy",
+        "rel-gpu-dra-driver-node-restriction",
+    );
+    let daemon = plugin_daemon_pod(&objects, "node-a");
+    assert_eq!(
+        node_policy(
+            vap,
+            &format!("system:serviceaccount:{NAMESPACE}:rel-gpu-dra-driver-kubelet-plugin"),
+            serde_json::json!({"authentication.kubernetes.io/node-name": ["node-a"]}),
+            "CREATE",
+            daemon.clone(),
+            Value::Null,
+        ),
+        Some(Vec::new()),
+        "{daemon}"
+    );
+
+    // What has no equivalent is named, and only that.
+    let notes = render_notes(&helm, &["--values", values]);
+    let ignored = notes
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix(
+                "Ignored values of NVIDIA's chart, which have no equivalent in this one: ",
+            )
+        })
+        .unwrap_or_else(|| panic!("no ignored values named:\n{notes}"));
+    assert_eq!(
+        ignored
+            .trim_end_matches('.')
+            .split(", ")
+            .collect::<Vec<_>>(),
+        [
+            "altProcDevices",
+            "gpuResourcesEnabledOverride",
+            "serviceAccount",
+            "resources.computeDomains.enabled",
+            "featureGates",
+            "logVerbosity",
+            "controller",
+            "kubeletPlugin.metrics.computeDomainHttpEndpoint",
+            "kubeletPlugin.containers.computeDomains",
+            "kubeletPlugin.containers.gpus.healthcheckPort",
+        ],
+        "{notes}"
+    );
+    assert!(
+        notes.contains(
+            "registry.k8s.io/dra-driver-nvidia/dra-driver-nvidia-gpu is NVIDIA's driver image"
+        ),
+        "{notes}"
+    );
+    // Our own defaults name nothing.
+    let notes = render_notes(&helm, &[]);
+    assert!(!notes.contains("NVIDIA's"), "{notes}");
+}
+
+fn chart_app_version() -> String {
+    let chart = std::fs::read_to_string(repo().join("deploy/helm/gpu-dra-driver/Chart.yaml"))
+        .expect("Chart.yaml");
+    chart
+        .lines()
+        .find_map(|l| l.strip_prefix("appVersion:"))
+        .expect("appVersion")
+        .trim()
+        .trim_matches('"')
+        .to_owned()
+}
+
+/// NVIDIA's values that change what is rendered, one at a time: the metrics switched off or on
+/// another port and path, the host part of the endpoint (ignored, and said so), the GPU plugin
+/// turned off, the DeviceClasses' API version, names and namespace overrides, their TLS mode
+/// with a named issuer, and our `kubeletRoot` still in force where their folders are unset.
+#[test]
+fn nvidias_values_take_effect_one_by_one() {
+    let Some(helm) = helm() else { return };
+    let ds_of = |objects: &[Value]| -> Value {
+        find(objects, "DaemonSet", "rel-gpu-dra-driver-kubelet-plugin").clone()
+    };
+
+    let objects = render(&helm, &["kubeletPlugin.metrics.enabled=false"]);
+    let ds = ds_of(&objects);
+    assert_eq!(plugin_env(&ds, "METRICS_PATH"), Some(""));
+    assert_eq!(plugin_env(&ds, "HTTP_ADDRESS"), Some("0.0.0.0:8080"));
+
+    let sets = [
+        "kubeletPlugin.metrics.gpuHttpEndpoint=127.0.0.1:9100",
+        "kubeletPlugin.metrics.metricsPath=/gpu/metrics",
+    ];
+    let ds = ds_of(&render(&helm, &sets));
+    assert_eq!(plugin_env(&ds, "HTTP_ADDRESS"), Some("0.0.0.0:9100"));
+    assert_eq!(plugin_env(&ds, "METRICS_PATH"), Some("/gpu/metrics"));
+    let args: Vec<&str> = sets.iter().flat_map(|s| ["--set", *s]).collect();
+    let notes = render_notes(&helm, &args);
+    assert!(
+        notes.contains(
+            "kubeletPlugin.metrics.gpuHttpEndpoint 127.0.0.1:9100: its host part is ignored"
+        ),
+        "{notes}"
+    );
+    let ds = ds_of(&render(
+        &helm,
+        &["kubeletPlugin.metrics.gpuHttpEndpoint=[::]:9100"],
+    ));
+    assert_eq!(plugin_env(&ds, "HTTP_ADDRESS"), Some("[::]:9100"));
+
+    // kubeletRoot still places both folders; each NVIDIA folder value wins on its own.
+    let ds = ds_of(&render(
+        &helm,
+        &[
+            "kubeletPlugin.kubeletRoot=/var/data/kubelet",
+            "kubeletPlugin.kubeletRegistrarDirectoryPath=/var/snap/microk8s/common/var/lib/kubelet/plugins_registry/",
+        ],
+    ));
+    assert_eq!(
+        plugin_env(&ds, "PLUGIN_DIR"),
+        Some("/var/data/kubelet/plugins/gpu.nvidia.com")
+    );
+    assert_eq!(
+        plugin_env(&ds, "REGISTRAR_DIR"),
+        Some("/var/snap/microk8s/common/var/lib/kubelet/plugins_registry")
+    );
+
+    // resources.gpus.enabled false: neither the node side nor the DeviceClasses.
+    let k = kinds(&render(&helm, &["resources.gpus.enabled=false"]));
+    assert!(
+        k.iter().all(|k| !k.starts_with("DaemonSet/")
+            && !k.starts_with("DeviceClass/")
+            && !k.starts_with("ValidatingAdmissionPolicy")
+            && !k.starts_with("ClusterRole/")),
+        "{k:?}"
+    );
+    assert!(k.iter().any(|k| k.starts_with("Deployment/")), "{k:?}");
+
+    let objects = render(&helm, &["resourceApiVersion=resource.k8s.io/v1beta1"]);
+    assert_eq!(
+        find(&objects, "DeviceClass", "gpu.nvidia.com")["apiVersion"],
+        "resource.k8s.io/v1beta1"
+    );
+
+    // Names and namespace, as NVIDIA's chart overrides them; NVIDIA's label key follows
+    // nameOverride there, so it does here.
+    let objects = render(
+        &helm,
+        &[
+            "nameOverride=nvidia-dra-driver-gpu",
+            "namespaceOverride=gpu-operator",
+        ],
+    );
+    let ds = find(
+        &objects,
+        "DaemonSet",
+        "rel-nvidia-dra-driver-gpu-kubelet-plugin",
+    );
+    assert_eq!(ds["metadata"]["namespace"], "gpu-operator");
+    assert_eq!(
+        ds["spec"]["template"]["metadata"]["labels"]["nvidia-dra-driver-gpu-component"],
+        "kubelet-plugin"
+    );
+    let vap = find(
+        &objects,
+        "ValidatingAdmissionPolicy",
+        "rel-nvidia-dra-driver-gpu-node-restriction",
+    );
+    assert_eq!(
+        vap["spec"]["matchConditions"][0]["expression"],
+        "request.userInfo.username == 'system:serviceaccount:gpu-operator:rel-nvidia-dra-driver-gpu-kubelet-plugin'"
+    );
+    for o in &objects {
+        if let Some(ns) = o["metadata"]["namespace"].as_str() {
+            assert_eq!(ns, "gpu-operator", "{}", o["metadata"]["name"]);
+        }
+    }
+    let objects = render(&helm, &["fullnameOverride=gpu"]);
+    find(&objects, "DaemonSet", "gpu-kubelet-plugin");
+    find(&objects, "Deployment", "gpu-webhook");
+
+    // NVIDIA's TLS mode name with a namespaced issuer; a self-signed one is the chart's.
+    let objects = render(
+        &helm,
+        &[
+            "webhook.tls.mode=cert-manager",
+            "webhook.tls.certManager.issuerType=issuer",
+            "webhook.tls.certManager.issuerName=ca",
+        ],
+    );
+    assert_eq!(
+        find(&objects, "Certificate", "rel-gpu-dra-driver-webhook")["spec"]["issuerRef"],
+        serde_json::json!({"kind": "Issuer", "name": "ca"})
+    );
+    let objects = render(&helm, &["webhook.tls.mode=cert-manager"]);
+    find(&objects, "Issuer", "rel-gpu-dra-driver-webhook-selfsigned");
+
+    // NVIDIA's webhook service account: named, or not created.
+    let objects = render(
+        &helm,
+        &[
+            "webhook.serviceAccount.create=false",
+            "webhook.serviceAccount.name=shared",
+        ],
+    );
+    let deploy = find(&objects, "Deployment", "rel-gpu-dra-driver-webhook");
+    assert_eq!(
+        deploy["spec"]["template"]["spec"]["serviceAccountName"],
+        "shared"
+    );
+    assert!(
+        !kinds(&objects).contains(&"ServiceAccount/rel-gpu-dra-driver-webhook".to_owned()),
+        "not created"
+    );
+    // Ports of 1024 and up need no sysctl.
+    let objects = render(&helm, &[]);
+    let deploy = find(&objects, "Deployment", "rel-gpu-dra-driver-webhook");
+    assert!(
+        deploy["spec"]["template"]["spec"]["securityContext"]
+            .get("sysctls")
+            .is_none()
+    );
+}
+
+/// The pods carry the component label NVIDIA's chart selects by (its runbooks' `kubectl get
+/// pods -l dra-driver-nvidia-gpu-component=kubelet-plugin`), on the pod template only: the
+/// selectors stay as every earlier release of this chart had them, since a selector cannot
+/// change on `helm upgrade`.
+#[test]
+fn pods_carry_nvidias_component_labels_and_selectors_stay() {
+    let Some(helm) = helm() else { return };
+    let objects = render(&helm, &[]);
+    for (kind, name, component) in [
+        (
+            "DaemonSet",
+            "rel-gpu-dra-driver-kubelet-plugin",
+            "kubelet-plugin",
+        ),
+        ("Deployment", "rel-gpu-dra-driver-webhook", "webhook"),
+    ] {
+        let o = find(&objects, kind, name);
+        assert_eq!(
+            o["spec"]["template"]["metadata"]["labels"]["dra-driver-nvidia-gpu-component"],
+            component,
+            "{kind}"
+        );
+        assert_eq!(
+            o["spec"]["selector"],
+            serde_json::json!({"matchLabels": {"app.kubernetes.io/instance": "rel", "app.kubernetes.io/component": component}}),
+            "{kind}: the selector of earlier releases"
+        );
+    }
 }
 
 /// The MPS control daemon pod the node plugin builds on `node` (its own code,

@@ -1,23 +1,79 @@
 {{/* Common names and labels. */}}
 
+{{/* The chart's name in object names and labels; nameOverride (as in NVIDIA's chart) replaces it. */}}
+{{- define "gpu-dra.name" -}}
+{{- .Values.nameOverride | default .Chart.Name | trunc 50 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* The prefix of every object's name: fullnameOverride, else <release>-<name> (just the
+release name when it already contains the name). 50 characters leave room for suffixes. */}}
 {{- define "gpu-dra.fullname" -}}
-{{- if contains .Chart.Name .Release.Name -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 50 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := include "gpu-dra.name" . -}}
+{{- if contains $name .Release.Name -}}
 {{- .Release.Name | trunc 50 | trimSuffix "-" -}}
 {{- else -}}
-{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 50 | trimSuffix "-" -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 50 | trimSuffix "-" -}}
+{{- end -}}
 {{- end -}}
 {{- end -}}
 
+{{/* The namespace of every namespaced object: namespaceOverride (as in NVIDIA's chart), else
+the release's. */}}
+{{- define "gpu-dra.namespace" -}}
+{{- .Values.namespaceOverride | default .Release.Namespace -}}
+{{- end -}}
+
 {{- define "gpu-dra.labels" -}}
-app.kubernetes.io/name: {{ .Chart.Name }}
+app.kubernetes.io/name: {{ include "gpu-dra.name" . }}
 app.kubernetes.io/instance: {{ .Release.Name }}
 app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
 helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- end -}}
 
+{{/*
+The label NVIDIA's chart selects each component's pods by, which its users' runbooks and
+dashboards look for: `<name>-component: <component>`, where <name> is nameOverride or
+dra-driver-nvidia-gpu (its chart's name). Only on pod templates, never in a selector:
+selectors are immutable, and an upgrade from an earlier release of this chart must keep
+them. Call with (list $ "<component>").
+*/}}
+{{- define "gpu-dra.nvidiaComponentLabel" -}}
+{{- $root := index . 0 -}}
+{{ printf "%s-component" ($root.Values.nameOverride | default "dra-driver-nvidia-gpu") }}: {{ index . 1 }}
+{{- end -}}
+
+{{/* "true" when the node plugin is deployed: kubeletPlugin.enabled and NVIDIA's
+resources.gpus.enabled (true when unset); "" otherwise. */}}
+{{- define "gpu-dra.pluginEnabled" -}}
+{{- if and .Values.kubeletPlugin.enabled (dig "gpus" "enabled" true (.Values.resources | default dict)) -}}
+true
+{{- end -}}
+{{- end -}}
+
+{{/* The image's repository when none is set, and what an image of NVIDIA's driver is replaced
+by (its image has none of this chart's binaries). Same as image.repository in values.yaml. */}}
+{{- define "gpu-dra.defaultRepository" -}}
+ghcr.io/gpu-dra/gpu-dra-driver
+{{- end -}}
+
+{{/* "true" when image.repository names NVIDIA's driver image (a values file written for
+NVIDIA's chart); "" otherwise. */}}
+{{- define "gpu-dra.nvidiaImage" -}}
+{{- if regexMatch "(^|/)(dra-driver-nvidia-gpu|k8s-dra-driver-gpu)$" .Values.image.repository -}}
+true
+{{- end -}}
+{{- end -}}
+
 {{- define "gpu-dra.image" -}}
+{{- if include "gpu-dra.nvidiaImage" . -}}
+{{ include "gpu-dra.defaultRepository" . }}:{{ .Chart.AppVersion }}
+{{- else -}}
 {{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
+{{- end -}}
 {{- end -}}
 
 {{- define "gpu-dra.pluginServiceAccount" -}}
@@ -29,13 +85,48 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- printf "%s-mps-daemon" (include "gpu-dra.fullname" .) -}}
 {{- end -}}
 
-{{/* The plugin folder on the host (PLUGIN_DIR); MPS daemon folders are under <it>/mps. */}}
+{{/*
+The kubelet's folders on the host. NVIDIA's values kubeletPlugin.kubeletPluginsDirectoryPath
+and kubeletPlugin.kubeletRegistrarDirectoryPath (k0s, microk8s and other kubelets with their
+own root), when set, win over the folders under kubeletPlugin.kubeletRoot: they name the
+folder exactly, kubeletRoot only its parent.
+*/}}
+{{- define "gpu-dra.pluginsDir" -}}
+{{- $p := .Values.kubeletPlugin -}}
+{{- $p.kubeletPluginsDirectoryPath | default (printf "%s/plugins" (trimSuffix "/" $p.kubeletRoot)) | trimSuffix "/" -}}
+{{- end -}}
+
+{{/* The plugin's own folder on the host (PLUGIN_DIR); MPS daemon folders are under <it>/mps. */}}
 {{- define "gpu-dra.pluginDir" -}}
-{{- printf "%s/plugins/%s" .Values.kubeletPlugin.kubeletRoot .Values.driverName -}}
+{{- printf "%s/%s" (include "gpu-dra.pluginsDir" .) .Values.driverName -}}
+{{- end -}}
+
+{{/* The kubelet's plugin registration folder on the host (REGISTRAR_DIR). */}}
+{{- define "gpu-dra.registrarDir" -}}
+{{- $p := .Values.kubeletPlugin -}}
+{{- $p.kubeletRegistrarDirectoryPath | default (printf "%s/plugins_registry" (trimSuffix "/" $p.kubeletRoot)) | trimSuffix "/" -}}
 {{- end -}}
 
 {{- define "gpu-dra.webhookName" -}}
 {{- printf "%s-webhook" (include "gpu-dra.fullname" .) -}}
+{{- end -}}
+
+{{/* The webhook's service account: NVIDIA's webhook.serviceAccount.name when set, else
+<fullname>-webhook; with NVIDIA's webhook.serviceAccount.create false it is not created (and
+"default" when no name is given, as in NVIDIA's chart). */}}
+{{- define "gpu-dra.webhookServiceAccount" -}}
+{{- $sa := .Values.webhook.serviceAccount | default dict -}}
+{{- if include "gpu-dra.createWebhookServiceAccount" . -}}
+{{- $sa.name | default (include "gpu-dra.webhookName" .) -}}
+{{- else -}}
+{{- $sa.name | default "default" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "gpu-dra.createWebhookServiceAccount" -}}
+{{- if dig "create" true (.Values.webhook.serviceAccount | default dict) -}}
+true
+{{- end -}}
 {{- end -}}
 
 {{- define "gpu-dra.webhookSecret" -}}
@@ -48,5 +139,18 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 
 {{/* The user name the API server gives the node plugin's pods (their service account). */}}
 {{- define "gpu-dra.pluginUserName" -}}
-{{- printf "system:serviceaccount:%s:%s" .Release.Namespace (include "gpu-dra.pluginServiceAccount" .) -}}
+{{- printf "system:serviceaccount:%s:%s" (include "gpu-dra.namespace" .) (include "gpu-dra.pluginServiceAccount" .) -}}
+{{- end -}}
+
+{{/* Non-empty when the value holds anything: a scalar that is not empty, false or zero, or a
+map or list holding one (NVIDIA's default `containers.init: {securityContext: {}}` holds
+nothing). */}}
+{{- define "gpu-dra.holdsValue" -}}
+{{- if kindIs "map" . -}}
+{{- range $_, $v := . }}{{ include "gpu-dra.holdsValue" $v }}{{ end -}}
+{{- else if kindIs "slice" . -}}
+{{- range . }}{{ include "gpu-dra.holdsValue" . }}{{ end -}}
+{{- else if . -}}
+true
+{{- end -}}
 {{- end -}}
