@@ -105,12 +105,17 @@ $(HELM):
 	GOBIN=$(TOOLS)/bin $(GO) install helm.sh/helm/v3/cmd/helm@$(HELM_VERSION)
 
 TOOLKIT_VERSION ?= v1.20.1
-TOOLKIT := $(TOOLS)/bin/nvidia-ctk $(TOOLS)/bin/nvidia-cdi-hook
+TOOLKIT := $(TOOLS)/bin/nvidia-ctk $(TOOLS)/bin/nvidia-cdi-hook $(TOOLS)/bin/nvidia-container-runtime
 
-toolkit: $(TOOLKIT) ## NVIDIA's nvidia-ctk and nvidia-cdi-hook from the Go module proxy into .tools/bin
+toolkit: $(TOOLKIT) ## NVIDIA's nvidia-ctk, nvidia-cdi-hook and nvidia-container-runtime from the Go module proxy into .tools/bin
 
 $(TOOLS)/bin/nvidia-ctk:
 	GOBIN=$(TOOLS)/bin $(GO) install github.com/NVIDIA/nvidia-container-toolkit/cmd/nvidia-ctk@$(TOOLKIT_VERSION)
+
+# The runtime GPU Operator nodes run every container with (containerd's default runtime there);
+# e2e runs the containers of NodeOptions.NvidiaRuntime nodes through it, wrapping runc.
+$(TOOLS)/bin/nvidia-container-runtime:
+	GOBIN=$(TOOLS)/bin $(GO) install github.com/NVIDIA/nvidia-container-toolkit/cmd/nvidia-container-runtime@$(TOOLKIT_VERSION)
 
 # The hook runs on the host (the container runtime executes it there), under the host's loader
 # and libc, which may be older than the build machine's: a dynamic build needs GLIBC_2.34 and

@@ -52,6 +52,11 @@ type NodeOptions struct {
 	// Layout says where the node's host lives and where the simulated driver
 	// sits in it (see Layout). Empty: LayoutProcess.
 	Layout Layout
+	// NvidiaRuntime: containers run through NVIDIA's nvidia-container-runtime
+	// (mode cdi, wrapping runc, with the node's nvidia.com/gpu spec), as on a
+	// GPU Operator node, so NVIDIA_VISIBLE_DEVICES in a container's env adds
+	// GPUs (see nvidiaruntime.go). LayoutProcess nodes only.
+	NvidiaRuntime bool
 }
 
 // Node is a simulated node: a Node object kept Ready, the kubelet's plugin
@@ -121,6 +126,9 @@ func (c *Cluster) AddNode(ctx context.Context, opts NodeOptions) (*Node, error) 
 		simRoot:      filepath.Join(dir, "sim"),
 		logger:       klog.LoggerWithValues(klog.Background(), "node", opts.Name),
 		opts:         opts,
+	}
+	if opts.NvidiaRuntime && (opts.Layout != LayoutProcess || opts.NoContainers) {
+		return nil, fmt.Errorf("node %s: NVIDIA's runtime runs containers of nodes whose plugin runs as a process (LayoutProcess, containers on)", opts.Name)
 	}
 	if opts.Layout != LayoutProcess {
 		if opts.NoContainers {

@@ -5,7 +5,8 @@ package harness
 // bundle (its own copy of the test image as root filesystem, the process from
 // the pod spec), the container's CDI devices are applied to the OCI spec by
 // the official CDI library (tags.cncf.io/container-device-interface, the code
-// containerd and CRI-O call), and runc runs it.
+// containerd and CRI-O call), and runc runs it, or NVIDIA's runtime wrapping
+// runc on a node set up as the GPU Operator does (nvidiaruntime.go).
 //
 // Invariants: every runc state of a node lives under <node>/runc (runc's
 // --root), so nodes and test runs never see each other's containers; a
@@ -13,8 +14,8 @@ package harness
 // every container of a node is gone when the node stops; logs stay in
 // <node>/logs until the cluster directory goes.
 //
-// What is simplified: every container runs on the test image whatever the
-// pod's image says; containers are never restarted (a pod whose containers
+// What is simplified: every container runs on the test image, the pod's
+// image selects only the environment it starts with (images.go); containers are never restarted (a pod whose containers
 // have all exited is Succeeded or Failed whatever its restartPolicy); no
 // resource limits, probes, volumes or networking.
 
@@ -94,8 +95,11 @@ func (c *Container) State() (ContainerPhase, int32, string) {
 }
 
 type runtime struct {
-	node    *Node
-	runc    string
+	node *Node
+	runc string
+	// nvidia runs containers through NVIDIA's runtime (nvidiaruntime.go);
+	// nil: runc runs them.
+	nvidia  *nvidiaRuntime
 	image   string
 	root    string // runc --root
 	bundles string
@@ -146,6 +150,11 @@ func newRuntime(n *Node, changed func(string)) (*runtime, error) {
 	}
 	for _, d := range []string{r.root, r.bundles, r.logs} {
 		if err := os.MkdirAll(d, 0o755); err != nil {
+			return nil, err
+		}
+	}
+	if n.opts.NvidiaRuntime {
+		if r.nvidia, err = newNvidiaRuntime(n, runc); err != nil {
 			return nil, err
 		}
 	}
@@ -243,6 +252,11 @@ func (r *runtime) start(pod *v1.Pod, ctr *v1.Container, c *Container) error {
 			return err
 		}
 	}
+	if r.nvidia != nil {
+		if err := r.nvidia.ensureSpec(); err != nil {
+			return err
+		}
+	}
 	key := podKey(pod)
 	return r.run(c, spec, r.image, func() { r.changed(key) })
 }
@@ -312,6 +326,12 @@ func (r *runtime) run(c *Container, spec *rspec.Spec, image string, exited func(
 	runcLog := filepath.Join(c.Bundle, "runc.log")
 	cmd := exec.Command(r.runc, "--root", r.root, "--log", runcLog, "--log-format", "json",
 		"run", "--bundle", c.Bundle, "--pid-file", pidFile, c.ID)
+	if r.nvidia != nil {
+		if cmd, err = r.nvidia.shimCommand(r.root, runcLog, c.Bundle, pidFile, c.ID); err != nil {
+			logFile.Close()
+			return err
+		}
+	}
 	cmd.Stdout, cmd.Stderr = logFile, logFile
 	// Its own process group: a Ctrl-C of the demo reaches the harness, which
 	// then stops the containers itself.
@@ -401,10 +421,12 @@ func (r *runtime) ociSpec(pod *v1.Pod, ctr *v1.Container) *rspec.Spec {
 		// The test image's default command: a workload that keeps running.
 		args = []string{"sleep", "2147483647"}
 	}
-	env := []string{"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOSTNAME=" + pod.Name}
+	// The image's environment (images.go), HOSTNAME, then the pod's env over
+	// both, as containerd layers them.
+	env := mergeEnv(ImageEnv(ctr.Image), "HOSTNAME="+pod.Name)
 	for _, e := range ctr.Env {
 		if e.ValueFrom == nil {
-			env = append(env, e.Name+"="+e.Value)
+			env = mergeEnv(env, e.Name+"="+e.Value)
 		}
 	}
 	cwd := ctr.WorkingDir

@@ -155,7 +155,14 @@ func addBootNode(ctx context.Context, t *testing.T, name, profile string, before
 // addPluginNode is addBootNode with extra plugin flags.
 func addPluginNode(ctx context.Context, t *testing.T, name, profile string, extraArgs []string, before func(*harness.Node)) *harness.Node {
 	t.Helper()
-	n, err := cluster.AddNode(ctx, harness.NodeOptions{Name: name})
+	return addPluginNodeWith(ctx, t, harness.NodeOptions{Name: name}, profile, extraArgs, before)
+}
+
+// addPluginNodeWith is addPluginNode for a node with more options than a name.
+func addPluginNodeWith(ctx context.Context, t *testing.T, opts harness.NodeOptions, profile string, extraArgs []string, before func(*harness.Node)) *harness.Node {
+	t.Helper()
+	name := opts.Name
+	n, err := cluster.AddNode(ctx, opts)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -2,9 +2,21 @@
 //!
 //! One spec per claim: kind `k8s.gpu.nvidia.com/claim`, one CDI device per prepared device
 //! named `<claimUID>-<deviceName>`, `cdiVersion` 1.1.0. Devices are selected by device nodes
-//! only (no `NVIDIA_VISIBLE_DEVICES`), so two MIG devices of one GPU in one claim each carry
-//! their own capability nodes and are both visible. Node paths and driver files are resolved
-//! by the caller (the plugin reads the host); this module only shapes the document.
+//! only, so two MIG devices of one GPU in one claim each carry their own capability nodes and
+//! are both visible. Node paths and driver files are resolved by the caller (the plugin reads
+//! the host); this module only shapes the document.
+//!
+//! Invariant: every claim spec's common edits set `NVIDIA_VISIBLE_DEVICES=void`
+//! ([`VISIBLE_DEVICES_VOID`]). On GPU Operator nodes containerd's default runtime is NVIDIA's
+//! `nvidia-container-runtime`, which after the CDI devices are applied reads
+//! `NVIDIA_VISIBLE_DEVICES` from the container's environment and adds the GPUs it names from
+//! the node's own CDI spec (`nvidia.com/gpu=<name>`), in unprivileged containers too; every
+//! CUDA base image sets it to `all`. Without the override a claim's container on a CUDA image
+//! would get every GPU of the node, other tenants' included. CDI edits replace the image's and
+//! the pod's value, and `void` makes the runtime add nothing (unset or empty would too, but
+//! edits cannot unset). NVIDIA's driver and `nvidia-ctk cdi generate` write the same entry.
+//! A container with no claim keeps what its image asks for: that is the node's runtime
+//! setting (`accept-nvidia-visible-devices-envvar-when-unprivileged`), not a claim's.
 
 use serde::{Deserialize, Serialize};
 
@@ -14,6 +26,10 @@ pub const CDI_VERSION: &str = "1.1.0";
 pub const CDI_VENDOR: &str = "k8s.gpu.nvidia.com";
 /// CDI class of claim specs.
 pub const CDI_CLASS: &str = "claim";
+
+/// Environment entry of every claim spec: NVIDIA's container runtime, where it is the node's
+/// runtime, adds no GPU of its own to the claim's containers (see the module doc).
+pub const VISIBLE_DEVICES_VOID: &str = "NVIDIA_VISIBLE_DEVICES=void";
 
 /// The CDI kind of claim specs: `k8s.gpu.nvidia.com/claim`.
 pub fn cdi_kind() -> String {
@@ -178,13 +194,19 @@ pub struct SpecDevice {
 }
 
 /// Builds the spec of one claim. `common` carries the driver files, control nodes and hooks
-/// (resolved on the host); `dev_root` maps device node paths to host paths.
+/// (resolved on the host); `dev_root` maps device node paths to host paths. The spec's common
+/// edits also set [`VISIBLE_DEVICES_VOID`], in place of any `NVIDIA_VISIBLE_DEVICES` of
+/// `common`.
 pub fn claim_spec(
     claim_uid: &str,
     devices: &[SpecDevice],
     dev_root: &str,
-    common: ContainerEdits,
+    mut common: ContainerEdits,
 ) -> Spec {
+    common
+        .env
+        .retain(|e| !e.starts_with("NVIDIA_VISIBLE_DEVICES="));
+    common.env.push(VISIBLE_DEVICES_VOID.to_owned());
     Spec {
         cdi_version: CDI_VERSION.to_owned(),
         kind: cdi_kind(),
@@ -375,6 +397,43 @@ mod tests {
             json["devices"][0]["containerEdits"]["deviceNodes"][0]["hostPath"],
             "/host/dev/nvidia1"
         );
+    }
+
+    #[test]
+    fn every_claim_spec_turns_nvidias_runtime_off() {
+        let common = ContainerEdits {
+            env: vec![
+                "NVIDIA_VISIBLE_DEVICES=all".into(),
+                "NVIDIA_CTK_DEBUG=false".into(),
+            ],
+            ..ContainerEdits::default()
+        };
+        for common in [ContainerEdits::default(), common] {
+            let spec = claim_spec(
+                "u1",
+                &[SpecDevice {
+                    device: "gpu-0".into(),
+                    node_paths: device_node_paths(0, &[]),
+                }],
+                "/",
+                common,
+            );
+            let visible: Vec<&str> = spec
+                .container_edits
+                .env
+                .iter()
+                .map(String::as_str)
+                .filter(|e| e.starts_with("NVIDIA_VISIBLE_DEVICES="))
+                .collect();
+            assert_eq!(visible, ["NVIDIA_VISIBLE_DEVICES=void"]);
+            let json = serde_json::to_value(&spec).expect("serializes");
+            assert!(
+                json["containerEdits"]["env"]
+                    .as_array()
+                    .is_some_and(|env| env.contains(&"NVIDIA_VISIBLE_DEVICES=void".into())),
+                "{json}"
+            );
+        }
     }
 
     #[test]
