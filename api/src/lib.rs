@@ -12,6 +12,7 @@
 //! - [`quantity`]: exact Kubernetes quantities.
 //! - [`yaml`]: YAML documents with one-line positioned errors.
 //! - [`json_schema`]: the JSON Schema of both kinds (committed under `api/schema/`).
+//! - [`device_status`]: the `data` the node plugin writes into a claim's `status.devices`.
 //!
 //! Private modules behind those: `config` (the two kinds and their decoding walk), `error`
 //! (field-path errors, collected all at once), `allocation` (the rules that need the
@@ -19,6 +20,7 @@
 
 mod allocation;
 mod config;
+pub mod device_status;
 mod error;
 pub mod objects;
 pub mod quantity;

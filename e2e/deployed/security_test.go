@@ -13,9 +13,11 @@ import (
 	resourceapi "k8s.io/api/resource/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/client-go/kubernetes"
 	resourceclient "k8s.io/client-go/kubernetes/typed/resource/v1"
+	"k8s.io/utils/ptr"
 
 	"github.com/gpu-dra/e2e/harness"
 )
@@ -160,6 +162,105 @@ func TestNodePluginCredentialsStayOnTheirNode(t *testing.T) {
 	checkRefused(t, "a slice of another driver", err, "may only write ResourceSlices of driver "+harness.DefaultDriver)
 	// (An update cannot move a slice to another pool or driver: the API
 	// server's validation keeps both immutable.)
+
+	checkClaimStatusWrites(ctx, t, as, n.Name)
+}
+
+// checkClaimStatusWrites: with the plugin's credentials, device status of
+// our driver in a claim allocated on its node and pool is admitted (as the
+// plugin writes it: server-side apply of the status by its node's field
+// manager, here as a dry run); another node's claim, an entry of another
+// node's pool in a claim of its node, another driver's entry and a change of
+// status.reservedFor are refused.
+func checkClaimStatusWrites(ctx context.Context, t *testing.T, as kubernetes.Interface, node string) {
+	t.Helper()
+	const ns = "default"
+	other := "node-someone-else"
+	// A claim allocated (by the admin, as the scheduler would) on nodeName
+	// with these results.
+	allocated := func(name, nodeName string, results []resourceapi.DeviceRequestAllocationResult) *resourceapi.ResourceClaim {
+		t.Helper()
+		claims := cluster.Client.ResourceV1().ResourceClaims(ns)
+		c, err := claims.Create(ctx, &resourceapi.ResourceClaim{
+			ObjectMeta: metav1.ObjectMeta{Name: name},
+			Spec: resourceapi.ResourceClaimSpec{Devices: resourceapi.DeviceClaim{Requests: []resourceapi.DeviceRequest{{
+				Name: "gpu", Exactly: &resourceapi.ExactDeviceRequest{DeviceClassName: "gpu.nvidia.com"},
+			}}}},
+		}, metav1.CreateOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = claims.Delete(context.Background(), name, metav1.DeleteOptions{}) })
+		c.Status.Allocation = &resourceapi.AllocationResult{
+			Devices: resourceapi.DeviceAllocationResult{Results: results},
+			NodeSelector: &v1.NodeSelector{NodeSelectorTerms: []v1.NodeSelectorTerm{{MatchFields: []v1.NodeSelectorRequirement{{
+				Key: "metadata.name", Operator: v1.NodeSelectorOpIn, Values: []string{nodeName},
+			}}}}},
+		}
+		c.Status.ReservedFor = []resourceapi.ResourceClaimConsumerReference{{Resource: "pods", Name: "p", UID: "1f0f7a6c-0000-4000-8000-000000000001"}}
+		if c, err = claims.UpdateStatus(ctx, c, metav1.UpdateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		return c
+	}
+	result := func(driver, pool, device string) resourceapi.DeviceRequestAllocationResult {
+		return resourceapi.DeviceRequestAllocationResult{Request: "gpu", Driver: driver, Pool: pool, Device: device}
+	}
+	own := allocated("status-own-node", node, []resourceapi.DeviceRequestAllocationResult{
+		result(harness.DefaultDriver, node, "gpu-0"),
+		result(harness.DefaultDriver, other, "gpu-0"),
+		result("other.example.com", node, "nic-0"),
+	})
+	theirs := allocated("status-other-node", other, []resourceapi.DeviceRequestAllocationResult{
+		result(harness.DefaultDriver, other, "gpu-0"),
+	})
+	entry := func(driver, pool, device string) string {
+		return fmt.Sprintf(`{"driver":%q,"pool":%q,"device":%q,"data":{"uuid":"GPU-0"},`+
+			`"conditions":[{"type":"Ready","status":"True","reason":"Prepared","message":"","lastTransitionTime":"2026-01-01T00:00:00Z"}]}`,
+			driver, pool, device)
+	}
+	apply := func(c *resourceapi.ResourceClaim, status string) error {
+		patch := fmt.Sprintf(`{"apiVersion":"resource.k8s.io/v1","kind":"ResourceClaim","metadata":{"name":%q,"namespace":%q,"uid":%q},"status":%s}`,
+			c.Name, ns, c.UID, status)
+		_, err := as.ResourceV1().ResourceClaims(ns).Patch(ctx, c.Name, types.ApplyPatchType, []byte(patch), metav1.PatchOptions{
+			FieldManager: harness.DefaultDriver + "/" + node, Force: ptr.To(true), DryRun: []string{metav1.DryRunAll},
+		}, "status")
+		return err
+	}
+	devices := func(entries ...string) string { return `{"devices":[` + strings.Join(entries, ",") + `]}` }
+
+	if err := apply(own, devices(entry(harness.DefaultDriver, node, "gpu-0"))); err != nil {
+		t.Errorf("the plugin's credentials may not write its device status in a claim of its node: %v", err)
+	}
+	// The API server itself checks the driver and the claim's node (its
+	// resourceclaims/driver authorization, before admission); the policy
+	// refuses the same where that check is off. Either refusal counts.
+	checkStatusRefused(t, "a claim allocated on another node", apply(theirs, devices(entry(harness.DefaultDriver, other, "gpu-0"))),
+		"may only write status.devices entries of pool "+node)
+	checkStatusRefused(t, "another driver's entry", apply(own, devices(entry("other.example.com", node, "nic-0"))),
+		"may only write status.devices entries of driver "+harness.DefaultDriver)
+	checkStatusRefused(t, "a consumer added to status.reservedFor",
+		apply(own, `{"reservedFor":[{"resource":"pods","name":"q","uid":"1f0f7a6c-0000-4000-8000-000000000002"}]}`),
+		"not status.allocation or status.reservedFor")
+	// A claim of its node with a device of another node's pool passes the API
+	// server's own check (our driver, the claim's node is the plugin's): the
+	// policy alone refuses it.
+	checkRefused(t, "an entry of another node's pool in a claim of its node",
+		apply(own, devices(entry(harness.DefaultDriver, other, "gpu-0"))),
+		fmt.Sprintf("may only write status.devices entries of pool %s (the devices of its node), not %s/%s/gpu-0", node, harness.DefaultDriver, other))
+}
+
+// checkStatusRefused asserts that a claim status write was refused, by the
+// node-restriction policy (saying want) or by the API server's own
+// authorization of status.devices and status.reservedFor writes.
+func checkStatusRefused(t *testing.T, what string, err error, want string) {
+	t.Helper()
+	if err != nil && apierrors.IsInvalid(err) &&
+		(strings.Contains(err.Error(), `resourceclaims/driver`) || strings.Contains(err.Error(), `resourceclaims/binding`)) {
+		t.Logf("%s: refused by the API server's authorization: %v", what, err)
+		return
+	}
+	checkRefused(t, what, err, want)
 }
 
 // updateSlice reads the slice (as the admin) and writes it back unchanged

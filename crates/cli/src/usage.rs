@@ -3,8 +3,10 @@
 //!
 //! Built from what the API server already knows, so it needs no access to the nodes: our
 //! ResourceSlices (devices, their parent GPU, memory) and every allocated ResourceClaim
-//! (`status.allocation.devices.results`: device, pool, `consumedCapacity`, `shareID`).
-//! [`usage`] is pure over those objects; [`run`] fetches them.
+//! (`status.allocation.devices.results`: device, pool, `consumedCapacity`, `shareID`; and the
+//! node plugin's `status.devices` entries, which name the device's UUID: the only place a
+//! dynamic MIG device's UUID is published). [`usage`] is pure over those objects; [`run`]
+//! fetches them.
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -61,6 +63,10 @@ pub struct Holder {
     pub detail: String,
     /// Admin access (monitoring; may overlap other holders).
     pub admin_access: bool,
+    /// UUID of the device (`MIG-...` for a MIG device) as the node plugin reported it in the
+    /// claim's status, else the slice's `uuid` attribute; `None` before the claim is
+    /// prepared for a device whose slice has none (a dynamic MIG device).
+    pub uuid: Option<String>,
 }
 
 fn attr<'a>(d: &'a Device, name: &str) -> Option<&'a str> {
@@ -117,6 +123,7 @@ pub fn usage(
         let Some(alloc) = claim.status.as_ref().and_then(|s| s.allocation.as_ref()) else {
             continue;
         };
+        let prepared = crate::explain::prepared_devices(claim, driver);
         let name = format!(
             "{}/{}",
             claim.metadata.namespace.as_deref().unwrap_or_default(),
@@ -159,12 +166,18 @@ pub fn usage(
                 ),
                 (false, None) => ("gpu", "whole GPU".to_string()),
             };
+            let reported = prepared
+                .iter()
+                .find(|p| p.pool == r.pool && p.device == r.device && p.share_id == r.share_id)
+                .and_then(|p| p.data.as_ref())
+                .map(|data| data.uuid.clone());
             gpu.holders.push(Holder {
                 claim: name.clone(),
                 device: r.device.clone(),
                 kind: kind.into(),
                 detail,
                 admin_access: r.admin_access == Some(true),
+                uuid: reported.or_else(|| attr(d, "uuid").map(str::to_owned)),
             });
         }
     }
@@ -185,6 +198,7 @@ pub fn to_text(rows: &[GpuUsage]) -> String {
         "DEVICE".into(),
         "CLAIM".into(),
         "HOLDS".into(),
+        "UUID".into(),
     ]];
     for g in rows {
         if g.holders.is_empty() {
@@ -194,6 +208,7 @@ pub fn to_text(rows: &[GpuUsage]) -> String {
                 "-".into(),
                 "-".into(),
                 "free".into(),
+                String::new(),
             ]);
         }
         for h in &g.holders {
@@ -213,10 +228,11 @@ pub fn to_text(rows: &[GpuUsage]) -> String {
                 h.device.clone(),
                 h.claim.clone(),
                 holds,
+                h.uuid.clone().unwrap_or_else(|| "-".into()),
             ]);
         }
     }
-    let widths: Vec<usize> = (0..5)
+    let widths: Vec<usize> = (0..6)
         .map(|i| lines.iter().map(|l| l[i].len()).max().unwrap_or(0))
         .collect();
     let mut text = String::new();
@@ -307,6 +323,12 @@ mod tests {
         ];
         let mut claims = claims.to_vec();
         claims[5].status = None;
+        // The MIG device's slice has no UUID (dynamic MIG): the plugin's status entry names it.
+        claims[3].status.as_mut().expect("status").devices = Some(vec![
+            serde_json::from_value(json!({"driver": "gpu.nvidia.com", "pool": "node-a",
+                "device": "gpu-2-mig-3g20gb-9-4", "data": {"uuid": "MIG-P", "type": "mig"}}))
+            .expect("entry"),
+        ]);
         let rows = usage(&[slice()], &claims, "gpu.nvidia.com", None);
         let text = to_text(&rows);
         let expect = [
@@ -320,6 +342,19 @@ mod tests {
         for line in expect {
             assert!(text.contains(line), "missing {line:?} in\n{text}");
         }
+        let uuid_of = |claim: &str| {
+            rows.iter()
+                .flat_map(|g| &g.holders)
+                .find(|h| h.claim == claim)
+                .and_then(|h| h.uuid.clone())
+        };
+        assert_eq!(uuid_of("ns/part").as_deref(), Some("MIG-P"));
+        assert_eq!(uuid_of("ns/train").as_deref(), Some("GPU-0"));
+        assert!(
+            text.lines()
+                .any(|l| l.contains("ns/part") && l.ends_with("MIG-P")),
+            "{text}"
+        );
         assert!(usage(&[slice()], &claims, "gpu.nvidia.com", Some("node-b")).is_empty());
         assert!(usage(&[slice()], &claims, "other.example.com", None).is_empty());
     }

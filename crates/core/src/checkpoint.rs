@@ -228,6 +228,11 @@ pub struct PreparedDevice {
     /// in bytes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub memory_share_bytes: Option<u64>,
+    /// Wire name of the sharing strategy applied to the device's group (`TimeSlicing`,
+    /// `MPS`); `None` when the claim configured none (and for entries of older versions or
+    /// imported from NVIDIA's driver). Reported in the claim's `status.devices`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sharing_strategy: Option<String>,
     /// Fields of a newer format, kept as they were.
     #[serde(flatten)]
     pub extra: Map<String, Value>,

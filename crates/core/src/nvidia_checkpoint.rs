@@ -403,6 +403,7 @@ fn prepared_device(
         admin_access: result.is_some_and(|r| r.admin),
         share_id: (!share_id.is_empty()).then(|| share_id.to_owned()),
         memory_share_bytes: None,
+        sharing_strategy: None,
         extra: Map::new(),
     })
 }

@@ -11,7 +11,8 @@
 //!   (grpc-go `:authority` fix), [`health`] (the DRA health service and the NVML watch),
 //!   [`publish`] (ResourceSlice publisher), [`inventory`] (the live GPU inventory).
 //! - Prepare and unprepare: [`driver`] (the state machine), [`claim_locks`] (one operation
-//!   per claim), [`claims`] (where claims come from), [`checkpoint_file`] (checkpoint
+//!   per claim), [`claims`] (where claims come from), [`claim_status`] (device data in the
+//!   claims' status), [`checkpoint_file`] (checkpoint
 //!   migration and NVIDIA import), [`cdi_io`] (CDI on the host), [`cdi_hook`] (the hook
 //!   binary our specs name), [`sharing`] (time-slicing and MPS), [`mig`] (dynamic MIG's
 //!   hardware seam).
@@ -28,6 +29,7 @@ pub mod cdi_hook;
 pub mod cdi_io;
 pub mod checkpoint_file;
 pub mod claim_locks;
+pub mod claim_status;
 pub mod claims;
 pub mod cmd;
 pub mod digest;

@@ -239,7 +239,25 @@ fn default_values() {
             ),
             // Its Node, watched for the partitioning annotations (`publish::node_watch`).
             ("".into(), "nodes".into(), vec!["get", "list", "watch"]),
+            // Device data in the status of the claims it prepares (`claim_status`): the
+            // status subresource, and this driver's entries of claims on its node (the API
+            // server's check on the synthetic `driver` subresource).
+            (
+                "resource.k8s.io".into(),
+                "resourceclaims/status".into(),
+                vec!["patch", "update"]
+            ),
+            (
+                "resource.k8s.io".into(),
+                "resourceclaims/driver".into(),
+                vec!["associated-node:patch", "associated-node:update"]
+            ),
         ]
+    );
+    assert_eq!(
+        role["rules"][4]["resourceNames"],
+        serde_json::json!(["gpu.nvidia.com"]),
+        "the driver subresource only for this driver"
     );
     // Pods only in its own namespace, for the MPS daemon pods, watched by one watch per node
     // (`sharing::pod_watch`); no update.
@@ -898,6 +916,28 @@ fn eval(expr: &str, vars: &Value) -> cel::Value {
         .unwrap_or_else(|e| panic!("policy CEL {expr:?} on {vars}: {e}"))
 }
 
+/// A CEL value as JSON (the policy's variables are strings, lists and maps of them).
+fn cel_json(value: &cel::Value) -> Option<Value> {
+    Some(match value {
+        cel::Value::String(s) => Value::String(s.to_string()),
+        cel::Value::Bool(b) => Value::Bool(*b),
+        cel::Value::Int(i) => Value::from(*i),
+        cel::Value::UInt(u) => Value::from(*u),
+        cel::Value::Null => Value::Null,
+        cel::Value::List(items) => Value::Array(items.iter().map(cel_json).collect::<Option<_>>()?),
+        cel::Value::Map(map) => Value::Object(
+            map.map
+                .iter()
+                .map(|(k, v)| match k {
+                    cel::objects::Key::String(k) => Some((k.to_string(), cel_json(v)?)),
+                    _ => None,
+                })
+                .collect::<Option<_>>()?,
+        ),
+        _ => return None,
+    })
+}
+
 /// What the node-restriction policy decides: `None` when it does not apply to the request,
 /// else the messages of the failed validations (empty: allowed).
 fn node_policy(
@@ -908,16 +948,18 @@ fn node_policy(
     object: Value,
     old: Value,
 ) -> Option<Vec<String>> {
-    // Pods are told apart by their shape here (a slice has spec.driver).
+    // Pods are told apart by their shape here (a slice has spec.driver, a claim a status).
     let of = if op == "DELETE" { &old } else { &object };
-    let resource = if of["spec"]["containers"].is_array() {
-        "pods"
+    let (resource, sub) = if of["spec"]["containers"].is_array() {
+        ("pods", "")
+    } else if of.get("status").is_some() {
+        ("resourceclaims", "status")
     } else {
-        "resourceslices"
+        ("resourceslices", "")
     };
     let spec = &vap["spec"];
     let mut vars = serde_json::json!({
-        "request": {"operation": op, "resource": {"resource": resource},
+        "request": {"operation": op, "resource": {"resource": resource}, "subResource": sub,
             "userInfo": {"username": user, "extra": extra}},
         "object": object,
         "oldObject": old,
@@ -931,13 +973,9 @@ fn node_policy(
     let mut variables = serde_json::Map::new();
     for var in spec["variables"].as_array().expect("variables") {
         let expr = var["expression"].as_str().expect("expression");
-        let cel::Value::String(s) = eval(expr, &vars) else {
-            panic!("variable {} is not a string", var["name"]);
-        };
-        variables.insert(
-            var["name"].as_str().expect("name").to_owned(),
-            Value::String(s.to_string()),
-        );
+        let value = cel_json(&eval(expr, &vars))
+            .unwrap_or_else(|| panic!("variable {} is not plain data", var["name"]));
+        variables.insert(var["name"].as_str().expect("name").to_owned(), value);
         vars["variables"] = Value::Object(variables.clone());
     }
     let mut failed = Vec::new();
@@ -2314,4 +2352,111 @@ fn openshift_lets_the_plugin_and_daemons_use_the_privileged_scc() {
     );
     let binding = find(&objects, "RoleBinding", "rel-gpu-dra-driver-privileged-scc");
     assert_eq!(subjects(binding).len(), 1, "only the plugin's account");
+}
+
+#[test]
+fn node_restriction_policy_keeps_claim_status_to_the_drivers_entries_of_the_nodes_pool() {
+    let Some(helm) = helm() else { return };
+    let objects = render(&helm, &[]);
+    let vap = find(
+        &objects,
+        "ValidatingAdmissionPolicy",
+        "rel-gpu-dra-driver-node-restriction",
+    );
+    let plugin = format!("system:serviceaccount:{NAMESPACE}:rel-gpu-dra-driver-kubelet-plugin");
+    let on_a = serde_json::json!({"authentication.kubernetes.io/node-name": ["node-a"]});
+    let entry = |driver: &str, pool: &str, device: &str| {
+        serde_json::json!({"driver": driver, "pool": pool, "device": device,
+            "data": {"uuid": "GPU-1"}, "conditions": [{"type": "Ready", "status": "True"}]})
+    };
+    let allocation = serde_json::json!({"devices": {"results": [
+        {"request": "gpu", "driver": "gpu.nvidia.com", "pool": "node-a", "device": "gpu-1"},
+        {"request": "nic", "driver": "net.example.com", "pool": "node-a", "device": "nic-0"}]}});
+    let claim = |devices: Vec<Value>| {
+        serde_json::json!({"spec": {"devices": {"requests": []}},
+            "status": {"allocation": allocation, "reservedFor": [{"resource": "pods", "name": "p", "uid": "u"}],
+                       "devices": devices}})
+    };
+    let theirs = entry("net.example.com", "node-a", "nic-0");
+    let before = claim(vec![theirs.clone()]);
+    let decide = |after: Value| {
+        node_policy(vap, &plugin, on_a.clone(), "UPDATE", after, before.clone())
+            .expect("the policy applies to the plugin")
+    };
+
+    // Ours, of its node's pool: added, changed and removed.
+    let ours = entry("gpu.nvidia.com", "node-a", "gpu-1");
+    assert_eq!(
+        decide(claim(vec![theirs.clone(), ours.clone()])),
+        Vec::<String>::new()
+    );
+    let mut changed = ours.clone();
+    changed["data"]["uuid"] = "GPU-2".into();
+    let with_ours = claim(vec![theirs.clone(), ours.clone()]);
+    assert_eq!(
+        node_policy(
+            vap,
+            &plugin,
+            on_a.clone(),
+            "UPDATE",
+            claim(vec![theirs.clone(), changed]),
+            with_ours.clone()
+        ),
+        Some(vec![])
+    );
+    assert_eq!(
+        node_policy(
+            vap,
+            &plugin,
+            on_a.clone(),
+            "UPDATE",
+            before.clone(),
+            with_ours
+        ),
+        Some(vec![])
+    );
+
+    // Another driver's entry: neither changed nor removed.
+    let mut other = theirs.clone();
+    other["data"]["uuid"] = "forged".into();
+    let refused = decide(claim(vec![other]));
+    assert_eq!(refused.len(), 1, "{refused:?}");
+    assert!(
+        refused[0].contains("only write status.devices entries of driver gpu.nvidia.com, not net.example.com/node-a/nic-0"),
+        "{refused:?}"
+    );
+    assert_eq!(
+        decide(claim(vec![])).len(),
+        1,
+        "removing another driver's entry"
+    );
+
+    // An entry of another node's pool.
+    let refused = decide(claim(vec![
+        theirs.clone(),
+        entry("gpu.nvidia.com", "node-b", "gpu-1"),
+    ]));
+    assert_eq!(
+        refused,
+        [
+            "the kubelet plugin on node node-a may only write status.devices entries of pool node-a (the devices of its node), not gpu.nvidia.com/node-b/gpu-1"
+        ]
+    );
+
+    // The rest of the status stays as it was.
+    let mut unreserved = before.clone();
+    unreserved["status"]["reservedFor"] = serde_json::json!([]);
+    let mut deallocated = before.clone();
+    deallocated["status"]
+        .as_object_mut()
+        .expect("status")
+        .remove("allocation");
+    for after in [unreserved, deallocated] {
+        let refused = decide(after);
+        assert_eq!(refused.len(), 1, "{refused:?}");
+        assert!(
+            refused[0].contains("not status.allocation or status.reservedFor"),
+            "{refused:?}"
+        );
+    }
 }

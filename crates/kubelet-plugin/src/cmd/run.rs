@@ -159,6 +159,12 @@ pub struct RunArgs {
         default_value_t = 60
     )]
     pub cleanup_interval_seconds: u64,
+    /// Write each prepared device's entry in its ResourceClaim's `status.devices` (UUID,
+    /// product, MIG profile and parent, memory share, sharing strategy; condition `Ready`),
+    /// removed at unprepare. Needs the chart's RBAC for `resourceclaims/status`; written in
+    /// the background, never failing a prepare.
+    #[arg(long, env = "CLAIM_DEVICE_STATUS", default_value_t = true, action = clap::ArgAction::Set)]
+    pub claim_device_status: bool,
     /// Test only: read claims from this JSON file (array of ResourceClaims), not the API server.
     #[arg(long, env = "CLAIM_SOURCE_FILE", hide = true)]
     pub claim_source_file: Option<PathBuf>,
@@ -488,6 +494,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             }),
         ));
     }
+    let claim_status = claim_status_writer(&args, client.as_ref());
     // The driver loads (migrates, imports) its checkpoint before sharing recovers, so that
     // recovery knows which MPS directories NVIDIA's driver owns.
     let driver = Arc::new(Driver::new(DriverParts {
@@ -505,6 +512,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         failpoints,
         metrics: metrics.clone(),
         mig: backends.mig.clone(),
+        claim_status,
     })?);
     // Sharing state is recovered before the driver reconciles: live MPS daemons of prepared
     // claims are re-adopted (or restarted), interrupted starts and stops are cleaned up, and
@@ -612,6 +620,27 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     remove_quietly(&dra_path);
     info!("stopped");
     Ok(())
+}
+
+/// The writer of the claims' device status: none when `--claim-device-status=false` or
+/// without an API server (claims from a file).
+fn claim_status_writer(
+    args: &RunArgs,
+    client: Option<&kube::Client>,
+) -> Option<Arc<dyn crate::claim_status::ClaimStatusSink>> {
+    use crate::claim_status::{Backoff, KubeStatusApi, StatusWriter, field_manager};
+    let client = client?;
+    if !args.claim_device_status {
+        info!("device data in claim status is off (--claim-device-status=false)");
+        return None;
+    }
+    let manager = field_manager(&args.driver_name, &args.node_name);
+    info!(field_manager = %manager, "writing device data into the status of prepared claims");
+    let api = Arc::new(KubeStatusApi::new(client.clone(), manager));
+    // The task ends with the writer, which the driver holds until the process ends.
+    let (writer, _task) =
+        StatusWriter::start(&args.driver_name, &args.node_name, api, Backoff::default());
+    Some(Arc::new(writer))
 }
 
 /// Applies the Node's partitioning annotations over the flags once (the publisher keeps them

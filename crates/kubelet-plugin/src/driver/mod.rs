@@ -46,6 +46,7 @@ use self::journal::Journal;
 use crate::cdi_io::{CdiError, CdiHost};
 use crate::checkpoint_file::CheckpointFileError;
 use crate::claim_locks::ClaimLocks;
+use crate::claim_status::ClaimStatusSink;
 use crate::claims::{ClaimSource, ClaimSourceError};
 use crate::failpoint::{Failpoints, Fired};
 use crate::inventory::{LiveInventory, ResolveError};
@@ -145,6 +146,7 @@ pub struct Driver {
     failpoints: Failpoints,
     metrics: Arc<Metrics>,
     mig: Arc<dyn MigControl>,
+    claim_status: Option<Arc<dyn ClaimStatusSink>>,
     /// Held while MIG instances are recorded and created, destroyed, or swept, so that a
     /// sweep never sees an instance without the checkpoint record that owns it.
     mig_lock: tokio::sync::Mutex<()>,
@@ -173,6 +175,9 @@ pub struct DriverParts {
     pub metrics: Arc<Metrics>,
     /// Creates and destroys the MIG instances of dynamic MIG devices.
     pub mig: Arc<dyn MigControl>,
+    /// Told of every prepared and unprepared claim, for the claims' `status.devices`
+    /// ([`crate::claim_status`]); `None`: no status is written.
+    pub claim_status: Option<Arc<dyn ClaimStatusSink>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -218,6 +223,7 @@ impl Driver {
             failpoints: parts.failpoints,
             metrics: parts.metrics,
             mig: parts.mig,
+            claim_status: parts.claim_status,
             mig_lock: tokio::sync::Mutex::new(()),
             claim_locks: ClaimLocks::default(),
             holders: Mutex::new(holders),

@@ -65,7 +65,11 @@ impl Driver {
             .observe("prepare", started.elapsed().as_secs_f64(), result.is_ok());
         match &result {
             Ok(devices) => {
-                info!(claim.uid = %claim.uid, claim = %format!("{}/{}", claim.namespace, claim.name), devices = devices.len(), "prepared")
+                info!(claim.uid = %claim.uid, claim = %format!("{}/{}", claim.namespace, claim.name), devices = devices.len(), "prepared");
+                // Also for repeats: the sink sends nothing when the status is already written.
+                if let Some(status) = &self.claim_status {
+                    status.prepared(claim, devices, &self.inventory.current());
+                }
             }
             Err(e) => warn!(claim.uid = %claim.uid, error = %e, "prepare failed"),
         }
@@ -200,6 +204,11 @@ impl Driver {
                 admin_access: d.admin_access,
                 share_id: d.share_id.clone(),
                 memory_share_bytes: d.memory_share.map(|s| s.bytes),
+                sharing_strategy: plan
+                    .groups
+                    .get(d.group)
+                    .and_then(|g| g.sharing.as_ref())
+                    .map(|s| crate::sharing::executor::strategy_name(s).to_owned()),
                 extra: Default::default(),
             })
             .collect();

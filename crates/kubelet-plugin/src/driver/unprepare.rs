@@ -51,6 +51,9 @@ impl Driver {
             Ok(()) => {
                 self.inventory.forget(&claim.uid);
                 info!(claim.uid = %claim.uid, "unprepared");
+                if let Some(status) = &self.claim_status {
+                    status.unprepared(claim);
+                }
             }
             Err(e) => warn!(claim.uid = %claim.uid, error = %e, "unprepare failed"),
         }

@@ -32,6 +32,7 @@ pub struct DriverBuilder {
     backend: Option<Arc<dyn gpu_dra_device::GpuInventory>>,
     partitioning: gpu_dra_core::partitioning::Partitioning,
     failpoints: Failpoints,
+    claim_status: Option<Arc<dyn crate::claim_status::ClaimStatusSink>>,
 }
 
 impl DriverBuilder {
@@ -55,6 +56,7 @@ impl DriverBuilder {
             backend: None,
             partitioning: Default::default(),
             failpoints: Failpoints::default(),
+            claim_status: None,
         }
     }
 
@@ -69,6 +71,12 @@ impl DriverBuilder {
         self.mig = mig;
         self.backend = Some(backend);
         self.partitioning = partitioning;
+        self
+    }
+
+    /// Sets where the claims' device status goes (none by default).
+    pub fn claim_status(mut self, sink: Arc<dyn crate::claim_status::ClaimStatusSink>) -> Self {
+        self.claim_status = Some(sink);
         self
     }
 
@@ -152,6 +160,7 @@ impl DriverBuilder {
             failpoints: self.failpoints,
             metrics: self.metrics,
             mig: self.mig,
+            claim_status: self.claim_status,
         })
     }
 }
