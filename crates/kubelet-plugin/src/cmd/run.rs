@@ -8,6 +8,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use anyhow::Context;
+use gpu_dra_core::consumable_shares::ConsumableShares;
 use gpu_dra_core::health::{HealthPolicy, TaintEffect};
 use gpu_dra_core::partitioning::{GpuSelection, Partitioning};
 use gpu_dra_device::fixture::FixtureInventory;
@@ -135,6 +136,18 @@ pub struct RunArgs {
     /// (same syntax; Node annotation `gpu.nvidia.com/memory-share-gpus`).
     #[arg(long, env = "MEMORY_SHARE_GPUS", default_value = "")]
     pub memory_share_gpus: String,
+    /// NVIDIA's consumable shares for every whole GPU and MIG device of GPUs offered
+    /// statically: `disabled`, `memory` (claims share a device by amounts of its memory),
+    /// `unlimited` (no memory consumed unless asked for) or a positive integer N (a `shares`
+    /// capacity of N, one per claim by default). GPUs selected for memory shares or dynamic
+    /// MIG keep that form.
+    #[arg(
+        long,
+        env = "CONSUMABLE_SHARES",
+        default_value = "disabled",
+        value_parser = ConsumableShares::parse
+    )]
+    pub consumable_shares: ConsumableShares,
     /// Seconds between rediscoveries of the GPUs (a MIG layout changed by hand); prepare also
     /// rediscovers before every claim. Formerly `--rediscover-interval`
     /// (`REDISCOVER_INTERVAL`), still accepted.
@@ -232,6 +245,7 @@ pub fn partitioning(args: &RunArgs) -> anyhow::Result<Partitioning> {
             .map_err(|p| anyhow::anyhow!("--dynamic-mig-gpus (DYNAMIC_MIG_GPUS): {p}"))?,
         memory_shares: GpuSelection::parse(&args.memory_share_gpus)
             .map_err(|p| anyhow::anyhow!("--memory-share-gpus (MEMORY_SHARE_GPUS): {p}"))?,
+        consumable_shares: args.consumable_shares,
     })
 }
 
