@@ -714,4 +714,34 @@ mod tests {
         );
         assert_eq!(health_policy(&former).expect("policy").hold_secs, 6);
     }
+
+    #[test]
+    fn consumable_shares_take_nvidias_values_and_refuse_others_saying_which() {
+        assert_eq!(
+            partitioning(&run_args(&[]))
+                .expect("flags")
+                .consumable_shares,
+            ConsumableShares::Disabled
+        );
+        assert_eq!(
+            partitioning(&run_args(&["--consumable-shares=4"]))
+                .expect("flags")
+                .consumable_shares,
+            ConsumableShares::Count(4)
+        );
+        assert_eq!(
+            run_args(&["--consumable-shares", "unlimited"]).consumable_shares,
+            ConsumableShares::Unlimited
+        );
+        let line = ["gpu-kubelet-plugin", "run", "--node-name=n"];
+        let err = crate::cmd::command()
+            .try_get_matches_from(line.iter().chain(&["--consumable-shares=0"]))
+            .expect_err("0 shares")
+            .to_string();
+        assert!(
+            err.contains("--consumable-shares")
+                && err.contains("use disabled, memory, unlimited or a positive integer"),
+            "{err}"
+        );
+    }
 }
