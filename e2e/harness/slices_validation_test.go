@@ -263,3 +263,50 @@ func TestMemoryShareSliceValidates(t *testing.T) {
 }
 
 func resourceapiQuantity(s string) apiresource.Quantity { return apiresource.MustParse(s) }
+
+// consumableSharesGolden is the pool with NVIDIA's consumable shares at 4: a
+// whole GPU and a MIG device, both multi-allocatable with a memory policy and
+// a `shares` capacity.
+const consumableSharesGolden = "consumable-shares-a100.json"
+
+// TestConsumableSharesSliceValidates: the consumable-shares pool passes
+// Kubernetes' validation (a MIG device's other capacities with their default-0
+// policies too), and the `shares` policy NVIDIA's driver writes for N = 1
+// (step 1 above a value of 1) is refused, which is why ours has no step there.
+func TestConsumableSharesSliceValidates(t *testing.T) {
+	slices := readGolden(t, consumableSharesGolden)
+	var multi int
+	for i := range slices {
+		for _, d := range slices[i].Spec.Devices {
+			if d.AllowMultipleAllocations == nil || !*d.AllowMultipleAllocations {
+				t.Errorf("%s: device %s does not allow multiple allocations", consumableSharesGolden, d.Name)
+				continue
+			}
+			if _, ok := d.Capacity["shares"]; !ok {
+				t.Errorf("%s: device %s has no shares capacity", consumableSharesGolden, d.Name)
+			}
+			multi++
+		}
+		if errs := validate(t, &slices[i]); len(errs) > 0 {
+			t.Fatalf("%s is invalid:\n  %s", consumableSharesGolden, strings.Join(errs, "\n  "))
+		}
+	}
+	if multi != 2 {
+		t.Fatalf("%s: want a whole GPU and a MIG device, got %d devices", consumableSharesGolden, multi)
+	}
+	s := slices[0].DeepCopy()
+	shares := s.Spec.Devices[0].Capacity["shares"]
+	one, step := resourceapiQuantity("1"), resourceapiQuantity("1")
+	shares.Value = one
+	shares.RequestPolicy.ValidRange.Max = &one
+	shares.RequestPolicy.ValidRange.Step = &step
+	s.Spec.Devices[0].Capacity["shares"] = shares
+	if errs := validate(t, s); !strings.Contains(strings.Join(errs, "\n"), "one step") {
+		t.Errorf("shares of 1 with step 1: want an error on the step, got %q", errs)
+	}
+	shares.RequestPolicy.ValidRange.Step = nil
+	s.Spec.Devices[0].Capacity["shares"] = shares
+	if errs := validate(t, s); len(errs) > 0 {
+		t.Errorf("shares of 1 without a step: %q", errs)
+	}
+}

@@ -4,6 +4,8 @@
 //! - [`cdi`]: CDI spec documents for a prepared claim, built from plain inputs.
 //! - [`dynamic_mig`]: dynamic MIG GPUs as partitionable devices (counter sets + placements).
 //! - [`memory_shares`]: memory-share GPUs (several claims, each an amount of memory).
+//! - [`consumable_shares`]: NVIDIA's node-wide consumable shares (`disabled`, `memory`,
+//!   `unlimited`, `<N>`) on every eligible GPU and MIG device.
 //! - [`checkpoint`]: the node plugin's checkpoint model, versioned and tolerant of unknown fields.
 //! - [`sharing`]: sharing group names, MPS limits per device UUID, MPS client container edits.
 //! - [`nvidia_checkpoint`]: NVIDIA's driver's checkpoint, read into our entries for an in-place switch.
@@ -17,6 +19,7 @@
 
 pub mod cdi;
 pub mod checkpoint;
+pub mod consumable_shares;
 pub mod dynamic_mig;
 pub mod health;
 pub mod ldcache;

@@ -1,7 +1,10 @@
 //! How each GPU of a node is offered: statically (as it is: a whole GPU, or its existing MIG
 //! devices), as **dynamic MIG** (every MIG profile placement, created at prepare), or as
 //! **memory shares** (one GPU allocated to several claims, each consuming an amount of its
-//! memory).
+//! memory). On top of that, NVIDIA's node-wide **consumable shares**
+//! ([`crate::consumable_shares`], `--consumable-shares`) make every whole GPU and MIG device
+//! of the statically offered GPUs one several claims may hold; a GPU selected for dynamic MIG
+//! or memory shares keeps that form (the per-GPU selection wins).
 //!
 //! Static is the default. The chart sets a node-wide default through the plugin's flags
 //! (`--dynamic-mig-gpus`, `--memory-share-gpus`); a node overrides it with the annotations
@@ -15,6 +18,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use gpu_dra_device::{Gpu, Inventory};
 
+use crate::consumable_shares::ConsumableShares;
 use crate::health::Taint;
 use crate::slices::{Rendered, SliceParams};
 
@@ -95,6 +99,8 @@ pub struct Partitioning {
     pub dynamic_mig: GpuSelection,
     /// GPUs offered as memory shares.
     pub memory_shares: GpuSelection,
+    /// NVIDIA's node-wide consumable shares, for the devices of statically offered GPUs.
+    pub consumable_shares: ConsumableShares,
 }
 
 impl Partitioning {
@@ -118,6 +124,33 @@ impl Partitioning {
             .filter(|g| self.mode(g) == mode)
             .map(|g| g.uuid.clone())
             .collect()
+    }
+
+    /// Names of the devices several claims may hold at once (as shares, each allocation with a
+    /// share ID): the whole-GPU devices of memory-share GPUs with MIG off, and every device
+    /// eligible for consumable shares ([`crate::consumable_shares::eligible`]). The same rule
+    /// the rendering follows, so prepare accepts exactly the shares the scheduler may make.
+    pub fn shareable_devices(&self, inventory: &Inventory) -> BTreeSet<String> {
+        inventory
+            .devices()
+            .filter(|d| match d {
+                gpu_dra_device::DeviceRef::Gpu(g) if self.mode(g) == GpuMode::MemoryShares => {
+                    crate::memory_shares::request_policy(g.memory_bytes).is_some()
+                }
+                _ => crate::consumable_shares::eligible(self, d),
+            })
+            .map(|d| d.name())
+            .collect()
+    }
+
+    /// These settings without anything that needs consumable capacity (memory shares and
+    /// consumable shares off): what the node offers while the API server drops it.
+    pub fn without_consumable_capacity(self) -> Partitioning {
+        Partitioning {
+            memory_shares: GpuSelection::None,
+            consumable_shares: ConsumableShares::Disabled,
+            ..self
+        }
     }
 
     /// GPUs selected for both modes (offered statically): for warnings.
@@ -155,7 +188,8 @@ impl Partitioning {
 
 /// Renders the node's pool as `partitioning` says: dynamic MIG GPUs as partitionable devices
 /// ([`crate::dynamic_mig::render_pool`]), memory-share GPUs as whole GPUs several claims may
-/// hold ([`crate::memory_shares::apply`]), every other GPU statically.
+/// hold ([`crate::memory_shares::apply`]), every other GPU statically, its devices with
+/// consumable shares when they are on ([`crate::consumable_shares::apply`]).
 ///
 /// `dynamic_instances` names the MIG devices on dynamic GPUs that claims' dynamic devices stand
 /// for (the placements their checkpoint records hold, also before the instance exists): they
@@ -188,6 +222,7 @@ pub fn render(
     };
     let shared = partitioning.uuids(inventory, GpuMode::MemoryShares);
     crate::memory_shares::apply(&mut rendered, inventory, &shared);
+    crate::consumable_shares::apply(&mut rendered, inventory, partitioning);
     rendered
 }
 
@@ -213,7 +248,7 @@ mod tests {
         let inv = inventory([a100(0).build(), a100(1).build()]);
         let flags = Partitioning {
             dynamic_mig: GpuSelection::All,
-            memory_shares: GpuSelection::None,
+            ..Partitioning::default()
         };
         assert_eq!(flags.mode(&inv.gpus[1]), GpuMode::DynamicMig);
         let (node, problems) = flags.with_node_annotations(|k| match k {
@@ -227,6 +262,7 @@ mod tests {
         let both = Partitioning {
             dynamic_mig: GpuSelection::All,
             memory_shares: GpuSelection::All,
+            ..Partitioning::default()
         };
         assert_eq!(both.mode(&inv.gpus[0]), GpuMode::Static);
         assert_eq!(both.conflicts(&inv).len(), 2);
@@ -247,7 +283,7 @@ mod tests {
         let inv = inventory([gpu]);
         let partitioning = Partitioning {
             dynamic_mig: GpuSelection::All,
-            memory_shares: GpuSelection::None,
+            ..Partitioning::default()
         };
         let params = SliceParams {
             node_name: "node-a",

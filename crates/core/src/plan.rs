@@ -126,6 +126,8 @@ pub struct AllocatedDevice {
     /// `consumedCapacity.memory` of the allocation, in bytes (set by the scheduler for
     /// devices that allow multiple allocations).
     pub consumed_memory: Option<u64>,
+    /// `consumedCapacity.shares` of the allocation (NVIDIA's `<N>` consumable shares).
+    pub consumed_shares: Option<u64>,
 }
 
 /// The parts of a ResourceClaim that planning needs.
@@ -184,16 +186,12 @@ pub fn claim_input(
         .filter(|(_, r)| r.driver == driver && r.pool == pool)
         .map(|(index, r)| AllocatedDevice {
             index,
+            consumed_memory: consumed(&r, crate::slices::cap::MEMORY),
+            consumed_shares: consumed(&r, crate::slices::cap::SHARES),
             request: r.request,
             device: r.device,
             admin_access: r.admin_access.unwrap_or(false),
             share_id: r.share_id,
-            consumed_memory: r
-                .consumed_capacity
-                .as_ref()
-                .and_then(|c| c.get(crate::slices::cap::MEMORY))
-                .and_then(|q| gpu_dra_api::quantity::Quantity::parse(&q.0).ok())
-                .and_then(|q| q.to_bytes_ceil().ok()),
         })
         .collect();
     let configs = devices
@@ -222,6 +220,20 @@ pub fn claim_input(
         devices: results,
         configs,
     })
+}
+
+/// `consumedCapacity.<name>` of an allocation result as a whole number (bytes for memory),
+/// rounded up.
+fn consumed(
+    result: &k8s_openapi::api::resource::v1::DeviceRequestAllocationResult,
+    name: &str,
+) -> Option<u64> {
+    result
+        .consumed_capacity
+        .as_ref()
+        .and_then(|c| c.get(name))
+        .and_then(|q| gpu_dra_api::quantity::Quantity::parse(&q.0).ok())
+        .and_then(|q| q.to_bytes_ceil().ok())
 }
 
 /// Decodes and validates opaque parameters (the `api` crate's one validation sits behind it).
@@ -279,9 +291,13 @@ pub struct DevicePlan {
     pub admin_access: bool,
     /// Share ID, when allocated as a share.
     pub share_id: Option<String>,
-    /// The claim's share of a memory-share GPU: a whole GPU allocated with a share ID and a
-    /// consumed amount of memory.
+    /// The claim's share of a device allocated as one share (with a share ID): of a
+    /// memory-share GPU, or of a whole GPU or MIG device under consumable shares. Its `bytes`
+    /// are the memory the allocation consumes, 0 when it consumes none (NVIDIA's `unlimited`
+    /// and `<N>` modes by default): then nothing limits its memory.
     pub memory_share: Option<MemoryShare>,
+    /// The `shares` the allocation consumes (NVIDIA's `<N>` consumable shares).
+    pub shares: Option<u64>,
     /// Index of the sharing group in [`Plan::groups`].
     pub group: usize,
 }
@@ -359,17 +375,17 @@ pub fn plan(
                 known: known.join(", "),
             });
         };
-        let memory_share = match (dev, &result.share_id, result.consumed_memory) {
-            (DeviceRef::Gpu(g), Some(_), Some(bytes)) => Some(MemoryShare {
-                bytes,
-                total_bytes: g.memory_bytes,
-                compute_capability: (
-                    g.cuda_compute_capability.major,
-                    g.cuda_compute_capability.minor,
-                ),
-            }),
-            _ => None,
-        };
+        let memory_share = result.share_id.as_ref().map(|_| {
+            let cc = dev.gpu().cuda_compute_capability;
+            MemoryShare {
+                bytes: result.consumed_memory.unwrap_or(0),
+                total_bytes: match dev {
+                    DeviceRef::Gpu(g) => g.memory_bytes,
+                    DeviceRef::Mig { mig, .. } => mig.memory_bytes,
+                },
+                compute_capability: (cc.major, cc.minor),
+            }
+        });
         let nodes = match dev {
             DeviceRef::Gpu(g) => DeviceNodesNeed {
                 gpu_minor: g.minor,
@@ -392,6 +408,7 @@ pub fn plan(
             admin_access: result.admin_access,
             share_id: result.share_id.clone(),
             memory_share,
+            shares: result.consumed_shares.filter(|_| result.share_id.is_some()),
             group: 0,
         });
         chosen.push(config);
@@ -513,6 +530,13 @@ fn check_mps_share(group: &SharingGroup, devices: &[DevicePlan]) -> Result<(), P
         total_bytes: 0,
         compute_capability: (0, 0),
     });
+    if share.bytes == 0 {
+        // A share consuming no memory (consumable shares, `unlimited` or `<N>`): the config's
+        // limits are all there is, nothing to fit them in.
+        return errors
+            .into_result(())
+            .map_err(|errors| PlanError::Config { index, errors });
+    }
     let share_text = crate::slices::capacity_quantity(share.bytes).0;
     let uuids = [share_device.uuid.as_str()];
     let mut overridden = false;
@@ -592,6 +616,7 @@ mod tests {
             admin_access: false,
             share_id: None,
             consumed_memory: None,
+            consumed_shares: None,
         }
     }
 
@@ -988,6 +1013,41 @@ mod tests {
             &ApiDecoder,
         )
         .expect("limit within the share");
+    }
+
+    /// Consumable shares: a MIG device held as one share (NVIDIA's `unlimited` and `<N>`
+    /// modes consume no memory by default), and its `shares`.
+    #[test]
+    fn a_share_of_a_mig_device_carries_its_memory_and_shares() {
+        let claim: ResourceClaim = serde_json::from_value(json!({
+            "metadata": {"name": "c", "namespace": "ns", "uid": "uid-1"},
+            "spec": {},
+            "status": {"allocation": {"devices": {"results": [
+                {"request": "mig", "driver": "gpu.nvidia.com", "pool": "node-a",
+                 "device": "gpu-1-mig-1g5gb-19-0",
+                 "shareID": "7d3c6f4e-0000-4000-8000-000000000002",
+                 "consumedCapacity": {"memory": "0", "shares": "2", "multiprocessors": "0"}}
+            ]}}}
+        }))
+        .expect("claim");
+        let input = claim_input(&claim, "uid-1", "gpu.nvidia.com", "node-a").expect("input");
+        assert_eq!(input.devices[0].consumed_shares, Some(2));
+        let p = plan(&input, &inventory(), &ApiDecoder).expect("plan");
+        assert_eq!(p.devices[0].shares, Some(2));
+        assert_eq!(
+            p.devices[0].memory_share,
+            Some(MemoryShare {
+                bytes: 0,
+                total_bytes: 4864 << 20,
+                compute_capability: (8, 0),
+            })
+        );
+        // An MPS limit on a share that consumes no memory has nothing to fit in: accepted.
+        let mig_mps = json!({"apiVersion": "resource.nvidia.com/v1beta1", "kind": "MigDeviceConfig",
+               "sharing": {"strategy": "MPS", "mpsConfig": {"defaultPinnedDeviceMemoryLimit": "2Gi"}}});
+        let mut input = input;
+        input.configs = vec![cfg(0, ConfigSource::FromClaim, &[], mig_mps)];
+        plan(&input, &inventory(), &ApiDecoder).expect("limit on a share without memory");
     }
 
     #[test]

@@ -66,7 +66,8 @@ pub struct SharedDevice {
     pub uuid: String,
     /// Whether it is a MIG device (no compute mode or time-slice settings apply).
     pub mig: bool,
-    /// The claim's share, when the device is a memory-share GPU allocated as a share.
+    /// The claim's share, when the device is allocated as one share (a memory-share GPU, or
+    /// a GPU or MIG device under consumable shares; `bytes` 0 when it consumes no memory).
     pub share: Option<MemoryShare>,
 }
 
@@ -183,30 +184,39 @@ pub const ACTIVE_THREAD_PERCENTAGE_ENV: &str = "CUDA_MPS_ACTIVE_THREAD_PERCENTAG
 /// (MPS lets a client lower, never raise, the daemon's default).
 pub const PINNED_MEMORY_LIMIT_ENV: &str = "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT";
 
-/// The environment of an MPS client holding `share` of its GPU under `config`: its pinned
-/// memory limit (the config's limit for the device, which planning checked fits in the share,
-/// else the share) and its active thread percentage (the config's, else the share's part of
-/// the memory, see [`MemoryShare::thread_percentage`]). The device is ordinal 0: the daemon
-/// serves that one GPU and the client sees no other through it.
+/// The environment of an MPS client holding `share` of its device under `config`: its
+/// pinned memory limit (the config's limit for the device, which planning checked fits in the
+/// share, else the share) and its active thread percentage (the config's, else the share's
+/// part of the memory, see [`MemoryShare::thread_percentage`]). A share that consumes no
+/// memory (consumable shares, `unlimited` or `<N>`) gets the config's limits only. The device
+/// is ordinal 0: the daemon serves that one device and the client sees no other through it.
 pub fn mps_share_env(
     config: &MpsConfig,
     device: &SharedDevice,
     share: &MemoryShare,
 ) -> Vec<String> {
     let limits = mps_limits(config, std::slice::from_ref(device));
-    let mib = limits
-        .pinned_memory_mib
-        .get(&device.uuid)
-        .copied()
-        .unwrap_or_else(|| share.mib())
-        .min(share.mib());
-    let pct = config
-        .active_thread_percentage
-        .unwrap_or_else(|| share.thread_percentage());
-    vec![
-        format!("{PINNED_MEMORY_LIMIT_ENV}=0={}", mps_limit(mib)),
-        format!("{ACTIVE_THREAD_PERCENTAGE_ENV}={pct}"),
-    ]
+    let configured = limits.pinned_memory_mib.get(&device.uuid).copied();
+    let (mib, pct) = if share.bytes == 0 {
+        (configured, config.active_thread_percentage)
+    } else {
+        (
+            Some(configured.unwrap_or_else(|| share.mib()).min(share.mib())),
+            Some(
+                config
+                    .active_thread_percentage
+                    .unwrap_or_else(|| share.thread_percentage()),
+            ),
+        )
+    };
+    let mut env = Vec::new();
+    if let Some(mib) = mib {
+        env.push(format!("{PINNED_MEMORY_LIMIT_ENV}=0={}", mps_limit(mib)));
+    }
+    if let Some(pct) = pct {
+        env.push(format!("{ACTIVE_THREAD_PERCENTAGE_ENV}={pct}"));
+    }
+    env
 }
 
 #[cfg(test)]
@@ -347,6 +357,16 @@ mod tests {
         };
         assert_eq!(
             mps_share_env(&config, &device, &share),
+            [
+                "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=6000M",
+                "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=60"
+            ]
+        );
+        // A share consuming no memory (consumable shares): only what the config sets.
+        let none = MemoryShare { bytes: 0, ..share };
+        assert!(mps_share_env(&MpsConfig::default(), &device, &none).is_empty());
+        assert_eq!(
+            mps_share_env(&config, &device, &none),
             [
                 "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=6000M",
                 "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=60"

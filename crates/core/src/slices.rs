@@ -93,6 +93,9 @@ pub mod cap {
     pub const OFA_ENGINES: &str = "ofaEngines";
     /// Prefix of the per-memory-slice capacities of a MIG device (`memorySlice0`...).
     pub const MEMORY_SLICE_PREFIX: &str = "memorySlice";
+    /// Shares of a device in NVIDIA's `<N>` consumable-shares mode
+    /// ([`crate::consumable_shares`]).
+    pub const SHARES: &str = "shares";
 }
 
 /// The value type of an attribute, as the API stores it (`string`, `int`, `bool`, `version`).
@@ -199,6 +202,7 @@ pub const CAPACITIES: &[CapacitySpec] = &[
     CapacitySpec { name: cap::JPEG_ENGINES, numbered: false, kinds: MIG },
     CapacitySpec { name: cap::OFA_ENGINES, numbered: false, kinds: MIG },
     CapacitySpec { name: cap::MEMORY_SLICE_PREFIX, numbered: true, kinds: MIG },
+    CapacitySpec { name: cap::SHARES, numbered: false, kinds: BOTH },
 ];
 
 /// The schema entry of attribute `name` (as published: unqualified or `domain/name`).
@@ -711,8 +715,30 @@ mod tests {
     #[test]
     fn the_renderer_publishes_exactly_the_schema() {
         let inv = representative();
-        let (devices, warnings) = render_devices(&inv);
+        let (mut devices, warnings) = render_devices(&inv);
         assert!(warnings.is_empty(), "{warnings:?}");
+        // The same devices with NVIDIA's `<N>` consumable shares: their `shares` capacity.
+        let partitioning = crate::partitioning::Partitioning {
+            consumable_shares: crate::consumable_shares::ConsumableShares::Count(2),
+            ..Default::default()
+        };
+        let shared = crate::partitioning::render(
+            &inv,
+            &SliceParams {
+                node_name: "n",
+                driver_name: "gpu.nvidia.com",
+                generation: 1,
+            },
+            &BTreeMap::new(),
+            &partitioning,
+            &std::collections::BTreeSet::new(),
+        );
+        devices.extend(
+            shared
+                .slices
+                .into_iter()
+                .flat_map(|s| s.spec.devices.into_iter().flatten()),
+        );
         let mut seen_attrs = std::collections::BTreeSet::new();
         let mut seen_caps = std::collections::BTreeSet::new();
         for d in &devices {

@@ -7,6 +7,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 
+use gpu_dra_core::consumable_shares::ConsumableShares;
 use gpu_dra_core::dynamic_mig;
 use gpu_dra_core::partitioning::{self, GpuSelection, Partitioning};
 use gpu_dra_core::slices::{self, SliceParams};
@@ -96,6 +97,34 @@ fn render_memory_shares() -> String {
     text
 }
 
+/// A node with NVIDIA's consumable shares at `4`: a whole A100 and an A100 with a static
+/// `1g.5gb`, both multi-allocatable with a `memory` policy (default 0) and 4 `shares`. Also
+/// validated by `e2e/harness/slices_validation_test.go`.
+const CONSUMABLE_SHARES_GOLDEN: &str = "consumable-shares-a100";
+
+fn render_consumable_shares() -> String {
+    let inv = inventory([a100(0).build(), a100(1).mig(mig_1g5gb(0)).build()]);
+    let partitioning = Partitioning {
+        consumable_shares: ConsumableShares::Count(4),
+        ..Partitioning::default()
+    };
+    let rendered = partitioning::render(
+        &inv,
+        &SliceParams {
+            node_name: "sim-node",
+            driver_name: "gpu.nvidia.com",
+            generation: 1,
+        },
+        &BTreeMap::new(),
+        &partitioning,
+        &BTreeSet::new(),
+    );
+    assert!(rendered.warnings.is_empty(), "{:?}", rendered.warnings);
+    let mut text = serde_json::to_string_pretty(&rendered.slices).expect("serialisable");
+    text.push('\n');
+    text
+}
+
 #[test]
 fn generated_golden_slices_are_fresh() {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/golden");
@@ -107,6 +136,7 @@ fn generated_golden_slices_are_fresh() {
         .chain([
             (DYNAMIC_MIG_GOLDEN, render_dynamic_mig()),
             (MEMORY_SHARE_GOLDEN, render_memory_shares()),
+            (CONSUMABLE_SHARES_GOLDEN, render_consumable_shares()),
         ]);
     for (name, want) in renderings {
         let path = dir.join(format!("{name}.json"));

@@ -555,7 +555,7 @@ mod tests {
         );
         live.set_partitioning(Partitioning {
             dynamic_mig: GpuSelection::All,
-            memory_shares: GpuSelection::None,
+            ..Partitioning::default()
         });
         let gpu = &first.gpus[0];
         let name = gpu.mig_devices[0].device_name(gpu);

@@ -624,6 +624,7 @@ async fn the_executor_applies_a_plan_group_with_edits_and_releases_without_state
         admin_access: false,
         share_id: None,
         memory_share: None,
+        shares: None,
         group: 0,
     };
     let decoded = gpu_dra_api::decode(&serde_json::json!({
@@ -978,4 +979,59 @@ async fn a_memory_share_daemon_runs_multi_user_where_the_gpu_supports_it() {
     assert_eq!(daemon_args(pid), ["-f"]);
     m.unprepare(CLAIM_A).await.unwrap();
     m.unprepare(CLAIM_B).await.unwrap();
+}
+
+/// Consumable shares: two claims holding one MIG device as shares (no memory consumed, as in
+/// NVIDIA's `unlimited` and `<N>` modes) join one MPS daemon serving that MIG device, which
+/// sets no compute mode (the parent GPU stays DEFAULT) and stops with the last claim. The
+/// clients get only the limits their configs set.
+#[tokio::test]
+async fn shares_of_a_mig_device_join_its_one_daemon() {
+    use gpu_dra_core::sharing::MEMORY_SHARE_DAEMON_OWNER as OWNER;
+    let node = Node::new(PROFILE);
+    let m = node.manager();
+    let uuid = node.mig_uuid(0);
+    let device = SharedDevice {
+        share: Some(gpu_dra_core::memory_shares::MemoryShare {
+            bytes: 0,
+            total_bytes: 4864 << 20,
+            compute_capability: (8, 0),
+        }),
+        ..mig(&uuid)
+    };
+    let a = prepare(
+        &m,
+        CLAIM_A,
+        &mps(vec![device.clone()], MpsConfig::default()),
+    )
+    .await
+    .unwrap();
+    let pid = m.mps_pid(OWNER, &uuid).expect("the MIG device's daemon");
+    assert!(
+        !a.env.iter().any(|e| e.starts_with("CUDA_MPS_PINNED")),
+        "no memory consumed, no limit: {:?}",
+        a.env
+    );
+    let config = MpsConfig {
+        active_thread_percentage: Some(40),
+        ..Default::default()
+    };
+    let b = prepare(&m, CLAIM_B, &mps(vec![device.clone()], config))
+        .await
+        .unwrap();
+    assert_eq!(m.mps_pid(OWNER, &uuid), Some(pid), "the same daemon");
+    assert_eq!(a.mounts, b.mounts);
+    assert!(
+        b.env
+            .contains(&"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=40".to_string()),
+        "{:?}",
+        b.env
+    );
+    assert!(environ(pid).contains(&format!("CUDA_VISIBLE_DEVICES={uuid}\n")));
+    assert_eq!(node.compute_mode(0), ComputeMode::Default);
+    m.unprepare(CLAIM_A).await.unwrap();
+    assert!(alive(pid));
+    m.unprepare(CLAIM_B).await.unwrap();
+    assert!(!alive(pid));
+    assert_eq!(m.mps_pid(OWNER, &uuid), None);
 }

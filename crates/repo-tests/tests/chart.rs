@@ -1405,6 +1405,7 @@ fn a_values_file_written_for_nvidias_chart_installs() {
     let registrar_dir = "/var/lib/k0s/kubelet/plugins_registry";
     assert_eq!(plugin_env(ds, "PLUGIN_DIR"), Some(plugin_dir));
     assert_eq!(plugin_env(ds, "REGISTRAR_DIR"), Some(registrar_dir));
+    assert_eq!(plugin_env(ds, "CONSUMABLE_SHARES"), Some("memory"));
     let pod = &ds["spec"]["template"]["spec"];
     let host_paths: Vec<&str> = pod["volumes"]
         .as_array()
@@ -2458,5 +2459,48 @@ fn node_restriction_policy_keeps_claim_status_to_the_drivers_entries_of_the_node
             refused[0].contains("not status.allocation or status.reservedFor"),
             "{refused:?}"
         );
+
+/// `consumableShares` takes NVIDIA's values (a YAML integer too, as NVIDIA's chart users write
+/// it) and reaches the plugin as its `CONSUMABLE_SHARES`, which the plugin's own flag parser
+/// accepts; anything else is refused by the schema.
+#[test]
+fn consumable_shares_take_nvidias_values() {
+    let Some(helm) = helm() else { return };
+    for (args, want) in [
+        (&[][..], "disabled"),
+        (&["--set", "consumableShares="][..], "disabled"),
+        (&["--set", "consumableShares=memory"][..], "memory"),
+        (&["--set", "consumableShares=unlimited"][..], "unlimited"),
+        (&["--set", "consumableShares=4"][..], "4"),
+        (&["--set-string", "consumableShares=16"][..], "16"),
+    ] {
+        let objects = render_args(&helm, args);
+        let ds = find(&objects, "DaemonSet", "rel-gpu-dra-driver-kubelet-plugin");
+        let env = plugin_env(ds, "CONSUMABLE_SHARES");
+        assert_eq!(env, Some(want), "{args:?}");
+        let line = [
+            "gpu-kubelet-plugin",
+            "run",
+            "--node-name=n",
+            &format!("--consumable-shares={want}"),
+        ];
+        if let Err(e) = gpu_dra_kubelet_plugin::cmd::command().try_get_matches_from(line) {
+            panic!("{args:?}: the plugin refuses {want:?}: {e}");
+        }
+    }
+    for bad in [
+        "consumableShares=0",
+        "consumableShares=all",
+        "consumableShares=-2",
+    ] {
+        let out = Command::new(&helm)
+            .args(["template", "rel"])
+            .arg(repo().join("deploy/helm/gpu-dra-driver"))
+            .args(["--kube-version", KUBE_VERSION, "--set", bad])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{bad} accepted");
+        assert!(err.contains("consumableShares"), "{bad}: {err}");
     }
 }

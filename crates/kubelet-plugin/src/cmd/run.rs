@@ -8,6 +8,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use anyhow::Context;
+use gpu_dra_core::consumable_shares::ConsumableShares;
 use gpu_dra_core::health::{HealthPolicy, TaintEffect};
 use gpu_dra_core::partitioning::{GpuSelection, Partitioning};
 use gpu_dra_device::fixture::FixtureInventory;
@@ -140,6 +141,18 @@ pub struct RunArgs {
     /// (same syntax; Node annotation `gpu.nvidia.com/memory-share-gpus`).
     #[arg(long, env = "MEMORY_SHARE_GPUS", default_value = "")]
     pub memory_share_gpus: String,
+    /// NVIDIA's consumable shares for every whole GPU and MIG device of GPUs offered
+    /// statically: `disabled`, `memory` (claims share a device by amounts of its memory),
+    /// `unlimited` (no memory consumed unless asked for) or a positive integer N (a `shares`
+    /// capacity of N, one per claim by default). GPUs selected for memory shares or dynamic
+    /// MIG keep that form.
+    #[arg(
+        long,
+        env = "CONSUMABLE_SHARES",
+        default_value = "disabled",
+        value_parser = ConsumableShares::parse
+    )]
+    pub consumable_shares: ConsumableShares,
     /// Seconds between rediscoveries of the GPUs (a MIG layout changed by hand); prepare also
     /// rediscovers before every claim. Formerly `--rediscover-interval`
     /// (`REDISCOVER_INTERVAL`), still accepted.
@@ -243,6 +256,7 @@ pub fn partitioning(args: &RunArgs) -> anyhow::Result<Partitioning> {
             .map_err(|p| anyhow::anyhow!("--dynamic-mig-gpus (DYNAMIC_MIG_GPUS): {p}"))?,
         memory_shares: GpuSelection::parse(&args.memory_share_gpus)
             .map_err(|p| anyhow::anyhow!("--memory-share-gpus (MEMORY_SHARE_GPUS): {p}"))?,
+        consumable_shares: args.consumable_shares,
     })
 }
 
@@ -772,5 +786,35 @@ mod tests {
         for bad in ["/healthz", "readyz", "/a b", "/m?x=1"] {
             assert!(metrics_path(bad).is_err(), "{bad} accepted");
         }
+    }
+
+    #[test]
+    fn consumable_shares_take_nvidias_values_and_refuse_others_saying_which() {
+        assert_eq!(
+            partitioning(&run_args(&[]))
+                .expect("flags")
+                .consumable_shares,
+            ConsumableShares::Disabled
+        );
+        assert_eq!(
+            partitioning(&run_args(&["--consumable-shares=4"]))
+                .expect("flags")
+                .consumable_shares,
+            ConsumableShares::Count(4)
+        );
+        assert_eq!(
+            run_args(&["--consumable-shares", "unlimited"]).consumable_shares,
+            ConsumableShares::Unlimited
+        );
+        let line = ["gpu-kubelet-plugin", "run", "--node-name=n"];
+        let err = crate::cmd::command()
+            .try_get_matches_from(line.iter().chain(&["--consumable-shares=0"]))
+            .expect_err("0 shares")
+            .to_string();
+        assert!(
+            err.contains("--consumable-shares")
+                && err.contains("use disabled, memory, unlimited or a positive integer"),
+            "{err}"
+        );
     }
 }

@@ -526,7 +526,7 @@ mod tests {
     fn dynamic() -> Partitioning {
         Partitioning {
             dynamic_mig: GpuSelection::All,
-            memory_shares: GpuSelection::None,
+            ..Partitioning::default()
         }
     }
 

@@ -6,9 +6,14 @@
 //!   access, as the scheduler grants it) may hold it beside any other claim, and never with
 //!   sharing settings, which would change the compute mode under the owner (refused when the
 //!   claim is planned, see [`super::prepare`]);
-//! - the whole-GPU device of a memory-share GPU ([`gpu_dra_core::memory_shares`]) may be held
-//!   by several claims whose allocations are shares (carry a share ID); the scheduler keeps the
-//!   sum of the shares within the GPU's memory. One allocated whole still excludes every other;
+//! - a device that allows multiple allocations (the whole-GPU device of a memory-share GPU,
+//!   [`gpu_dra_core::memory_shares`], or a GPU or MIG device under consumable shares,
+//!   [`gpu_dra_core::consumable_shares`]: [`Partitioning::shareable_devices`]) may be held by
+//!   several claims whose allocations are shares (carry a share ID); the scheduler keeps the
+//!   sum of what they consume within the device's capacity. One allocated whole still
+//!   excludes every other;
+//!
+//! [`Partitioning::shareable_devices`]: gpu_dra_core::partitioning::Partitioning::shareable_devices
 //! - every device a checkpoint entry lists is in the table under that claim: the table is
 //!   rebuilt from every entry at start, a claim is reserved before an entry listing its
 //!   devices is written, and released once its entry is gone or lists no devices (or its
@@ -53,16 +58,16 @@ impl Holders {
 
     /// Records `claim` as a holder of its devices, refusing a device another claim holds,
     /// unless one of the two has admin access or both are shares of a device in
-    /// `memory_share_devices` (the whole-GPU devices of memory-share GPUs). Nothing is
-    /// recorded when a device is refused.
+    /// `shareable_devices` (the devices that allow multiple allocations). Nothing is recorded
+    /// when a device is refused.
     pub(super) fn reserve(
         &mut self,
         claim: &ClaimRef,
         plan: &Plan,
-        memory_share_devices: &BTreeSet<String>,
+        shareable_devices: &BTreeSet<String>,
     ) -> Result<(), DriverError> {
         for d in &plan.devices {
-            let shareable = d.share_id.is_some() && memory_share_devices.contains(&d.device);
+            let shareable = d.share_id.is_some() && shareable_devices.contains(&d.device);
             let compatible = |h: &&Holder| {
                 h.uid == claim.uid || h.admin || d.admin_access || (shareable && h.share)
             };
@@ -105,7 +110,10 @@ impl Holders {
 
 #[cfg(test)]
 mod tests {
+    use gpu_dra_core::consumable_shares::ConsumableShares;
     use gpu_dra_core::memory_shares;
+    use gpu_dra_core::partitioning::Partitioning;
+    use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 
     use crate::driver::fixtures::*;
     use crate::driver::{ClaimRef, DriverError};
@@ -243,5 +251,64 @@ mod tests {
             .prepare(&whole)
             .await
             .expect_err("whole still busy");
+    }
+
+    /// `name` holding one share of `device` under NVIDIA's `<N>` consumable shares: no
+    /// memory, `shares` shares.
+    fn add_counted_share(env: &Env, name: &str, uid: &str, device: &str, shares: u64) -> ClaimRef {
+        add_allocated(env, name, uid, device, &[], |r| {
+            r.share_id = Some(format!("share-{uid}"));
+            r.consumed_capacity = Some(
+                [
+                    ("memory".to_string(), Quantity("0".into())),
+                    ("shares".to_string(), Quantity(shares.to_string())),
+                ]
+                .into(),
+            );
+        })
+    }
+
+    #[tokio::test]
+    async fn consumable_shares_let_claims_hold_a_mig_device_together() {
+        const MIG: &str = "gpu-0-mig-1g5gb-19-0";
+        let env = env();
+        let consumable = |mode| Partitioning {
+            consumable_shares: mode,
+            ..Default::default()
+        };
+        env.driver
+            .inventory
+            .set_partitioning(consumable(ConsumableShares::Count(4)));
+        let a = add_counted_share(&env, "a", "uid-a", MIG, 1);
+        let b = add_counted_share(&env, "b", "uid-b", MIG, 2);
+        env.driver
+            .prepare(&a)
+            .await
+            .expect("first share of the MIG device");
+        env.driver
+            .prepare(&b)
+            .await
+            .expect("second share beside it");
+        let spec = std::fs::read_to_string(spec_path(&env, "uid-b")).expect("spec");
+        assert!(spec.contains("GPU_DRA_SHARES=2"), "{spec}");
+        assert!(
+            !spec.contains(memory_shares::SHARE_ENV),
+            "no memory consumed, none told: {spec}"
+        );
+        // Whole GPUs are shareable too; a whole allocation still excludes shares.
+        let c = add_counted_share(&env, "c", "uid-c", "gpu-1", 1);
+        let d = add_counted_share(&env, "d", "uid-d", "gpu-1", 1);
+        env.driver.prepare(&c).await.expect("share of gpu-1");
+        env.driver.prepare(&d).await.expect("second share of gpu-1");
+        let whole = add(&env, "whole", "uid-whole", &[("gpu", MIG)]);
+        let err = env.driver.prepare(&whole).await.expect_err("busy");
+        assert!(matches!(err, DriverError::DeviceBusy { .. }), "{err}");
+        // With consumable shares off, a new share of a held device is refused.
+        env.driver
+            .inventory
+            .set_partitioning(Partitioning::default());
+        let e = add_counted_share(&env, "e", "uid-e", MIG, 1);
+        let err = env.driver.prepare(&e).await.expect_err("not shareable now");
+        assert!(matches!(err, DriverError::DeviceBusy { .. }), "{err}");
     }
 }

@@ -20,13 +20,11 @@
 //! claim UID and device name, and both halves are the usual crash-safe steps, so a crash in
 //! between leaves a state the next prepare finishes.
 
-use std::collections::BTreeSet;
 use std::time::Instant;
 
 use gpu_dra_core::cdi::{SpecDevice, cdi_device_id};
 use gpu_dra_core::checkpoint::{ClaimEntry, DynamicMigInstance, PrepareState, PreparedDevice};
-use gpu_dra_core::memory_shares;
-use gpu_dra_core::partitioning::GpuMode;
+use gpu_dra_core::consumable_shares;
 use gpu_dra_core::plan::{self, Plan, PlanError};
 use serde_json::Value;
 use tracing::{info, warn};
@@ -171,14 +169,8 @@ impl Driver {
         self.failpoints.hit("prepare.after_plan").await?;
         // On refusal nothing else is done yet: only MIG instances (if any), which the caller
         // undoes.
-        let partitioning = self.inventory.partitioning();
-        let memory_share_devices: BTreeSet<String> = inventory
-            .gpus
-            .iter()
-            .filter(|g| partitioning.mode(g) == GpuMode::MemoryShares)
-            .map(|g| g.device_name())
-            .collect();
-        lock(&self.holders).reserve(claim, &plan, &memory_share_devices)?;
+        let shareable = self.inventory.partitioning().shareable_devices(&inventory);
+        lock(&self.holders).reserve(claim, &plan, &shareable)?;
         let result = self.apply_plan(claim, &plan).await;
         if result.is_err() && self.journal.entry(&claim.uid).is_none() {
             // The entry's first write failed: the reservation is all there is to undo.
@@ -268,14 +260,13 @@ impl Driver {
             });
         }
         let mut spec = self.cdi.spec(&claim.uid, &spec_devices);
-        // A memory share is told to the containers that get its device, whatever the sharing
-        // strategy (only MPS enforces it).
+        // A share (its memory, its `shares`) is told to the containers that get its device,
+        // whatever the sharing strategy (only MPS enforces memory).
         for (d, dev) in plan.devices.iter().zip(spec.devices.iter_mut()) {
-            if let Some(share) = &d.memory_share {
-                dev.container_edits
-                    .env
-                    .push(memory_shares::share_env(share));
-            }
+            dev.container_edits.env.extend(consumable_shares::share_env(
+                d.memory_share.as_ref(),
+                d.shares,
+            ));
         }
         // Sharing edits (the MPS pipe directory mount and env) go on the group's devices, so a
         // container gets them exactly when it gets one of those devices.

@@ -276,6 +276,7 @@ mod tests {
     static STATIC: Partitioning = Partitioning {
         dynamic_mig: gpu_dra_core::partitioning::GpuSelection::None,
         memory_shares: gpu_dra_core::partitioning::GpuSelection::None,
+        consumable_shares: gpu_dra_core::consumable_shares::ConsumableShares::Disabled,
     };
 
     fn params(owner: &OwnerReference, last: i64) -> DiffParams<'_> {

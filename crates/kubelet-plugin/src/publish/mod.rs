@@ -357,10 +357,7 @@ async fn reconcile(
         tracing::warn!(gpu = %gpu.uuid, "GPU selected for both dynamic MIG and memory shares; offered statically");
     }
     let partitioning = if *capacity_dropped {
-        Partitioning {
-            memory_shares: gpu_dra_core::partitioning::GpuSelection::None,
-            ..partitioning
-        }
+        partitioning.without_consumable_capacity()
     } else {
         partitioning
     };
@@ -454,7 +451,7 @@ fn note_dropped_capacity(sent: &ResourceSlice, got: &ResourceSlice, dropped: &mu
         *dropped = true;
         tracing::warn!(
             slice = %sent.metadata.name.as_deref().unwrap_or_default(),
-            "the API server dropped allowMultipleAllocations and requestPolicy (feature gate DRAConsumableCapacity is off): memory-share GPUs are published as single-allocation whole GPUs until the gate is on and the plugin restarts"
+            "the API server dropped allowMultipleAllocations and requestPolicy (feature gate DRAConsumableCapacity is off): memory-share GPUs and consumable shares are published as single-allocation devices until the gate is on and the plugin restarts"
         );
     }
 }

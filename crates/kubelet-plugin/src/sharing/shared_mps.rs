@@ -1,5 +1,10 @@
-//! The MPS control daemon of a memory-share GPU: one per GPU, shared by every claim that
-//! holds a share of it with an MPS config, reference counted by claim.
+//! The MPS control daemon of a shared device: one per memory-share GPU, or per GPU or MIG
+//! device under consumable shares, shared by every claim that holds a share of it with an MPS
+//! config, reference counted by claim. (NVIDIA's driver refuses MPS under consumable shares;
+//! here a share's MPS clients join the device's one daemon.)
+//!
+//! A MIG device's daemon serves that MIG device alone and changes no compute mode (MIG
+//! devices have none), as a claim's own daemon on MIG devices does.
 //!
 //! Why one daemon and client-side limits: a GPU in MPS mode is in compute mode
 //! `EXCLUSIVE_PROCESS`, owned by one MPS server, so claims sharing it must join the same
@@ -42,9 +47,10 @@ use super::state::{MpsPhase, MpsRecord};
 use super::supervise::client_edits;
 
 impl SharingManager {
-    /// Joins `claim_uid` to the MPS daemon of the memory-share GPU `device` (starting it when
-    /// it is the first claim) and returns the edits of its clients: the pipe directory and
-    /// the claim's own limits. Idempotent.
+    /// Joins `claim_uid` to the MPS daemon of the shared device `device` (a memory-share GPU,
+    /// or a GPU or MIG device under consumable shares), starting it when it is the first
+    /// claim, and returns the edits of its clients: the pipe directory and the claim's own
+    /// limits. Idempotent.
     pub(super) async fn prepare_mps_share(
         &self,
         claim_uid: &str,
@@ -57,7 +63,7 @@ impl SharingManager {
                 message: format!("{} is not a memory share", device.uuid),
             });
         };
-        check_name("GPU UUID", &device.uuid)?;
+        check_name("device UUID", &device.uuid)?;
         let inner = &self.inner;
         let id = daemon_id(MEMORY_SHARE_DAEMON_OWNER, &device.uuid);
         let edits = |record: &MpsRecord| {
@@ -89,6 +95,13 @@ impl SharingManager {
         }
 
         let gpu = device.uuid.clone();
+        // A whole GPU goes to EXCLUSIVE_PROCESS under its daemon; a MIG device has no compute
+        // mode of its own.
+        let whole_gpus = if device.mig {
+            Vec::new()
+        } else {
+            vec![gpu.clone()]
+        };
         let record = MpsRecord {
             claim_uid: MEMORY_SHARE_DAEMON_OWNER.to_owned(),
             group: gpu.clone(),
@@ -102,7 +115,7 @@ impl SharingManager {
                 ..MpsLimits::default()
             },
             devices: vec![gpu.clone()],
-            whole_gpus: vec![gpu.clone()],
+            whole_gpus,
             share_claims: [claim_uid.to_owned()].into(),
         };
         mps::check_socket_path(&record)?;
