@@ -2459,6 +2459,8 @@ fn node_restriction_policy_keeps_claim_status_to_the_drivers_entries_of_the_node
             refused[0].contains("not status.allocation or status.reservedFor"),
             "{refused:?}"
         );
+    }
+}
 
 /// `consumableShares` takes NVIDIA's values (a YAML integer too, as NVIDIA's chart users write
 /// it) and reaches the plugin as its `CONSUMABLE_SHARES`, which the plugin's own flag parser
