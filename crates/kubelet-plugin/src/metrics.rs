@@ -454,6 +454,7 @@ mod tests {
             admin_access: false,
             share_id: None,
             memory_share_bytes: None,
+            sharing_strategy: None,
             extra: Default::default(),
         };
         let entry = |state, devices: Vec<PreparedDevice>| ClaimEntry {
