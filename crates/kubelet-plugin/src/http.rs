@@ -1,5 +1,6 @@
-//! The operations endpoint: `/metrics` (OpenMetrics text), `/healthz` (the process serves),
-//! `/readyz` (the gRPC sockets are up). Plain HTTP/1 on `--http-address`, which is loopback
+//! The operations endpoint: `/metrics` (OpenMetrics text), `/healthz` (the process serves and
+//! its [`Liveness`] check passes; 503 with the reason otherwise, so that the kubelet's liveness
+//! probe restarts the container), `/readyz` (the gRPC sockets are up). Plain HTTP/1 on `--http-address`, which is loopback
 //! unless set: the chart binds the pod's own address so that the kubelet's probes reach it.
 //!
 //! Invariants, so that a client can neither hold the endpoint nor make it burn CPU:
@@ -56,6 +57,23 @@ impl Default for Limits {
     }
 }
 
+/// What `/healthz` checks besides the process serving: `Err` with the reason when the
+/// process should be restarted.
+pub trait Liveness: Send + Sync + 'static {
+    /// Whether the process is alive in the sense that matters; `Err` says why not.
+    fn check(&self) -> Result<(), String>;
+}
+
+/// A process alive while it serves (the endpoint's tests, tools without hardware).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Serving;
+
+impl Liveness for Serving {
+    fn check(&self) -> Result<(), String> {
+        Ok(())
+    }
+}
+
 /// Where connections come from.
 pub trait Listener: Send + 'static {
     /// One accepted connection.
@@ -73,8 +91,13 @@ impl Listener for TcpListener {
 }
 
 /// Serves the endpoints on `listener` forever with the default [`Limits`].
-pub async fn serve(listener: TcpListener, metrics: Arc<Metrics>, ready: Arc<AtomicBool>) {
-    serve_with(listener, metrics, ready, Limits::default()).await;
+pub async fn serve(
+    listener: TcpListener,
+    metrics: Arc<Metrics>,
+    ready: Arc<AtomicBool>,
+    liveness: Arc<dyn Liveness>,
+) {
+    serve_with(listener, metrics, ready, liveness, Limits::default()).await;
 }
 
 /// Serves the endpoints on `listener` forever with `limits`.
@@ -82,6 +105,7 @@ pub async fn serve_with<L: Listener>(
     mut listener: L,
     metrics: Arc<Metrics>,
     ready: Arc<AtomicBool>,
+    liveness: Arc<dyn Liveness>,
     limits: Limits,
 ) {
     let open = Arc::new(Semaphore::new(limits.max_connections));
@@ -108,11 +132,12 @@ pub async fn serve_with<L: Listener>(
         };
         let metrics = metrics.clone();
         let ready = ready.clone();
+        let liveness = liveness.clone();
         let timeout = limits.header_read_timeout;
         tokio::spawn(async move {
             let _slot = slot;
             let service = hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
-                let resp = answer(req.uri().path(), &metrics, &ready);
+                let resp = answer(req.uri().path(), &metrics, &ready, liveness.as_ref());
                 async move { Ok::<_, Infallible>(resp) }
             });
             let _ = hyper::server::conn::http1::Builder::new()
@@ -124,14 +149,26 @@ pub async fn serve_with<L: Listener>(
     }
 }
 
-fn answer(path: &str, metrics: &Metrics, ready: &AtomicBool) -> Response<Full<Bytes>> {
+fn answer(
+    path: &str,
+    metrics: &Metrics,
+    ready: &AtomicBool,
+    liveness: &dyn Liveness,
+) -> Response<Full<Bytes>> {
     let (status, ctype, body) = match path {
         "/metrics" => (
             StatusCode::OK,
             "application/openmetrics-text; version=1.0.0; charset=utf-8",
             metrics.render(),
         ),
-        "/healthz" => (StatusCode::OK, "text/plain", "ok\n".to_owned()),
+        "/healthz" => match liveness.check() {
+            Ok(()) => (StatusCode::OK, "text/plain", "ok\n".to_owned()),
+            Err(why) => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "text/plain",
+                format!("unhealthy: {why}\n"),
+            ),
+        },
         "/readyz" if ready.load(Ordering::Relaxed) => {
             (StatusCode::OK, "text/plain", "ready\n".to_owned())
         }
@@ -170,6 +207,7 @@ mod tests {
             listener,
             Arc::new(Metrics::default()),
             ready,
+            Arc::new(Serving),
             limits,
         ));
         addr
@@ -285,6 +323,7 @@ mod tests {
             OutOfDescriptors(calls.clone()),
             Arc::new(Metrics::default()),
             Arc::new(AtomicBool::new(true)),
+            Arc::new(Serving),
             Limits::default(),
         ));
         tokio::time::sleep(Duration::from_millis(300)).await;
@@ -293,5 +332,38 @@ mod tests {
         // 10 + 20 + 40 + 80 + 160 ms of pauses fit in 300 ms: about six tries; a loop that
         // retries at once makes hundreds of thousands.
         assert!((1..=10).contains(&n), "{n} accept calls in 300 ms");
+    }
+
+    /// A liveness check that fails while `failing` holds a reason.
+    struct Switch(std::sync::Mutex<Option<String>>);
+
+    impl Liveness for Switch {
+        fn check(&self) -> Result<(), String> {
+            self.0.lock().expect("lock").clone().map_or(Ok(()), Err)
+        }
+    }
+
+    #[tokio::test]
+    async fn healthz_fails_with_the_reason_while_the_liveness_check_fails() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let switch = Arc::new(Switch(std::sync::Mutex::new(None)));
+        tokio::spawn(serve_with(
+            listener,
+            Arc::new(Metrics::default()),
+            Arc::new(AtomicBool::new(true)),
+            switch.clone(),
+            Limits::default(),
+        ));
+        assert!(get(addr, "/healthz").await.starts_with("HTTP/1.1 200"));
+        *switch.0.lock().expect("lock") = Some("NVML cannot be reached".into());
+        let resp = get(addr, "/healthz").await;
+        assert!(resp.starts_with("HTTP/1.1 503"), "{resp}");
+        assert!(
+            resp.ends_with("unhealthy: NVML cannot be reached\n"),
+            "{resp}"
+        );
+        *switch.0.lock().expect("lock") = None;
+        assert!(get(addr, "/healthz").await.starts_with("HTTP/1.1 200"));
     }
 }

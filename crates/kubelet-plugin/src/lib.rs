@@ -9,7 +9,8 @@
 //!   [`kube_client`] (the API server client).
 //! - Serving the kubelet: [`grpc`] (sockets, registration and DRA services), [`authority`]
 //!   (grpc-go `:authority` fix), [`health`] (the DRA health service and the NVML watch),
-//!   [`publish`] (ResourceSlice publisher), [`inventory`] (the live GPU inventory).
+//!   [`publish`] (ResourceSlice publisher), [`inventory`] (the live GPU inventory),
+//!   [`driver_swap`] (the NVIDIA driver upgraded in place under the plugin).
 //! - Prepare and unprepare: [`driver`] (the state machine), [`claim_locks`] (one operation
 //!   per claim), [`claims`] (where claims come from), [`checkpoint_file`] (checkpoint
 //!   migration and NVIDIA import), [`cdi_io`] (CDI on the host), [`cdi_hook`] (the hook
@@ -32,6 +33,7 @@ pub mod claims;
 pub mod cmd;
 pub mod digest;
 pub mod driver;
+pub mod driver_swap;
 pub mod failpoint;
 pub mod grpc;
 pub mod health;
