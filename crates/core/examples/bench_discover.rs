@@ -47,7 +47,7 @@ fn report(name: &str, mut samples: Vec<Duration>) -> Duration {
 fn main() -> anyhow::Result<()> {
     let host = SimHost::try_new("dgx-a100-40gb")?;
     let backend = NvmlInventory::new(NvmlOptions {
-        lib_path: host.lib_path(),
+        library: gpu_dra_nvml::NvmlLibrary::Path(host.lib_path()),
         sysfs_root: host.sysfs_root(),
     });
     let params = SliceParams {

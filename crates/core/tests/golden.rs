@@ -21,7 +21,7 @@ const PROFILES: [&str; 6] = ["t4", "rtx4090", "p4", "dgx-a100-40gb", "dgx-h100",
 fn render(profile: &str) -> String {
     let host = SimHost::new(profile);
     let inventory = NvmlInventory::new(NvmlOptions {
-        lib_path: host.lib_path(),
+        library: gpu_dra_nvml::NvmlLibrary::Path(host.lib_path()),
         sysfs_root: host.sysfs_root(),
     })
     .discover()

@@ -69,12 +69,17 @@ const IPC_SOCKETS: &[&str] = &[
     "/run/nvidia-fabricmanager/socket",
 ];
 
-/// Host layout and the edits common to every claim spec, computed once at startup.
-#[derive(Debug, Clone)]
+/// Host layout and the edits common to every claim spec: scanned at startup, and again for
+/// each new driver version ([`CdiHost::refresh`]: a driver upgraded in place renames its
+/// files, and a spec naming the old ones would fail the container's start).
+#[derive(Debug)]
 pub struct CdiHost {
     cdi_root: PathBuf,
     dev_root: String,
-    common: ContainerEdits,
+    roots: DriverRoots,
+    hook_path: Option<PathBuf>,
+    /// The driver version scanned last and the edits found for it.
+    common: std::sync::RwLock<(String, ContainerEdits)>,
 }
 
 fn root_str(root: &Path) -> String {
@@ -133,6 +138,98 @@ fn read_folder(dir: &str) -> (Vec<String>, Vec<(String, String)>) {
     (files, links)
 }
 
+/// The edits common to every claim spec for driver version `driver_version` (see
+/// [`CdiHost::discover`]).
+fn scan(
+    roots: &DriverRoots,
+    dev_root: &str,
+    driver_version: &str,
+    hook_path: Option<&Path>,
+) -> ContainerEdits {
+    let droot = root_str(&roots.here);
+    let hroot = root_str(&roots.host);
+    let mut mounts = Vec::new();
+    let mut symlinks = Vec::new();
+    let lib_dirs = library_dirs(&droot);
+    let suffix = format!(".so.{driver_version}");
+    for dir in &lib_dirs {
+        for sub in [dir.clone(), format!("{dir}/vdpau")] {
+            let (files, links) = read_folder(&format!("{droot}{sub}"));
+            for name in files.iter().filter(|n| {
+                n.ends_with(&suffix) || (driver_version.is_empty() && n.contains(".so."))
+            }) {
+                let path = format!("{sub}/{name}");
+                mounts.push(Mount::read_only(format!("{hroot}{path}"), path));
+                symlinks.extend(cdi::library_links(&sub, name, &links));
+            }
+        }
+    }
+    let bin_dirs = BINARY_DIRS
+        .iter()
+        .map(|d| (*d).to_owned())
+        .chain(lib_dirs.iter().filter_map(|d| sibling(d, "bin")));
+    let bin_dirs: Vec<String> = bin_dirs.collect();
+    for bin in BINARIES {
+        if let Some(path) = bin_dirs
+            .iter()
+            .map(|d| format!("{d}/{bin}"))
+            .find(|p| Path::new(&format!("{droot}{p}")).is_file())
+        {
+            mounts.push(Mount::read_only(format!("{hroot}{path}"), path));
+        }
+    }
+    let fw_dirs = std::iter::once("/lib/firmware".to_owned())
+        .chain(lib_dirs.iter().filter_map(|d| sibling(d, "firmware")));
+    for fw in fw_dirs.map(|d| format!("{d}/nvidia/{driver_version}")) {
+        let (files, _) = read_folder(&format!("{droot}{fw}"));
+        for name in files {
+            let path = format!("{fw}/{name}");
+            mounts.push(Mount::read_only(format!("{hroot}{path}"), path));
+        }
+    }
+    for sock in IPC_SOCKETS {
+        if Path::new(&format!("{droot}{sock}")).exists() {
+            mounts.push(Mount {
+                host_path: format!("{hroot}{sock}"),
+                container_path: (*sock).to_owned(),
+                options: ["ro", "nosuid", "nodev", "bind", "noexec"]
+                    .map(String::from)
+                    .to_vec(),
+            });
+        }
+    }
+    let hook_dirs: Vec<String> = lib_dirs
+        .iter()
+        .filter(|d| {
+            mounts
+                .iter()
+                .any(|m| m.container_path.starts_with(&format!("{d}/")))
+        })
+        .cloned()
+        .collect();
+    let hooks = hook_path
+        .map(|h| cdi::toolkit_hooks(&h.to_string_lossy(), driver_version, &hook_dirs, &symlinks))
+        .unwrap_or_default();
+    let device_nodes = cdi::CONTROL_NODES
+        .iter()
+        .chain(
+            cdi::OPTIONAL_CONTROL_NODES
+                .iter()
+                .filter(|p| Path::new(&cdi::host_path(dev_root, p)).exists()),
+        )
+        .map(|p| cdi::DeviceNode {
+            path: (*p).to_owned(),
+            host_path: cdi::host_path(dev_root, p),
+        })
+        .collect();
+    ContainerEdits {
+        env: Vec::new(),
+        device_nodes,
+        mounts,
+        hooks,
+    }
+}
+
 impl CdiHost {
     /// Scans the driver root as the NVIDIA container toolkit does: the driver's library
     /// folders are those of `libcuda.so.1` in the root's `etc/ld.so.cache` (else the first of
@@ -150,95 +247,57 @@ impl CdiHost {
         driver_version: &str,
         hook_path: Option<&Path>,
     ) -> Self {
-        let droot = root_str(&roots.here);
-        let hroot = root_str(&roots.host);
         let dev_root = root_str(dev_root);
-        let mut mounts = Vec::new();
-        let mut symlinks = Vec::new();
-        let lib_dirs = library_dirs(&droot);
-        let suffix = format!(".so.{driver_version}");
-        for dir in &lib_dirs {
-            for sub in [dir.clone(), format!("{dir}/vdpau")] {
-                let (files, links) = read_folder(&format!("{droot}{sub}"));
-                for name in files.iter().filter(|n| {
-                    n.ends_with(&suffix) || (driver_version.is_empty() && n.contains(".so."))
-                }) {
-                    let path = format!("{sub}/{name}");
-                    mounts.push(Mount::read_only(format!("{hroot}{path}"), path));
-                    symlinks.extend(cdi::library_links(&sub, name, &links));
-                }
-            }
-        }
-        let bin_dirs = BINARY_DIRS
-            .iter()
-            .map(|d| (*d).to_owned())
-            .chain(lib_dirs.iter().filter_map(|d| sibling(d, "bin")));
-        let bin_dirs: Vec<String> = bin_dirs.collect();
-        for bin in BINARIES {
-            if let Some(path) = bin_dirs
-                .iter()
-                .map(|d| format!("{d}/{bin}"))
-                .find(|p| Path::new(&format!("{droot}{p}")).is_file())
-            {
-                mounts.push(Mount::read_only(format!("{hroot}{path}"), path));
-            }
-        }
-        let fw_dirs = std::iter::once("/lib/firmware".to_owned())
-            .chain(lib_dirs.iter().filter_map(|d| sibling(d, "firmware")));
-        for fw in fw_dirs.map(|d| format!("{d}/nvidia/{driver_version}")) {
-            let (files, _) = read_folder(&format!("{droot}{fw}"));
-            for name in files {
-                let path = format!("{fw}/{name}");
-                mounts.push(Mount::read_only(format!("{hroot}{path}"), path));
-            }
-        }
-        for sock in IPC_SOCKETS {
-            if Path::new(&format!("{droot}{sock}")).exists() {
-                mounts.push(Mount {
-                    host_path: format!("{hroot}{sock}"),
-                    container_path: (*sock).to_owned(),
-                    options: ["ro", "nosuid", "nodev", "bind", "noexec"]
-                        .map(String::from)
-                        .to_vec(),
-                });
-            }
-        }
-        let hook_dirs: Vec<String> = lib_dirs
-            .iter()
-            .filter(|d| {
-                mounts
-                    .iter()
-                    .any(|m| m.container_path.starts_with(&format!("{d}/")))
-            })
-            .cloned()
-            .collect();
-        let hooks = hook_path
-            .map(|h| {
-                cdi::toolkit_hooks(&h.to_string_lossy(), driver_version, &hook_dirs, &symlinks)
-            })
-            .unwrap_or_default();
-        let device_nodes = cdi::CONTROL_NODES
-            .iter()
-            .chain(
-                cdi::OPTIONAL_CONTROL_NODES
-                    .iter()
-                    .filter(|p| Path::new(&cdi::host_path(&dev_root, p)).exists()),
-            )
-            .map(|p| cdi::DeviceNode {
-                path: (*p).to_owned(),
-                host_path: cdi::host_path(&dev_root, p),
-            })
-            .collect();
+        let common = scan(roots, &dev_root, driver_version, hook_path);
         CdiHost {
             cdi_root,
             dev_root,
-            common: ContainerEdits {
-                env: Vec::new(),
-                device_nodes,
-                mounts,
-                hooks,
-            },
+            roots: roots.clone(),
+            hook_path: hook_path.map(Path::to_path_buf),
+            common: std::sync::RwLock::new((driver_version.to_owned(), common)),
         }
+    }
+
+    /// Scans the driver root again when `driver_version` is not the version scanned last
+    /// (blocking I/O): specs written afterwards name that version's files. Specs written
+    /// before are left as they are: their containers run on the files they mounted.
+    pub fn refresh(&self, driver_version: &str) {
+        if self.driver_version() == driver_version {
+            return;
+        }
+        let common = scan(
+            &self.roots,
+            &self.dev_root,
+            driver_version,
+            self.hook_path.as_deref(),
+        );
+        tracing::info!(
+            driver_version,
+            mounts = common.mounts.len(),
+            "scanned the driver's host files again for CDI specs"
+        );
+        *self
+            .common
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) =
+            (driver_version.to_owned(), common);
+    }
+
+    /// The driver version whose files the specs name.
+    pub fn driver_version(&self) -> String {
+        self.common
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .0
+            .clone()
+    }
+
+    fn common(&self) -> ContainerEdits {
+        self.common
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .1
+            .clone()
     }
 
     /// The CDI root folder.
@@ -293,7 +352,7 @@ impl CdiHost {
 
     /// Builds the claim's spec.
     pub fn spec(&self, claim_uid: &str, devices: &[SpecDevice]) -> cdi::Spec {
-        cdi::claim_spec(claim_uid, devices, &self.dev_root, self.common.clone())
+        cdi::claim_spec(claim_uid, devices, &self.dev_root, self.common())
     }
 
     /// Writes a claim's spec atomically (blocking I/O).

@@ -16,7 +16,11 @@
 //!
 //! The watcher ([`watch()`]): a [`HealthSource`] blocks in NVML's event wait, so it runs on a
 //! thread of its own and hands observations over a channel to the live inventory, which
-//! keeps the conditions ([`gpu_dra_core::health`]) and republishes taints.
+//! keeps the conditions ([`gpu_dra_core::health`]) and republishes taints. One source session
+//! at a time, never across a driver swap: when the session ends (NVML out of reach: the driver
+//! unloaded or upgraded in place) or the inventory reports another driver version, the
+//! session is closed and a new one opened for the GPUs of now once NVML answers again
+//! ([`crate::driver_swap`]).
 //!
 //! The `health` subcommand, an operator's view of the same watch, is [`crate::cmd::health`].
 
@@ -143,47 +147,108 @@ impl h::dra_resource_health_server::DraResourceHealth for HealthService {
     }
 }
 
-/// Watches GPU health with `source` until `stop` turns true, feeding `live`. Runs the source
-/// on a thread of its own; ends the conditions whose time is over every second.
+/// Watches GPU health with `source` until `stop` turns true, feeding `live`. Runs each source
+/// session on a thread of its own and opens a new one when it ends or the driver's version
+/// changes (see the module doc); ends the conditions whose time is over every second.
 pub async fn watch(
     source: Arc<dyn HealthSource>,
     live: Arc<LiveInventory>,
     probe_interval: Duration,
+    stop: watch::Receiver<bool>,
+) {
+    watch_with(source, live, probe_interval, RESTART_PAUSE, stop).await;
+}
+
+/// Shortest pause between the end of a health session and the next one.
+pub const RESTART_PAUSE: Duration = Duration::from_secs(2);
+
+/// What a session's thread sends.
+enum FromSession {
+    Observation(HealthObservation),
+    Ended(Result<(), gpu_dra_device::DeviceError>),
+}
+
+/// [`watch()`] with the pause between sessions given (tests).
+pub async fn watch_with(
+    source: Arc<dyn HealthSource>,
+    live: Arc<LiveInventory>,
+    probe_interval: Duration,
+    restart_pause: Duration,
     mut stop: watch::Receiver<bool>,
 ) {
-    let gpus: Vec<String> = live.current().gpus.iter().map(|g| g.uuid.clone()).collect();
-    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<HealthObservation>();
-    let stopping = Arc::new(AtomicBool::new(false));
-    let thread_stop = stopping.clone();
-    let thread = std::thread::Builder::new()
-        .name("gpu-health".into())
-        .spawn(move || {
-            let mut sink = |o: HealthObservation| {
-                let _ = tx.send(o);
-            };
-            if let Err(e) = source.watch(&gpus, probe_interval, &thread_stop, &mut sink) {
-                tracing::warn!(error = %e, "cannot watch GPU health; devices are reported healthy");
-            }
-        });
-    if let Err(e) = thread {
-        tracing::warn!(error = %e, "cannot start the GPU health thread");
-        return;
-    }
     let mut expire = tokio::time::interval(Duration::from_secs(1));
+    let mut snapshots = live.subscribe();
+    let mut failures = 0u32;
     loop {
-        tokio::select! {
-            _ = stop.wait_for(|s| *s) => break,
-            observation = rx.recv() => match observation {
-                Some(o) => {
-                    tracing::debug!(?o, "health observation");
-                    live.observe(&o);
+        let current = live.current();
+        let version = current.driver_version.clone();
+        let gpus: Vec<String> = current.gpus.iter().map(|g| g.uuid.clone()).collect();
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<FromSession>();
+        let stopping = Arc::new(AtomicBool::new(false));
+        let thread = {
+            let (source, stopping) = (source.clone(), stopping.clone());
+            std::thread::Builder::new()
+                .name("gpu-health".into())
+                .spawn(move || {
+                    let mut sink = |o: HealthObservation| {
+                        let _ = tx.send(FromSession::Observation(o));
+                    };
+                    let end = source.watch(&gpus, probe_interval, &stopping, &mut sink);
+                    let _ = tx.send(FromSession::Ended(end));
+                })
+        };
+        if let Err(e) = thread {
+            tracing::warn!(error = %e, "cannot start the GPU health thread");
+            return;
+        }
+        // Serve this session until it ends, the driver changes or we stop.
+        let ended = loop {
+            tokio::select! {
+                _ = stop.wait_for(|s| *s) => {
+                    stopping.store(true, Ordering::Relaxed);
+                    return;
                 }
-                None => break,
-            },
-            _ = expire.tick() => live.expire_health(),
+                msg = rx.recv() => match msg {
+                    Some(FromSession::Observation(o)) => {
+                        failures = 0;
+                        tracing::debug!(?o, "health observation");
+                        live.observe(&o);
+                    }
+                    Some(FromSession::Ended(end)) => break end,
+                    None => break Ok(()),
+                },
+                changed = snapshots.changed() => {
+                    if changed.is_err() {
+                        stopping.store(true, Ordering::Relaxed);
+                        return;
+                    }
+                    let now = snapshots.borrow_and_update().inventory.driver_version.clone();
+                    if now != version {
+                        tracing::info!(from = %version, to = %now, "the driver changed: reopening the health watch's NVML session");
+                        stopping.store(true, Ordering::Relaxed);
+                    }
+                }
+                _ = expire.tick() => live.expire_health(),
+            }
+        };
+        match ended {
+            Ok(()) if stopping.load(Ordering::Relaxed) => continue,
+            Ok(()) => tracing::info!("the GPU health session ended; opening another"),
+            Err(e) => {
+                failures += 1;
+                if failures == 1 {
+                    tracing::warn!(error = %e, "cannot watch GPU health now; retrying until NVML answers (devices keep their last health)");
+                } else {
+                    tracing::debug!(error = %e, attempt = failures, "GPU health watch still cannot start");
+                }
+            }
+        }
+        // A pause before the next session, so a driver that stays away costs little.
+        tokio::select! {
+            _ = stop.wait_for(|s| *s) => return,
+            _ = tokio::time::sleep(restart_pause) => {}
         }
     }
-    stopping.store(true, Ordering::Relaxed);
 }
 
 #[cfg(test)]

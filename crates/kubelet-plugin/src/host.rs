@@ -1,6 +1,7 @@
 //! The host as the plugin reads it: where the NVIDIA driver, the device nodes and sysfs are
 //! (flags shared by `run`, `discover`, `cleanup` and `health`, so that every subcommand reads
-//! one host the same way), and the NVML library found there.
+//! one host the same way), and the NVML library found there: looked up again for every NVML
+//! session, because a driver upgraded in place renames its files.
 //!
 //! Invariant: the driver root has two names, the host's (which CDI specs name, because the
 //! container runtime resolves them) and the one this process reads the same files under
@@ -10,7 +11,7 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::Context;
-use gpu_dra_nvml::{self as nvml, NvmlInventory, NvmlOptions};
+use gpu_dra_nvml::{self as nvml, NvmlInventory, NvmlLibrary, NvmlOptions};
 
 /// Where the driver, device nodes and sysfs of the host are: flags shared by the subcommands
 /// that read the host, so all read one host the same way.
@@ -59,11 +60,22 @@ impl HostArgs {
         }
     }
 
-    /// The NVML backend for this host and the library it loads.
+    /// The NVML library as the backends look it up at each session: `--nvml-lib` as given,
+    /// else the search under the driver root (see [`gpu_dra_nvml::NvmlLibrary`]).
+    pub fn nvml_library(&self) -> NvmlLibrary {
+        match &self.nvml_lib {
+            Some(path) => NvmlLibrary::Path(path.clone()),
+            None => NvmlLibrary::Under(self.driver_root_here().to_path_buf()),
+        }
+    }
+
+    /// The NVML backend for this host and the library it finds now (checked to exist). The
+    /// backend looks the library up again for every session, so it follows a driver
+    /// upgraded in place.
     pub fn nvml_inventory(&self) -> anyhow::Result<(PathBuf, NvmlInventory)> {
         let lib_path = nvml_library(self.driver_root_here(), self.nvml_lib.as_deref())?;
         let backend = NvmlInventory::new(NvmlOptions {
-            lib_path: lib_path.clone(),
+            library: self.nvml_library(),
             sysfs_root: self.sysfs_root.clone(),
         });
         Ok((lib_path, backend))

@@ -1,6 +1,7 @@
 //! The operations endpoint: the metrics (OpenMetrics text, at [`Metrics::path`]: `/metrics`
-//! unless `--metrics-path` says otherwise, or not at all), `/healthz` (the process serves),
-//! `/readyz` (the gRPC sockets are up). Plain HTTP/1 on `--http-address`, which is loopback
+//! unless `--metrics-path` says otherwise, or not at all), `/healthz` (the process serves and
+//! its [`Liveness`] check passes; 503 with the reason otherwise, so that the kubelet's liveness
+//! probe restarts the container), `/readyz` (the gRPC sockets are up). Plain HTTP/1 on `--http-address`, which is loopback
 //! unless set: the chart binds the pod's own address so that the kubelet's probes reach it.
 //!
 //! Invariants, so that a client can neither hold the endpoint nor make it burn CPU:
@@ -57,6 +58,23 @@ impl Default for Limits {
     }
 }
 
+/// What `/healthz` checks besides the process serving: `Err` with the reason when the
+/// process should be restarted.
+pub trait Liveness: Send + Sync + 'static {
+    /// Whether the process is alive in the sense that matters; `Err` says why not.
+    fn check(&self) -> Result<(), String>;
+}
+
+/// A process alive while it serves (the endpoint's tests, tools without hardware).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Serving;
+
+impl Liveness for Serving {
+    fn check(&self) -> Result<(), String> {
+        Ok(())
+    }
+}
+
 /// Where connections come from.
 pub trait Listener: Send + 'static {
     /// One accepted connection.
@@ -74,8 +92,13 @@ impl Listener for TcpListener {
 }
 
 /// Serves the endpoints on `listener` forever with the default [`Limits`].
-pub async fn serve(listener: TcpListener, metrics: Arc<Metrics>, ready: Arc<AtomicBool>) {
-    serve_with(listener, metrics, ready, Limits::default()).await;
+pub async fn serve(
+    listener: TcpListener,
+    metrics: Arc<Metrics>,
+    ready: Arc<AtomicBool>,
+    liveness: Arc<dyn Liveness>,
+) {
+    serve_with(listener, metrics, ready, liveness, Limits::default()).await;
 }
 
 /// Serves the endpoints on `listener` forever with `limits`.
@@ -83,6 +106,7 @@ pub async fn serve_with<L: Listener>(
     mut listener: L,
     metrics: Arc<Metrics>,
     ready: Arc<AtomicBool>,
+    liveness: Arc<dyn Liveness>,
     limits: Limits,
 ) {
     let open = Arc::new(Semaphore::new(limits.max_connections));
@@ -109,11 +133,12 @@ pub async fn serve_with<L: Listener>(
         };
         let metrics = metrics.clone();
         let ready = ready.clone();
+        let liveness = liveness.clone();
         let timeout = limits.header_read_timeout;
         tokio::spawn(async move {
             let _slot = slot;
             let service = hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
-                let resp = answer(req.uri().path(), &metrics, &ready);
+                let resp = answer(req.uri().path(), &metrics, &ready, liveness.as_ref());
                 async move { Ok::<_, Infallible>(resp) }
             });
             let _ = hyper::server::conn::http1::Builder::new()
@@ -125,14 +150,26 @@ pub async fn serve_with<L: Listener>(
     }
 }
 
-fn answer(path: &str, metrics: &Metrics, ready: &AtomicBool) -> Response<Full<Bytes>> {
+fn answer(
+    path: &str,
+    metrics: &Metrics,
+    ready: &AtomicBool,
+    liveness: &dyn Liveness,
+) -> Response<Full<Bytes>> {
     let (status, ctype, body) = match path {
         p if metrics.path() == Some(p) => (
             StatusCode::OK,
             "application/openmetrics-text; version=1.0.0; charset=utf-8",
             metrics.render(),
         ),
-        "/healthz" => (StatusCode::OK, "text/plain", "ok\n".to_owned()),
+        "/healthz" => match liveness.check() {
+            Ok(()) => (StatusCode::OK, "text/plain", "ok\n".to_owned()),
+            Err(why) => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "text/plain",
+                format!("unhealthy: {why}\n"),
+            ),
+        },
         "/readyz" if ready.load(Ordering::Relaxed) => {
             (StatusCode::OK, "text/plain", "ready\n".to_owned())
         }
@@ -171,6 +208,7 @@ mod tests {
             listener,
             Arc::new(Metrics::default()),
             ready,
+            Arc::new(Serving),
             limits,
         ));
         addr
@@ -286,6 +324,7 @@ mod tests {
             OutOfDescriptors(calls.clone()),
             Arc::new(Metrics::default()),
             Arc::new(AtomicBool::new(true)),
+            Arc::new(Serving),
             Limits::default(),
         ));
         tokio::time::sleep(Duration::from_millis(300)).await;
@@ -300,17 +339,59 @@ mod tests {
     fn metrics_are_served_at_their_path_only_and_health_always() {
         let ready = AtomicBool::new(true);
         let custom = Metrics::served_at(Some("/custom".into()));
-        assert_eq!(answer("/custom", &custom, &ready).status(), StatusCode::OK);
         assert_eq!(
-            answer("/metrics", &custom, &ready).status(),
+            answer("/custom", &custom, &ready, &Serving).status(),
+            StatusCode::OK
+        );
+        assert_eq!(
+            answer("/metrics", &custom, &ready, &Serving).status(),
             StatusCode::NOT_FOUND
         );
         let off = Metrics::served_at(None);
         assert_eq!(
-            answer("/metrics", &off, &ready).status(),
+            answer("/metrics", &off, &ready, &Serving).status(),
             StatusCode::NOT_FOUND
         );
-        assert_eq!(answer("/healthz", &off, &ready).status(), StatusCode::OK);
-        assert_eq!(answer("/readyz", &off, &ready).status(), StatusCode::OK);
+        assert_eq!(
+            answer("/healthz", &off, &ready, &Serving).status(),
+            StatusCode::OK
+        );
+        assert_eq!(
+            answer("/readyz", &off, &ready, &Serving).status(),
+            StatusCode::OK
+        );
+    }
+
+    /// A liveness check that fails while `failing` holds a reason.
+    struct Switch(std::sync::Mutex<Option<String>>);
+
+    impl Liveness for Switch {
+        fn check(&self) -> Result<(), String> {
+            self.0.lock().expect("lock").clone().map_or(Ok(()), Err)
+        }
+    }
+
+    #[tokio::test]
+    async fn healthz_fails_with_the_reason_while_the_liveness_check_fails() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let switch = Arc::new(Switch(std::sync::Mutex::new(None)));
+        tokio::spawn(serve_with(
+            listener,
+            Arc::new(Metrics::default()),
+            Arc::new(AtomicBool::new(true)),
+            switch.clone(),
+            Limits::default(),
+        ));
+        assert!(get(addr, "/healthz").await.starts_with("HTTP/1.1 200"));
+        *switch.0.lock().expect("lock") = Some("NVML cannot be reached".into());
+        let resp = get(addr, "/healthz").await;
+        assert!(resp.starts_with("HTTP/1.1 503"), "{resp}");
+        assert!(
+            resp.ends_with("unhealthy: NVML cannot be reached\n"),
+            "{resp}"
+        );
+        *switch.0.lock().expect("lock") = None;
+        assert!(get(addr, "/healthz").await.starts_with("HTTP/1.1 200"));
     }
 }

@@ -26,6 +26,15 @@
 //! are claims' dynamic devices, the driver tells ([`LiveInventory::set_dynamic_mig_devices`]);
 //! the others (kept from before the GPU became dynamic) stay static devices in the rendering.
 //!
+//! A driver upgraded in place: every discovery loads NVML from a fresh lookup (the backend's
+//! business), so the first one after the swap reads the new driver. While discoveries fail
+//! because NVML as a whole is out of reach, the inventory keeps what it had (devices stay
+//! published; prepares fail saying why) and records since when ([`LiveInventory::nvml_unreachable`],
+//! which `/healthz` reports). A discovery that finds another driver version calls the
+//! listeners registered with [`LiveInventory::on_driver_version`] (the CDI host files are
+//! scanned again) before the new inventory becomes current, so no prepare that sees the new
+//! version writes a spec naming the old files.
+//!
 //! Health: observations of a [`gpu_dra_device::HealthSource`] go into one
 //! [`HealthBook`]; the snapshot carries its [`HealthView`] for the inventory of the moment
 //! (taints for the publisher, health for the kubelet's health stream).
@@ -155,7 +164,14 @@ pub struct LiveInventory {
     refused: Mutex<BTreeMap<String, Refusal>>,
     /// Where the health conditions are kept across restarts (none in tests).
     health_file: Mutex<Option<std::path::PathBuf>>,
+    /// Since when, and why, discoveries fail because NVML as a whole cannot be reached.
+    unreachable: Mutex<Option<(std::time::Instant, String)>>,
+    /// Called with the new inventory when a discovery finds another driver version.
+    version_listeners: Mutex<Vec<VersionListener>>,
 }
+
+/// A callback for a changed driver version (see [`LiveInventory::on_driver_version`]).
+pub type VersionListener = Arc<dyn Fn(&Inventory) + Send + Sync>;
 
 /// A GPU that fell off the bus cannot be read, but its devices stay published (tainted by the
 /// health view, refused by prepare) instead of vanishing: the last record of the GPU at that
@@ -214,6 +230,8 @@ impl LiveInventory {
             last: tokio::sync::Mutex::new(None),
             refused: Mutex::new(BTreeMap::new()),
             health_file: Mutex::new(None),
+            unreachable: Mutex::new(None),
+            version_listeners: Mutex::new(Vec::new()),
         })
     }
 
@@ -244,13 +262,49 @@ impl LiveInventory {
         }
         let started = Instant::now();
         let backend = Arc::clone(&self.backend);
-        let found = tokio::task::spawn_blocking(move || backend.discover())
-            .await
-            .map_err(|join| DeviceError::Query {
-                call: "discover",
-                target: "the inventory backend".into(),
-                reason: format!("discovery task failed: {join}"),
-            })??;
+        let version = self.current().driver_version.clone();
+        let listeners: Vec<VersionListener> = lock(&self.version_listeners).clone();
+        // The listeners do file I/O: on the blocking pool with the discovery.
+        let found = tokio::task::spawn_blocking(move || {
+            let found = backend.discover()?;
+            if found.driver_version != version {
+                info!(from = %version, to = %found.driver_version, "the NVIDIA driver's version changed");
+                for listener in &listeners {
+                    listener(&found);
+                }
+            }
+            Ok::<_, DeviceError>(found)
+        })
+        .await
+        .map_err(|join| DeviceError::Query {
+            call: "discover",
+            target: "the inventory backend".into(),
+            reason: format!("discovery task failed: {join}"),
+        })?;
+        let found = match found {
+            Ok(found) => {
+                if let Some((since, _)) = lock(&self.unreachable).take() {
+                    info!(
+                        after_ms = since.elapsed().as_millis() as u64,
+                        "NVML answers again"
+                    );
+                }
+                found
+            }
+            Err(e) => {
+                if matches!(e, DeviceError::Init { .. }) {
+                    let mut unreachable = lock(&self.unreachable);
+                    if unreachable.is_none() {
+                        warn!(error = %e, "NVML cannot be reached; keeping the inventory found last");
+                    }
+                    let since = unreachable
+                        .as_ref()
+                        .map_or_else(std::time::Instant::now, |(since, _)| *since);
+                    *unreachable = Some((since, e.to_string()));
+                }
+                return Err(e);
+            }
+        };
         self.replace_inventory(Arc::new(found));
         let current = self.current();
         *last = Some((started, current.clone()));
@@ -276,6 +330,22 @@ impl LiveInventory {
             snap.inventory = inventory;
             snap.health = health;
         });
+    }
+
+    /// Registers `listener`, called (on the blocking pool) with the inventory of every
+    /// discovery that finds another driver version than the current inventory's, before that
+    /// inventory becomes current.
+    pub fn on_driver_version(&self, listener: VersionListener) {
+        lock(&self.version_listeners).push(listener);
+    }
+
+    /// Since how long, and why, discoveries have failed because NVML as a whole cannot be
+    /// reached (no library, no kernel module, library and module of different versions);
+    /// `None` while the last discovery succeeded or failed otherwise.
+    pub fn nvml_unreachable(&self) -> Option<(std::time::Duration, String)> {
+        lock(&self.unreachable)
+            .as_ref()
+            .map(|(since, why)| (since.elapsed(), why.clone()))
     }
 
     /// Sets how each GPU is offered (flags, then the node's annotations); wakes the publisher

@@ -9,7 +9,8 @@
 //!   [`kube_client`] (the API server client).
 //! - Serving the kubelet: [`grpc`] (sockets, registration and DRA services), [`authority`]
 //!   (grpc-go `:authority` fix), [`health`] (the DRA health service and the NVML watch),
-//!   [`publish`] (ResourceSlice publisher), [`inventory`] (the live GPU inventory).
+//!   [`publish`] (ResourceSlice publisher), [`inventory`] (the live GPU inventory),
+//!   [`driver_swap`] (the NVIDIA driver upgraded in place under the plugin).
 //! - Prepare and unprepare: [`driver`] (the state machine), [`claim_locks`] (one operation
 //!   per claim), [`claims`] (where claims come from), [`claim_status`] (device data in the
 //!   claims' status), [`checkpoint_file`] (checkpoint
@@ -34,6 +35,7 @@ pub mod claims;
 pub mod cmd;
 pub mod digest;
 pub mod driver;
+pub mod driver_swap;
 pub mod failpoint;
 pub mod grpc;
 pub mod health;

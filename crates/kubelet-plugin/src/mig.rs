@@ -47,18 +47,34 @@ pub trait MigControl: Send + Sync {
     fn list(&self, gpu_uuid: &str) -> Result<Vec<MigInstance>, MigError>;
 }
 
-/// [`MigControl`] over NVML.
+/// [`MigControl`] over NVML. Every operation opens its own NVML session from a fresh lookup of
+/// the library and closes it when done: no handle is held between claims, so a driver upgraded
+/// in place is reached through its new library, and a session never spans the swap.
 #[derive(Debug)]
 pub struct NvmlMig {
-    ops: gpu_dra_nvml::MigOps,
+    library: gpu_dra_nvml::NvmlLibrary,
 }
 
 impl NvmlMig {
-    /// Opens NVML from `lib_path` for MIG operations.
+    /// MIG operations through the NVML library `library` names at each call.
+    pub fn new(library: gpu_dra_nvml::NvmlLibrary) -> Self {
+        NvmlMig { library }
+    }
+
+    /// MIG operations through the library at `lib_path`, checked to initialise now.
     pub fn open(lib_path: &std::path::Path) -> Result<Self, MigError> {
-        Ok(NvmlMig {
-            ops: gpu_dra_nvml::MigOps::open(lib_path)?,
-        })
+        drop(gpu_dra_nvml::MigOps::open(lib_path)?);
+        Ok(NvmlMig::new(gpu_dra_nvml::NvmlLibrary::Path(
+            lib_path.to_path_buf(),
+        )))
+    }
+
+    /// A session for one operation.
+    fn ops(&self) -> Result<gpu_dra_nvml::MigOps, MigError> {
+        let path = self.library.locate().map_err(|e| MigError {
+            reason: e.to_string(),
+        })?;
+        Ok(gpu_dra_nvml::MigOps::open(&path)?)
     }
 }
 
@@ -69,7 +85,9 @@ impl MigControl for NvmlMig {
         gi_profile_id: u32,
         start: u32,
     ) -> Result<MigInstance, MigError> {
-        let created = self.ops.create_mig_device(gpu_uuid, gi_profile_id, start)?;
+        let created = self
+            .ops()?
+            .create_mig_device(gpu_uuid, gi_profile_id, start)?;
         // The placement's size is what the driver made: read it back with the instance.
         self.list(gpu_uuid)?
             .into_iter()
@@ -83,11 +101,11 @@ impl MigControl for NvmlMig {
     }
 
     fn destroy(&self, gpu_uuid: &str, gi_id: u32, ci_id: u32) -> Result<(), MigError> {
-        Ok(self.ops.destroy_mig_device(gpu_uuid, gi_id, ci_id)?)
+        Ok(self.ops()?.destroy_mig_device(gpu_uuid, gi_id, ci_id)?)
     }
 
     fn list(&self, gpu_uuid: &str) -> Result<Vec<MigInstance>, MigError> {
-        Ok(self.ops.list_mig_instances(gpu_uuid)?)
+        Ok(self.ops()?.list_mig_instances(gpu_uuid)?)
     }
 }
 

@@ -67,6 +67,7 @@ async fn serve(
         http,
         metrics,
         Arc::new(AtomicBool::new(true)),
+        Arc::new(gpu_dra_kubelet_plugin::http::Serving),
     ));
     (socket, addr)
 }

@@ -6,6 +6,13 @@
 //! [`HealthSource::watch`] runs on a thread of its own and waits in short slices (at most 500 ms)
 //! to notice `stop` and the next probe.
 //!
+//! The session ends, and the watch returns an error, when NVML as a whole is out of reach (no
+//! kernel module, library and module of different versions, session no longer initialised:
+//! the driver unloaded or upgraded in place under it); its
+//! GPUs are then not reported unreachable, which would taint every device of the node for
+//! what is no fault of theirs. The caller opens a new session once NVML answers again, from a
+//! fresh library lookup: no handle is kept across a driver swap.
+//!
 //! Facts this relies on (NVML headers; NVIDIA's k8s-device-plugin does the same): events are
 //! registered per GPU (not per MIG device); an event carries the GPU instance and compute
 //! instance it is limited to, or `0xFFFFFFFF` for both when it concerns the whole GPU; a GPU
@@ -32,7 +39,7 @@ use nvml_wrapper_sys::bindings::{
     nvmlReturn_enum_NVML_SUCCESS,
 };
 
-use crate::{NvmlInventory, NvmlOptions};
+use crate::NvmlInventory;
 
 /// `nvmlEventTypeDoubleBitEccError`, uncorrectable ECC errors (single-bit ones are corrected
 /// by the hardware and not watched).
@@ -55,8 +62,8 @@ impl HealthSource for NvmlInventory {
         sink: &mut dyn FnMut(HealthObservation),
     ) -> Result<(), DeviceError> {
         let options = self.options();
-        let nvml = open(options)?;
-        let set = EventSet::create(&nvml, options)?;
+        let nvml = options.library.open()?;
+        let set = EventSet::create(&nvml)?;
         // Handles of the watched GPUs, to map an event's device back to its UUID.
         let mut handles: HashMap<usize, String> = HashMap::new();
         for uuid in gpus {
@@ -76,17 +83,18 @@ impl HealthSource for NvmlInventory {
             }
         }
         tracing::info!(gpus = handles.len(), probe_every = ?probe_interval, "watching GPU health through NVML");
-        let probe_all = |sink: &mut dyn FnMut(HealthObservation)| {
+        let probe_all = |sink: &mut dyn FnMut(HealthObservation)| -> Result<(), DeviceError> {
             for uuid in gpus {
-                sink(probe(&nvml, uuid));
+                sink(probe(&nvml, uuid)?);
             }
+            Ok(())
         };
-        probe_all(sink);
+        probe_all(sink)?;
         let mut next_probe = Instant::now() + probe_interval;
         while !stop.load(Ordering::Relaxed) {
             let left = next_probe.saturating_duration_since(Instant::now());
             if left.is_zero() {
-                probe_all(sink);
+                probe_all(sink)?;
                 next_probe = Instant::now() + probe_interval;
                 continue;
             }
@@ -113,16 +121,19 @@ impl HealthSource for NvmlInventory {
                         instance,
                     });
                     // What the driver asks for after this event, at once.
-                    sink(probe(&nvml, &uuid));
+                    sink(probe(&nvml, &uuid)?);
                 }
                 Wait::Lost => {
                     // Some registered GPU is gone; the probes say which.
-                    probe_all(sink);
+                    probe_all(sink)?;
                     std::thread::sleep(WAIT_SLICE);
                 }
-                Wait::Failed(reason) => {
-                    tracing::warn!(%reason, "waiting for NVML events failed; probing");
-                    probe_all(sink);
+                Wait::Failed(e) if session_over(&e) => {
+                    return Err(session_ended("nvmlEventSetWait_v2", &e));
+                }
+                Wait::Failed(e) => {
+                    tracing::warn!(reason = %e, "waiting for NVML events failed; probing");
+                    probe_all(sink)?;
                     std::thread::sleep(WAIT_SLICE);
                 }
             }
@@ -131,18 +142,25 @@ impl HealthSource for NvmlInventory {
     }
 }
 
-fn open(options: &NvmlOptions) -> Result<Nvml, DeviceError> {
-    Nvml::builder()
-        .lib_path(options.lib_path.as_os_str())
-        .init()
-        .map_err(|e| DeviceError::Init {
-            path: options.lib_path.display().to_string(),
-            reason: e.to_string(),
-        })
+/// Whether an NVML error ends the session: NVML as a whole is out of reach, not one GPU.
+fn session_over(e: &NvmlError) -> bool {
+    matches!(
+        e,
+        NvmlError::DriverNotLoaded | NvmlError::LibRmVersionMismatch | NvmlError::Uninitialized
+    )
 }
 
-/// Probes one GPU: reachable, and its recovery action when the driver reports one.
-fn probe(nvml: &Nvml, uuid: &str) -> HealthObservation {
+fn session_ended(call: &'static str, e: &NvmlError) -> DeviceError {
+    DeviceError::Query {
+        call,
+        target: "the health watch's NVML session".into(),
+        reason: e.to_string(),
+    }
+}
+
+/// Probes one GPU: reachable, and its recovery action when the driver reports one. An error
+/// when NVML as a whole is out of reach (see [`session_over`]).
+fn probe(nvml: &Nvml, uuid: &str) -> Result<HealthObservation, DeviceError> {
     let unreachable = || HealthObservation::Probe {
         gpu_uuid: uuid.to_string(),
         reachable: false,
@@ -150,23 +168,26 @@ fn probe(nvml: &Nvml, uuid: &str) -> HealthObservation {
     };
     let device = match nvml.device_by_uuid(uuid) {
         Ok(d) => d,
-        Err(NvmlError::GpuLost) => return unreachable(),
+        Err(NvmlError::GpuLost) => return Ok(unreachable()),
+        Err(e) if session_over(&e) => return Err(session_ended("nvmlDeviceGetHandleByUUID", &e)),
         Err(e) => {
             tracing::debug!(gpu = %uuid, error = %e, "GPU not reachable by UUID");
-            return unreachable();
+            return Ok(unreachable());
         }
     };
     // A cheap call that fails on a GPU that fell off the bus after its handle was made.
-    if let Err(NvmlError::GpuLost) = device.minor_number() {
-        return unreachable();
+    match device.minor_number() {
+        Err(NvmlError::GpuLost) => return Ok(unreachable()),
+        Err(e) if session_over(&e) => return Err(session_ended("nvmlDeviceGetMinorNumber", &e)),
+        _ => {}
     }
     // SAFETY: the handle belongs to `nvml`, which outlives this call.
     let raw = unsafe { device.handle() };
-    HealthObservation::Probe {
+    Ok(HealthObservation::Probe {
         gpu_uuid: uuid.to_string(),
         reachable: true,
         recovery_action: recovery_action(nvml, raw),
-    }
+    })
 }
 
 /// Field 230 through the raw call (the typed wrapper insists on value types this field's
@@ -196,7 +217,7 @@ enum Wait {
     Timeout,
     Event(nvmlEventData_t),
     Lost,
-    Failed(String),
+    Failed(NvmlError),
 }
 
 /// An NVML event set, freed on drop.
@@ -206,9 +227,10 @@ struct EventSet<'a> {
 }
 
 impl<'a> EventSet<'a> {
-    fn create(nvml: &'a Nvml, options: &NvmlOptions) -> Result<Self, DeviceError> {
-        let init = |reason: String| DeviceError::Init {
-            path: options.lib_path.display().to_string(),
+    fn create(nvml: &'a Nvml) -> Result<Self, DeviceError> {
+        let init = |reason: String| DeviceError::Query {
+            call: "nvmlEventSetCreate",
+            target: "the health watch".into(),
             reason,
         };
         let create = nvml
@@ -266,8 +288,9 @@ impl<'a> EventSet<'a> {
     }
 
     fn wait(&self, nvml: &Nvml, timeout: Duration) -> Wait {
-        let Ok(wait) = nvml.lib().nvmlEventSetWait_v2.as_ref() else {
-            return Wait::Failed("nvmlEventSetWait_v2 missing".into());
+        let wait = match nvml.lib().nvmlEventSetWait_v2.as_ref() {
+            Ok(wait) => wait,
+            Err(e) => return Wait::Failed(NvmlError::FailedToLoadSymbol(e.to_string())),
         };
         // SAFETY: plain old data; all-zero is valid.
         let mut data: nvmlEventData_t = unsafe { std::mem::zeroed() };
@@ -278,7 +301,7 @@ impl<'a> EventSet<'a> {
             r if r == nvmlReturn_enum_NVML_SUCCESS => Wait::Event(data),
             r if r == nvmlReturn_enum_NVML_ERROR_TIMEOUT => Wait::Timeout,
             r if r == nvmlReturn_enum_NVML_ERROR_GPU_IS_LOST => Wait::Lost,
-            r => Wait::Failed(NvmlError::from(r).to_string()),
+            r => Wait::Failed(NvmlError::from(r)),
         }
     }
 }

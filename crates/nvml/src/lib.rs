@@ -10,6 +10,12 @@
 //!   contracts); anything else would work on real hardware and fail in every test.
 //! - NVML is initialised per discovery and shut down when it ends (the `Nvml` value is dropped),
 //!   so each discovery sees the driver's current MIG layout and no handle outlives its session.
+//! - The library is looked up afresh for every session ([`NvmlLibrary::locate`]): a driver
+//!   upgraded in place renames its files (`libnvidia-ml.so.<version>`), so a path resolved
+//!   once would name a file that is gone; and the loader hands out a library it still has
+//!   loaded under the same path, so only the new file's own name reaches the new driver.
+//! - NVML out of reach as a whole (no library, no kernel module, library and module of
+//!   different versions) is [`DeviceError::Init`]; a failure of one GPU or query is not.
 //! - A GPU that does not support MIG is not an error: its `mig` is `None`.
 //!
 //! Modules: [`sysfs`] (PCIe root and NUMA node of a GPU), [`health`] (the NVML health source:
@@ -57,10 +63,62 @@ use gpu_dra_device::{
 /// Where the NVML backend finds its library and sysfs.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NvmlOptions {
-    /// Path of `libnvidia-ml.so.1` (see [`find_library`]).
-    pub lib_path: PathBuf,
+    /// The NVML library.
+    pub library: NvmlLibrary,
     /// Root of sysfs, `/sys` on a host (read for PCIe root and NUMA node).
     pub sysfs_root: PathBuf,
+}
+
+/// Which NVML library a session loads, decided anew for every session.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum NvmlLibrary {
+    /// This path, as given (`--nvml-lib`); a link is followed by the loader each time.
+    Path(PathBuf),
+    /// The first `libnvidia-ml.so.1` under this driver root ([`find_library`]).
+    Under(PathBuf),
+}
+
+impl NvmlLibrary {
+    /// The library file to load now. The error names what was looked for.
+    pub fn locate(&self) -> Result<PathBuf, DeviceError> {
+        match self {
+            NvmlLibrary::Path(path) if path.exists() => Ok(path.clone()),
+            NvmlLibrary::Path(path) => Err(DeviceError::Init {
+                path: path.display().to_string(),
+                reason: "the file does not exist".into(),
+            }),
+            NvmlLibrary::Under(root) => find_library(root).ok_or_else(|| DeviceError::Init {
+                path: format!(
+                    "{} under {} (in {})",
+                    LIBRARY_NAME,
+                    root.display(),
+                    LIBRARY_DIRS.join(", ")
+                ),
+                reason: "no such library (is the driver installed, or being upgraded?)".into(),
+            }),
+        }
+    }
+
+    /// What identifies the library a session would load now: its path and the file's device
+    /// and inode (`None` when there is none). A driver upgraded in place changes it.
+    pub fn identity(&self) -> Option<(PathBuf, u64, u64)> {
+        use std::os::unix::fs::MetadataExt;
+        let path = self.locate().ok()?;
+        let meta = std::fs::metadata(&path).ok()?;
+        Some((path, meta.dev(), meta.ino()))
+    }
+
+    /// Loads the library and initialises NVML.
+    pub fn open(&self) -> Result<Nvml, DeviceError> {
+        let path = self.locate()?;
+        Nvml::builder()
+            .lib_path(path.as_os_str())
+            .init()
+            .map_err(|e| DeviceError::Init {
+                path: path.display().to_string(),
+                reason: e.to_string(),
+            })
+    }
 }
 
 /// Directories searched under a driver root for `libnvidia-ml.so.1`, in order.
@@ -117,7 +175,7 @@ pub struct NvmlInventory {
 }
 
 impl NvmlInventory {
-    /// A backend that loads NVML from `options.lib_path` on each discovery.
+    /// A backend that loads NVML from `options.library` on each discovery.
     pub fn new(options: NvmlOptions) -> Self {
         Self { options }
     }
@@ -130,14 +188,7 @@ impl NvmlInventory {
 
 impl GpuInventory for NvmlInventory {
     fn discover(&self) -> Result<Inventory, DeviceError> {
-        let lib_path = &self.options.lib_path;
-        let nvml = Nvml::builder()
-            .lib_path(lib_path.as_os_str())
-            .init()
-            .map_err(|e| DeviceError::Init {
-                path: lib_path.display().to_string(),
-                reason: e.to_string(),
-            })?;
+        let nvml = self.options.library.open()?;
         let system = || "the system".to_string();
         let driver_version = nvml
             .sys_driver_version()
@@ -514,11 +565,20 @@ mod tests {
     #[test]
     fn a_missing_library_is_an_init_error_naming_the_path() {
         let inv = NvmlInventory::new(NvmlOptions {
-            lib_path: PathBuf::from("/nonexistent/libnvidia-ml.so.1"),
+            library: NvmlLibrary::Path(PathBuf::from("/nonexistent/libnvidia-ml.so.1")),
             sysfs_root: PathBuf::from("/sys"),
         });
         let err = inv.discover().unwrap_err();
         assert!(matches!(err, DeviceError::Init { .. }), "{err}");
         assert!(err.to_string().contains("/nonexistent/libnvidia-ml.so.1"));
+        let root = tempfile::tempdir().unwrap();
+        let err = NvmlLibrary::Under(root.path().to_path_buf())
+            .locate()
+            .unwrap_err();
+        assert!(err.to_string().contains("libnvidia-ml.so.1 under"), "{err}");
+        assert_eq!(
+            NvmlLibrary::Under(root.path().to_path_buf()).identity(),
+            None
+        );
     }
 }

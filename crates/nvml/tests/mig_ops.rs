@@ -98,7 +98,7 @@ fn a100_profiles_follow_the_table_and_are_named_as_discovery_names_them() {
 fn discovery_lists_profiles_of_mig_enabled_gpus_only() {
     let host = SimHost::new("dgx-a100-40gb");
     let inv = NvmlInventory::new(NvmlOptions {
-        lib_path: find_library(host.root()).expect("library"),
+        library: gpu_dra_nvml::NvmlLibrary::Path(find_library(host.root()).expect("library")),
         sysfs_root: host.sysfs_root(),
     })
     .discover()
@@ -117,7 +117,7 @@ fn discovery_lists_profiles_of_mig_enabled_gpus_only() {
     assert!(inv.gpus[0].mig_enabled() && !inv.gpus[GPU].mig_enabled());
     let t4 = SimHost::new("t4");
     let inv = NvmlInventory::new(NvmlOptions {
-        lib_path: find_library(t4.root()).expect("library"),
+        library: gpu_dra_nvml::NvmlLibrary::Path(find_library(t4.root()).expect("library")),
         sysfs_root: t4.sysfs_root(),
     })
     .discover()
@@ -178,7 +178,7 @@ fn create_list_and_destroy_on_an_a100() {
 
     // Discovery sees them as MIG devices, named by profile and placement.
     let inv = NvmlInventory::new(NvmlOptions {
-        lib_path: find_library(host.root()).expect("library"),
+        library: gpu_dra_nvml::NvmlLibrary::Path(find_library(host.root()).expect("library")),
         sysfs_root: host.sysfs_root(),
     })
     .discover()

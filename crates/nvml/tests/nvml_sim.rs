@@ -13,7 +13,7 @@ fn discover(host: &SimHost) -> Inventory {
     // The library is found the way the plugin finds it: under the driver root.
     let lib = find_library(host.root()).expect("simulated libnvidia-ml.so.1 under the root");
     NvmlInventory::new(NvmlOptions {
-        lib_path: lib,
+        library: gpu_dra_nvml::NvmlLibrary::Path(lib),
         sysfs_root: host.sysfs_root(),
     })
     .discover()
@@ -429,7 +429,7 @@ fn mig_enabled_without_instances_publishes_nothing_for_that_gpu() {
 fn missing_sysfs_entries_leave_topology_unset() {
     let host = SimHost::new("t4");
     let inv = NvmlInventory::new(NvmlOptions {
-        lib_path: host.lib_path(),
+        library: gpu_dra_nvml::NvmlLibrary::Path(host.lib_path()),
         sysfs_root: host.root().join("no-such-sysfs"),
     })
     .discover()

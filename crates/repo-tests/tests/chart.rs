@@ -737,11 +737,15 @@ fn env_twins(sub: &str) -> BTreeSet<String> {
 
 /// `run` flags the chart leaves to their defaults: `KUBECONFIG` (in a pod the in-cluster
 /// config is right), `CDI_HOOK_SOURCE` (the image's `nvidia-cdi-hook` is where the default
-/// says), `HEALTH_PROBE_INTERVAL_SECONDS` (no chart value: the default suits every node).
-const RUN_FLAGS_NOT_SET: [&str; 3] = [
+/// says), `HEALTH_PROBE_INTERVAL_SECONDS` (no chart value: the default suits every node),
+/// `DRIVER_CHECK_INTERVAL_SECONDS` and `NVML_UNREACHABLE_GRACE_SECONDS` (a driver upgraded
+/// in place: the defaults go with the chart's liveness probe).
+const RUN_FLAGS_NOT_SET: [&str; 5] = [
     "KUBECONFIG",
     "CDI_HOOK_SOURCE",
     "HEALTH_PROBE_INTERVAL_SECONDS",
+    "DRIVER_CHECK_INTERVAL_SECONDS",
+    "NVML_UNREACHABLE_GRACE_SECONDS",
 ];
 
 /// The chart configures the plugin through the env twins of its flags, as the plugin defines

@@ -10,7 +10,9 @@
 //! - `gpu-sim`, which lays out a self-contained simulated host (libraries, tools, `/dev`,
 //!   `/proc` and `/sys` files, state file) under a directory ([`setup`], with the driver's
 //!   other user-space files from [`driverfiles`]) and injects GPU faults (XID, ECC, fallen off
-//!   the bus) for tests (the fault methods of [`state::State`], on the records of [`health`]);
+//!   the bus) for tests (the fault methods of [`state::State`], on the records of [`health`]),
+//!   and swaps the driver version under a running host as an upgrade in place does
+//!   ([`upgrade`]);
 //! - behind the `testing` feature, a simulated host in a temporary directory for other
 //!   crates' tests (`testing`).
 //!
@@ -19,7 +21,8 @@
 //! the library's or tool's own location; fleet descriptions ([`profile`]) and MIG tables
 //! ([`mig`]) reproduce real hardware values. The modules depend on each other without
 //! circles: [`health`] and [`mig`] use no other module, [`profile`] builds on them, [`state`]
-//! on all three, and the tools, the library and the setup on [`state`].
+//! on all three, and the tools, the library and the setup on [`state`]; [`upgrade`] builds
+//! on [`setup`], and the library and tools use its version checks.
 //!
 //! Unsafe code: `unsafe_code` is denied for the crate (`[lints]` in its Cargo.toml) and
 //! allowed only where the C ABI or a C call needs it, every block with a `// SAFETY:`
@@ -51,6 +54,7 @@ pub mod state;
 pub mod testing;
 /// Every other NVML function go-nvml binds, returning `NVML_ERROR_NOT_SUPPORTED` (generated).
 pub mod unsupported;
+pub mod upgrade;
 
 pub use profile::Profile;
 pub use state::{State, StateFile};
@@ -110,6 +114,14 @@ pub enum SimError {
         path: PathBuf,
         /// The `dev/` folder of the process's view.
         dev: PathBuf,
+    },
+    /// A command-line argument is not valid.
+    #[error("{field}: {message}")]
+    InvalidArgument {
+        /// The flag or argument.
+        field: String,
+        /// What is wrong and what would be valid.
+        message: String,
     },
     /// A build artefact the caller needs is missing.
     #[error("{what} not found (looked in {searched}); build the gpu-dra-sim package first")]

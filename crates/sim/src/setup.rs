@@ -233,11 +233,100 @@ fn libraries(layout: DriverLayout) -> &'static [(&'static str, Option<&'static s
     }
 }
 
+/// Installs the GSP firmware of driver version `ver` (`<firmware dir>/nvidia/<ver>/`).
+pub(crate) fn install_firmware(
+    root: &Path,
+    layout: DriverLayout,
+    ver: &str,
+) -> Result<(), SimError> {
+    let files: &[&str] = match layout {
+        DriverLayout::Distro => &["gsp_ga10x.bin"],
+        DriverLayout::UsrLocalNvidia => &["gsp_ga10x.bin", "gsp_tu10x.bin"],
+    };
+    for name in files {
+        write(
+            &firmware_dir(root, layout, ver).join(name),
+            b"simulated GSP firmware\n",
+        )?;
+    }
+    Ok(())
+}
+
+/// The folder of driver version `ver`'s firmware.
+pub(crate) fn firmware_dir(root: &Path, layout: DriverLayout, ver: &str) -> PathBuf {
+    root.join(format!("{}/nvidia/{ver}", layout.firmware_dir()))
+}
+
+/// Installs the stand-in tools (copies, so that they find the state from their own path) and
+/// the layout's other tools as scripts that succeed.
+pub(crate) fn install_tools(
+    root: &Path,
+    layout: DriverLayout,
+    artefacts: &Artefacts,
+) -> Result<(), SimError> {
+    let bin = root.join(layout.bin_dir());
+    for tool in TOOLS {
+        let to = bin.join(tool);
+        copy(&artefacts.bin_dir.join(tool), &to)?;
+        set_mode(&to, 0o755)?;
+    }
+    let scripts: &[&str] = match layout {
+        DriverLayout::Distro => &["nvidia-persistenced"],
+        DriverLayout::UsrLocalNvidia => &[
+            "nvidia-persistenced",
+            "nvidia-debugdump",
+            "nvidia-cuda-mps-server",
+        ],
+    };
+    for name in scripts {
+        let path = bin.join(name);
+        write(&path, b"#!/bin/sh\nexit 0\n")?;
+        set_mode(&path, 0o755)?;
+    }
+    Ok(())
+}
+
+/// Removes the driver libraries of version `ver` that [`install_libraries`] installs and
+/// the version's firmware, then the soname and `.so` links left dangling (those an upgrade
+/// already repointed to its new files stay): what an upgrade, or the removal of a driver
+/// container's root, takes away. Missing files are fine.
+pub(crate) fn remove_driver_files(
+    root: &Path,
+    layout: DriverLayout,
+    ver: &str,
+) -> Result<(), SimError> {
+    let remove = |p: &Path| match fs::remove_file(p) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(io(p)(e)),
+        _ => Ok(()),
+    };
+    let lib = root.join(layout.lib_dir());
+    for (stem, _) in libraries(layout) {
+        remove(&lib.join(format!("{stem}.so.{ver}")))?;
+    }
+    // The `.so` link names the soname link: soname links first.
+    for (stem, soname) in libraries(layout) {
+        for link in soname
+            .iter()
+            .map(|so| lib.join(so))
+            .chain([lib.join(format!("{stem}.so"))])
+        {
+            if fs::symlink_metadata(&link).is_ok() && fs::metadata(&link).is_err() {
+                remove(&link)?;
+            }
+        }
+    }
+    let fw = firmware_dir(root, layout, ver);
+    match fs::remove_dir_all(&fw) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(io(&fw)(e)),
+        _ => Ok(()),
+    }
+}
+
 /// Installs the driver libraries with their soname and `.so` links, as the driver's
 /// installer does, and the root's `etc/ld.so.cache` listing them by soname (as `ldconfig`
 /// would). The NVML library is the simulator itself; the others are ELF stubs carrying only
 /// their soname.
-fn install_libraries(
+pub(crate) fn install_libraries(
     root: &Path,
     layout: DriverLayout,
     ver: &str,
@@ -285,43 +374,8 @@ pub fn setup(root: &Path, profile: &Profile, artefacts: &Artefacts) -> Result<St
 
     let layout = profile.driver_layout;
     install_libraries(root, layout, ver, artefacts)?;
-    write(
-        &root.join(format!(
-            "{}/nvidia/{ver}/gsp_ga10x.bin",
-            layout.firmware_dir()
-        )),
-        b"simulated GSP firmware\n",
-    )?;
-    if layout == DriverLayout::UsrLocalNvidia {
-        write(
-            &root.join(format!(
-                "{}/nvidia/{ver}/gsp_tu10x.bin",
-                layout.firmware_dir()
-            )),
-            b"simulated GSP firmware\n",
-        )?;
-    }
-
-    // Tools.
-    let bin = root.join(layout.bin_dir());
-    for tool in TOOLS {
-        let to = bin.join(tool);
-        copy(&artefacts.bin_dir.join(tool), &to)?;
-        set_mode(&to, 0o755)?;
-    }
-    let scripts: &[&str] = match layout {
-        DriverLayout::Distro => &["nvidia-persistenced"],
-        DriverLayout::UsrLocalNvidia => &[
-            "nvidia-persistenced",
-            "nvidia-debugdump",
-            "nvidia-cuda-mps-server",
-        ],
-    };
-    for name in scripts {
-        let path = bin.join(name);
-        write(&path, b"#!/bin/sh\nexit 0\n")?;
-        set_mode(&path, 0o755)?;
-    }
+    install_firmware(root, layout, ver)?;
+    install_tools(root, layout, artefacts)?;
 
     // State first: the device files below are derived from it.
     let state = State::from_profile(profile.clone());

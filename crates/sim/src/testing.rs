@@ -174,6 +174,31 @@ impl SimHost {
         value
     }
 
+    /// Upgrades the host's driver in place to `version` ([`crate::upgrade`]), blocking for
+    /// `window`; returns the state afterwards.
+    ///
+    /// # Panics
+    /// When the upgrade fails (test support).
+    pub fn upgrade_driver(
+        &self,
+        version: &str,
+        style: crate::upgrade::UpgradeStyle,
+        window: std::time::Duration,
+    ) -> State {
+        let upgrade = crate::upgrade::Upgrade {
+            version: version.to_owned(),
+            style,
+            window,
+        };
+        let res = ensure_built()
+            .and_then(|dir| Artefacts::beside(&dir))
+            .and_then(|art| crate::upgrade::upgrade_driver(self.root(), &upgrade, &art));
+        match res {
+            Ok(st) => st,
+            Err(e) => panic!("upgrading the simulated driver to {version}: {e}"),
+        }
+    }
+
     /// The current state (as other processes left it).
     ///
     /// # Panics

@@ -163,6 +163,15 @@ pub struct RunArgs {
         default_value_t = 60
     )]
     pub rediscover_interval_seconds: u64,
+    /// Seconds between checks that the NVML library is still the file found last (a driver
+    /// upgraded in place renames it): a changed one is rediscovered at once (see
+    /// `driver_swap`).
+    #[arg(long, env = "DRIVER_CHECK_INTERVAL_SECONDS", default_value_t = 5)]
+    pub driver_check_interval_seconds: u64,
+    /// Seconds NVML may be out of reach (the driver unloaded or being upgraded) before
+    /// `/healthz` fails, so that the kubelet's liveness probe restarts the plugin.
+    #[arg(long, env = "NVML_UNREACHABLE_GRACE_SECONDS", default_value_t = 30)]
+    pub nvml_unreachable_grace_seconds: u64,
     /// Seconds between cleanups of claims gone from the API server. Formerly
     /// `--cleanup-interval` (`CLEANUP_INTERVAL`), still accepted.
     #[arg(
@@ -216,6 +225,9 @@ pub struct Backends {
     pub health: Option<Arc<dyn HealthSource>>,
     /// Creates and destroys dynamic MIG instances (NVML only; refused with a fixture).
     pub mig: Arc<dyn crate::mig::MigControl>,
+    /// The NVML library as sessions look it up (none with a fixture): what
+    /// [`crate::driver_swap::follow`] watches.
+    pub library: Option<gpu_dra_nvml::NvmlLibrary>,
 }
 
 /// THE place where the hardware backends are chosen from the flags.
@@ -233,19 +245,19 @@ pub fn backends_from_args(args: &RunArgs) -> anyhow::Result<Backends> {
             mig: Arc::new(crate::mig::NoMig(format!(
                 "the inventory comes from the fixture {source}, not from NVML"
             ))),
+            library: None,
         });
     }
     let (lib_path, backend) = args.host.nvml_inventory()?;
     info!(library = %lib_path.display(), "using NVML");
     let backend = Arc::new(backend);
-    let mig: Arc<dyn crate::mig::MigControl> = match crate::mig::NvmlMig::open(&lib_path) {
-        Ok(mig) => Arc::new(mig),
-        Err(e) => Arc::new(crate::mig::NoMig(e.reason)),
-    };
+    let mig: Arc<dyn crate::mig::MigControl> =
+        Arc::new(crate::mig::NvmlMig::new(args.host.nvml_library()));
     Ok(Backends {
         inventory: backend.clone(),
         health: Some(backend),
         mig,
+        library: Some(args.host.nvml_library()),
     })
 }
 
@@ -411,7 +423,16 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             .await
             .with_context(|| format!("binding --http-address {}", args.http_address))?;
         info!(address = %args.http_address, metrics = %args.metrics_path, "serving metrics, /healthz and /readyz");
-        tokio::spawn(crate::http::serve(listener, metrics.clone(), ready.clone()));
+        let liveness = crate::driver_swap::NvmlLiveness::new(
+            live.clone(),
+            Duration::from_secs(args.nvml_unreachable_grace_seconds),
+        );
+        tokio::spawn(crate::http::serve(
+            listener,
+            metrics.clone(),
+            ready.clone(),
+            Arc::new(liveness),
+        ));
     }
     let sockets = args.folders.sockets(&args.driver_name, &args.pod_uid);
     let (reg_path, dra_path) = (sockets.registration, sockets.dra);
@@ -469,13 +490,20 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     let failpoints = Failpoints::parse(&args.failpoints, Some(args.folders.failpoint_marker()))
         .map_err(anyhow::Error::msg)?;
     let hook = cdi_hook_path(&args);
-    let cdi = CdiHost::discover(
+    let cdi = Arc::new(CdiHost::discover(
         args.folders.cdi_root.clone(),
         &args.host.driver_roots(),
         &args.host.dev_root,
         &inventory.driver_version,
         hook.as_deref(),
-    );
+    ));
+    // A driver upgraded in place: its new files are scanned before a prepare sees the new
+    // version (and now, should it have changed since the first discovery).
+    live.on_driver_version({
+        let cdi = cdi.clone();
+        Arc::new(move |found: &gpu_dra_device::Inventory| cdi.refresh(&found.driver_version))
+    });
+    cdi.refresh(&live.current().driver_version);
     let boot_id = read_boot_id(&args.boot_id_file);
     let mut sharing_options = SharingOptions::new(
         DriverRoot::new(args.host.driver_root_here(), args.host.nvml_lib.clone()),
@@ -522,7 +550,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         claims,
         sharing: Arc::new(sharing.clone()),
         decoder: Arc::new(gpu_dra_core::plan::ApiDecoder),
-        cdi: Arc::new(cdi),
+        cdi,
         failpoints,
         metrics: metrics.clone(),
         mig: backends.mig.clone(),
@@ -602,6 +630,19 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             None
         }
     };
+    let driver_follower = backends.library.clone().map(|library| {
+        let identity: crate::driver_swap::DriverIdentity = Box::new(move || {
+            library
+                .identity()
+                .map(|(path, dev, ino)| format!("{} ({dev}:{ino})", path.display()))
+        });
+        tokio::spawn(crate::driver_swap::follow(
+            live.clone(),
+            identity,
+            Duration::from_secs(args.driver_check_interval_seconds.max(1)),
+            stop_rx.clone(),
+        ))
+    });
     let (publisher_stop, publisher_stopped) = tokio::sync::watch::channel(false);
     let publisher = client.map(|client| {
         let mut config = crate::publish::PublisherConfig::new(&args.node_name, &args.driver_name);
@@ -627,6 +668,9 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     }
     if let Some(watcher) = health_watch {
         let _ = watcher.await;
+    }
+    if let Some(follower) = driver_follower {
+        let _ = follower.await;
     }
     // MPS daemons keep serving their claims across a plugin restart.
     sharing.detach();

@@ -63,11 +63,18 @@ pub struct DriverRoot {
 impl DriverRoot {
     /// A driver root; `nvml_lib` overrides the library search (the `--nvml-lib` flag).
     pub fn new(root: impl Into<PathBuf>, nvml_lib: Option<PathBuf>) -> Self {
-        let root = root.into();
-        // The same search as the NVML inventory backend, so tools preload the library the
-        // plugin itself loaded.
-        let nvml_lib = nvml_lib.or_else(|| gpu_dra_nvml::find_library(&root));
-        Self { root, nvml_lib }
+        Self {
+            root: root.into(),
+            nvml_lib,
+        }
+    }
+
+    /// The NVML library now: `--nvml-lib`, else the same search as the NVML inventory
+    /// backend, made at every call (a driver upgraded in place renames its files).
+    fn nvml_lib(&self) -> Option<PathBuf> {
+        self.nvml_lib
+            .clone()
+            .or_else(|| gpu_dra_nvml::find_library(&self.root))
     }
 
     /// The root directory.
@@ -106,7 +113,7 @@ impl DriverRoot {
     /// module documentation). Each is named by its soname link where the loader can follow
     /// it, so that a daemon restarted after a driver upgrade in place finds the new files.
     pub fn preloads(&self, tool: &str) -> Vec<PathBuf> {
-        let Some(nvml) = &self.nvml_lib else {
+        let Some(nvml) = &self.nvml_lib() else {
             return Vec::new();
         };
         let Some(dir) = nvml.parent() else {

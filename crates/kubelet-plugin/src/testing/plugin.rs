@@ -54,6 +54,8 @@ pub struct PluginCommand {
     failpoints: String,
     log_level: String,
     boot_id_file: Option<PathBuf>,
+    http_address: String,
+    env: Vec<(String, String)>,
 }
 
 impl PluginCommand {
@@ -70,7 +72,21 @@ impl PluginCommand {
             failpoints: String::new(),
             log_level: "info".into(),
             boot_id_file: None,
+            http_address: String::new(),
+            env: Vec::new(),
         }
+    }
+
+    /// Serves `/metrics`, `/healthz` and `/readyz` on `address` (default: off).
+    pub fn http_address(mut self, address: &str) -> Self {
+        self.http_address = address.into();
+        self
+    }
+
+    /// Sets an environment variable of the plugin (a flag's env twin).
+    pub fn env(mut self, key: &str, value: &str) -> Self {
+        self.env.push((key.into(), value.into()));
+        self
     }
 
     /// Sets the node name.
@@ -166,7 +182,7 @@ impl PluginCommand {
         let mut cmd = Command::new(&self.bin);
         cmd.arg("run")
             .args(["--node-name", &self.node_name])
-            .args(["--http-address", ""])
+            .args(["--http-address", &self.http_address])
             .args(["--cleanup-interval", "3600"])
             .arg("--plugin-dir")
             .arg(self.plugin_dir())
@@ -189,6 +205,7 @@ impl PluginCommand {
         if let Some(file) = &self.boot_id_file {
             cmd.arg("--boot-id-file").arg(file);
         }
+        cmd.envs(self.env.iter().map(|(k, v)| (k, v)));
         cmd.env("GPU_DRA_FAILPOINTS", &self.failpoints)
             .env("LOG_LEVEL", &self.log_level)
             .stdout(Stdio::null())

@@ -1,4 +1,5 @@
-//! `gpu-sim`: creates and inspects simulated GPU hosts, and injects GPU faults into them.
+//! `gpu-sim`: creates and inspects simulated GPU hosts, injects GPU faults into them and
+//! upgrades their driver in place.
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -9,6 +10,8 @@ use gpu_dra_sim::health::{Fault, RecoveryAction};
 use gpu_dra_sim::profile::{self, Profile};
 use gpu_dra_sim::setup::{self, Artefacts};
 use gpu_dra_sim::state::StateFile;
+use gpu_dra_sim::upgrade::{Upgrade, UpgradeStyle, upgrade_driver};
+use std::time::Duration;
 
 #[derive(Parser)]
 #[command(
@@ -77,6 +80,48 @@ enum Cmd {
         #[command(flatten)]
         target: Target,
     },
+    /// Upgrade the driver in place under a running host: the versioned files are swapped,
+    /// the links repointed and the kernel module reloaded; NVML cannot be reached for the
+    /// window (see the `upgrade` module of the simulator for what each style does).
+    UpgradeDriver {
+        /// The host's root directory (the driver root: `/run/nvidia/driver` of a node's
+        /// tree for the GPU Operator's layout).
+        #[arg(long, env = "GPU_SIM_ROOT")]
+        root: PathBuf,
+        /// The new driver version (`580.105.08`).
+        #[arg(long, env = "GPU_SIM_DRIVER_VERSION")]
+        version: String,
+        /// `container`: the GPU Operator's driver container restarting (module unloaded, no
+        /// library in the window); `package`: a package upgraded on the host, then the
+        /// module reloaded (version mismatch in the window).
+        #[arg(
+            long,
+            value_enum,
+            default_value = "container",
+            env = "GPU_SIM_UPGRADE_STYLE"
+        )]
+        style: UpgradeStyle,
+        /// Seconds NVML cannot be reached.
+        #[arg(long, default_value_t = 2.0, env = "GPU_SIM_UPGRADE_WINDOW")]
+        window_seconds: f64,
+        /// Directory holding libgpu_dra_sim.so and the tools to install; default: the
+        /// directory of this executable.
+        #[arg(long, env = "GPU_SIM_ARTEFACTS")]
+        artefacts: Option<PathBuf>,
+    },
+}
+
+/// The build artefacts: `dir`, else those beside this executable.
+fn artefacts(dir: Option<PathBuf>) -> anyhow::Result<Artefacts> {
+    let dir = match dir {
+        Some(d) => d,
+        None => std::env::current_exe()
+            .context("locating gpu-sim")?
+            .parent()
+            .map(PathBuf::from)
+            .context("gpu-sim has no parent directory")?,
+    };
+    Ok(Artefacts::beside(&dir)?)
 }
 
 /// The GPU a fault command acts on.
@@ -127,16 +172,7 @@ fn main() -> anyhow::Result<()> {
             artefacts,
         } => {
             let profile = Profile::load(&profile)?;
-            let dir = match artefacts {
-                Some(d) => d,
-                None => std::env::current_exe()
-                    .context("locating gpu-sim")?
-                    .parent()
-                    .map(PathBuf::from)
-                    .context("gpu-sim has no parent directory")?,
-            };
-            let artefacts = Artefacts::beside(&dir)?;
-            let state = setup::setup(&root, &profile, &artefacts)?;
+            let state = setup::setup(&root, &profile, &self::artefacts(artefacts)?)?;
             writeln!(
                 out,
                 "simulated host {:?} with {} GPU(s) ready under {}",
@@ -179,6 +215,32 @@ fn main() -> anyhow::Result<()> {
         }
         Cmd::Reset { target } => {
             writeln!(out, "{}", inject(&target, &Fault::Reset)?)?;
+        }
+        Cmd::UpgradeDriver {
+            root,
+            version,
+            style,
+            window_seconds,
+            artefacts,
+        } => {
+            let window = Duration::try_from_secs_f64(window_seconds).map_err(|_| {
+                anyhow::anyhow!(
+                    "--window-seconds: {window_seconds} is not a duration: give 0 or more seconds"
+                )
+            })?;
+            let upgrade = Upgrade {
+                version,
+                style,
+                window,
+            };
+            let state = upgrade_driver(&root, &upgrade, &self::artefacts(artefacts)?)
+                .with_context(|| format!("simulated host under {}", root.display()))?;
+            writeln!(
+                out,
+                "driver {} loaded under {}",
+                state.profile.driver_version,
+                root.display()
+            )?;
         }
     }
     Ok(())

@@ -5,6 +5,13 @@
 //! Invariant: the cached state is reused only while the state file and the `dev/` folders
 //! that decide visibility are unchanged (device, inode, size and times), so a change by
 //! another process is seen on the next call.
+//!
+//! The driver's version checks ([`crate::upgrade`]): init and every call answer
+//! `DRIVER_NOT_LOADED` while the node's kernel module is unloaded, and
+//! `LIB_RM_VERSION_MISMATCH` when this library's version (from its own file name, read at the
+//! first init after it was loaded) is not the loaded module's. So a process that keeps the
+//! library of before a driver upgrade loaded, or a session open across it, fails as it would
+//! on a real host, and one that loads the library again from a fresh lookup works.
 
 // `dladdr` (where this library lives, to find the simulated host) is a C call.
 #![allow(unsafe_code)]
@@ -36,6 +43,25 @@ struct Lib {
     refcount: u32,
     file: Option<StateFile>,
     cache: Option<(Stamp, Arc<State>)>,
+}
+
+/// This library's driver version, from its own file name (`None`: not a versioned file, as
+/// the simulator's own `libgpu_dra_sim.so` in its tests). Read once: the file may be gone or
+/// replaced later, while the code mapped stays the version it was.
+static OWN_VERSION: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
+
+fn own_version() -> Option<&'static str> {
+    OWN_VERSION
+        .get_or_init(|| own_path().and_then(|p| crate::upgrade::nvml_library_version(&p)))
+        .as_deref()
+}
+
+/// The driver's version checks on `state` as NVML return codes.
+fn check_driver(state: &State) -> Result<(), NvmlReturn> {
+    crate::upgrade::nvml_access(state, own_version()).map_err(|refusal| match refusal {
+        crate::upgrade::NvmlRefusal::DriverNotLoaded => ret::DRIVER_NOT_LOADED,
+        crate::upgrade::NvmlRefusal::VersionMismatch => ret::LIB_RM_VERSION_MISMATCH,
+    })
 }
 
 static LIB: Mutex<Lib> = Mutex::new(Lib {
@@ -89,13 +115,19 @@ fn stamp(file: &StateFile) -> Option<Stamp> {
     })
 }
 
-/// `nvmlInit`: finds the state file on the first call, then counts one more reference.
-/// `DRIVER_NOT_LOADED` when no simulated host can be found.
+/// `nvmlInit`: finds the state file on the first call, checks the driver's versions, then
+/// counts one more reference. `DRIVER_NOT_LOADED` when no simulated host can be found.
 pub(super) fn init() -> Result<(), NvmlReturn> {
     let mut lib = lock(&LIB);
     if lib.file.is_none() {
         let file = state::locate(own_path().as_deref()).map_err(|_| ret::DRIVER_NOT_LOADED)?;
         lib.file = Some(file);
+    }
+    if let Some(file) = &lib.file {
+        // Unreadable state is left to the calls to report, as before.
+        if let Ok(st) = file.load() {
+            check_driver(&st)?;
+        }
     }
     lib.refcount += 1;
     Ok(())
@@ -116,6 +148,8 @@ pub(super) fn shutdown() -> Result<(), NvmlReturn> {
 
 /// The state file, while the library is initialised.
 pub(super) fn state_file() -> Result<StateFile, NvmlReturn> {
+    // Changes go through the same driver checks as reads.
+    state()?;
     let lib = lock(&LIB);
     if lib.refcount == 0 {
         return Err(ret::UNINITIALIZED);
@@ -134,12 +168,14 @@ pub(super) fn state() -> Result<Arc<State>, NvmlReturn> {
     if let (Some(now), Some((old, st))) = (now, &lib.cache)
         && now == *old
     {
+        check_driver(st)?;
         return Ok(st.clone());
     }
     let st = Arc::new(file.load_visible().map_err(|_| ret::UNKNOWN)?);
     if let Some(now) = now {
         lib.cache = Some((now, st.clone()));
     }
+    check_driver(&st)?;
     Ok(st)
 }
 

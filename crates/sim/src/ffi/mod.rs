@@ -71,6 +71,9 @@ pub mod ret {
     pub const IN_USE: NvmlReturn = 19;
     /// Ran out of critical resources, other than memory.
     pub const INSUFFICIENT_RESOURCES: NvmlReturn = 23;
+    /// RM has detected an NVML/RM version mismatch (library and kernel module of different
+    /// driver versions).
+    pub const LIB_RM_VERSION_MISMATCH: NvmlReturn = 18;
     /// NVIDIA driver is not loaded.
     pub const DRIVER_NOT_LOADED: NvmlReturn = 9;
     /// User provided timeout passed.

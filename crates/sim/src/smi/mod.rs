@@ -14,7 +14,9 @@
 //! Invariant: every change goes to the simulator state file, so NVML reads through the
 //! simulated library agree with what this tool set. Messages go to stdout, as the real tool
 //! prints them there; exit codes follow the man page (2 invalid argument, 3 not supported,
-//! 6 not found, 9 driver not loaded, 15 GPU fallen off the bus). A lost GPU makes `-L` and
+//! 6 not found, 9 driver not loaded, 12 no NVML library, 15 GPU fallen off the bus, and 18
+//! for a library of another version than the kernel module, as real hosts return it after
+//! an upgrade in place). A lost GPU makes `-L` and
 //! the summaries print the real "Unable to determine the device handle" line for it.
 
 use std::io::Write;
@@ -36,6 +38,11 @@ pub const EXIT_NOT_SUPPORTED: i32 = 3;
 pub const EXIT_NOT_FOUND: i32 = 6;
 /// Exit code: the driver is not loaded.
 pub const EXIT_NO_DRIVER: i32 = 9;
+/// Exit code: the NVML library could not be found or loaded.
+pub const EXIT_NO_LIBRARY: i32 = 12;
+/// Exit code: the NVML library and the kernel module are of different versions
+/// (`NVML_ERROR_LIB_RM_VERSION_MISMATCH`).
+pub const EXIT_VERSION_MISMATCH: i32 = 18;
 /// Exit code: a GPU has fallen off the bus.
 pub const EXIT_GPU_LOST: i32 = 15;
 /// Exit code: other error.
@@ -120,12 +127,18 @@ fn run_inner(
         let Ok(file) = file else {
             return no_driver(out);
         };
+        if let Some(code) = driver_refusal(&file, out)? {
+            return Ok(code);
+        }
         return mig::run(&file, &args[1..], out);
     }
     if args.first().map(String::as_str) == Some("compute-policy") {
         let Ok(file) = file else {
             return no_driver(out);
         };
+        if let Some(code) = driver_refusal(&file, out)? {
+            return Ok(code);
+        }
         return policy::compute_policy(&file, &args[1..], out);
     }
     let o = match parse_opts(args) {
@@ -145,6 +158,9 @@ fn run_inner(
     let Ok(state) = file.load_visible() else {
         return no_driver(out);
     };
+    if let Some(code) = driver_refusal(&file, out)? {
+        return Ok(code);
+    }
     if o.version {
         let ver = &state.profile.driver_version;
         let nvml = ver.split('.').take(2).collect::<Vec<_>>().join(".");
@@ -193,6 +209,44 @@ fn run_inner(
         return Ok(EXIT_INVALID);
     }
     query::summary(&state, &targets, o.query, out)
+}
+
+/// Fails as the real tool does when it cannot use NVML on the node now (see
+/// [`crate::upgrade`]): no NVML library where the loader looks (exit 12), no kernel module
+/// (exit 9), or a library of another version than the module (exit 18). `None`: go on.
+fn driver_refusal(file: &StateFile, out: &mut dyn Write) -> std::io::Result<Option<i32>> {
+    let Ok(state) = file.load() else {
+        return no_driver(out).map(Some);
+    };
+    let preload = std::env::var("LD_PRELOAD").ok();
+    let library = match crate::upgrade::tool_library(
+        file.root().as_deref(),
+        state.profile.driver_layout,
+        preload.as_deref(),
+    ) {
+        Ok(v) => v,
+        Err(_) => {
+            writeln!(
+                out,
+                "NVIDIA-SMI couldn't find libnvidia-ml.so library in your system. Please make sure that the NVIDIA Display Driver is properly installed and present in your system.\nPlease also try adding directory that contains libnvidia-ml.so to your system PATH."
+            )?;
+            return Ok(Some(EXIT_NO_LIBRARY));
+        }
+    };
+    match crate::upgrade::nvml_access(&state, library.as_deref()) {
+        Ok(()) => Ok(None),
+        Err(crate::upgrade::NvmlRefusal::DriverNotLoaded) => no_driver(out).map(Some),
+        Err(crate::upgrade::NvmlRefusal::VersionMismatch) => {
+            // The library's major.minor, as the real message prints it.
+            let ver = library.unwrap_or_default();
+            let short = ver.split('.').take(2).collect::<Vec<_>>().join(".");
+            writeln!(
+                out,
+                "Failed to initialize NVML: Driver/library version mismatch\nNVML library version: {short}"
+            )?;
+            Ok(Some(EXIT_VERSION_MISMATCH))
+        }
+    }
 }
 
 pub(crate) fn no_driver(out: &mut dyn Write) -> std::io::Result<i32> {

@@ -121,6 +121,12 @@ pub struct State {
     /// Recent health events of the node's GPUs ([`crate::health`]).
     #[serde(default)]
     pub events: EventLog,
+    /// The kernel module is unloaded (a driver upgrade in place is under way, see
+    /// [`crate::upgrade`]): NVML answers `NVML_ERROR_DRIVER_NOT_LOADED` and `nvidia-smi` fails
+    /// as on a host without the driver. Loaded, the module's version is
+    /// `profile.driverVersion`.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub driver_unloaded: bool,
 }
 
 /// Mutable state of one GPU.
@@ -248,6 +254,7 @@ impl State {
             gpus,
             generation,
             events: EventLog::default(),
+            driver_unloaded: false,
         }
     }
 
@@ -325,6 +332,7 @@ impl State {
             generation: self.generation,
             // Events name GPUs by UUID, so the log needs no renumbering.
             events: self.events.clone(),
+            driver_unloaded: self.driver_unloaded,
         };
         for (spec, st) in self.profile.gpus.iter().zip(&self.gpus) {
             if !present(&format!("nvidia{}", spec.minor)) {
