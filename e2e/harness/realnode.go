@@ -46,6 +46,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
@@ -716,7 +717,8 @@ func (r *realNode) stop() {
 }
 
 // strayProcesses are the node's shims (started with containerd's address)
-// and container processes (their root under the node's folder).
+// and container processes (their root under the node's folder, or in the
+// node's cgroups).
 func (r *realNode) strayProcesses() []int {
 	var out []int
 	entries, _ := os.ReadDir("/proc")
@@ -737,7 +739,26 @@ func (r *realNode) strayProcesses() []int {
 			}
 		}
 	}
-	return append(out, ContainerProcesses(r.n.Dir)...)
+	out = append(out, ContainerProcesses(r.n.Dir)...)
+	// A container whose root mount was detached no longer shows it; its
+	// cgroup still says whose it is.
+	if hs, err := cgroupHierarchies(); err == nil {
+		for _, h := range hs {
+			_ = filepath.WalkDir(filepath.Join(h, r.cgroupRoot), func(p string, d os.DirEntry, err error) error {
+				if err != nil || d.IsDir() || d.Name() != "cgroup.procs" {
+					return nil
+				}
+				data, _ := os.ReadFile(p)
+				for _, f := range strings.Fields(string(data)) {
+					if pid, err := strconv.Atoi(f); err == nil && !slices.Contains(out, pid) {
+						out = append(out, pid)
+					}
+				}
+				return nil
+			})
+		}
+	}
+	return out
 }
 
 // removeCgroupTree removes a cgroup and its descendants, deepest first.

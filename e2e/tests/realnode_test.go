@@ -29,8 +29,8 @@ var realNodeTaint = v1.Taint{Key: "e2e.gpu-dra/real-node", Effect: v1.TaintEffec
 // by containerd with the claim's CDI device; its log (the API server's
 // pods/log, served by the kubelet) and an exec through the API server show
 // exactly the allocated GPU; deleting the pod unprepares the claim (its CDI
-// spec goes); removing the node leaves no process, mount, cgroup or network
-// link behind.
+// spec goes); removing the node while another pod still runs leaves no
+// process, mount, cgroup or network link behind.
 func TestRealKubeletRunsAClaimPod(t *testing.T) {
 	requirePlugins(t)
 	ctx := context.Background()
@@ -155,6 +155,20 @@ func TestRealKubeletRunsAClaimPod(t *testing.T) {
 	if files := claimSpecFiles(t, nodeName, string(allocated.UID)); len(files) == 0 {
 		t.Errorf("no CDI spec of claim %s on the node while its pod runs", allocated.UID)
 	}
+	// A pod still running when the node stops: its sandbox, network,
+	// shim, mounts and cgroups must go with the node.
+	idle := pod.DeepCopy()
+	idle.Name = "idle"
+	idle.Spec.ResourceClaims = nil
+	idle.Spec.Containers[0].Resources = v1.ResourceRequirements{}
+	idle.Spec.Containers[0].Command = nil
+	if _, err := cluster.Client.CoreV1().Pods(ns).Create(ctx, idle, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := cluster.WaitPodRunning(ctx, ns, idle.Name, 60*time.Second); err != nil {
+		t.Fatal(err)
+	}
+
 	deletePod(ctx, t, pod)
 	if !eventually(ctx, 30*time.Second, func() bool { return len(claimSpecFiles(t, nodeName, string(allocated.UID))) == 0 }) {
 		t.Errorf("CDI spec of claim %s still there after its pod was deleted: %v", allocated.UID, claimSpecFiles(t, nodeName, string(allocated.UID)))
@@ -165,6 +179,8 @@ func TestRealKubeletRunsAClaimPod(t *testing.T) {
 		t.Fatal(err)
 	}
 	removed = true
+	// Its kubelet is gone: nothing finalizes the pod object any more.
+	_ = cluster.Client.CoreV1().Pods(ns).Delete(ctx, idle.Name, metav1.DeleteOptions{GracePeriodSeconds: new(int64(0))})
 	t.Logf("real node stopped in %s; whole test %s", time.Since(stopping).Round(time.Millisecond), time.Since(started).Round(time.Millisecond))
 	if left := n.RealNodeLeftovers(); len(left) > 0 {
 		t.Errorf("left behind by the stopped real node:\n%s", strings.Join(left, "\n"))
