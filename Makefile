@@ -8,7 +8,7 @@ TOOLS := $(CURDIR)/.tools
 HELM_VERSION ?= v3.22.0
 HELM := $(TOOLS)/bin/helm
 
-.PHONY: help build release unit test lint fmt fuzz bench bench-check generate chart-check cdi-check e2e e2e-build e2e-bins e2e-tools e2e-runtime e2e-image e2e-kubectl demo bench-e2e bench-mps toolkit image-rootfs
+.PHONY: help build release unit test lint fmt fuzz bench bench-check generate chart-check cdi-check e2e e2e-build e2e-bins e2e-tools e2e-runtime e2e-node-tools e2e-image e2e-kubectl demo bench-e2e bench-mps toolkit image-rootfs
 
 help: ## list targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | sort
@@ -48,15 +48,40 @@ e2e-build: ## compile the e2e harness, demo, benchmark and tests without running
 e2e-bins: ## the binaries e2e runs: node plugin, webhook, simulator
 	$(CARGO) build --workspace --locked
 
-e2e-runtime: ## runc and a static busybox (Debian packages), installed when missing: e2e runs containers
+e2e-runtime: ## runc, a static busybox and the CNI plugins (Debian packages), installed when missing: e2e runs containers
 	@if ! command -v runc >/dev/null || ! busybox --list >/dev/null 2>&1 || ldd "$$(command -v busybox)" >/dev/null 2>&1; then \
 		apt-get update && apt-get install -y --no-install-recommends runc busybox-static; \
 	fi
+	@if ! { test -x /usr/lib/cni/bridge && test -x /usr/lib/cni/host-local && test -x /usr/lib/cni/loopback; } && \
+		! { test -x /opt/cni/bin/bridge && test -x /opt/cni/bin/host-local && test -x /opt/cni/bin/loopback; }; then \
+		apt-get update && apt-get install -y --no-install-recommends containernetworking-plugins; \
+	fi
+
+# Real nodes (e2e/harness/realnode.go) run the kubelet of the control plane's Kubernetes release,
+# built from e2e/nodetools (its own module: the kubelet's dependencies as Kubernetes pins them),
+# and containerd v2 from its Go module. containerd lists 2.3 and 2.4 as the releases supporting
+# Kubernetes 1.37 (its RELEASES.md); CDI is always on since 2.0.
+CONTAINERD_VERSION ?= v2.4.2
+NODE_TOOLS := $(TOOLS)/bin/kubelet $(TOOLS)/bin/containerd
+
+e2e-node-tools: $(NODE_TOOLS) ## the real nodes' kubelet (the control plane's release) and containerd, shim, ctr into .tools/bin
+
+# The version flags a release build sets: the Node then reports the release as its kubelet version.
+$(TOOLS)/bin/kubelet: e2e/nodetools/go.mod e2e/nodetools/go.sum
+	cd e2e/nodetools && v=$$($(GO) list -m -f '{{.Version}}' k8s.io/kubernetes) && minor=$${v#v*.} && \
+		$(GO) build -o $@ -ldflags "-X k8s.io/component-base/version.gitVersion=$$v \
+			-X k8s.io/component-base/version.gitMajor=$$(echo $$v | cut -d. -f1 | tr -d v) \
+			-X k8s.io/component-base/version.gitMinor=$${minor%%.*} \
+			-X k8s.io/component-base/version.gitTreeState=clean" k8s.io/kubernetes/cmd/kubelet
+
+$(TOOLS)/bin/containerd:
+	GOBIN=$(TOOLS)/bin $(GO) install -ldflags "-X github.com/containerd/containerd/v2/version.Version=$(CONTAINERD_VERSION)" \
+		$(foreach c,containerd containerd-shim-runc-v2 ctr,github.com/containerd/containerd/v2/cmd/$(c)@$(CONTAINERD_VERSION))
 
 e2e-image: e2e-bins e2e-runtime ## the e2e test image: busybox, glibc for the simulator's tools, an ld cache
 	bash e2e/testimage/build.sh $(TEST_IMAGE) target/debug/cuda-app target/debug/nvidia-smi target/debug/libgpu_dra_sim.so
 
-e2e: e2e-bins e2e-tools e2e-image image-rootfs ## end-to-end tests against the in-process control plane
+e2e: e2e-bins e2e-tools e2e-node-tools e2e-image image-rootfs ## end-to-end tests against the in-process control plane
 	cd e2e && $(E2E_ENV) $(GO) test -count=1 -timeout $(E2E_TIMEOUT) ./...
 
 demo: e2e-bins e2e-tools e2e-image toolkit ## local cluster with an A100 and a T4 node, a short tour, then up for kubectl until Ctrl-C

@@ -74,6 +74,20 @@ func startAPIServer(ctx context.Context, dir, etcdURL string, ca *CA) (*apiserve
 		return nil, err
 	}
 
+	// Real nodes (realnode.go): kubelets authenticate with client
+	// certificates of the cluster CA, and the API server reaches their
+	// servers (logs, exec) with one, verifying their serving certificates.
+	caFile, err := ca.writeFile(dir)
+	if err != nil {
+		return nil, err
+	}
+	kubeletClientCert, kubeletClientKey, err := ca.issue(dir, "apiserver-kubelet-client", certRequest{
+		commonName: "kube-apiserver-kubelet-client", groups: []string{"system:masters"}, client: true,
+	})
+	if err != nil {
+		return nil, err
+	}
+
 	admission := filepath.Join(dir, "admission.yaml")
 	if err := os.WriteFile(admission, []byte(admissionConfig), 0o600); err != nil {
 		return nil, err
@@ -103,6 +117,12 @@ func startAPIServer(ctx context.Context, dir, etcdURL string, ca *CA) (*apiserve
 		"--service-cluster-ip-range=10.0.0.0/16",
 		"--authorization-mode=Node,RBAC",
 		"--token-auth-file=" + tokens,
+		"--client-ca-file=" + caFile,
+		"--kubelet-client-certificate=" + kubeletClientCert,
+		"--kubelet-client-key=" + kubeletClientKey,
+		"--kubelet-certificate-authority=" + caFile,
+		// As kubeadm sets it: a node's hostname need not resolve.
+		"--kubelet-preferred-address-types=InternalIP,Hostname",
 		"--service-account-issuer=https://kubernetes.default.svc",
 		"--service-account-key-file=" + saKey,
 		"--service-account-signing-key-file=" + saKey,

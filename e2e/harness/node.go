@@ -57,6 +57,12 @@ type NodeOptions struct {
 	// GPU Operator node, so NVIDIA_VISIBLE_DEVICES in a container's env adds
 	// GPUs (see nvidiaruntime.go). LayoutProcess nodes only.
 	NvidiaRuntime bool
+	// RealKubelet runs the kubelet and containerd as processes instead of
+	// the pod loop and runtime of this file (see realnode.go); the plugin
+	// runs as a process (LayoutProcess only).
+	RealKubelet bool
+	// Taints the kubelet registers a real node with (RealKubelet only).
+	Taints []v1.Taint
 }
 
 // Node is a simulated node: a Node object kept Ready, the kubelet's plugin
@@ -92,6 +98,7 @@ type Node struct {
 	opts    NodeOptions
 	simRoot string
 	daemons *daemonSets // nil for LayoutProcess
+	real    *realNode   // nil unless NodeOptions.RealKubelet
 	runtime *runtime    // nil with NodeOptions.NoContainers
 	dra     *dra.Manager
 	pods    corelisters.PodLister
@@ -112,7 +119,8 @@ func (c *Cluster) AddNode(ctx context.Context, opts NodeOptions) (*Node, error) 
 	// 108 bytes, so node directories are short: n<index>.
 	c.mu.Lock()
 	c.nodeSeq++
-	dir := filepath.Join(c.Dir, fmt.Sprintf("n%d", c.nodeSeq))
+	seq := c.nodeSeq
+	dir := filepath.Join(c.Dir, fmt.Sprintf("n%d", seq))
 	c.mu.Unlock()
 	n := &Node{
 		Name:         opts.Name,
@@ -127,6 +135,11 @@ func (c *Cluster) AddNode(ctx context.Context, opts NodeOptions) (*Node, error) 
 		logger:       klog.LoggerWithValues(klog.Background(), "node", opts.Name),
 		opts:         opts,
 	}
+	if opts.NvidiaRuntime && opts.RealKubelet {
+		// A real node's runtime is containerd's runc; NVIDIA's runtime would be a
+		// containerd runtime class there, which the real node does not set up yet.
+		return nil, fmt.Errorf("node %s: NVIDIA's runtime is for pod-loop nodes; a real node runs containerd's runc", opts.Name)
+	}
 	if opts.NvidiaRuntime && (opts.Layout != LayoutProcess || opts.NoContainers) {
 		return nil, fmt.Errorf("node %s: NVIDIA's runtime runs containers of nodes whose plugin runs as a process (LayoutProcess, containers on)", opts.Name)
 	}
@@ -136,16 +149,30 @@ func (c *Cluster) AddNode(ctx context.Context, opts NodeOptions) (*Node, error) 
 		}
 		n.useHostTree(filepath.Join(dir, "r"))
 	}
+	if opts.RealKubelet {
+		if opts.Layout != LayoutProcess || opts.NoContainers {
+			return nil, fmt.Errorf("node %s: a real kubelet runs with the plugin as a process and with containers", opts.Name)
+		}
+		// The real kubelet's own folders (its --root-dir is <node>/kubelet).
+		n.RegistrarDir = filepath.Join(dir, "kubelet", "plugins_registry")
+		n.PluginsDir = filepath.Join(dir, "kubelet", "plugins")
+	}
 	for _, d := range []string{n.RegistrarDir, n.PluginsDir, n.CDIRoot, n.StateDir} {
 		if err := os.MkdirAll(d, 0o750); err != nil {
 			return nil, err
 		}
 	}
-	if err := n.register(ctx, opts); err != nil {
-		return nil, err
-	}
-	if err := n.startKubelet(ctx); err != nil {
-		return nil, err
+	if opts.RealKubelet {
+		if err := n.startReal(ctx, seq); err != nil { // realnode.go
+			return nil, err
+		}
+	} else {
+		if err := n.register(ctx, opts); err != nil {
+			return nil, err
+		}
+		if err := n.startKubelet(ctx); err != nil {
+			return nil, err
+		}
 	}
 
 	c.mu.Lock()
@@ -668,6 +695,9 @@ func (n *Node) setWaiting(ctx context.Context, pod *v1.Pod, cause error) {
 // registered, connected plugin for the driver (registration went through the
 // kubelet's plugin watcher).
 func (n *Node) DriverRegistered(driver string) bool {
+	if n.real != nil {
+		return n.real.driverRegistered()
+	}
 	pm, ok := n.dra.GetWatcherHandler().(*draplugin.DRAPluginManager)
 	if !ok {
 		return false
@@ -679,6 +709,9 @@ func (n *Node) DriverRegistered(driver string) bool {
 // Stop stops the node's containers, plugin process and kubelet pieces; the
 // Node object stays.
 func (n *Node) Stop() {
+	if n.real != nil {
+		n.real.stopWorkloads() // realnode.go; the rest after the plugin
+	}
 	if n.daemons != nil {
 		n.daemons.stop()
 	}
@@ -692,6 +725,9 @@ func (n *Node) Stop() {
 	// goes, they go too (they run binaries of this node's simulated host).
 	for _, p := range Processes(n.SimRoot()) {
 		_ = syscall.Kill(p.Pid, syscall.SIGKILL)
+	}
+	if n.real != nil {
+		n.real.stop()
 	}
 	if n.cancel != nil {
 		n.cancel()

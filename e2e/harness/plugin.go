@@ -73,7 +73,7 @@ func (n *Node) SetupSim(profile string) error {
 		return err
 	}
 	if isFile(filepath.Join(n.SimRoot(), "etc", "gpu-sim", "state.json")) {
-		if n.runtime != nil {
+		if n.runtime != nil || n.real != nil {
 			return makeDeviceNodes(n.SimRoot())
 		}
 		return nil
@@ -86,7 +86,7 @@ func (n *Node) SetupSim(profile string) error {
 	if err != nil {
 		return fmt.Errorf("gpu-sim setup --profile %s: %v: %s", profile, err, out)
 	}
-	if n.runtime != nil {
+	if n.runtime != nil || n.real != nil {
 		return makeDeviceNodes(n.SimRoot())
 	}
 	return nil

@@ -1,0 +1,277 @@
+package harness
+
+// OCI image archives made from root filesystems the harness has: no registry
+// is reachable, so a real node's containerd gets its images by `ctr images
+// import` of archives written here (see realnode.go). An archive is an OCI
+// image layout (oci-layout, index.json, blobs/sha256/...) in a tar stream,
+// with one uncompressed layer holding the whole root filesystem; its index
+// names the image with containerd's `io.containerd.image.name` annotation,
+// which `ctr images import` takes as the image's name.
+//
+// Invariant: the layer is deterministic (entries sorted, times zeroed), so
+// two images made from one root filesystem share their layer blob, and the
+// same content always gets the same digest.
+
+import (
+	"archive/tar"
+	"crypto/sha256"
+	"encoding/hex"
+	"encoding/json"
+	"fmt"
+	"io"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"sort"
+	"syscall"
+	"time"
+)
+
+// ImageConfig is what an image says about how its containers run.
+type ImageConfig struct {
+	// Entrypoint and Cmd, as in a Dockerfile.
+	Entrypoint, Cmd []string
+	// Env is the image's environment (KEY=value).
+	Env []string
+}
+
+// WriteOCIArchive writes an OCI image layout archive of the root filesystem
+// rootfs to path, naming the image name (a full reference:
+// host/path:tag). layerCache is a directory where the layer of rootfs is
+// kept between calls (several images of one root filesystem, several nodes).
+func WriteOCIArchive(path, name, rootfs string, cfg ImageConfig, layerCache string) error {
+	layer, layerDigest, layerSize, err := rootfsLayer(rootfs, layerCache)
+	if err != nil {
+		return err
+	}
+	config, err := json.Marshal(map[string]any{
+		"architecture": "amd64",
+		"os":           "linux",
+		"config": map[string]any{
+			"Entrypoint": cfg.Entrypoint,
+			"Cmd":        cfg.Cmd,
+			"Env":        cfg.Env,
+			"WorkingDir": "/",
+		},
+		"rootfs": map[string]any{"type": "layers", "diff_ids": []string{layerDigest}},
+	})
+	if err != nil {
+		return err
+	}
+	configDigest := digestOf(config)
+	manifest, err := json.Marshal(map[string]any{
+		"schemaVersion": 2,
+		"mediaType":     "application/vnd.oci.image.manifest.v1+json",
+		"config": map[string]any{
+			"mediaType": "application/vnd.oci.image.config.v1+json", "digest": configDigest, "size": len(config),
+		},
+		"layers": []map[string]any{{
+			"mediaType": "application/vnd.oci.image.layer.v1.tar", "digest": layerDigest, "size": layerSize,
+		}},
+	})
+	if err != nil {
+		return err
+	}
+	manifestDigest := digestOf(manifest)
+	index, err := json.Marshal(map[string]any{
+		"schemaVersion": 2,
+		"mediaType":     "application/vnd.oci.image.index.v1+json",
+		"manifests": []map[string]any{{
+			"mediaType": "application/vnd.oci.image.manifest.v1+json",
+			"digest":    manifestDigest,
+			"size":      len(manifest),
+			"platform":  map[string]string{"architecture": "amd64", "os": "linux"},
+			"annotations": map[string]string{
+				"io.containerd.image.name":          name,
+				"org.opencontainers.image.ref.name": name,
+			},
+		}},
+	})
+	if err != nil {
+		return err
+	}
+
+	tmp := path + ".tmp"
+	f, err := os.Create(tmp)
+	if err != nil {
+		return err
+	}
+	defer os.Remove(tmp)
+	tw := tar.NewWriter(f)
+	addBytes := func(name string, data []byte) error {
+		if err := tw.WriteHeader(&tar.Header{Name: name, Mode: 0o644, Size: int64(len(data)), Typeflag: tar.TypeReg}); err != nil {
+			return err
+		}
+		_, err := tw.Write(data)
+		return err
+	}
+	blob := func(digest string) string { return "blobs/sha256/" + digest[len("sha256:"):] }
+	for _, dir := range []string{"blobs/", "blobs/sha256/"} {
+		if err := tw.WriteHeader(&tar.Header{Name: dir, Mode: 0o755, Typeflag: tar.TypeDir}); err != nil {
+			f.Close()
+			return err
+		}
+	}
+	err = addBytes("oci-layout", []byte(`{"imageLayoutVersion":"1.0.0"}`))
+	if err == nil {
+		err = addBytes(blob(configDigest), config)
+	}
+	if err == nil {
+		err = addBytes(blob(manifestDigest), manifest)
+	}
+	if err == nil {
+		err = addBytes("index.json", index)
+	}
+	if err == nil {
+		err = copyFileInto(tw, blob(layerDigest), layer, layerSize)
+	}
+	if err == nil {
+		err = tw.Close()
+	}
+	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	if err != nil {
+		return fmt.Errorf("write image %s to %s: %w", name, path, err)
+	}
+	return os.Rename(tmp, path)
+}
+
+func copyFileInto(tw *tar.Writer, name, src string, size int64) error {
+	in, err := os.Open(src)
+	if err != nil {
+		return err
+	}
+	defer in.Close()
+	if err := tw.WriteHeader(&tar.Header{Name: name, Mode: 0o644, Size: size, Typeflag: tar.TypeReg}); err != nil {
+		return err
+	}
+	_, err = io.Copy(tw, in)
+	return err
+}
+
+func digestOf(data []byte) string {
+	sum := sha256.Sum256(data)
+	return "sha256:" + hex.EncodeToString(sum[:])
+}
+
+// rootfsLayer writes (once per root filesystem and cache) the layer tar of
+// rootfs and returns its path, digest and size.
+func rootfsLayer(rootfs, cache string) (path, digest string, size int64, err error) {
+	abs, err := filepath.Abs(rootfs)
+	if err != nil {
+		return "", "", 0, err
+	}
+	key := sha256.Sum256([]byte(abs))
+	path = filepath.Join(cache, "layer-"+hex.EncodeToString(key[:8])+".tar")
+	meta := path + ".digest"
+	if d, err := os.ReadFile(meta); err == nil {
+		if st, err := os.Stat(path); err == nil {
+			return path, string(d), st.Size(), nil
+		}
+	}
+	if err := os.MkdirAll(cache, 0o755); err != nil {
+		return "", "", 0, err
+	}
+	f, err := os.Create(path)
+	if err != nil {
+		return "", "", 0, err
+	}
+	h := sha256.New()
+	cw := &countingWriter{w: io.MultiWriter(f, h)}
+	err = writeLayer(cw, abs)
+	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	if err != nil {
+		os.Remove(path)
+		return "", "", 0, fmt.Errorf("layer of %s: %w", rootfs, err)
+	}
+	digest = "sha256:" + hex.EncodeToString(h.Sum(nil))
+	if err := os.WriteFile(meta, []byte(digest), 0o644); err != nil {
+		return "", "", 0, err
+	}
+	return path, digest, cw.n, nil
+}
+
+type countingWriter struct {
+	w io.Writer
+	n int64
+}
+
+func (c *countingWriter) Write(p []byte) (int, error) {
+	n, err := c.w.Write(p)
+	c.n += int64(n)
+	return n, err
+}
+
+// writeLayer writes rootfs as a tar stream: directories, regular files
+// (hard links as links), symlinks, device nodes; owners and modes kept,
+// times zeroed, entries in lexical order.
+func writeLayer(w io.Writer, rootfs string) error {
+	var paths []string
+	err := filepath.WalkDir(rootfs, func(p string, _ fs.DirEntry, err error) error {
+		if err != nil {
+			return err
+		}
+		if p != rootfs {
+			paths = append(paths, p)
+		}
+		return nil
+	})
+	if err != nil {
+		return err
+	}
+	sort.Strings(paths)
+	tw := tar.NewWriter(w)
+	seen := map[uint64]string{} // inode -> first name, for hard links
+	for _, p := range paths {
+		st, err := os.Lstat(p)
+		if err != nil {
+			return err
+		}
+		rel, err := filepath.Rel(rootfs, p)
+		if err != nil {
+			return err
+		}
+		link := ""
+		if st.Mode()&os.ModeSymlink != 0 {
+			if link, err = os.Readlink(p); err != nil {
+				return err
+			}
+		}
+		hdr, err := tar.FileInfoHeader(st, link)
+		if err != nil {
+			return err
+		}
+		hdr.Name = filepath.ToSlash(rel)
+		if st.IsDir() {
+			hdr.Name += "/"
+		}
+		hdr.ModTime, hdr.AccessTime, hdr.ChangeTime = time.Unix(0, 0), time.Time{}, time.Time{}
+		hdr.Uname, hdr.Gname = "", ""
+		hdr.Format = tar.FormatPAX
+		if sys, ok := st.Sys().(*syscall.Stat_t); ok && st.Mode().IsRegular() && sys.Nlink > 1 {
+			if first, ok := seen[sys.Ino]; ok {
+				hdr.Typeflag, hdr.Linkname, hdr.Size = tar.TypeLink, first, 0
+			} else {
+				seen[sys.Ino] = hdr.Name
+			}
+		}
+		if err := tw.WriteHeader(hdr); err != nil {
+			return err
+		}
+		if hdr.Typeflag == tar.TypeReg {
+			f, err := os.Open(p)
+			if err != nil {
+				return err
+			}
+			_, err = io.Copy(tw, f)
+			f.Close()
+			if err != nil {
+				return err
+			}
+		}
+	}
+	return tw.Close()
+}

@@ -1,0 +1,214 @@
+package tests
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"regexp"
+	"strings"
+	"testing"
+	"time"
+
+	v1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/wait"
+	"k8s.io/client-go/kubernetes/scheme"
+	"k8s.io/client-go/tools/remotecommand"
+
+	"github.com/gpu-dra/e2e/harness"
+)
+
+// realNodeTaint keeps the suite's other pods (examples without a node
+// selector) off the real node; its test pods tolerate it.
+var realNodeTaint = v1.Taint{Key: "e2e.gpu-dra/real-node", Effect: v1.TaintEffectNoSchedule}
+
+// TestRealKubeletRunsAClaimPod runs a node with the real kubelet and
+// containerd (harness/realnode.go) and our plugin as a process on a
+// simulated T4: the kubelet's own plugin watcher registers the plugin, a pod
+// with a one-GPU claim is prepared by the kubelet's DRA manager and started
+// by containerd with the claim's CDI device; its log (the API server's
+// pods/log, served by the kubelet) and an exec through the API server show
+// exactly the allocated GPU; deleting the pod unprepares the claim (its CDI
+// spec goes); removing the node while another pod still runs leaves no
+// process, mount, cgroup or network link behind.
+func TestRealKubeletRunsAClaimPod(t *testing.T) {
+	requirePlugins(t)
+	ctx := context.Background()
+	const nodeName = "real-t4"
+	started := time.Now()
+	n, err := cluster.AddNode(ctx, harness.NodeOptions{Name: nodeName, RealKubelet: true, Taints: []v1.Taint{realNodeTaint}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	removed := false
+	t.Cleanup(func() {
+		if !removed {
+			_ = cluster.RemoveNode(ctx, nodeName)
+		}
+	})
+	t.Logf("real node Ready after %s", time.Since(started).Round(time.Millisecond))
+	node, err := cluster.Client.CoreV1().Nodes().Get(ctx, nodeName, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := node.Status.NodeInfo.ContainerRuntimeVersion; !strings.HasPrefix(got, "containerd://") {
+		t.Errorf("node reports runtime %q, want containerd://...", got)
+	}
+	if got, want := node.Status.NodeInfo.KubeletVersion, harness.ModuleKubernetesVersion(); got != want {
+		t.Errorf("node reports kubelet %q, want the control plane's %q", got, want)
+	}
+
+	if _, err := n.StartPlugin(ctx, harness.PluginOptions{Profile: "t4"}); err != nil {
+		t.Fatal(err)
+	}
+	err = wait.PollUntilContextTimeout(ctx, 200*time.Millisecond, 60*time.Second, true, func(ctx context.Context) (bool, error) {
+		slices, err := nodeSlices(ctx, nodeName)
+		return n.DriverRegistered(harness.DefaultDriver) && err == nil && len(slices) > 0, nil
+	})
+	if err != nil {
+		t.Fatalf("plugin not registered with the real kubelet or no slices: %v; plugin log:\n%s\nkubelet log (end):\n%s",
+			err, n.Plugin.Log(), lastLines(n.KubeletLog(), 30))
+	}
+
+	ns := newNamespace(ctx, t, "real-kubelet")
+	claim := gpuClaim(t, ns, "gpu", 1, nil)
+	pod := &v1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Name: "smi", Namespace: ns},
+		Spec: v1.PodSpec{
+			NodeSelector: map[string]string{"kubernetes.io/hostname": nodeName},
+			Tolerations:  []v1.Toleration{{Key: realNodeTaint.Key, Operator: v1.TolerationOpExists, Effect: realNodeTaint.Effect}},
+			// The kube-root-ca.crt ConfigMap of the token volume is published
+			// by kube-controller-manager's root-ca-cert-publisher, which this
+			// control plane does not run yet.
+			AutomountServiceAccountToken: new(false),
+			// The container ignores SIGTERM (sleep as PID 1 has no handler).
+			TerminationGracePeriodSeconds: new(int64(1)),
+			Containers: []v1.Container{{
+				Name: "ctr", Image: harness.TestImageName,
+				Command:   []string{"sh", "-c", "nvidia-smi -L; exec sleep 2147483647"},
+				Resources: v1.ResourceRequirements{Claims: []v1.ResourceClaim{{Name: "gpu"}}},
+			}},
+			ResourceClaims: []v1.PodResourceClaim{{Name: "gpu", ResourceClaimName: &claim.Name}},
+		},
+	}
+	running, allocated := runClaimPod(ctx, t, claim, pod)
+	if id := running.Status.ContainerStatuses[0].ContainerID; !strings.HasPrefix(id, "containerd://") {
+		t.Errorf("container ID %q: not run by containerd", id)
+	}
+	results := allocated.Status.Allocation.Devices.Results
+	if len(results) != 1 {
+		t.Fatalf("claim allocated %d devices, want 1", len(results))
+	}
+	uuid := attrString(sliceDevice(ctx, t, results[0].Pool, results[0].Device), "uuid")
+	if uuid == "" {
+		t.Fatalf("device %s/%s has no uuid attribute", results[0].Pool, results[0].Device)
+	}
+	gpuLine := regexp.MustCompile(`(?m)^GPU [0-9]+: .*\(UUID: (GPU-[^)]+)\)$`)
+	checkGPUs := func(what, out string) {
+		t.Helper()
+		var got []string
+		for _, m := range gpuLine.FindAllStringSubmatch(out, -1) {
+			got = append(got, m[1])
+		}
+		if len(got) != 1 || got[0] != uuid {
+			t.Errorf("%s: nvidia-smi -L lists %v, want exactly the allocated %s; output:\n%s", what, got, uuid, out)
+		}
+	}
+
+	// kubectl logs: the API server asks the kubelet's server.
+	var logs string
+	err = wait.PollUntilContextTimeout(ctx, 200*time.Millisecond, 30*time.Second, true, func(ctx context.Context) (bool, error) {
+		raw, err := cluster.Client.CoreV1().Pods(ns).GetLogs(pod.Name, &v1.PodLogOptions{Container: "ctr"}).DoRaw(ctx)
+		if err != nil {
+			logs = err.Error()
+			return false, nil
+		}
+		logs = string(raw)
+		return gpuLine.MatchString(logs), nil
+	})
+	if err != nil {
+		t.Fatalf("pod log through the API server: %v; last: %s", err, logs)
+	}
+	checkGPUs("pods/log", logs)
+
+	// kubectl exec: the API server upgrades to the kubelet, which streams
+	// from containerd.
+	out, err := podExec(ctx, ns, pod.Name, "ctr", "nvidia-smi", "-L")
+	if err != nil {
+		t.Fatalf("exec through the API server: %v (output %q)", err, out)
+	}
+	checkGPUs("pods/exec", out)
+	devs, err := podExec(ctx, ns, pod.Name, "ctr", "ls", "/dev")
+	if err != nil {
+		t.Fatalf("exec ls /dev: %v", err)
+	}
+	var gpuNodes []string
+	for _, f := range strings.Fields(devs) {
+		if regexp.MustCompile(`^nvidia[0-9]+$`).MatchString(f) {
+			gpuNodes = append(gpuNodes, f)
+		}
+	}
+	if len(gpuNodes) != 1 || !strings.Contains(devs, "nvidiactl") || !strings.Contains(devs, "nvidia-uvm") {
+		t.Errorf("container /dev has GPU nodes %v (want one) and lacks nvidiactl or nvidia-uvm? /dev: %s", gpuNodes, devs)
+	}
+
+	if files := claimSpecFiles(t, nodeName, string(allocated.UID)); len(files) == 0 {
+		t.Errorf("no CDI spec of claim %s on the node while its pod runs", allocated.UID)
+	}
+	// A pod still running when the node stops: its sandbox, network,
+	// shim, mounts and cgroups must go with the node.
+	idle := pod.DeepCopy()
+	idle.Name = "idle"
+	idle.Spec.ResourceClaims = nil
+	idle.Spec.Containers[0].Resources = v1.ResourceRequirements{}
+	idle.Spec.Containers[0].Command = nil
+	if _, err := cluster.Client.CoreV1().Pods(ns).Create(ctx, idle, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := cluster.WaitPodRunning(ctx, ns, idle.Name, 60*time.Second); err != nil {
+		t.Fatal(err)
+	}
+
+	deletePod(ctx, t, pod)
+	if !eventually(ctx, 30*time.Second, func() bool { return len(claimSpecFiles(t, nodeName, string(allocated.UID))) == 0 }) {
+		t.Errorf("CDI spec of claim %s still there after its pod was deleted: %v", allocated.UID, claimSpecFiles(t, nodeName, string(allocated.UID)))
+	}
+
+	stopping := time.Now()
+	if err := cluster.RemoveNode(ctx, nodeName); err != nil {
+		t.Fatal(err)
+	}
+	removed = true
+	// Its kubelet is gone: nothing finalizes the pod object any more.
+	_ = cluster.Client.CoreV1().Pods(ns).Delete(ctx, idle.Name, metav1.DeleteOptions{GracePeriodSeconds: new(int64(0))})
+	t.Logf("real node stopped in %s; whole test %s", time.Since(stopping).Round(time.Millisecond), time.Since(started).Round(time.Millisecond))
+	if left := n.RealNodeLeftovers(); len(left) > 0 {
+		t.Errorf("left behind by the stopped real node:\n%s", strings.Join(left, "\n"))
+	}
+}
+
+// podExec runs a command in a pod's container through the API server's
+// pods/exec (SPDY, as kubectl falls back to) and returns its stdout.
+func podExec(ctx context.Context, ns, pod, container string, command ...string) (string, error) {
+	req := cluster.Client.CoreV1().RESTClient().Post().Resource("pods").Namespace(ns).Name(pod).SubResource("exec").
+		VersionedParams(&v1.PodExecOptions{Container: container, Command: command, Stdout: true, Stderr: true}, scheme.ParameterCodec)
+	exec, err := remotecommand.NewSPDYExecutor(cluster.AdminConfig, "POST", req.URL())
+	if err != nil {
+		return "", err
+	}
+	var stdout, stderr bytes.Buffer
+	err = exec.StreamWithContext(ctx, remotecommand.StreamOptions{Stdout: &stdout, Stderr: &stderr})
+	if err != nil {
+		return stdout.String(), fmt.Errorf("%w; stderr: %s", err, stderr.String())
+	}
+	return stdout.String(), nil
+}
+
+// lastLines is the end of a log, for failure messages.
+func lastLines(s string, n int) string {
+	lines := strings.Split(strings.TrimRight(s, "\n"), "\n")
+	if len(lines) > n {
+		lines = lines[len(lines)-n:]
+	}
+	return strings.Join(lines, "\n")
+}
