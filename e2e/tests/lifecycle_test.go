@@ -316,7 +316,9 @@ func TestDeviceHealth(t *testing.T) {
 
 	// An ECC error on a free GPU: a claim pinned to it is not allocated.
 	sim("ecc", "--gpu", freeUUID)
-	if !deviceWith(free, func(ts []string) bool { return strings.Contains(strings.Join(ts, " "), "gpu.nvidia.com/ecc=uncorrectable:NoSchedule") }) {
+	if !deviceWith(free, func(ts []string) bool {
+		return strings.Contains(strings.Join(ts, " "), "gpu.nvidia.com/ecc=uncorrectable:NoSchedule")
+	}) {
 		t.Fatalf("device %s taints %v, want the ECC taint", free, taintsOf(poolDevices(ctx, t, name)[free]))
 	}
 	waiting := createClaimAndPod(ctx, t, pinnedClaim(ns, "pinned", "gpu.nvidia.com", freeUUID), name)
@@ -328,7 +330,9 @@ func TestDeviceHealth(t *testing.T) {
 	// A GPU falls off the bus: NoExecute taint, the node still publishes and
 	// prepares the others.
 	sim("fall-off-bus", "--gpu", lostUUID)
-	if !deviceWith(lost, func(ts []string) bool { return strings.Contains(strings.Join(ts, " "), "gpu.nvidia.com/gpu-lost=:NoExecute") }) {
+	if !deviceWith(lost, func(ts []string) bool {
+		return strings.Contains(strings.Join(ts, " "), "gpu.nvidia.com/gpu-lost=:NoExecute")
+	}) {
 		t.Fatalf("device %s taints %v, want gpu-lost NoExecute", lost, taintsOf(poolDevices(ctx, t, name)[lost]))
 	}
 
