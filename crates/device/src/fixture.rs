@@ -83,6 +83,36 @@ mod tests {
     }
 
     #[test]
+    fn still_current_compares_only_the_named_devices() {
+        use crate::testing::{a100, inventory, mig_1g5gb, t4};
+        let known = inventory([
+            a100(0).mig(mig_1g5gb(0)).mig(mig_1g5gb(1)).build(),
+            t4(1).build(),
+        ]);
+        let f = FixtureInventory::new(known.clone());
+        let mig0 = known.gpus[0].mig_devices[0].device_name(&known.gpus[0]);
+        assert!(f.still_current(&known, &[&mig0, "gpu-1"]).unwrap());
+        assert!(f.still_current(&known, &[]).unwrap());
+        assert!(
+            !f.still_current(&known, &["gpu-9"]).unwrap(),
+            "unknown name"
+        );
+        // The T4 is replaced by another board under the same name.
+        let mut other = known.clone();
+        other.gpus[1].uuid = "GPU-00000000-0000-0000-0000-0000000000ff".into();
+        f.set(other.clone());
+        assert!(!f.still_current(&known, &["gpu-1"]).unwrap());
+        // Lost, or a failing backend.
+        let mut lost = known.clone();
+        lost.gpus.truncate(1);
+        lost.lost_gpus = vec![1];
+        f.set(lost);
+        assert!(!f.still_current(&known, &["gpu-1"]).unwrap());
+        f.fail("unloaded");
+        assert!(f.still_current(&known, &["gpu-1"]).is_err());
+    }
+
+    #[test]
     fn json_round_trip_and_errors_name_the_file() {
         let json = serde_json::to_string(&inv()).unwrap();
         assert_eq!(

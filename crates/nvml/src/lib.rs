@@ -8,8 +8,12 @@
 //! Invariants:
 //! - Only the NVML entry points the simulator implements are called (see the project
 //!   contracts); anything else would work on real hardware and fail in every test.
-//! - NVML is initialised per discovery and shut down when it ends (the `Nvml` value is dropped),
-//!   so each discovery sees the driver's current MIG layout and no handle outlives its session.
+//! - NVML is initialised per discovery (and per [`GpuInventory::still_current`] check) and
+//!   shut down when it ends (the `Nvml` value is dropped), so each sees the driver's current
+//!   MIG layout and no handle outlives its session.
+//! - The check prepare makes before each claim ([`GpuInventory::still_current`]) reads only the
+//!   claim's devices by UUID: its cost does not grow with the node's GPUs, and it reads no
+//!   sysfs (the PCIe root of a GPU whose UUID, index and minor are unchanged is unchanged).
 //! - A GPU that does not support MIG is not an error: its `mig` is `None`.
 //!
 //! Modules: [`sysfs`] (PCIe root and NUMA node of a GPU), [`health`] (the NVML health source:
@@ -50,8 +54,8 @@ use nvml_wrapper_sys::bindings::{
 };
 
 use gpu_dra_device::{
-    ComputeCapability, DeviceError, Gpu, GpuInventory, Inventory, MigDevice, MigMode, Placement,
-    names,
+    ComputeCapability, DeviceError, DeviceRef, Gpu, GpuInventory, Inventory, MigDevice, MigMode,
+    Placement, names,
 };
 
 /// Where the NVML backend finds its library and sysfs.
@@ -128,16 +132,44 @@ impl NvmlInventory {
     }
 }
 
-impl GpuInventory for NvmlInventory {
-    fn discover(&self) -> Result<Inventory, DeviceError> {
+impl NvmlInventory {
+    /// A new NVML session (a reference on the library's init count; cheap while another
+    /// session, such as the health watch's, keeps NVML initialised).
+    fn open(&self) -> Result<Nvml, DeviceError> {
         let lib_path = &self.options.lib_path;
-        let nvml = Nvml::builder()
+        Nvml::builder()
             .lib_path(lib_path.as_os_str())
             .init()
             .map_err(|e| DeviceError::Init {
                 path: lib_path.display().to_string(),
                 reason: e.to_string(),
-            })?;
+            })
+    }
+}
+
+impl GpuInventory for NvmlInventory {
+    /// A few NVML calls per named device (handle by UUID, index, minor, MIG mode, and for a
+    /// MIG device its GPU and compute instance IDs), none per other GPU and no sysfs read.
+    /// Any NVML error answers `false`: the full discovery that follows reports it properly.
+    fn still_current(&self, known: &Inventory, names: &[&str]) -> Result<bool, DeviceError> {
+        let mut devices = Vec::with_capacity(names.len());
+        for name in names {
+            match known.device(name) {
+                Some(d) if !known.lost_gpus.contains(&d.gpu().index) => devices.push(d),
+                _ => return Ok(false),
+            }
+        }
+        if devices.is_empty() {
+            return Ok(true);
+        }
+        let nvml = self.open()?;
+        Ok(devices
+            .into_iter()
+            .all(|d| device_unchanged(&nvml, d).unwrap_or(false)))
+    }
+
+    fn discover(&self) -> Result<Inventory, DeviceError> {
+        let nvml = self.open()?;
         let system = || "the system".to_string();
         let driver_version = nvml
             .sys_driver_version()
@@ -174,6 +206,35 @@ impl GpuInventory for NvmlInventory {
             lost_gpus,
         })
     }
+}
+
+/// Whether `device` is on the node as recorded (see [`GpuInventory::still_current`]).
+fn device_unchanged(nvml: &Nvml, device: DeviceRef<'_>) -> Result<bool, NvmlError> {
+    let gpu = device.gpu();
+    let handle = nvml.device_by_uuid(gpu.uuid.as_str())?;
+    if handle.index()? != gpu.index || handle.minor_number()? != gpu.minor {
+        return Ok(false);
+    }
+    let mig = match handle.mig_mode() {
+        Ok(mode) => Some(mode.current == 1),
+        Err(NvmlError::NotSupported) => None,
+        Err(e) => return Err(e),
+    };
+    if mig != gpu.mig.map(|m| m.current) {
+        return Ok(false);
+    }
+    let DeviceRef::Mig { mig, .. } = device else {
+        return Ok(true);
+    };
+    // A MIG UUID names one instance: destroyed and created again, it gets a new one.
+    let instance = nvml.device_by_uuid(mig.uuid.as_str())?;
+    Ok(
+        raw_u32(nvml.lib().nvmlDeviceGetGpuInstanceId.as_ref(), &instance)? == mig.gi_id
+            && raw_u32(
+                nvml.lib().nvmlDeviceGetComputeInstanceId.as_ref(),
+                &instance,
+            )? == mig.ci_id,
+    )
 }
 
 /// Maps an NVML error to [`DeviceError::Query`] naming the call and the target.

@@ -32,6 +32,7 @@ pub struct DriverBuilder {
     backend: Option<Arc<dyn gpu_dra_device::GpuInventory>>,
     partitioning: gpu_dra_core::partitioning::Partitioning,
     failpoints: Failpoints,
+    host: Option<PathBuf>,
 }
 
 impl DriverBuilder {
@@ -55,7 +56,22 @@ impl DriverBuilder {
             backend: None,
             partitioning: Default::default(),
             failpoints: Failpoints::default(),
+            host: None,
         }
+    }
+
+    /// Sets the inventory backend that prepare checks and rediscovers through (e.g. the NVML
+    /// backend over a simulated host); default: a fixture serving the inventory.
+    pub fn backend(mut self, backend: Arc<dyn gpu_dra_device::GpuInventory>) -> Self {
+        self.backend = Some(backend);
+        self
+    }
+
+    /// Sets the host root (driver root and dev root) CDI specs are made for, e.g. a
+    /// simulator's root; default `<root>/host`.
+    pub fn host(mut self, host: &Path) -> Self {
+        self.host = Some(host.to_path_buf());
+        self
     }
 
     /// Sets the MIG control and the inventory backend that rediscovery reads (e.g. a
@@ -116,7 +132,7 @@ impl DriverBuilder {
 
     /// Builds the driver, loading the checkpoint if one exists.
     pub fn build(self) -> Result<Driver, DriverError> {
-        let host = self.root.join("host");
+        let host = self.host.unwrap_or_else(|| self.root.join("host"));
         let cdi = CdiHost::discover(
             self.root.join("cdi"),
             &crate::host::DriverRoots::same(&host),
