@@ -141,7 +141,8 @@ pub struct RunArgs {
     #[arg(long, env = "MEMORY_SHARE_GPUS", default_value = "")]
     pub memory_share_gpus: String,
     /// Seconds between rediscoveries of the GPUs (a MIG layout changed by hand); prepare also
-    /// rediscovers before every claim. Formerly `--rediscover-interval`
+    /// checks its claim's devices before every claim, and rediscovers when one changed.
+    /// Formerly `--rediscover-interval`
     /// (`REDISCOVER_INTERVAL`), still accepted.
     #[arg(
         long,
