@@ -60,6 +60,19 @@ impl GpuInventory for FixtureInventory {
             reason,
         })
     }
+
+    /// Compares in place, without the copy a discovery makes.
+    fn still_current(&self, known: &Inventory, names: &[&str]) -> Result<bool, DeviceError> {
+        match &*self.lock() {
+            Ok(now) => Ok(names
+                .iter()
+                .all(|name| crate::same_device(known, now, name))),
+            Err(reason) => Err(DeviceError::Fixture {
+                path: "<injected>".into(),
+                reason: reason.clone(),
+            }),
+        }
+    }
 }
 
 #[cfg(test)]

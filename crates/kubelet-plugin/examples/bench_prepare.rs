@@ -291,6 +291,15 @@ async fn fixture_part() -> anyhow::Result<()> {
 
     let (prepares, unprepares) = node.cycles(one, scaled(LATENCY_ITERS)).await?;
     let rss_warm = rss_kib();
+    // What a call costs that has nothing to do (an unknown claim's unprepare): the socket,
+    // gRPC and the engine's bookkeeping, without a durable write.
+    let mut idle = Vec::new();
+    for _ in 0..scaled(LATENCY_ITERS) {
+        let t = Instant::now();
+        node.unprepare(vec![claim(CONCURRENT + 1)]).await?;
+        idle.push(t.elapsed());
+    }
+    idle.sort();
     let floor = node.floor(scaled(100))?;
 
     // 64 claims on disjoint devices: one at a time vs all at once.
@@ -355,6 +364,11 @@ async fn fixture_part() -> anyhow::Result<()> {
         unprepares.len(),
         ratio(&unprepares),
         verdict(ratio(&unprepares) <= 1.5)
+    );
+    println!(
+        "  a call with nothing to write (unknown claim's unprepare): p50 {:.3} ms, p99 {:.3} ms",
+        ms(percentile(&idle, 0.5)),
+        ms(percentile(&idle, 0.99))
     );
     let speedup = seq.as_secs_f64() / conc.as_secs_f64();
     println!(

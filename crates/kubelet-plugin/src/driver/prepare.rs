@@ -10,7 +10,8 @@
 //!    plan: checkpoint `PrepareStarted` (with the devices) -> sharing -> CDI spec -> checkpoint
 //!    `PrepareCompleted` (with the sharing state). `PrepareStarted` is written durably only
 //!    when sharing follows; for a claim whose only effect is its spec it is staged in memory
-//!    and written with `PrepareCompleted`, so such a prepare makes one checkpoint write.
+//!    and written with `PrepareCompleted`, so such a prepare makes one checkpoint write. The
+//!    spec and `PrepareCompleted` are written concurrently (see the comment there).
 //!
 //! A failure at any step after the first write undoes the claim through the same
 //! [`Driver::unprepare_locked`], so a failed prepare leaves neither an entry, a spec, sharing
@@ -284,19 +285,24 @@ impl Driver {
                 ce.hooks.extend(edits.hooks);
             }
         }
+        // The spec and the completed entry are written at once (their fsyncs overlap): a
+        // completed entry whose spec is missing is prepared again by the next prepare
+        // (`stale_reason`), and a spec without a completed entry is undone, so either may
+        // reach the disk first. Both are there before the kubelet is answered.
         let cdi = self.cdi.clone();
         let uid = claim.uid.clone();
-        blocking(move || cdi.write(&uid, &spec)).await??;
-        self.failpoints.hit("prepare.after_cdi_write").await?;
-
-        self.journal
-            .persist(|cp| {
+        let (written, completed) = tokio::join!(
+            blocking(move || cdi.write(&uid, &spec)),
+            self.journal.persist(|cp| {
                 if let Some(e) = cp.claims.get_mut(&claim.uid) {
                     e.state = PrepareState::PrepareCompleted;
                     e.sharing = sharing;
                 }
             })
-            .await?;
+        );
+        written??;
+        self.failpoints.hit("prepare.after_cdi_write").await?;
+        completed?;
         self.metrics.prepared_devices.inc_by(devices.len() as i64);
         self.failpoints
             .hit("prepare.after_checkpoint_completed")
