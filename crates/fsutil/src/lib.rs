@@ -5,7 +5,8 @@
 //! the target and fsyncs the directory. After a crash at any point the target is either the
 //! old complete file or the new complete file, never a torn one.
 //!
-//! [`replace_atomic`] and [`remove`] are the same without the directory fsync: the change is
+//! [`replace_atomic`] and [`remove`] are the same without the directory fsync ([`replace_volatile`]
+//! without any fsync, for content the next boot rewrites before it is trusted): the change is
 //! atomic (no reader ever sees a torn file) but not yet durable, and becomes durable with the
 //! next fsync of that directory or the filesystem's next commit. For files that another
 //! durable record vouches for: a CDI spec is trusted only while the checkpoint (written with
@@ -86,9 +87,26 @@ pub fn replace_atomic(path: &Path, bytes: &[u8], mode: u32) -> io::Result<()> {
     write_atomic_with(path, mode, |file| file.write_all(bytes))
 }
 
+/// Atomically replaces `path` with `bytes` without any fsync: readers and a restarted
+/// process see the old or the new content, never a torn file, but after a power loss the
+/// file may be missing, old, or empty. Only for files that the next boot writes again before
+/// anyone trusts them (a CDI spec of a claim prepared in another boot is prepared again).
+pub fn replace_volatile(path: &Path, bytes: &[u8], mode: u32) -> io::Result<()> {
+    write_temp_and_rename(path, mode, |file| file.write_all(bytes))
+}
+
 /// Writes the content through `fill` into a fresh locked temp, fsyncs it and renames it over
 /// `path`; the directory is not synced.
 fn write_atomic_with(
+    path: &Path,
+    mode: u32,
+    fill: impl FnOnce(&mut File) -> io::Result<()>,
+) -> io::Result<()> {
+    write_temp_and_rename(path, mode, |file| fill(file).and_then(|()| file.sync_all()))
+}
+
+/// Writes the content through `fill` into a fresh locked temp and renames it over `path`.
+fn write_temp_and_rename(
     path: &Path,
     mode: u32,
     fill: impl FnOnce(&mut File) -> io::Result<()>,
@@ -101,7 +119,7 @@ fn write_atomic_with(
         )
     })?;
     let (tmp, mut file) = create_temp(dir, name, mode)?;
-    let written = fill(&mut file).and_then(|()| file.sync_all());
+    let written = fill(&mut file);
     drop(file);
     if let Err(e) = written.and_then(|()| fs::rename(&tmp, path)) {
         let _ = fs::remove_file(&tmp);
@@ -271,8 +289,10 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         let path = dir.path().join("spec.json");
         replace_atomic(&path, b"one", 0o644).expect("write");
-        replace_atomic(&path, b"two", 0o644).expect("rewrite");
+        replace_volatile(&path, b"two", 0o644).expect("rewrite");
         assert_eq!(fs::read(&path).expect("read"), b"two");
+        replace_atomic(&path, b"three", 0o644).expect("rewrite");
+        assert_eq!(fs::read(&path).expect("read"), b"three");
         let mode = fs::metadata(&path).expect("stat").permissions().mode();
         assert_eq!(mode & 0o777, 0o644);
         assert_eq!(names(dir.path()), ["spec.json"], "no temp file left");

@@ -171,7 +171,15 @@ impl Node {
         nvml: Option<(SimHost, Arc<NvmlInventory>, Arc<AtomicBool>)>,
     ) -> anyhow::Result<Node> {
         let claims = Arc::new(MemoryClaims::default());
-        let driver = Arc::new(builder.node_name(NODE).claims(claims.clone()).build()?);
+        // The plugin reads the node's boot ID at start; so does the bench.
+        let boot_id = std::fs::read_to_string("/proc/sys/kernel/random/boot_id")?;
+        let driver = Arc::new(
+            builder
+                .node_name(NODE)
+                .claims(claims.clone())
+                .boot_id(boot_id.trim())
+                .build()?,
+        );
         let socket = dir.path().join("plugin/dra.sock");
         let listener = bind_socket(&socket)?;
         tokio::spawn(

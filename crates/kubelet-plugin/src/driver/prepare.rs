@@ -289,10 +289,13 @@ impl Driver {
         // completed entry whose spec is missing is prepared again by the next prepare
         // (`stale_reason`), and a spec without a completed entry is undone, so either may
         // reach the disk first. Both are there before the kubelet is answered.
+        // With the boot recorded in the entry the spec's content needs no fsync: after a
+        // power loss the next boot prepares the claim again before trusting it.
+        let sync_content = self.settings.boot_id.is_none();
         let cdi = self.cdi.clone();
         let uid = claim.uid.clone();
         let (written, completed) = tokio::join!(
-            blocking(move || cdi.write(&uid, &spec)),
+            blocking(move || cdi.write(&uid, &spec, sync_content)),
             self.journal.persist(|cp| {
                 if let Some(e) = cp.claims.get_mut(&claim.uid) {
                     e.state = PrepareState::PrepareCompleted;
