@@ -10,7 +10,8 @@
 //!    resident memory. Targets: prepare p50 <= 2.5x the floor, unprepare p50 <= 1.5x, the
 //!    burst >= 16x faster than one at a time, RSS <= 20 MiB.
 //! 2. the NVML backend over the GPU simulator (`dgx-a100-40gb`: 8 GPUs, 20 devices;
-//!    `dgx-h100`: 8 GPUs), with the simulated NVML made as slow per call as a real driver
+//!    `dgx-h100`: 8 GPUs) and the plugin's sharing manager (its state file included), with
+//!    the simulated NVML made as slow per call as a real driver
 //!    (`GPU_SIM_CALL_DELAY_US`, default [`ASSUMED_CALL_DELAY_US`]) and an NVML session held
 //!    open beside the driver, as the plugin's health watch holds one: prepare and unprepare
 //!    p50/p99 of a whole-GPU and a MIG claim, and what one whole-node NVML discovery costs
@@ -41,6 +42,9 @@ use anyhow::Context;
 use gpu_dra_device::testing::a100_inventory;
 use gpu_dra_device::{GpuInventory, HealthSource, Inventory};
 use gpu_dra_kubelet_plugin::grpc::{bind_socket, incoming};
+use gpu_dra_kubelet_plugin::sharing::{
+    DriverRoot, FileStore, SharingManager, SharingMetrics, SharingOptions,
+};
 use gpu_dra_kubelet_plugin::testing::{
     DriverBuilder, MemoryClaims, allocated_claim, connect_dra, dra_service, simulate_host,
 };
@@ -158,9 +162,20 @@ impl Node {
                 let _ = backend.watch(&gpus, Duration::from_secs(3600), &stop, &mut |_| {});
             });
         }
+        // The plugin's sharing manager, its state in `<plugin-dir>/sharing.json`: a claim
+        // without sharing must not write it.
+        let sharing = SharingManager::new(
+            SharingOptions::new(
+                DriverRoot::new(host.root(), Some(host.lib_path())),
+                dir.path().join("plugin"),
+            ),
+            Arc::new(FileStore::new(dir.path().join("plugin/sharing.json"))),
+            SharingMetrics::default(),
+        )?;
         let builder = DriverBuilder::new(dir.path(), inventory.clone())
             .host(host.root())
-            .backend(backend.clone());
+            .backend(backend.clone())
+            .sharing(Arc::new(sharing));
         Node::serve(dir, inventory, builder, Some((host, backend, stop))).await
     }
 
