@@ -60,6 +60,19 @@ impl GpuInventory for FixtureInventory {
             reason,
         })
     }
+
+    /// Compares in place, without the copy a discovery makes.
+    fn still_current(&self, known: &Inventory, names: &[&str]) -> Result<bool, DeviceError> {
+        match &*self.lock() {
+            Ok(now) => Ok(names
+                .iter()
+                .all(|name| crate::same_device(known, now, name))),
+            Err(reason) => Err(DeviceError::Fixture {
+                path: "<injected>".into(),
+                reason: reason.clone(),
+            }),
+        }
+    }
 }
 
 #[cfg(test)]
@@ -80,6 +93,36 @@ mod tests {
         other.driver_version = "570.1.2".into();
         f.set(other.clone());
         assert_eq!(f.discover().unwrap(), other);
+    }
+
+    #[test]
+    fn still_current_compares_only_the_named_devices() {
+        use crate::testing::{a100, inventory, mig_1g5gb, t4};
+        let known = inventory([
+            a100(0).mig(mig_1g5gb(0)).mig(mig_1g5gb(1)).build(),
+            t4(1).build(),
+        ]);
+        let f = FixtureInventory::new(known.clone());
+        let mig0 = known.gpus[0].mig_devices[0].device_name(&known.gpus[0]);
+        assert!(f.still_current(&known, &[&mig0, "gpu-1"]).unwrap());
+        assert!(f.still_current(&known, &[]).unwrap());
+        assert!(
+            !f.still_current(&known, &["gpu-9"]).unwrap(),
+            "unknown name"
+        );
+        // The T4 is replaced by another board under the same name.
+        let mut other = known.clone();
+        other.gpus[1].uuid = "GPU-00000000-0000-0000-0000-0000000000ff".into();
+        f.set(other.clone());
+        assert!(!f.still_current(&known, &["gpu-1"]).unwrap());
+        // Lost, or a failing backend.
+        let mut lost = known.clone();
+        lost.gpus.truncate(1);
+        lost.lost_gpus = vec![1];
+        f.set(lost);
+        assert!(!f.still_current(&known, &["gpu-1"]).unwrap());
+        f.fail("unloaded");
+        assert!(f.still_current(&known, &["gpu-1"]).is_err());
     }
 
     #[test]

@@ -74,4 +74,30 @@ pub enum DeviceError {
 pub trait GpuInventory: Send + Sync {
     /// Discovers the GPUs now present. Called at startup and whenever a refresh is wanted.
     fn discover(&self) -> Result<Inventory, DeviceError>;
+
+    /// Whether each device named in `names` is still on the node as `known` (an earlier
+    /// discovery) records it: the same UUID on the same GPU (index and minor), the same MIG
+    /// mode, and for a MIG device the same GPU and compute instance IDs. `Ok(false)` when one
+    /// differs, is gone, is on a lost GPU or is not in `known`: the caller then discovers the
+    /// whole node. A backend answers at a cost that grows with `names`, not with the node
+    /// (prepare asks this for a claim's devices); the default discovers and compares.
+    fn still_current(&self, known: &Inventory, names: &[&str]) -> Result<bool, DeviceError> {
+        if names.is_empty() {
+            return Ok(true);
+        }
+        let now = self.discover()?;
+        Ok(names.iter().all(|name| same_device(known, &now, name)))
+    }
+}
+
+/// Whether device `name` is recorded alike in `known` and `now` (same GPU record, and for a
+/// MIG device the same MIG record), on a GPU lost in neither.
+pub fn same_device(known: &Inventory, now: &Inventory, name: &str) -> bool {
+    match (known.device(name), now.device(name)) {
+        (Some(a), Some(b)) => {
+            let index = a.gpu().index;
+            a == b && !known.lost_gpus.contains(&index) && !now.lost_gpus.contains(&index)
+        }
+        _ => false,
+    }
 }

@@ -5,6 +5,16 @@
 //! the target and fsyncs the directory. After a crash at any point the target is either the
 //! old complete file or the new complete file, never a torn one.
 //!
+//! [`replace_atomic`] and [`remove`] are the same without the directory fsync ([`replace_volatile`]
+//! without any fsync, for content the next boot rewrites before it is trusted): the change is
+//! atomic (no reader ever sees a torn file) but not yet durable, and becomes durable with the
+//! next fsync of that directory or the filesystem's next commit. For files that another
+//! durable record vouches for: a CDI spec is trusted only while the checkpoint (written with
+//! [`write_atomic`]) says its claim is prepared in this boot, and a spec the checkpoint does
+//! not name is removed as stray, so a power loss that undoes the rename or the unlink leaves
+//! nothing that is acted on. The directory fsync is a journal commit on most filesystems, as
+//! costly as the file's own, so leaving out the one that is not needed halves such a write.
+//!
 //! # Temp names
 //!
 //! A temp file is named `.<target>.tmp-<pid>-<seq>-<noise>`: the process id, a process-wide
@@ -66,11 +76,37 @@ static SEQUENCE: AtomicU64 = AtomicU64::new(0);
 /// The parent directory must exist. On error the target is unchanged (old content, or still
 /// missing) and the temp file is removed.
 pub fn write_atomic(path: &Path, bytes: &[u8], mode: u32) -> io::Result<()> {
+    write_atomic_with(path, mode, |file| file.write_all(bytes))?;
+    File::open(parent(path))?.sync_all()
+}
+
+/// Atomically replaces `path` with `bytes` like [`write_atomic`], without the fsync of the
+/// directory: the content is on disk before the rename, but the rename itself may be lost
+/// in a power loss (see the module documentation for when that is enough).
+pub fn replace_atomic(path: &Path, bytes: &[u8], mode: u32) -> io::Result<()> {
     write_atomic_with(path, mode, |file| file.write_all(bytes))
 }
 
-/// [`write_atomic`] with the content written by `fill`, which may fail midway.
+/// Atomically replaces `path` with `bytes` without any fsync: readers and a restarted
+/// process see the old or the new content, never a torn file, but after a power loss the
+/// file may be missing, old, or empty. Only for files that the next boot writes again before
+/// anyone trusts them (a CDI spec of a claim prepared in another boot is prepared again).
+pub fn replace_volatile(path: &Path, bytes: &[u8], mode: u32) -> io::Result<()> {
+    write_temp_and_rename(path, mode, |file| file.write_all(bytes))
+}
+
+/// Writes the content through `fill` into a fresh locked temp, fsyncs it and renames it over
+/// `path`; the directory is not synced.
 fn write_atomic_with(
+    path: &Path,
+    mode: u32,
+    fill: impl FnOnce(&mut File) -> io::Result<()>,
+) -> io::Result<()> {
+    write_temp_and_rename(path, mode, |file| fill(file).and_then(|()| file.sync_all()))
+}
+
+/// Writes the content through `fill` into a fresh locked temp and renames it over `path`.
+fn write_temp_and_rename(
     path: &Path,
     mode: u32,
     fill: impl FnOnce(&mut File) -> io::Result<()>,
@@ -83,13 +119,13 @@ fn write_atomic_with(
         )
     })?;
     let (tmp, mut file) = create_temp(dir, name, mode)?;
-    let written = fill(&mut file).and_then(|()| file.sync_all());
+    let written = fill(&mut file);
     drop(file);
     if let Err(e) = written.and_then(|()| fs::rename(&tmp, path)) {
         let _ = fs::remove_file(&tmp);
         return Err(e);
     }
-    File::open(dir)?.sync_all()
+    Ok(())
 }
 
 /// Creates a new temp file for `target` in `dir` with `O_EXCL` and takes its writer lock,
@@ -172,6 +208,15 @@ pub fn remove_durable(path: &Path) -> io::Result<()> {
     File::open(parent(path))?.sync_all()
 }
 
+/// Removes `path` without syncing its directory (see the module documentation); a missing
+/// file is not an error.
+pub fn remove(path: &Path) -> io::Result<()> {
+    match fs::remove_file(path) {
+        Err(e) if e.kind() != io::ErrorKind::NotFound => Err(e),
+        _ => Ok(()),
+    }
+}
+
 /// Removes temp files that [`write_atomic`] left in `dir` for targets whose names start with
 /// `prefix` and that no live writer holds (see the module documentation), so a write in
 /// flight, of this or another process, keeps its temp. Returns how many were removed.
@@ -237,6 +282,26 @@ mod tests {
         remove_durable(&path).expect("remove");
         remove_durable(&path).expect("remove again is fine");
         assert!(!path.exists());
+    }
+
+    #[test]
+    fn replace_and_remove_without_the_directory_sync_behave_alike() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("spec.json");
+        replace_atomic(&path, b"one", 0o644).expect("write");
+        replace_volatile(&path, b"two", 0o644).expect("rewrite");
+        assert_eq!(fs::read(&path).expect("read"), b"two");
+        replace_atomic(&path, b"three", 0o644).expect("rewrite");
+        assert_eq!(fs::read(&path).expect("read"), b"three");
+        let mode = fs::metadata(&path).expect("stat").permissions().mode();
+        assert_eq!(mode & 0o777, 0o644);
+        assert_eq!(names(dir.path()), ["spec.json"], "no temp file left");
+        remove(&path).expect("remove");
+        remove(&path).expect("remove again is fine");
+        assert!(!path.exists());
+        let missing = dir.path().join("no-such-dir/spec.json");
+        replace_atomic(&missing, b"x", 0o644).expect_err("no folder");
+        assert_eq!(names(dir.path()), Vec::<String>::new());
     }
 
     #[test]

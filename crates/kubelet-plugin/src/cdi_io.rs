@@ -2,7 +2,14 @@
 //!
 //! Invariants: a spec is written only when every device node it names exists (a missing
 //! node fails the prepare, so no incomplete spec is ever cached by a runtime); specs are
-//! written atomically (see `gpu_dra_fsutil`); only files named like our claim specs are ever
+//! written and removed atomically but without the directory fsync (`gpu_dra_fsutil::
+//! replace_atomic` and `remove`), and without an fsync of the content when the claim's
+//! entry records the node's boot (`replace_volatile`): the checkpoint, written durably with
+//! the spec, is what vouches for a spec (a spec of a claim it does not name is stray and
+//! removed by the cleanup, and a completed claim whose spec went missing or that was
+//! prepared in another boot is prepared again), so a write or unlink that a power loss
+//! undoes is never acted on, and a prepare pays the checkpoint's syncs only; only files
+//! named like our claim specs are ever
 //! removed from the CDI root, and NVIDIA's spec of a claim when that claim is undone (it
 //! defines the same CDI device names as ours).
 
@@ -355,19 +362,33 @@ impl CdiHost {
         cdi::claim_spec(claim_uid, devices, &self.dev_root, self.common())
     }
 
-    /// Writes a claim's spec atomically (blocking I/O).
-    pub fn write(&self, claim_uid: &str, spec: &cdi::Spec) -> Result<(), CdiError> {
+    /// Writes a claim's spec atomically (blocking I/O); its content is fsynced only with
+    /// `sync_content`. Without it a power loss may leave the spec empty: pass it unless the
+    /// claim's checkpoint entry records the boot, so that the next boot prepares the claim
+    /// again instead of trusting the spec (`Driver::stale_reason`).
+    pub fn write(
+        &self,
+        claim_uid: &str,
+        spec: &cdi::Spec,
+        sync_content: bool,
+    ) -> Result<(), CdiError> {
         let path = self.spec_path(claim_uid);
         let bytes = serde_json::to_vec_pretty(spec).unwrap_or_default();
         std::fs::create_dir_all(&self.cdi_root)
-            .and_then(|()| gpu_dra_fsutil::write_atomic(&path, &bytes, 0o644))
+            .and_then(|()| {
+                if sync_content {
+                    gpu_dra_fsutil::replace_atomic(&path, &bytes, 0o644)
+                } else {
+                    gpu_dra_fsutil::replace_volatile(&path, &bytes, 0o644)
+                }
+            })
             .map_err(|source| CdiError::Io { path, source })
     }
 
     /// Removes a claim's spec (blocking I/O); missing is fine.
     pub fn remove(&self, claim_uid: &str) -> Result<(), CdiError> {
         let path = self.spec_path(claim_uid);
-        gpu_dra_fsutil::remove_durable(&path).map_err(|source| CdiError::Io { path, source })
+        gpu_dra_fsutil::remove(&path).map_err(|source| CdiError::Io { path, source })
     }
 
     /// Path of the spec NVIDIA's driver wrote for a claim (see
@@ -379,6 +400,8 @@ impl CdiHost {
     /// Removes the spec NVIDIA's driver wrote for a claim (blocking I/O); missing is fine.
     pub fn remove_nvidia(&self, claim_uid: &str) -> Result<(), CdiError> {
         let path = self.nvidia_spec_path(claim_uid);
+        // Durable, unlike ours: the cleanup does not sweep NVIDIA's spec names, so one that a
+        // power loss brought back would stay.
         gpu_dra_fsutil::remove_durable(&path).map_err(|source| CdiError::Io { path, source })
     }
 

@@ -7,11 +7,13 @@
 //! than the one published, and the container would get another instance's capability nodes.
 //!
 //! Now there is one owner. [`LiveInventory::rediscover`] is the only discovery (the
-//! publisher's periodic one, and one per prepare); every discovery that finds a change
-//! replaces the snapshot, which wakes the publisher. Prepare calls [`LiveInventory::resolve`]:
-//! it discovers live (so GI/CI IDs, UUIDs and capability nodes are the hardware's now) and
-//! refuses a device whose identity (UUID) differs from what this node last published, or which
-//! is gone, with a message that says why. The refusal republishes at once (the discovery
+//! publisher's periodic one, and one per prepare that finds a claim's device changed); every
+//! discovery that finds a change replaces the snapshot, which wakes the publisher. Prepare
+//! calls [`LiveInventory::resolve`]: it asks the backend whether the claim's devices are still
+//! as the snapshot records them ([`GpuInventory::still_current`]: a few NVML calls per claimed
+//! device, whatever the node's size) and else discovers live, so GI/CI IDs, UUIDs and
+//! capability nodes are the hardware's now; then it refuses a device whose identity (UUID)
+//! differs from what this node last published, or which is gone, with a message that says why. The refusal republishes at once (the discovery
 //! changed the snapshot); the kubelet's retry then prepares the device as it is now, or keeps
 //! failing for a device that no longer exists until the claim is allocated again.
 //!
@@ -47,7 +49,7 @@ use gpu_dra_core::partitioning::{GpuMode, Partitioning};
 use gpu_dra_device::{DeviceError, GpuInventory, HealthObservation, Inventory};
 use tokio::sync::watch;
 use tokio::time::Instant;
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 /// The inventory and device health of one moment.
 #[derive(Debug, Clone)]
@@ -468,7 +470,10 @@ impl LiveInventory {
         if let Some(refusal) = lock(&self.refused).get(claim_uid).cloned() {
             return Err(refusal.error());
         }
-        let live = self.rediscover().await?;
+        let live = match self.confirmed(devices).await {
+            Some(current) => current,
+            None => self.rediscover().await?,
+        };
         let published = lock(&self.published).clone();
         let partitioning = self.partitioning();
         for &name in devices {
@@ -516,6 +521,32 @@ impl LiveInventory {
             }
         }
         Ok(live)
+    }
+
+    /// The current inventory, when the backend confirms that `devices` are still as it
+    /// records them; `None` when it cannot (a device changed, or the check failed), and the
+    /// caller discovers.
+    async fn confirmed(&self, devices: &[&str]) -> Option<Arc<Inventory>> {
+        let current = self.current();
+        let (backend, known) = (Arc::clone(&self.backend), Arc::clone(&current));
+        let names: Vec<String> = devices.iter().map(|d| (*d).to_owned()).collect();
+        let checked = tokio::task::spawn_blocking(move || {
+            let names: Vec<&str> = names.iter().map(String::as_str).collect();
+            backend.still_current(&known, &names)
+        })
+        .await;
+        match checked {
+            Ok(Ok(true)) => Some(current),
+            Ok(Ok(false)) => None,
+            Ok(Err(e)) => {
+                debug!(error = %e, "cannot check the claim's devices; discovering");
+                None
+            }
+            Err(e) => {
+                debug!(error = %e, "device check task failed; discovering");
+                None
+            }
+        }
     }
 
     /// Keeps `refusal` for the claim's retries: after the republication its device is no longer
@@ -660,6 +691,65 @@ mod tests {
         fixture.set(first.clone());
         assert!(live.resolve("c", &["gpu-1"]).await.is_ok());
         assert!(live.current().lost_gpus.is_empty());
+    }
+
+    /// A fixture backend that counts whole-node discoveries.
+    struct Counting {
+        fixture: FixtureInventory,
+        discoveries: std::sync::atomic::AtomicUsize,
+    }
+
+    impl GpuInventory for Counting {
+        fn discover(&self) -> Result<Inventory, DeviceError> {
+            self.discoveries
+                .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            self.fixture.discover()
+        }
+        fn still_current(&self, known: &Inventory, names: &[&str]) -> Result<bool, DeviceError> {
+            // The fixture's answer, without counting it as a discovery.
+            self.fixture.still_current(known, names)
+        }
+    }
+
+    #[tokio::test]
+    async fn a_prepare_of_unchanged_devices_does_not_discover_the_node() {
+        let first = inventory([
+            a100(0).mig(mig_1g5gb(0)).mig(mig_1g5gb(1)).build(),
+            a100(1).build(),
+        ]);
+        let backend = Arc::new(Counting {
+            fixture: FixtureInventory::new(first.clone()),
+            discoveries: Default::default(),
+        });
+        let discoveries = || {
+            backend
+                .discoveries
+                .load(std::sync::atomic::Ordering::SeqCst)
+        };
+        let live = LiveInventory::with_inventory(
+            backend.clone(),
+            first.clone(),
+            HealthPolicy::new("gpu.nvidia.com"),
+        );
+        live.mark_published(&first);
+        let gpu = &first.gpus[0];
+        let n0 = gpu.mig_devices[0].device_name(gpu);
+        live.resolve("c0", &["gpu-1", &n0])
+            .await
+            .expect("unchanged");
+        assert_eq!(discoveries(), 0);
+        // Another device's change is the periodic rediscovery's, not this claim's.
+        let other = relayout(first.clone(), |migs| migs[1].uuid = "MIG-other".into());
+        backend.fixture.set(other);
+        live.resolve("c1", &["gpu-1"]).await.expect("unchanged");
+        assert_eq!(discoveries(), 0);
+        // The claim's own device changed: discovered, and refused as before.
+        let changed = relayout(first.clone(), |migs| migs[0].uuid = "MIG-new".into());
+        backend.fixture.set(changed.clone());
+        let err = live.resolve("c2", &[&n0]).await.expect_err("changed");
+        assert!(matches!(err, ResolveError::Changed { .. }), "{err}");
+        assert_eq!(discoveries(), 1);
+        assert_eq!(*live.current(), changed);
     }
 
     #[tokio::test]

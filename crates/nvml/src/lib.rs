@@ -8,14 +8,20 @@
 //! Invariants:
 //! - Only the NVML entry points the simulator implements are called (see the project
 //!   contracts); anything else would work on real hardware and fail in every test.
-//! - NVML is initialised per discovery and shut down when it ends (the `Nvml` value is dropped),
-//!   so each discovery sees the driver's current MIG layout and no handle outlives its session.
+//! - NVML is initialised per discovery (and per [`GpuInventory::still_current`] check) and
+//!   shut down when it ends (the `Nvml` value is dropped), so each sees the driver's current
+//!   MIG layout and no handle outlives its session.
 //! - The library is looked up afresh for every session ([`NvmlLibrary::locate`]): a driver
 //!   upgraded in place renames its files (`libnvidia-ml.so.<version>`), so a path resolved
 //!   once would name a file that is gone; and the loader hands out a library it still has
 //!   loaded under the same path, so only the new file's own name reaches the new driver.
 //! - NVML out of reach as a whole (no library, no kernel module, library and module of
 //!   different versions) is [`DeviceError::Init`]; a failure of one GPU or query is not.
+//! - The check prepare makes before each claim ([`GpuInventory::still_current`]) reads the
+//!   driver version and only the claim's devices by UUID: its cost does not grow with the
+//!   node's GPUs, and it reads no sysfs (the PCIe root of a GPU whose UUID, index and minor
+//!   are unchanged is unchanged); another driver version answers "not current", so the full
+//!   discovery that follows finds the new version's files.
 //! - A GPU that does not support MIG is not an error: its `mig` is `None`.
 //!
 //! Modules: [`sysfs`] (PCIe root and NUMA node of a GPU), [`health`] (the NVML health source:
@@ -56,8 +62,8 @@ use nvml_wrapper_sys::bindings::{
 };
 
 use gpu_dra_device::{
-    ComputeCapability, DeviceError, Gpu, GpuInventory, Inventory, MigDevice, MigMode, Placement,
-    names,
+    ComputeCapability, DeviceError, DeviceRef, Gpu, GpuInventory, Inventory, MigDevice, MigMode,
+    Placement, names,
 };
 
 /// Where the NVML backend finds its library and sysfs.
@@ -187,6 +193,32 @@ impl NvmlInventory {
 }
 
 impl GpuInventory for NvmlInventory {
+    /// The driver version, then a few NVML calls per named device (handle by UUID, index,
+    /// minor, MIG mode, and for a MIG device its GPU and compute instance IDs), none per other
+    /// GPU and no sysfs read. Any NVML error answers `false`: the full discovery that follows
+    /// reports it properly.
+    fn still_current(&self, known: &Inventory, names: &[&str]) -> Result<bool, DeviceError> {
+        let mut devices = Vec::with_capacity(names.len());
+        for name in names {
+            match known.device(name) {
+                Some(d) if !known.lost_gpus.contains(&d.gpu().index) => devices.push(d),
+                _ => return Ok(false),
+            }
+        }
+        if devices.is_empty() {
+            return Ok(true);
+        }
+        let nvml = self.options.library.open()?;
+        // A driver upgraded in place keeps the GPUs' UUIDs but not its files: the spec of
+        // this claim must name the new version's, which only a discovery finds.
+        if nvml.sys_driver_version().ok().as_deref() != Some(known.driver_version.as_str()) {
+            return Ok(false);
+        }
+        Ok(devices
+            .into_iter()
+            .all(|d| device_unchanged(&nvml, d).unwrap_or(false)))
+    }
+
     fn discover(&self) -> Result<Inventory, DeviceError> {
         let nvml = self.options.library.open()?;
         let system = || "the system".to_string();
@@ -225,6 +257,35 @@ impl GpuInventory for NvmlInventory {
             lost_gpus,
         })
     }
+}
+
+/// Whether `device` is on the node as recorded (see [`GpuInventory::still_current`]).
+fn device_unchanged(nvml: &Nvml, device: DeviceRef<'_>) -> Result<bool, NvmlError> {
+    let gpu = device.gpu();
+    let handle = nvml.device_by_uuid(gpu.uuid.as_str())?;
+    if handle.index()? != gpu.index || handle.minor_number()? != gpu.minor {
+        return Ok(false);
+    }
+    let mig = match handle.mig_mode() {
+        Ok(mode) => Some(mode.current == 1),
+        Err(NvmlError::NotSupported) => None,
+        Err(e) => return Err(e),
+    };
+    if mig != gpu.mig.map(|m| m.current) {
+        return Ok(false);
+    }
+    let DeviceRef::Mig { mig, .. } = device else {
+        return Ok(true);
+    };
+    // A MIG UUID names one instance: destroyed and created again, it gets a new one.
+    let instance = nvml.device_by_uuid(mig.uuid.as_str())?;
+    Ok(
+        raw_u32(nvml.lib().nvmlDeviceGetGpuInstanceId.as_ref(), &instance)? == mig.gi_id
+            && raw_u32(
+                nvml.lib().nvmlDeviceGetComputeInstanceId.as_ref(),
+                &instance,
+            )? == mig.ci_id,
+    )
 }
 
 /// Maps an NVML error to [`DeviceError::Query`] naming the call and the target.

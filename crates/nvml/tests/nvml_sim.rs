@@ -456,3 +456,70 @@ fn a_lost_gpu_is_reported_and_the_others_discovered() {
     host.update_state(|s| s.reset_gpu(1).expect("reset"));
     assert_eq!(discover(&host), before);
 }
+
+/// Prepare's check of a claim's devices: true while they are as discovered, false once one
+/// of them was recreated, lost or had its MIG mode changed; other devices do not matter.
+#[test]
+fn still_current_checks_only_the_named_devices() {
+    let host = SimHost::new("dgx-h100");
+    host.update_state(|s| {
+        s.set_mig_mode(0, true).expect("enable MIG");
+        for start in [0, 4] {
+            let gi = s.create_gpu_instance(0, 9, Some(start)).expect("3g");
+            s.create_compute_instance(0, gi).expect("ci");
+        }
+    });
+    let backend = NvmlInventory::new(NvmlOptions {
+        library: gpu_dra_nvml::NvmlLibrary::Path(host.lib_path()),
+        sysfs_root: host.sysfs_root(),
+    });
+    let known = backend.discover().expect("discovery");
+    let at = |start: u32| {
+        let gpu = &known.gpus[0];
+        let mig = gpu.mig_devices.iter().find(|m| m.placement.start == start);
+        mig.expect("MIG device").device_name(gpu)
+    };
+    let (a, b) = (at(0), at(4));
+    let (a, b) = (a.as_str(), b.as_str());
+    let whole = known.gpus[1].device_name();
+    assert!(
+        backend
+            .still_current(&known, &[a, b, &whole])
+            .expect("check")
+    );
+    assert!(
+        !backend.still_current(&known, &["gpu-0"]).expect("check"),
+        "not a device now"
+    );
+
+    // Placement 4 destroyed and created again: a new instance under the same name.
+    host.update_state(|s| {
+        let (gi, ci) = s.gpus[0]
+            .gpu_instances
+            .iter()
+            .find(|g| g.placement_start == 4)
+            .map(|g| (g.id, g.compute_instances[0].id))
+            .expect("instance at 4");
+        s.destroy_compute_instance(0, gi, ci).expect("destroy ci");
+        s.destroy_gpu_instance(0, gi).expect("destroy gi");
+        let gi = s.create_gpu_instance(0, 9, Some(4)).expect("again");
+        s.create_compute_instance(0, gi).expect("ci");
+    });
+    assert!(backend.still_current(&known, &[a, &whole]).expect("check"));
+    assert!(
+        !backend.still_current(&known, &[b]).expect("check"),
+        "recreated"
+    );
+
+    // MIG turned on for the whole GPU; then that GPU lost.
+    host.update_state(|s| s.set_mig_mode(1, true).expect("enable MIG"));
+    assert!(!backend.still_current(&known, &[&whole]).expect("check"));
+    host.update_state(|s| s.set_mig_mode(1, false).expect("disable MIG"));
+    assert!(backend.still_current(&known, &[&whole]).expect("check"));
+    host.update_state(|s| s.fall_off_bus(1).expect("fall off the bus"));
+    assert!(
+        !backend.still_current(&known, &[&whole]).expect("check"),
+        "lost"
+    );
+    assert!(backend.still_current(&known, &[a]).expect("check"));
+}

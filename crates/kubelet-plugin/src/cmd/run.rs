@@ -154,7 +154,8 @@ pub struct RunArgs {
     )]
     pub consumable_shares: ConsumableShares,
     /// Seconds between rediscoveries of the GPUs (a MIG layout changed by hand); prepare also
-    /// rediscovers before every claim. Formerly `--rediscover-interval`
+    /// checks its claim's devices before every claim, and rediscovers when one changed.
+    /// Formerly `--rediscover-interval`
     /// (`REDISCOVER_INTERVAL`), still accepted.
     #[arg(
         long,

@@ -13,7 +13,11 @@
 //!   writer, and a caller whose change an earlier write already carried returns without
 //!   writing, so concurrent claims share one write instead of queueing one each;
 //! - the in-memory document is the truth for this process's readers even when a write failed
-//!   (the caller then fails its operation, and its rollback or retry writes again).
+//!   (the caller then fails its operation, and its rollback or retry writes again);
+//! - [`Journal::stage`] changes the document in memory only: the next write carries the
+//!   change. For a step whose loss in a crash is harmless (prepare's `PrepareStarted` of a
+//!   claim whose only effect is its CDI spec: a spec the checkpoint does not name is removed
+//!   as stray), so that an operation makes one durable commit instead of two.
 
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
@@ -69,20 +73,29 @@ impl Journal {
         self.read(|doc| doc.claims.get(uid).cloned())
     }
 
+    /// Applies `change` to the checkpoint in memory only; the next [`Journal::persist`] (of
+    /// any claim) writes it.
+    pub(super) fn stage(&self, change: impl FnOnce(&mut Checkpoint)) {
+        self.apply(change);
+    }
+
+    /// Applies `change` in memory and returns the change count that carries it.
+    fn apply(&self, change: impl FnOnce(&mut Checkpoint)) -> u64 {
+        let mut st = lock(&self.state);
+        change(&mut st.doc);
+        st.changes += 1;
+        if let Some(m) = &self.metrics {
+            m.nvidia.count_prepared(&st.doc);
+        }
+        st.changes
+    }
+
     /// Applies `change` to the checkpoint and returns once a write containing it is durable.
     pub(super) async fn persist(
         &self,
         change: impl FnOnce(&mut Checkpoint),
     ) -> Result<(), DriverError> {
-        let mine = {
-            let mut st = lock(&self.state);
-            change(&mut st.doc);
-            st.changes += 1;
-            if let Some(m) = &self.metrics {
-                m.nvidia.count_prepared(&st.doc);
-            }
-            st.changes
-        };
+        let mine = self.apply(change);
         let mut written = self.writer.lock().await;
         if *written >= mine {
             // A write that started after our change already made it durable.
@@ -139,6 +152,27 @@ mod tests {
         let cp = on_disk(&path);
         assert_eq!(cp.imported_from_nvidia.len(), 32);
         assert_eq!(cp, journal.read(Checkpoint::clone), "disk and memory agree");
+    }
+
+    #[tokio::test]
+    async fn a_staged_change_stays_in_memory_until_the_next_write_carries_it() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join(gpu_dra_core::checkpoint::FILE_NAME);
+        let journal = Journal::new(path.clone(), Checkpoint::new());
+        journal.stage(|cp| {
+            cp.imported_from_nvidia.insert("staged".into());
+        });
+        assert!(!path.exists(), "nothing written by a staged change");
+        assert!(journal.read(|cp| cp.imported_from_nvidia.contains("staged")));
+        journal
+            .persist(|cp| {
+                cp.imported_from_nvidia.insert("durable".into());
+            })
+            .await
+            .expect("persists");
+        let cp = on_disk(&path);
+        assert!(cp.imported_from_nvidia.contains("staged"));
+        assert!(cp.imported_from_nvidia.contains("durable"));
     }
 
     #[tokio::test]

@@ -17,7 +17,10 @@
 //! - order of effects: checkpoint `PrepareStarted` (with the devices) -> sharing -> CDI spec
 //!   -> checkpoint `PrepareCompleted`. Unprepare and rollback undo in reverse (sharing, spec,
 //!   entry). So after a crash at any step the checkpoint names every side effect that may
-//!   exist, and a retry or the startup reconcile cleans it up;
+//!   exist, besides a CDI spec (a spec no entry names is stray: the reconcile removes it), and
+//!   a retry or the startup reconcile cleans it up. Hence `PrepareStarted` is durable only
+//!   when sharing follows it, and spec writes and removals skip the directory fsync
+//!   ([`crate::cdi_io`]);
 //! - the holder table and the checkpoint agree: it is rebuilt from the checkpoint at start, a
 //!   claim is reserved before its entry is written and released once its entry is gone;
 //! - claims imported from NVIDIA's driver ([`crate::checkpoint_file`]) are answered and

@@ -8,7 +8,10 @@
 //! 3. reads the claim, creates or finds its dynamic MIG instances ([`super::dynamic`]), plans
 //!    it against the live inventory, reserves its devices ([`super::holders`]) and applies the
 //!    plan: checkpoint `PrepareStarted` (with the devices) -> sharing -> CDI spec -> checkpoint
-//!    `PrepareCompleted`.
+//!    `PrepareCompleted` (with the sharing state). `PrepareStarted` is written durably only
+//!    when sharing follows; for a claim whose only effect is its spec it is staged in memory
+//!    and written with `PrepareCompleted`, so such a prepare makes one checkpoint write. The
+//!    spec and `PrepareCompleted` are written concurrently (see the comment there).
 //!
 //! A failure at any step after the first write undoes the claim through the same
 //! [`Driver::unprepare_locked`], so a failed prepare leaves neither an entry, a spec, sharing
@@ -219,11 +222,22 @@ impl Driver {
                 .unwrap_or_default(),
             extra: Default::default(),
         };
-        self.journal
-            .persist(|cp| {
+        // Durable before sharing touches the GPU, so that a crash leaves a record to undo. A
+        // claim whose only effect is its CDI spec needs none: a spec without an entry is stray
+        // and the cleanup removes it (the claim's lock keeps it from a spec being prepared).
+        // The entry is then only staged and reaches the disk with `PrepareCompleted`: one
+        // durable commit for the claim.
+        if plan.groups.iter().any(|g| g.sharing.is_some()) {
+            self.journal
+                .persist(|cp| {
+                    cp.claims.insert(claim.uid.clone(), entry);
+                })
+                .await?;
+        } else {
+            self.journal.stage(|cp| {
                 cp.claims.insert(claim.uid.clone(), entry);
-            })
-            .await?;
+            });
+        }
         self.failpoints
             .hit("prepare.after_checkpoint_started")
             .await?;
@@ -239,17 +253,9 @@ impl Driver {
                 sharing_edits.push((i, applied.edits.clone()));
             }
         }
+        // Kept with `PrepareCompleted` (one write): releasing works from the claim UID alone,
+        // so an entry that lost it in a crash is still undone completely.
         let sharing = (!sharing_states.is_empty()).then(|| Value::Array(sharing_states));
-        if sharing.is_some() {
-            let s = sharing.clone();
-            self.journal
-                .persist(|cp| {
-                    if let Some(e) = cp.claims.get_mut(&claim.uid) {
-                        e.sharing = s;
-                    }
-                })
-                .await?;
-        }
         self.failpoints.hit("prepare.after_sharing").await?;
 
         let mut spec_devices = Vec::with_capacity(plan.devices.len());
@@ -279,18 +285,27 @@ impl Driver {
                 ce.hooks.extend(edits.hooks);
             }
         }
+        // The spec and the completed entry are written at once (their fsyncs overlap): a
+        // completed entry whose spec is missing is prepared again by the next prepare
+        // (`stale_reason`), and a spec without a completed entry is undone, so either may
+        // reach the disk first. Both are there before the kubelet is answered.
+        // With the boot recorded in the entry the spec's content needs no fsync: after a
+        // power loss the next boot prepares the claim again before trusting it.
+        let sync_content = self.settings.boot_id.is_none();
         let cdi = self.cdi.clone();
         let uid = claim.uid.clone();
-        blocking(move || cdi.write(&uid, &spec)).await??;
-        self.failpoints.hit("prepare.after_cdi_write").await?;
-
-        self.journal
-            .persist(|cp| {
+        let (written, completed) = tokio::join!(
+            blocking(move || cdi.write(&uid, &spec, sync_content)),
+            self.journal.persist(|cp| {
                 if let Some(e) = cp.claims.get_mut(&claim.uid) {
                     e.state = PrepareState::PrepareCompleted;
+                    e.sharing = sharing;
                 }
             })
-            .await?;
+        );
+        written??;
+        self.failpoints.hit("prepare.after_cdi_write").await?;
+        completed?;
         self.metrics.prepared_devices.inc_by(devices.len() as i64);
         self.failpoints
             .hit("prepare.after_checkpoint_completed")

@@ -8,7 +8,9 @@
 //! - effects are undone in the reverse order of prepare: sharing, CDI spec (ours and, for a
 //!   claim imported from NVIDIA's driver, theirs), MIG instances, checkpoint entry. The entry
 //!   goes last, so after a crash at any step it still names every effect that may be left,
-//!   and the next unprepare, prepare or reconcile finishes the job;
+//!   and the next unprepare, prepare or reconcile finishes the job. Our own spec is the
+//!   exception: a spec no entry names is stray and the cleanup removes it, so for a claim
+//!   with neither NVIDIA's spec nor MIG instances the spec and the entry are removed at once;
 //! - every step succeeds when what it undoes is already gone, so undoing is idempotent and an
 //!   unknown claim unprepares successfully;
 //! - the claim's devices are released from the holder table only once its entry is gone (or
@@ -74,6 +76,31 @@ impl Driver {
             }
         }
         self.failpoints.hit("unprepare.after_sharing").await?;
+        if let Some(e) = entry
+            .as_ref()
+            .filter(|e| e.imported.is_none() && e.dynamic_mig.is_empty())
+        {
+            // Only a spec of ours to remove: removed while the entry's removal is written
+            // (their costs overlap). A spec that outlives its entry in a crash is stray: the
+            // cleanup at start removes it, and so does the kubelet's retry.
+            let cdi = self.cdi.clone();
+            let owned = uid.to_owned();
+            let (removed, persisted) = tokio::join!(
+                blocking(move || cdi.remove(&owned).and_then(|()| cdi.remove_nvidia(&owned))),
+                self.journal.persist(|cp| {
+                    cp.claims.remove(uid);
+                })
+            );
+            removed??;
+            self.failpoints.hit("unprepare.after_cdi_remove").await?;
+            persisted?;
+            if e.state == PrepareState::PrepareCompleted {
+                self.metrics.prepared_devices.dec_by(e.devices.len() as i64);
+            }
+            lock(&self.holders).release(uid);
+            self.failpoints.hit("unprepare.after_checkpoint").await?;
+            return Ok(());
+        }
         let cdi = self.cdi.clone();
         let owned = uid.to_owned();
         // NVIDIA's spec of an imported claim too (also without an entry: a crash may have

@@ -131,6 +131,9 @@ pub(super) struct Inner {
     pub(super) opts: SharingOptions,
     pub(super) store: Arc<dyn SharingStore>,
     pub(super) state: Mutex<SharingState>,
+    /// A save failed: the state in memory may differ from the file, so the next update saves
+    /// even when it changes nothing.
+    pub(super) unsaved: std::sync::atomic::AtomicBool,
     /// Serializes time-slice changes (see the module documentation).
     pub(super) timeslice_lock: tokio::sync::Mutex<()>,
     /// Serializes changes to memory-share daemons (start with the first claim, stop after
@@ -176,6 +179,7 @@ impl SharingManager {
                 opts,
                 store,
                 state: Mutex::new(state),
+                unsaved: std::sync::atomic::AtomicBool::new(false),
                 timeslice_lock: tokio::sync::Mutex::new(()),
                 share_lock: tokio::sync::Mutex::new(()),
                 supervised: Mutex::new(HashMap::new()),
@@ -285,14 +289,22 @@ impl SharingManager {
 }
 
 impl Inner {
-    /// Mutates the state and saves it; the closure's result is returned.
+    /// Mutates the state and saves it when it changed; the closure's result is returned.
+    /// Most unprepares change nothing here (a claim without sharing, or one whose sharing a
+    /// crash already undid): they write nothing.
     pub(super) fn update<R>(
         &self,
         f: impl FnOnce(&mut SharingState) -> R,
     ) -> Result<R, SharingError> {
+        use std::sync::atomic::Ordering::SeqCst;
         let mut state = lock(&self.state);
+        let before = state.clone();
         let r = f(&mut state);
-        self.store.save(&state)?;
+        if *state != before || self.unsaved.load(SeqCst) {
+            let saved = self.store.save(&state);
+            self.unsaved.store(saved.is_err(), SeqCst);
+            saved?;
+        }
         Ok(r)
     }
 }
@@ -320,6 +332,67 @@ pub(super) fn check_name(what: &str, name: &str) -> Result<(), SharingError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::sharing::state::TimeSliceRecord;
+    use crate::sharing::tools::DriverRoot;
+
+    /// A store in memory that counts its saves and fails them while told to.
+    #[derive(Default)]
+    struct CountingStore {
+        saves: std::sync::atomic::AtomicUsize,
+        fail: std::sync::atomic::AtomicBool,
+    }
+
+    impl SharingStore for CountingStore {
+        fn load(&self) -> Result<SharingState, SharingError> {
+            Ok(SharingState::default())
+        }
+        fn save(&self, _state: &SharingState) -> Result<(), SharingError> {
+            use std::sync::atomic::Ordering::SeqCst;
+            if self.fail.load(SeqCst) {
+                return Err(SharingError::StateCorrupt {
+                    path: "sharing.json".into(),
+                    reason: "disk full".into(),
+                });
+            }
+            self.saves.fetch_add(1, SeqCst);
+            Ok(())
+        }
+    }
+
+    #[tokio::test]
+    async fn a_claim_without_sharing_is_unprepared_without_writing_the_state() {
+        use std::sync::atomic::Ordering::SeqCst;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = Arc::new(CountingStore::default());
+        let manager = SharingManager::new(
+            SharingOptions::new(DriverRoot::new(dir.path(), None), dir.path()),
+            store.clone(),
+            SharingMetrics::default(),
+        )
+        .expect("manager");
+        manager.unprepare("uid-plain").await.expect("unprepares");
+        manager.unprepare("uid-plain").await.expect("again");
+        assert_eq!(
+            store.saves.load(SeqCst),
+            0,
+            "nothing changed, nothing written"
+        );
+
+        // A change is saved; after a failed save the next update saves even without a change.
+        store.fail.store(true, SeqCst);
+        manager
+            .inner
+            .update(|s| {
+                s.time_slicing
+                    .insert("GPU-1".into(), TimeSliceRecord::default());
+            })
+            .expect_err("the save fails");
+        store.fail.store(false, SeqCst);
+        manager.inner.update(|_| ()).expect("saves");
+        assert_eq!(store.saves.load(SeqCst), 1, "the unsaved change is written");
+        manager.inner.update(|_| ()).expect("nothing to save");
+        assert_eq!(store.saves.load(SeqCst), 1);
+    }
 
     #[test]
     fn names_that_would_escape_the_plugin_dir_are_refused() {

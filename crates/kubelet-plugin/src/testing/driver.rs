@@ -33,6 +33,7 @@ pub struct DriverBuilder {
     partitioning: gpu_dra_core::partitioning::Partitioning,
     failpoints: Failpoints,
     claim_status: Option<Arc<dyn crate::claim_status::ClaimStatusSink>>,
+    host: Option<PathBuf>,
 }
 
 impl DriverBuilder {
@@ -57,7 +58,22 @@ impl DriverBuilder {
             partitioning: Default::default(),
             failpoints: Failpoints::default(),
             claim_status: None,
+            host: None,
         }
+    }
+
+    /// Sets the inventory backend that prepare checks and rediscovers through (e.g. the NVML
+    /// backend over a simulated host); default: a fixture serving the inventory.
+    pub fn backend(mut self, backend: Arc<dyn gpu_dra_device::GpuInventory>) -> Self {
+        self.backend = Some(backend);
+        self
+    }
+
+    /// Sets the host root (driver root and dev root) CDI specs are made for, e.g. a
+    /// simulator's root; default `<root>/host`.
+    pub fn host(mut self, host: &Path) -> Self {
+        self.host = Some(host.to_path_buf());
+        self
     }
 
     /// Sets the MIG control and the inventory backend that rediscovery reads (e.g. a
@@ -124,7 +140,7 @@ impl DriverBuilder {
 
     /// Builds the driver, loading the checkpoint if one exists.
     pub fn build(self) -> Result<Driver, DriverError> {
-        let host = self.root.join("host");
+        let host = self.host.unwrap_or_else(|| self.root.join("host"));
         let cdi = CdiHost::discover(
             self.root.join("cdi"),
             &crate::host::DriverRoots::same(&host),

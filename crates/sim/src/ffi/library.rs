@@ -189,8 +189,28 @@ pub(super) fn update(
     })?
 }
 
-/// Runs an export body, mapping `Err(code)` to the code and a panic to `UNKNOWN`.
+/// The cost given to every call ([`crate::state::ENV_CALL_DELAY_US`]), read once.
+fn call_delay() -> Option<std::time::Duration> {
+    static DELAY: std::sync::OnceLock<Option<std::time::Duration>> = std::sync::OnceLock::new();
+    *DELAY.get_or_init(|| {
+        std::env::var(crate::state::ENV_CALL_DELAY_US)
+            .ok()
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .filter(|us| *us > 0)
+            .map(std::time::Duration::from_micros)
+    })
+}
+
+/// Runs an export body, mapping `Err(code)` to the code and a panic to `UNKNOWN`. With a
+/// call delay set, first spends that long: busy, as a real driver's ioctl keeps a CPU busy,
+/// and because a sleep this short would overshoot by the timer slack.
 pub(super) fn guard(f: impl FnOnce() -> Result<(), NvmlReturn>) -> NvmlReturn {
+    if let Some(delay) = call_delay() {
+        let start = std::time::Instant::now();
+        while start.elapsed() < delay {
+            std::hint::spin_loop();
+        }
+    }
     match catch_unwind(AssertUnwindSafe(f)) {
         Ok(Ok(())) => ret::SUCCESS,
         Ok(Err(code)) => code,

@@ -49,6 +49,11 @@ pub const ENV_STATE: &str = "GPU_SIM_STATE";
 /// Environment variable naming the profile used to create a missing `GPU_SIM_STATE`.
 pub const ENV_PROFILE: &str = "GPU_SIM_PROFILE";
 
+/// Environment variable giving every NVML call of the simulated library a cost, in
+/// microseconds (busy-waited, read once per process), so that benchmarks weigh NVML calls as
+/// a real driver does; unset or 0: none.
+pub const ENV_CALL_DELAY_US: &str = "GPU_SIM_CALL_DELAY_US";
+
 /// NVML compute modes (`nvmlComputeMode_t`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "SCREAMING_SNAKE_CASE")]
