@@ -445,6 +445,21 @@ async fn a_daemon_dying_during_start_fails_prepare_and_leaves_nothing() {
 #[tokio::test]
 async fn a_plugin_crash_during_mps_start_leaves_no_orphan_after_recovery() {
     let node = Node::new(PROFILE);
+    // The daemon's client mode (the readiness check that follows the saved pid) answers only
+    // after 3 s, so the "crash" below lands between the two however loaded the machine is:
+    // otherwise a prepare that finishes within one poll of the wait leaves nothing to recover.
+    let tool = node.host.tool("nvidia-cuda-mps-control");
+    let real = tool.with_file_name("mps-control-real");
+    std::fs::rename(&tool, &real).unwrap();
+    std::fs::write(
+        &tool,
+        format!(
+            "#!/bin/sh\nif [ \"$1\" != -f ]; then sleep 3; fi\nexec {} \"$@\"\n",
+            real.display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&tool, std::fs::Permissions::from_mode(0o755)).unwrap();
     let m = node.manager();
     let uuid = node.gpu_uuid(4);
     let group = mps(vec![gpu(&uuid)], MpsConfig::default());
@@ -461,9 +476,13 @@ async fn a_plugin_crash_during_mps_start_leaves_no_orphan_after_recovery() {
     })
     .await;
     task.abort();
-    let _ = task.await;
+    assert!(
+        task.await.is_err_and(|e| e.is_cancelled()),
+        "the prepare finished before the crash"
+    );
     m.detach();
     drop(m);
+    std::fs::rename(&real, &tool).unwrap();
     let pid = store
         .load()
         .unwrap()
