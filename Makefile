@@ -109,7 +109,8 @@ fuzz: ## run the opaque-config fuzzer for FUZZ_SECONDS (default 600)
 # `bench-check` (part of `test`) runs each once in the debug build with a handful of iterations
 # (BENCH_QUICK=1), so that a benchmark that no longer runs fails CI instead of rotting.
 BENCHES := gpu-dra-api:bench_validate gpu-dra-sim:bench_sim gpu-dra-core:bench_discover \
-	gpu-dra-kubelet-plugin:bench_prepare gpu-dra-kubelet-plugin:bench_mps gpu-dra-webhook:bench_admission
+	gpu-dra-kubelet-plugin:bench_prepare gpu-dra-kubelet-plugin:bench_mps gpu-dra-kubelet-plugin:bench_usage \
+	gpu-dra-webhook:bench_admission
 # $(1): cargo profile flag, $(2): environment of each run. The simulator's library and tools
 # and the webhook binary are what bench_mps and bench_admission start.
 define run-benches

@@ -108,10 +108,17 @@ pub struct RunningProcess {
 /// through the procfs at `proc_root` (`/proc`). Unreadable entries are skipped: a process may
 /// exit while it is being read.
 pub fn running(proc_root: &Path, state_dir: &Path) -> Vec<RunningProcess> {
-    let Ok(ours) = std::fs::metadata(state_dir) else {
+    let Ok(locks) = std::fs::read_to_string(proc_root.join("locks")) else {
         return Vec::new();
     };
-    let Ok(locks) = std::fs::read_to_string(proc_root.join("locks")) else {
+    running_with_locks(&locks, proc_root, state_dir)
+}
+
+/// [`running`] with the text of `/proc/locks` already read: a caller that asks often keeps
+/// the answer while that text is unchanged (the same holders of the same files; records do
+/// not change while their lock is held).
+pub fn running_with_locks(locks: &str, proc_root: &Path, state_dir: &Path) -> Vec<RunningProcess> {
+    let Ok(ours) = std::fs::metadata(state_dir) else {
         return Vec::new();
     };
     let mut out = Vec::new();

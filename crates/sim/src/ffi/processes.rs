@@ -86,12 +86,24 @@ struct OnDevice {
     mps: bool,
 }
 
-/// The registered processes of this node.
+/// The last answer of [`registered`] and the `/proc/locks` text it was read under.
+static LAST: std::sync::Mutex<Option<(String, Vec<RunningProcess>)>> = std::sync::Mutex::new(None);
+
+/// The registered processes of this node, read again only when `/proc/locks` changed (a
+/// process started or ended): one NVML query after another asks this many times.
 fn registered() -> Result<Vec<RunningProcess>, NvmlReturn> {
-    Ok(crate::processes::running(
-        std::path::Path::new("/proc"),
-        &state_dir()?,
-    ))
+    let dir = state_dir()?;
+    let proc_root = std::path::Path::new("/proc");
+    let locks = std::fs::read_to_string(proc_root.join("locks")).unwrap_or_default();
+    let mut last = LAST.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some((text, procs)) = last.as_ref()
+        && *text == locks
+    {
+        return Ok(procs.clone());
+    }
+    let procs = crate::processes::running_with_locks(&locks, proc_root, &dir);
+    *last = Some((locks, procs.clone()));
+    Ok(procs)
 }
 
 /// The processes on device `d`: see the module documentation.
