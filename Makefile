@@ -8,7 +8,7 @@ TOOLS := $(CURDIR)/.tools
 HELM_VERSION ?= v3.22.0
 HELM := $(TOOLS)/bin/helm
 
-.PHONY: help build release unit test lint fmt fuzz bench bench-check generate chart-check cdi-check e2e e2e-build e2e-bins e2e-tools e2e-runtime e2e-node-tools e2e-image e2e-kubectl demo bench-e2e bench-mps toolkit image-rootfs
+.PHONY: help build release unit test lint fmt fuzz bench bench-check generate chart-check cdi-check e2e e2e-build e2e-bins e2e-tools e2e-runtime e2e-node-tools e2e-image e2e-kubectl demo bench-e2e bench-mps toolkit image-rootfs kubectl-plugin
 
 help: ## list targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | sort
@@ -18,6 +18,13 @@ build: ## debug build of every crate
 
 release: ## release build of the binaries and the simulator
 	$(CARGO) build --release --workspace
+
+# kubectl runs `kubectl gpu-dra ...` as the executable `kubectl-gpu_dra` on its PATH (a dash in
+# a plugin's command is an underscore in its file name): the gpu-dra binary under that name.
+KUBECTL_PLUGIN_DIR ?= $(HOME)/.local/bin
+kubectl-plugin: ## install gpu-dra as the kubectl plugin `kubectl gpu-dra` into KUBECTL_PLUGIN_DIR (~/.local/bin)
+	$(CARGO) build --release --locked -p gpu-dra-cli --bin gpu-dra
+	install -D -m 0755 target/release/gpu-dra $(KUBECTL_PLUGIN_DIR)/kubectl-gpu_dra
 
 lint: ## rustfmt check and clippy with warnings as errors
 	$(CARGO) fmt --all --check
