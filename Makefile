@@ -8,7 +8,7 @@ TOOLS := $(CURDIR)/.tools
 HELM_VERSION ?= v3.22.0
 HELM := $(TOOLS)/bin/helm
 
-.PHONY: help build release unit test lint fmt fuzz bench bench-check generate chart-check cdi-check e2e e2e-build e2e-bins e2e-tools e2e-runtime e2e-node-tools e2e-image e2e-kubectl demo bench-e2e bench-mps toolkit image-rootfs
+.PHONY: help build release unit test lint fmt fuzz bench bench-check generate chart-check cdi-check e2e e2e-build e2e-bins e2e-tools e2e-runtime e2e-node-tools e2e-image e2e-kubectl demo bench-e2e bench-mps toolkit image-rootfs kubectl-plugin
 
 help: ## list targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | sort
@@ -18,6 +18,13 @@ build: ## debug build of every crate
 
 release: ## release build of the binaries and the simulator
 	$(CARGO) build --release --workspace
+
+# kubectl runs `kubectl gpu-dra ...` as the executable `kubectl-gpu_dra` on its PATH (a dash in
+# a plugin's command is an underscore in its file name): the gpu-dra binary under that name.
+KUBECTL_PLUGIN_DIR ?= $(HOME)/.local/bin
+kubectl-plugin: ## install gpu-dra as the kubectl plugin `kubectl gpu-dra` into KUBECTL_PLUGIN_DIR (~/.local/bin)
+	$(CARGO) build --release --locked -p gpu-dra-cli --bin gpu-dra
+	install -D -m 0755 target/release/gpu-dra $(KUBECTL_PLUGIN_DIR)/kubectl-gpu_dra
 
 lint: ## rustfmt check and clippy with warnings as errors
 	$(CARGO) fmt --all --check
@@ -109,7 +116,8 @@ fuzz: ## run the opaque-config fuzzer for FUZZ_SECONDS (default 600)
 # `bench-check` (part of `test`) runs each once in the debug build with a handful of iterations
 # (BENCH_QUICK=1), so that a benchmark that no longer runs fails CI instead of rotting.
 BENCHES := gpu-dra-api:bench_validate gpu-dra-sim:bench_sim gpu-dra-core:bench_discover \
-	gpu-dra-kubelet-plugin:bench_prepare gpu-dra-kubelet-plugin:bench_mps gpu-dra-webhook:bench_admission
+	gpu-dra-kubelet-plugin:bench_prepare gpu-dra-kubelet-plugin:bench_mps gpu-dra-kubelet-plugin:bench_usage \
+	gpu-dra-webhook:bench_admission
 # $(1): cargo profile flag, $(2): environment of each run. The simulator's library and tools
 # and the webhook binary are what bench_mps and bench_admission start.
 define run-benches

@@ -14,14 +14,17 @@
 //! `KUBECONFIG`, `~/.kube/config`, in-cluster) and prints, per request and node, which devices
 //! match and why the others do not (see [`explain`]).
 //!
-//! `gpu-dra usage [--node N] [-o json]` shows per node and GPU which claims hold a whole GPU, a
-//! MIG partition or a memory share, and which GPUs are free (see [`usage`]).
+//! `gpu-dra usage [--node N] [-o json] [--idle-threshold 1h] [--metrics-url URL]...` shows per
+//! node and GPU which claims hold a whole GPU, a MIG partition or a memory share, which GPUs
+//! are free, and from the node plugins' metrics what each claim uses (memory allocated and
+//! used, SM utilisation, processes, idle time), with a cluster summary (see [`usage`]; [`metrics_text`] reads the metrics' text format).
 //!
 //! Exit codes: 0 all valid (or explained); 1 something is invalid (including malformed
 //! YAML/JSON, reported with file, line and column); 2 usage errors (bad flags, unreadable
 //! files, an unreachable cluster or a missing claim).
 
 pub mod explain;
+pub mod metrics_text;
 pub mod usage;
 
 use std::io::{Read, Write};
@@ -54,7 +57,8 @@ pub enum Command {
     /// Show which devices of the cluster a ResourceClaim's requests can get, and why not.
     Explain(explain::ExplainArgs),
     /// Show, per node and GPU, which claims hold a whole GPU, a MIG partition or a memory
-    /// share (from the cluster's ResourceSlices and ResourceClaims).
+    /// share (from the cluster's ResourceSlices and ResourceClaims), and what each uses
+    /// (from the node plugins' metrics), with a cluster summary.
     Usage(usage::UsageArgs),
 }
 

@@ -7,6 +7,15 @@
 //! node plugin's `status.devices` entries, which name the device's UUID: the only place a
 //! dynamic MIG device's UUID is published). [`usage`] is pure over those objects; [`run`]
 //! fetches them.
+//!
+//! What each claim uses comes from the node plugins' metrics (`gpu_dra_claim_*`, see the
+//! plugin's `usage` module): by default read from every plugin pod through the API server's
+//! pod proxy (`pods/proxy`; the port and path from the pod's `HTTP_ADDRESS` and
+//! `METRICS_PATH`), or from `--metrics-url` endpoints (plugins run outside pods, a
+//! port-forward). [`with_metrics`] joins them to the holders by pool, device and claim, and
+//! marks a claim idle when its last activity is older than `--idle-threshold`; [`summary`]
+//! adds up the cluster. No component of its own: a status written by the plugins would cost
+//! an API write per claim per interval for what the metrics already say.
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -30,6 +39,43 @@ pub struct UsageArgs {
     /// Output format.
     #[arg(short, long, env = "OUTPUT_FORMAT", value_enum, default_value_t = Format::Text)]
     pub output: Format,
+    /// Read the plugins' metrics from these URLs (`http://host:port/metrics`, comma-separated
+    /// or repeated) instead of through the API server's pod proxy.
+    #[arg(long, env = "USAGE_METRICS_URLS", value_delimiter = ',')]
+    pub metrics_url: Vec<String>,
+    /// Label selector of the node plugin pods whose metrics are read through the pod proxy.
+    #[arg(
+        long,
+        env = "USAGE_PLUGIN_SELECTOR",
+        default_value = "app.kubernetes.io/component=kubelet-plugin"
+    )]
+    pub plugin_selector: String,
+    /// Do not read the plugins' metrics: holders only.
+    #[arg(long, env = "USAGE_NO_METRICS")]
+    pub no_metrics: bool,
+    /// A claim is idle when it has had no process with SM activity (no process at all where
+    /// the driver does not expose SM activity) for this long: `90s`, `30m`, `1h`, `2d`.
+    #[arg(long, env = "USAGE_IDLE_THRESHOLD", default_value = "1h", value_parser = parse_duration)]
+    pub idle_threshold: u64,
+}
+
+/// A duration as `--idle-threshold` takes it, in seconds.
+pub fn parse_duration(s: &str) -> Result<u64, String> {
+    let s = s.trim();
+    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    let n: u64 = num
+        .parse()
+        .map_err(|_| format!("{s:?} is not a duration; use e.g. 90s, 30m, 1h, 2d"))?;
+    let mult = match unit {
+        "" | "s" => 1,
+        "m" => 60,
+        "h" => 3600,
+        "d" => 86400,
+        _ => return Err(format!("{s:?}: unknown unit {unit:?}; use s, m, h or d")),
+    };
+    n.checked_mul(mult)
+        .ok_or_else(|| format!("{s:?} is too long"))
 }
 
 /// One GPU and what is allocated on it.
@@ -67,6 +113,173 @@ pub struct Holder {
     /// claim's status, else the slice's `uuid` attribute; `None` before the claim is
     /// prepared for a device whose slice has none (a dynamic MIG device).
     pub uuid: Option<String>,
+    /// What the claim uses of the device, from its node plugin's metrics (`None`: no metrics
+    /// read, or the plugin reports none for it yet).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub usage: Option<ClaimUse>,
+}
+
+/// What a claim uses of one device.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct ClaimUse {
+    /// Memory allocated (the share, or the device's memory), in bytes.
+    pub memory_allocated_bytes: Option<u64>,
+    /// Memory its processes hold, in bytes.
+    pub memory_used_bytes: Option<u64>,
+    /// SM utilisation of its processes, in percent (whole GPUs only).
+    pub sm_utilization_percent: Option<u32>,
+    /// The device's utilisation, for a claim holding a whole GPU alone.
+    pub device_utilization_percent: Option<u32>,
+    /// Processes on the device.
+    pub processes: u32,
+    /// Seconds since the claim was last active.
+    pub idle_seconds: Option<u64>,
+    /// Idle for longer than the threshold.
+    pub idle: bool,
+}
+
+/// The cluster in a few numbers.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct Summary {
+    /// GPUs published.
+    pub gpus: usize,
+    /// GPUs with at least one claim (admin access aside).
+    pub gpus_allocated: usize,
+    /// GPUs with at least one claim that is not idle (from the metrics).
+    pub gpus_busy: usize,
+    /// Claim devices with usage figures that are idle.
+    pub idle_claims: usize,
+    /// Memory allocated to claims with usage figures, in bytes.
+    pub memory_allocated_bytes: u64,
+    /// Memory their processes hold, in bytes.
+    pub memory_used_bytes: u64,
+    /// The idle threshold applied, in seconds.
+    pub idle_threshold_seconds: u64,
+    /// Metrics endpoints read, and those that could not be.
+    pub metrics_read: usize,
+    /// Endpoints that failed, with the reason.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub metrics_errors: Vec<String>,
+}
+
+/// The whole report (`-o json`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Report {
+    /// Per GPU.
+    pub gpus: Vec<GpuUsage>,
+    /// The cluster.
+    pub summary: Summary,
+}
+
+fn as_u64(v: f64) -> Option<u64> {
+    (v.is_finite() && v >= 0.0).then_some(v as u64)
+}
+
+/// Joins the plugins' `gpu_dra_claim_*` samples to the holders (by pool, device and claim),
+/// with `now` (Unix seconds) and `idle_threshold` (seconds) to tell idle claims.
+pub fn with_metrics(
+    rows: &mut [GpuUsage],
+    samples: &[crate::metrics_text::Sample],
+    now: u64,
+    idle_threshold: u64,
+) {
+    type Key = (String, String, String);
+    let mut uses: BTreeMap<Key, ClaimUse> = BTreeMap::new();
+    for s in samples {
+        let key = (
+            s.label("pool").to_owned(),
+            s.label("device").to_owned(),
+            format!("{}/{}", s.label("claim_namespace"), s.label("claim")),
+        );
+        let u = uses.entry(key).or_default();
+        let v = as_u64(s.value);
+        match s.name.as_str() {
+            "gpu_dra_claim_memory_allocated_bytes" => u.memory_allocated_bytes = v,
+            "gpu_dra_claim_memory_used_bytes" => {
+                u.memory_used_bytes = Some(u.memory_used_bytes.unwrap_or(0) + v.unwrap_or(0));
+            }
+            "gpu_dra_claim_sm_utilization_percent" => {
+                let sm = u32::try_from(v.unwrap_or(0)).unwrap_or(u32::MAX);
+                u.sm_utilization_percent = Some(
+                    u.sm_utilization_percent
+                        .unwrap_or(0)
+                        .saturating_add(sm)
+                        .min(100),
+                );
+            }
+            "gpu_dra_claim_device_utilization_percent" => {
+                u.device_utilization_percent = v.and_then(|v| u32::try_from(v).ok());
+            }
+            "gpu_dra_claim_processes" => {
+                u.processes += v.and_then(|v| u32::try_from(v).ok()).unwrap_or(0);
+            }
+            "gpu_dra_claim_last_active_timestamp_seconds" => {
+                u.idle_seconds = v.map(|t| now.saturating_sub(t));
+            }
+            _ => {}
+        }
+    }
+    for u in uses.values_mut() {
+        u.idle = u.idle_seconds.is_some_and(|s| s >= idle_threshold);
+    }
+    for g in rows.iter_mut() {
+        for h in &mut g.holders {
+            h.usage = uses
+                .get(&(g.node.clone(), h.device.clone(), h.claim.clone()))
+                .cloned();
+        }
+    }
+}
+
+/// The cluster summary of `rows`.
+pub fn summary(rows: &[GpuUsage], idle_threshold: u64) -> Summary {
+    let mut s = Summary {
+        gpus: rows.len(),
+        idle_threshold_seconds: idle_threshold,
+        ..Summary::default()
+    };
+    for g in rows {
+        let users: Vec<&Holder> = g.holders.iter().filter(|h| !h.admin_access).collect();
+        if !users.is_empty() {
+            s.gpus_allocated += 1;
+        }
+        if users
+            .iter()
+            .any(|h| h.usage.as_ref().is_some_and(|u| !u.idle))
+        {
+            s.gpus_busy += 1;
+        }
+        for u in users.iter().filter_map(|h| h.usage.as_ref()) {
+            s.idle_claims += usize::from(u.idle);
+            s.memory_allocated_bytes += u.memory_allocated_bytes.unwrap_or(0);
+            s.memory_used_bytes += u.memory_used_bytes.unwrap_or(0);
+        }
+    }
+    s
+}
+
+/// Bytes as a person reads them: `10.0Gi`, `512Mi`.
+fn human_bytes(b: u64) -> String {
+    const GI: f64 = (1u64 << 30) as f64;
+    const MI: f64 = (1u64 << 20) as f64;
+    if b >= 1 << 30 {
+        format!("{:.1}Gi", b as f64 / GI)
+    } else {
+        format!("{:.0}Mi", b as f64 / MI)
+    }
+}
+
+/// Seconds as `2d3h`, `4h10m`, `12m`, `40s`.
+fn human_seconds(s: u64) -> String {
+    match s {
+        0..60 => format!("{s}s"),
+        60..3600 => format!("{}m", s / 60),
+        3600..86400 => format!("{}h{}m", s / 3600, s % 3600 / 60),
+        _ => format!("{}d{}h", s / 86400, s % 86400 / 3600),
+    }
 }
 
 fn attr<'a>(d: &'a Device, name: &str) -> Option<&'a str> {
@@ -178,6 +391,7 @@ pub fn usage(
                 detail,
                 admin_access: r.admin_access == Some(true),
                 uuid: reported.or_else(|| attr(d, "uuid").map(str::to_owned)),
+                usage: None,
             });
         }
     }
@@ -192,6 +406,10 @@ pub fn usage(
 
 /// The table people read.
 pub fn to_text(rows: &[GpuUsage]) -> String {
+    let with_use = rows
+        .iter()
+        .flat_map(|g| &g.holders)
+        .any(|h| h.usage.is_some());
     let mut lines = vec![[
         "NODE".to_string(),
         "GPU".into(),
@@ -199,6 +417,11 @@ pub fn to_text(rows: &[GpuUsage]) -> String {
         "CLAIM".into(),
         "HOLDS".into(),
         "UUID".into(),
+        "ALLOCATED".into(),
+        "USED".into(),
+        "SM".into(),
+        "PROCS".into(),
+        "IDLE".into(),
     ]];
     for g in rows {
         if g.holders.is_empty() {
@@ -208,6 +431,11 @@ pub fn to_text(rows: &[GpuUsage]) -> String {
                 "-".into(),
                 "-".into(),
                 "free".into(),
+                String::new(),
+                String::new(),
+                String::new(),
+                String::new(),
+                String::new(),
                 String::new(),
             ]);
         }
@@ -222,17 +450,33 @@ pub fn to_text(rows: &[GpuUsage]) -> String {
             } else {
                 holds
             };
+            let dash = || "-".to_string();
+            let u = h.usage.as_ref();
             lines.push([
                 g.node.clone(),
                 g.gpu.clone(),
                 h.device.clone(),
                 h.claim.clone(),
                 holds,
-                h.uuid.clone().unwrap_or_else(|| "-".into()),
+                h.uuid.clone().unwrap_or_else(dash),
+                u.and_then(|u| u.memory_allocated_bytes)
+                    .map_or_else(dash, human_bytes),
+                u.and_then(|u| u.memory_used_bytes)
+                    .map_or_else(dash, human_bytes),
+                u.and_then(|u| u.sm_utilization_percent)
+                    .map_or_else(dash, |p| format!("{p}%")),
+                u.map_or_else(dash, |u| u.processes.to_string()),
+                u.map_or_else(dash, |u| match (u.idle, u.idle_seconds) {
+                    (true, Some(s)) => format!("idle {}", human_seconds(s)),
+                    (false, _) => "no".into(),
+                    (true, None) => "idle".into(),
+                }),
             ]);
         }
     }
-    let widths: Vec<usize> = (0..6)
+    let columns = if with_use { 11 } else { 6 };
+    let lines: Vec<Vec<String>> = lines.into_iter().map(|l| l[..columns].to_vec()).collect();
+    let widths: Vec<usize> = (0..columns)
         .map(|i| lines.iter().map(|l| l[i].len()).max().unwrap_or(0))
         .collect();
     let mut text = String::new();
@@ -248,27 +492,183 @@ pub fn to_text(rows: &[GpuUsage]) -> String {
     text
 }
 
+/// The summary line of the text output.
+pub fn summary_text(s: &Summary) -> String {
+    let mut text = format!(
+        "cluster: {} GPUs, {} allocated, {} busy; memory allocated {}, used {}; {} idle claims (idle after {})\n",
+        s.gpus,
+        s.gpus_allocated,
+        s.gpus_busy,
+        human_bytes(s.memory_allocated_bytes),
+        human_bytes(s.memory_used_bytes),
+        s.idle_claims,
+        human_seconds(s.idle_threshold_seconds)
+    );
+    for e in &s.metrics_errors {
+        text.push_str(&format!("metrics not read: {e}\n"));
+    }
+    text
+}
+
 /// Runs `gpu-dra usage`.
 pub fn run(args: &UsageArgs, out: &mut dyn Write) -> Result<Outcome, CliError> {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .map_err(CliError::Runtime)?;
-    let (slices, claims) = runtime.block_on(fetch())?;
-    let rows = usage(&slices, &claims, &args.driver_name, args.node.as_deref());
+    let (slices, claims, metrics) = runtime.block_on(fetch(args))?;
+    let mut rows = usage(&slices, &claims, &args.driver_name, args.node.as_deref());
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let mut samples = Vec::new();
+    let mut errors = Vec::new();
+    let mut read = 0;
+    for m in metrics {
+        match m {
+            Ok(text) => {
+                read += 1;
+                samples.extend(crate::metrics_text::parse(&text, "gpu_dra_claim_"));
+            }
+            Err(e) => errors.push(e),
+        }
+    }
+    with_metrics(&mut rows, &samples, now, args.idle_threshold);
+    let mut sum = summary(&rows, args.idle_threshold);
+    sum.metrics_read = read;
+    sum.metrics_errors = errors;
     match args.output {
-        Format::Text => write!(out, "{}", to_text(&rows))?,
+        Format::Text => write!(out, "{}{}", to_text(&rows), summary_text(&sum))?,
         Format::Json => {
-            serde_json::to_writer_pretty(&mut *out, &rows)?;
+            serde_json::to_writer_pretty(
+                &mut *out,
+                &Report {
+                    gpus: rows,
+                    summary: sum,
+                },
+            )?;
             writeln!(out)?;
         }
     }
     Ok(Outcome::Valid)
 }
 
-async fn fetch() -> Result<(Vec<ResourceSlice>, Vec<ResourceClaim>), CliError> {
+/// Slices, claims and the text of every plugin's metrics endpoint (or why one could not be
+/// read).
+async fn fetch(
+    args: &UsageArgs,
+) -> Result<
+    (
+        Vec<ResourceSlice>,
+        Vec<ResourceClaim>,
+        Vec<Result<String, String>>,
+    ),
+    CliError,
+> {
     let client = crate::explain::cluster_client().await?;
-    crate::explain::slices_and_claims(&client).await
+    let (slices, claims) = crate::explain::slices_and_claims(&client).await?;
+    let metrics = if args.no_metrics {
+        Vec::new()
+    } else if !args.metrics_url.is_empty() {
+        let mut out = Vec::new();
+        for url in &args.metrics_url {
+            out.push(http_get(url).await.map_err(|e| format!("{url}: {e}")));
+        }
+        out
+    } else {
+        through_pod_proxy(&client, &args.plugin_selector, args.node.as_deref()).await
+    };
+    Ok((slices, claims, metrics))
+}
+
+/// The metrics of every running plugin pod, through the API server's pod proxy.
+async fn through_pod_proxy(
+    client: &kube::Client,
+    selector: &str,
+    node: Option<&str>,
+) -> Vec<Result<String, String>> {
+    use k8s_openapi::api::core::v1::Pod;
+    let pods: kube::Api<Pod> = kube::Api::all(client.clone());
+    let list = match pods
+        .list(&kube::api::ListParams::default().labels(selector))
+        .await
+    {
+        Ok(l) => l,
+        Err(e) => return vec![Err(format!("listing plugin pods ({selector}): {e}"))],
+    };
+    let mut out = Vec::new();
+    for pod in list.items {
+        let spec = pod.spec.as_ref();
+        if node.is_some_and(|n| spec.and_then(|s| s.node_name.as_deref()) != Some(n)) {
+            continue;
+        }
+        if pod.status.as_ref().and_then(|s| s.phase.as_deref()) != Some("Running") {
+            continue;
+        }
+        let env = |name: &str| {
+            spec.and_then(|s| s.containers.first())
+                .and_then(|c| c.env.as_ref())
+                .and_then(|env| env.iter().find(|e| e.name == name))
+                .and_then(|e| e.value.clone())
+        };
+        let port = env("HTTP_ADDRESS")
+            .and_then(|a| a.rsplit_once(':').map(|(_, p)| p.to_owned()))
+            .unwrap_or_else(|| "8080".into());
+        let path = env("METRICS_PATH").unwrap_or_else(|| "/metrics".into());
+        if path.is_empty() {
+            continue;
+        }
+        let (ns, name) = (
+            pod.metadata.namespace.clone().unwrap_or_default(),
+            pod.metadata.name.clone().unwrap_or_default(),
+        );
+        let url = format!("/api/v1/namespaces/{ns}/pods/{name}:{port}/proxy{path}");
+        let req = http::Request::get(&url).body(Vec::new());
+        out.push(match req {
+            Ok(req) => client
+                .request_text(req)
+                .await
+                .map_err(|e| format!("{ns}/{name}: {e}")),
+            Err(e) => Err(format!("{ns}/{name}: {e}")),
+        });
+    }
+    out
+}
+
+/// A plain HTTP/1.0 GET of `url` (`http://host:port/path`): the body of a 200 answer.
+async fn http_get(url: &str) -> Result<String, String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let rest = url
+        .strip_prefix("http://")
+        .ok_or("only http:// URLs are read (the plugin serves plain HTTP)")?;
+    let (host, path) = rest
+        .split_once('/')
+        .map_or((rest, "/".to_string()), |(h, p)| (h, format!("/{p}")));
+    let mut conn = tokio::time::timeout(
+        std::time::Duration::from_secs(10),
+        tokio::net::TcpStream::connect(host),
+    )
+    .await
+    .map_err(|_| "connect timed out".to_string())?
+    .map_err(|e| e.to_string())?;
+    conn.write_all(format!("GET {path} HTTP/1.0\r\nHost: {host}\r\n\r\n").as_bytes())
+        .await
+        .map_err(|e| e.to_string())?;
+    let mut body = Vec::new();
+    tokio::time::timeout(
+        std::time::Duration::from_secs(10),
+        conn.read_to_end(&mut body),
+    )
+    .await
+    .map_err(|_| "read timed out".to_string())?
+    .map_err(|e| e.to_string())?;
+    let text = String::from_utf8_lossy(&body);
+    let (head, body) = text.split_once("\r\n\r\n").ok_or("no HTTP answer")?;
+    let status = head.split_whitespace().nth(1).unwrap_or_default();
+    if status != "200" {
+        return Err(format!("HTTP {status}"));
+    }
+    Ok(body.to_owned())
 }
 
 #[cfg(test)]
@@ -357,5 +757,119 @@ mod tests {
         );
         assert!(usage(&[slice()], &claims, "gpu.nvidia.com", Some("node-b")).is_empty());
         assert!(usage(&[slice()], &claims, "other.example.com", None).is_empty());
+    }
+
+    /// The series a plugin serves for claim `ns/name` on `device`.
+    fn series(
+        name: &str,
+        device: &str,
+        allocated: u64,
+        used: u64,
+        sm: Option<u32>,
+        last: u64,
+    ) -> String {
+        let l = format!(
+            r#"namespace="ns",claim="{name}",claim_namespace="ns",device="{device}",pool="node-a",uuid="U""#
+        );
+        let mut text = format!(
+            "gpu_dra_claim_memory_allocated_bytes{{{l}}} {allocated}\n\
+             gpu_dra_claim_memory_used_bytes{{{l},pod=\"p\",container=\"c\"}} {used}\n\
+             gpu_dra_claim_processes{{{l},pod=\"p\",container=\"c\"}} 1\n\
+             gpu_dra_claim_last_active_timestamp_seconds{{{l}}} {last}\n"
+        );
+        if let Some(sm) = sm {
+            text.push_str(&format!(
+                "gpu_dra_claim_sm_utilization_percent{{{l},pod=\"p\",container=\"c\"}} {sm}\n"
+            ));
+        }
+        text
+    }
+
+    #[test]
+    fn metrics_give_each_claim_its_use_and_the_cluster_its_summary() {
+        let claims = [
+            claim("train", "gpu-0", None, false),
+            claim("a", "gpu-1", Some("10Gi"), false),
+            claim("b", "gpu-1", Some("20Gi"), false),
+            claim("part", "gpu-2-mig-3g20gb-9-4", None, false),
+        ];
+        let mut rows = usage(&[slice()], &claims, "gpu.nvidia.com", None);
+        let now = 1_000_000;
+        let text = [
+            series("train", "gpu-0", 40 << 30, 30 << 30, Some(80), now - 5),
+            series("a", "gpu-1", 10 << 30, 2 << 30, Some(0), now - 7200),
+            series("b", "gpu-1", 20 << 30, 0, Some(0), now - 60),
+            // MIG: no SM figure.
+            series(
+                "part",
+                "gpu-2-mig-3g20gb-9-4",
+                20 << 30,
+                1 << 30,
+                None,
+                now - 10,
+            ),
+        ]
+        .concat();
+        let samples = crate::metrics_text::parse(&text, "gpu_dra_claim_");
+        with_metrics(&mut rows, &samples, now, 3600);
+        let use_of = |claim: &str| {
+            rows.iter()
+                .flat_map(|g| &g.holders)
+                .find(|h| h.claim == claim)
+                .and_then(|h| h.usage.clone())
+                .expect(claim)
+        };
+        let train = use_of("ns/train");
+        assert_eq!(
+            (
+                train.memory_allocated_bytes,
+                train.memory_used_bytes,
+                train.sm_utilization_percent,
+                train.processes,
+                train.idle
+            ),
+            (Some(40 << 30), Some(30 << 30), Some(80), 1, false)
+        );
+        let a = use_of("ns/a");
+        assert_eq!((a.idle, a.idle_seconds), (true, Some(7200)));
+        assert!(!use_of("ns/b").idle, "idle for less than the threshold");
+        assert_eq!(use_of("ns/part").sm_utilization_percent, None);
+
+        let s = summary(&rows, 3600);
+        assert_eq!(
+            (s.gpus, s.gpus_allocated, s.gpus_busy, s.idle_claims),
+            (4, 3, 3, 1)
+        );
+        assert_eq!(s.memory_allocated_bytes, (40 + 10 + 20 + 20) << 30);
+        assert_eq!(s.memory_used_bytes, (30 + 2 + 1) << 30);
+        let table = to_text(&rows);
+        assert!(
+            table.lines().any(|l| l.contains("ns/a")
+                && l.contains("10.0Gi")
+                && l.contains("2.0Gi")
+                && l.ends_with("idle 2h0m")),
+            "{table}"
+        );
+        assert!(
+            table
+                .lines()
+                .any(|l| l.contains("ns/train") && l.contains("80%") && l.ends_with("no")),
+            "{table}"
+        );
+        assert!(
+            summary_text(&s).starts_with("cluster: 4 GPUs, 3 allocated, 3 busy; memory allocated 90.0Gi, used 33.0Gi; 1 idle claims (idle after 1h0m)"),
+            "{}",
+            summary_text(&s)
+        );
+    }
+
+    #[test]
+    fn idle_thresholds_take_units() {
+        assert_eq!(parse_duration("90s"), Ok(90));
+        assert_eq!(parse_duration("30m"), Ok(1800));
+        assert_eq!(parse_duration("2d"), Ok(172_800));
+        assert_eq!(parse_duration("45"), Ok(45));
+        assert!(parse_duration("1w").is_err_and(|e| e.contains("use s, m, h or d")));
+        assert!(parse_duration("soon").is_err());
     }
 }

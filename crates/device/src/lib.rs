@@ -4,7 +4,8 @@
 //! [`GpuInventory`]; the node binary picks one at startup and nothing else knows which:
 //! [`fixture`] serves an inventory held in memory, and the health seam ([`health`]) carries what
 //! a backend observes about GPU health. [`names`] holds the naming rules every backend shares
-//! (MIG profile names, PCI bus IDs, brands). [`testing`] (feature `testing`) builds inventories
+//! (MIG profile names, PCI bus IDs, brands). [`usage`] is the seam for what devices are used for
+//! now (processes, memory, utilisation). [`testing`] (feature `testing`) builds inventories
 //! for tests and benchmarks. This
 //! crate does no I/O and links no NVML: the NVML backend lives in `gpu-dra-nvml`, so the pure
 //! crates that depend on the model (`gpu-dra-core`) stay free of hardware code (Cargo enforces
@@ -16,6 +17,7 @@ pub mod model;
 pub mod names;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;
+pub mod usage;
 
 pub use health::{HealthEvent, HealthObservation, HealthSource, InstanceId};
 pub use model::{

@@ -17,7 +17,7 @@
 //!   migration and NVIDIA import), [`cdi_io`] (CDI on the host), [`cdi_hook`] (the hook
 //!   binary our specs name), [`sharing`] (time-slicing and MPS), [`mig`] (dynamic MIG's
 //!   hardware seam).
-//! - Operations and tests: [`metrics`] and [`http`], [`failpoint`] (fault injection),
+//! - Operations and tests: [`metrics`] and [`http`], [`usage`] (per-claim GPU usage), [`failpoint`] (fault injection),
 //!   [`digest`], `testing` (behind the `testing` feature, never in the shipping binary: the
 //!   test doubles `MemoryClaims`, `ExclusiveOnly` and `FakeMig`, a DRA client as the kubelet
 //!   uses it, the driver builder, the plugin launcher and simulated host folders).
@@ -50,3 +50,4 @@ pub mod publish;
 pub mod sharing;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;
+pub mod usage;

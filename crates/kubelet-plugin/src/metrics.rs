@@ -2,7 +2,9 @@
 //!
 //! Ours: `gpu_dra_requests_total{op}`, `gpu_dra_request_errors_total{op}`,
 //! `gpu_dra_request_duration_seconds{op}` (per claim, failed ones included),
-//! `gpu_dra_requests_in_flight`, `gpu_dra_prepared_devices`; `op` is `prepare` or `unprepare`.
+//! `gpu_dra_requests_in_flight`, `gpu_dra_prepared_devices`; `op` is `prepare` or `unprepare`;
+//! the per-claim usage series `gpu_dra_claim_*` and the sampler's `gpu_dra_usage_*` (see
+//! [`crate::usage`]).
 //!
 //! NVIDIA's ([`NvidiaMetrics`]), under the names, labels and meaning NVIDIA's driver exports
 //! them, so that dashboards and alerts written for it work unchanged:
@@ -47,6 +49,8 @@ pub struct Metrics {
     pub prepared_devices: Gauge,
     /// Metrics of GPU sharing (MPS daemon restarts).
     pub sharing: crate::sharing::SharingMetrics,
+    /// Per-claim usage (`gpu_dra_claim_*`) and the sampler's own series (`gpu_dra_usage_*`).
+    pub usage: crate::usage::UsageMetrics,
     /// The series under NVIDIA's names.
     pub nvidia: NvidiaMetrics,
     /// The HTTP path the metrics are served at (`--metrics-path`); `None`: not served.
@@ -114,11 +118,14 @@ impl Metrics {
         );
         let sharing = crate::sharing::SharingMetrics::default();
         sharing.register(ours);
+        let usage = crate::usage::UsageMetrics::default();
+        usage.register(ours);
         let nvidia = NvidiaMetrics::default();
         nvidia.register(registry.sub_registry_with_prefix("nvidia_dra"));
         Metrics {
             registry,
             sharing,
+            usage,
             requests,
             errors,
             duration,

@@ -26,7 +26,7 @@
 //!
 //! Modules: [`sysfs`] (PCIe root and NUMA node of a GPU), [`health`] (the NVML health source:
 //! XID and ECC events, probes of each GPU), [`mig_ops`] (dynamic MIG's instance creation and
-//! destruction).
+//! destruction), [`usage`] (the processes on each device and what they use).
 //!
 //! The safe nvml-wrapper API lacks the GPU-instance calls (`nvmlDeviceGetGpuInstanceId`,
 //! `nvmlDeviceGetComputeInstanceId`, `nvmlDeviceGetGpuInstanceById`, `nvmlGpuInstanceGetInfo`)
@@ -47,6 +47,7 @@
 pub mod health;
 pub mod mig_ops;
 pub mod sysfs;
+pub mod usage;
 
 pub use mig_ops::{CreatedMig, MigInstance, MigOps, MigOpsError};
 

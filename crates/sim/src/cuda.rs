@@ -14,8 +14,18 @@
 //! server) it then fails with `cudaErrorDevicesUnavailable`, which is what this prints
 //! (exit 1). On a GPU in `DEFAULT` mode it runs without MPS and says so.
 //!
-//! `--hold-seconds <n>` keeps the client attached that long after it has printed (a program
-//! still running on its MPS server).
+//! `--seconds <n>` (formerly `--hold-seconds`) keeps the program running that long after it
+//! has printed (a program still computing; an MPS client stays attached).
+//!
+//! A load ([`Load`]: `--hold-memory <amount>`, `--sm-load <percent>`) makes it use its device
+//! as a computing program does: it runs on the first device it sees (the first MIG device of
+//! a GPU in MIG mode; its MPS server's device as an MPS client), holds that much device memory
+//! and keeps that share of the SMs busy, registered with the node so that NVML reports it
+//! ([`crate::processes`]), until it ends (after `--seconds`, or when killed if none is given).
+//! Within its limits, as CUDA enforces them: memory beyond the device's, or beyond an MPS
+//! client's pinned memory limit, fails with `cudaErrorMemoryAllocation` (exit 1); an MPS
+//! client's SM load is capped at its active thread percentage. Then it prints
+//! `running on <uuid>: holding <bytes> bytes, SM load <p>%`.
 //!
 //! Output, one fact per line: `GPU <i>: <uuid> (compute mode <mode>)` for each visible GPU,
 //! then either the daemon's reply (`MPS server <pid>`, `active thread percentage <p>`,
@@ -46,6 +56,9 @@ pub struct ClientEnv {
     /// `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT` (`<dev>=<limit>[,...]`): this client's pinned
     /// memory limits (can only lower the server's).
     pub pinned_mem_limit: Option<String>,
+    /// `CUDA_VISIBLE_DEVICES`: the devices CUDA may use, by GPU index or GPU or MIG UUID,
+    /// comma-separated (unset: all it sees).
+    pub visible_devices: Option<String>,
 }
 
 impl ClientEnv {
@@ -56,17 +69,139 @@ impl ClientEnv {
             pipe_dir: var("CUDA_MPS_PIPE_DIRECTORY").map(PathBuf::from),
             active_thread_percentage: var("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"),
             pinned_mem_limit: var("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"),
+            visible_devices: var("CUDA_VISIBLE_DEVICES"),
         }
     }
 }
 
+/// What CUDA prints when an allocation does not fit.
+pub const OUT_OF_MEMORY: &str = "CUDA error: out of memory (cudaErrorMemoryAllocation)";
+
+/// The use a program makes of its device (`--hold-memory`, `--sm-load`); the default is none.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Load {
+    /// Device memory to hold, in bytes.
+    pub memory_bytes: u64,
+    /// Percentage of the device's SMs to keep busy (0 to 100).
+    pub sm_percent: u32,
+    /// Where to register ([`crate::processes::register`]): the state folder as this process
+    /// sees it, and the process's `/dev/shm`.
+    pub state_dir: PathBuf,
+    /// The folder record files go to (`/dev/shm`).
+    pub shm_dir: PathBuf,
+}
+
+impl Load {
+    fn is_some(&self) -> bool {
+        self.memory_bytes > 0 || self.sm_percent > 0
+    }
+}
+
+const MIB: u64 = 1024 * 1024;
+
+/// The device a program runs on without MPS: the first visible GPU not in MIG mode, or the
+/// first visible MIG device of one in MIG mode, among those `CUDA_VISIBLE_DEVICES` names
+/// (`visible`); its UUID and memory in bytes.
+fn first_device(state: &State, visible: Option<&str>) -> Option<(String, u64)> {
+    let allowed = |index: usize, uuid: &str| {
+        visible.is_none_or(|list| {
+            list.split(',')
+                .map(str::trim)
+                .any(|v| v == uuid || v.parse::<usize>().ok() == Some(index))
+        })
+    };
+    state.profile.gpus.iter().enumerate().find_map(|(i, spec)| {
+        if state.gpus[i].mig_current {
+            let m = state
+                .mig_devices(i)
+                .into_iter()
+                .find(|m| allowed(usize::MAX, &m.ci.uuid) || allowed(i, &spec.uuid))?;
+            Some((m.ci.uuid.clone(), m.profile.memory_mib * MIB))
+        } else {
+            allowed(i, &spec.uuid).then(|| (spec.uuid.clone(), spec.memory_mib * MIB))
+        }
+    })
+}
+
+/// The device of an MPS client from its server's reply (`device 0 <uuid> pinned memory limit
+/// <limit>`) and that limit in bytes; the active thread percentage.
+fn mps_terms(reply: &str) -> (Option<(String, Option<u64>)>, Option<u32>) {
+    let mut device = None;
+    let mut pct = None;
+    for line in reply.lines() {
+        if let Some(p) = line.strip_prefix("active thread percentage ") {
+            pct = p.trim().parse::<f64>().ok().map(|p| p.ceil() as u32);
+        }
+        let words: Vec<&str> = line.split_whitespace().collect();
+        if device.is_none()
+            && let ["device", _, uuid, "pinned", "memory", "limit", limit] = words.as_slice()
+        {
+            let limit = super::mps::limit_mib(limit).map(|mib| mib * MIB);
+            device = Some(((*uuid).to_string(), limit));
+        }
+    }
+    (device, pct)
+}
+
+/// Starts using the device with `load` (see the module documentation); the registration lasts
+/// as long as the returned value. `Err` is the line CUDA would print.
+fn start_load(
+    state: &State,
+    env: &ClientEnv,
+    load: &Load,
+    mps_reply: Option<&str>,
+) -> Result<(crate::processes::Registration, String), String> {
+    let (mut uuid, mut room) =
+        first_device(state, env.visible_devices.as_deref()).ok_or_else(|| {
+            "CUDA error: no CUDA-capable device is detected (cudaErrorNoDevice)".to_string()
+        })?;
+    let mut sm = load.sm_percent.min(100);
+    if let Some(reply) = mps_reply {
+        let (device, pct) = mps_terms(reply);
+        if let Some((dev, limit)) = device {
+            if let Some(i) = state.gpu_by_uuid(&dev) {
+                room = state.profile.gpus[i].memory_mib * MIB;
+            }
+            if state.gpu_by_uuid(&dev).is_some() || state.mig_by_uuid(&dev).is_some() {
+                uuid = dev;
+            }
+            if let Some(limit) = limit {
+                room = room.min(limit);
+            }
+        }
+        if let Some(pct) = pct {
+            sm = sm.min(pct);
+        }
+    }
+    if load.memory_bytes > room {
+        return Err(OUT_OF_MEMORY.to_string());
+    }
+    let record = crate::processes::ProcessRecord {
+        state_dir: load.state_dir.clone(),
+        uuid: uuid.clone(),
+        used_bytes: load.memory_bytes,
+        sm_percent: sm,
+        mps: mps_reply.is_some(),
+    };
+    let reg = crate::processes::register(&record, &load.shm_dir)
+        .map_err(|e| format!("CUDA error: cannot create a context ({e})"))?;
+    Ok((
+        reg,
+        format!(
+            "running on {uuid}: holding {} bytes, SM load {sm}%\n",
+            load.memory_bytes
+        ),
+    ))
+}
+
 /// Runs the program: `state` is the simulator state as this process sees it (`None`: no
-/// simulated host, no GPUs), `env` its MPS client variables. With `hold`, a client that
-/// joined MPS stays attached that long after printing, as a program still computing does
-/// (`cuda-app --hold-seconds <n>`).
+/// simulated host, no GPUs), `env` its MPS client variables. With `hold`, it keeps running
+/// that long after printing, as a program still computing does (`cuda-app --seconds <n>`);
+/// with a `load` and no `hold`, until it is killed.
 pub fn run(
     state: Option<&State>,
     env: &ClientEnv,
+    load: &Load,
     hold: Option<std::time::Duration>,
     out: &mut dyn Write,
 ) -> i32 {
@@ -90,28 +225,49 @@ pub fn run(
     for (i, (uuid, mode)) in gpus.iter().enumerate() {
         let _ = writeln!(out, "GPU {i}: {uuid} (compute mode {})", mode.smi_name());
     }
-    match attach(env) {
+    let attached = attach(env);
+    let conn = match attached {
         Some((reply, conn)) => {
             let _ = out.write_all(reply.as_bytes());
-            let _ = out.flush();
-            if let Some(hold) = hold {
-                std::thread::sleep(hold);
-            }
-            drop(conn);
-            0
+            Some((reply, conn))
         }
         None if gpus
             .iter()
             .any(|(_, m)| *m == ComputeMode::ExclusiveProcess) =>
         {
             let _ = writeln!(out, "{DEVICES_UNAVAILABLE}");
-            1
+            return 1;
         }
         None => {
             let _ = writeln!(out, "MPS: not in use");
-            0
+            None
         }
+    };
+    let registration = match state.filter(|_| load.is_some()) {
+        Some(state) => match start_load(state, env, load, conn.as_ref().map(|(r, _)| r.as_str())) {
+            Ok((reg, line)) => {
+                let _ = out.write_all(line.as_bytes());
+                Some(reg)
+            }
+            Err(line) => {
+                let _ = writeln!(out, "{line}");
+                return 1;
+            }
+        },
+        None => None,
+    };
+    let _ = out.flush();
+    match (hold, &registration) {
+        (Some(hold), _) => std::thread::sleep(hold),
+        // A program under load computes until it is stopped.
+        (None, Some(_)) => loop {
+            std::thread::sleep(std::time::Duration::from_secs(3600));
+        },
+        (None, None) => {}
     }
+    drop(registration);
+    drop(conn);
+    0
 }
 
 /// Joins the daemon's server through `<pipe dir>/control`, sending the client's own limits;

@@ -6,7 +6,9 @@
 //!   function go-nvml binds as a `NOT_SUPPORTED` stub ([`unsupported`]);
 //! - stand-ins for `nvidia-smi` and `nvidia-cuda-mps-control` that speak the real tools'
 //!   command-line and stdin protocols ([`smi`], [`mps`]);
-//! - `cuda-app`, the stand-in for a CUDA program in a container ([`cuda`]);
+//! - `cuda-app`, the stand-in for a CUDA program in a container ([`cuda`]), which can hold
+//!   device memory and keep a share of the SMs busy, registered with the node as the kernel
+//!   driver would know it ([`processes`]) so that NVML reports it;
 //! - `gpu-sim`, which lays out a self-contained simulated host (libraries, tools, `/dev`,
 //!   `/proc` and `/sys` files, state file) under a directory ([`setup`], with the driver's
 //!   other user-space files from [`driverfiles`]) and injects GPU faults (XID, ECC, fallen off
@@ -29,6 +31,7 @@
 //! comment (clippy's `undocumented_unsafe_blocks`):
 //! - the NVML exports and their pointer and loader plumbing, whole modules: `src/ffi/init.rs`,
 //!   `src/ffi/device.rs`, `src/ffi/mig.rs`, `src/ffi/instances.rs`, `src/ffi/events.rs`,
+//!   `src/ffi/processes.rs`,
 //!   `src/ffi/library.rs` (`dladdr`), `src/ffi/pointers.rs`;
 //! - the `NOT_SUPPORTED` exports (`no_mangle`), the whole module: `src/unsupported.rs`;
 //! - one function, `make_fifo` (`mkfifo`), in `src/mps/daemon.rs`;
@@ -46,6 +49,7 @@ pub mod ffi;
 pub mod health;
 pub mod mig;
 pub mod mps;
+pub mod processes;
 pub mod profile;
 pub mod setup;
 pub mod smi;

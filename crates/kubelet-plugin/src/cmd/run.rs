@@ -188,6 +188,15 @@ pub struct RunArgs {
     /// the background, never failing a prepare.
     #[arg(long, env = "CLAIM_DEVICE_STATUS", default_value_t = true, action = clap::ArgAction::Set)]
     pub claim_device_status: bool,
+    /// Seconds between samples of what each prepared claim uses (processes, memory, SM
+    /// utilisation through NVML; exported as `gpu_dra_claim_*` metrics); 0: off. Attributing
+    /// processes to pods reads the host's `/proc` (`--proc-root`; the chart's `hostPID`).
+    #[arg(long, env = "USAGE_INTERVAL_SECONDS", default_value_t = 15)]
+    pub usage_interval_seconds: u64,
+    /// The procfs whose `<pid>/cgroup` files name the pods of GPU processes: the host's, which
+    /// is `/proc` in a pod with `hostPID`.
+    #[arg(long, env = "PROC_ROOT", default_value = "/proc")]
+    pub proc_root: PathBuf,
     /// Test only: read claims from this JSON file (array of ResourceClaims), not the API server.
     #[arg(long, env = "CLAIM_SOURCE_FILE", hide = true)]
     pub claim_source_file: Option<PathBuf>,
@@ -548,7 +557,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             boot_id,
         },
         inventory: live.clone(),
-        claims,
+        claims: claims.clone(),
         sharing: Arc::new(sharing.clone()),
         decoder: Arc::new(gpu_dra_core::plan::ApiDecoder),
         cdi,
@@ -660,9 +669,13 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             }
         })
     });
+    let usage_sampler = usage_sampler(&args, &backends, claims, &driver, &live, &metrics, &stop_rx);
     ready.store(true, Ordering::Relaxed);
     server.await.context("gRPC servers")??;
     cleanup.abort();
+    if let Some(sampler) = usage_sampler {
+        sampler.abort();
+    }
     let _ = publisher_stop.send(true);
     if let Some(publisher) = publisher {
         let _ = publisher.await;
@@ -679,6 +692,44 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     remove_quietly(&dra_path);
     info!("stopped");
     Ok(())
+}
+
+/// The usage sampler (see [`crate::usage`]): none when `--usage-interval-seconds` is 0 or
+/// without NVML (an inventory fixture).
+fn usage_sampler(
+    args: &RunArgs,
+    backends: &Backends,
+    claims: Arc<dyn ClaimSource>,
+    driver: &Arc<Driver>,
+    live: &Arc<LiveInventory>,
+    metrics: &Arc<Metrics>,
+    stop: &tokio::sync::watch::Receiver<bool>,
+) -> Option<tokio::task::JoinHandle<()>> {
+    if args.usage_interval_seconds == 0 {
+        info!("per-claim usage sampling is off (--usage-interval-seconds=0)");
+        return None;
+    }
+    let Some(library) = backends.library.clone() else {
+        info!("no NVML (inventory fixture): per-claim usage is not sampled");
+        return None;
+    };
+    let every = Duration::from_secs(args.usage_interval_seconds);
+    let sampler = crate::usage::Sampler::new(
+        Arc::new(gpu_dra_nvml::usage::NvmlUsage::new(library)),
+        claims,
+        args.proc_root.clone(),
+        every,
+    );
+    info!(interval_s = args.usage_interval_seconds, proc_root = %args.proc_root.display(), "sampling per-claim GPU usage");
+    let (driver, live) = (driver.clone(), live.clone());
+    Some(tokio::spawn(crate::usage::run(
+        sampler,
+        every,
+        move || driver.checkpoint(),
+        move || live.current(),
+        metrics.clone(),
+        stop.clone(),
+    )))
 }
 
 /// The writer of the claims' device status: none when `--claim-device-status=false` or

@@ -300,11 +300,13 @@ pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo(
 ) -> NvmlReturn {
     guard(|| {
         let st = state()?;
-        let total = memory_bytes(&st, &dev(&st, device)?);
+        let d = dev(&st, device)?;
+        let total = memory_bytes(&st, &d);
+        let used = super::processes::used_bytes(&st, &d)?.min(total);
         let m = Memory {
             total,
-            free: total,
-            used: 0,
+            free: total - used,
+            used,
         };
         // SAFETY: caller contract (out-parameter).
         unsafe { put(memory, m) }
@@ -322,7 +324,9 @@ pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo_v2(
 ) -> NvmlReturn {
     guard(|| {
         let st = state()?;
-        let total = memory_bytes(&st, &dev(&st, device)?);
+        let d = dev(&st, device)?;
+        let total = memory_bytes(&st, &d);
+        let used = super::processes::used_bytes(&st, &d)?.min(total);
         // SAFETY: caller contract (struct starts with its version field).
         let version = unsafe { get_version(memory.cast::<c_uint>()) }?;
         if version != MEMORY_V2 {
@@ -332,8 +336,8 @@ pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo_v2(
             version,
             total,
             reserved: 0,
-            free: total,
-            used: 0,
+            free: total - used,
+            used,
         };
         // SAFETY: caller contract (out-parameter).
         unsafe { put(memory, m) }

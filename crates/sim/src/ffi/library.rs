@@ -157,6 +157,20 @@ pub(super) fn state_file() -> Result<StateFile, NvmlReturn> {
     lib.file.clone().ok_or(ret::UNINITIALIZED)
 }
 
+/// The state folder (`etc/gpu-sim`) of the state file, while the library is initialised:
+/// what the processes of this node register with ([`crate::processes`]).
+pub(super) fn state_dir() -> Result<PathBuf, NvmlReturn> {
+    let lib = lock(&LIB);
+    if lib.refcount == 0 {
+        return Err(ret::UNINITIALIZED);
+    }
+    let file = lib.file.as_ref().ok_or(ret::UNINITIALIZED)?;
+    Ok(file
+        .path()
+        .parent()
+        .map_or_else(|| PathBuf::from("."), std::path::Path::to_path_buf))
+}
+
 /// The current state (re-read when the file changed).
 pub(super) fn state() -> Result<Arc<State>, NvmlReturn> {
     let mut lib = lock(&LIB);

@@ -22,7 +22,8 @@
 //!   against the current state);
 //! - exports: `init` (initialisation and system queries), `device` (enumeration and
 //!   identity), `mig` (compute mode and MIG queries), `instances` (creating and
-//!   destroying GPU and compute instances), [`events`] (health events and field values).
+//!   destroying GPU and compute instances), [`events`] (health events and field values),
+//!   `processes` (the processes on a device, their memory and utilisation).
 //!
 //! Every export is re-exported here, so `ffi::nvmlInit_v2` names it whichever file holds it.
 //! The plumbing modules `handles` and `resolve` and this one contain no `unsafe`; the
@@ -38,12 +39,14 @@ mod instances;
 mod library;
 mod mig;
 mod pointers;
+mod processes;
 mod resolve;
 
 pub use device::*;
 pub use init::*;
 pub use instances::*;
 pub use mig::*;
+pub use processes::*;
 
 /// `nvmlReturn_t`.
 pub type NvmlReturn = c_uint;

@@ -43,6 +43,12 @@ use crate::state::State;
 
 mod client;
 mod daemon;
+
+/// A pinned memory limit as the daemon prints it (`10G`, `512M`), in MiB.
+pub fn limit_mib(s: &str) -> Option<u64> {
+    protocol::parse_limit(s)
+}
+
 mod protocol;
 mod server;
 

@@ -1,0 +1,286 @@
+//! Tests of the usage module: cgroup parsing, attribution rules, series lifecycle.
+
+use super::*;
+use gpu_dra_core::checkpoint::{ClaimEntry, PreparedDevice};
+use gpu_dra_device::usage::ProcessUsage;
+
+const POD_A: &str = "0f1e2d3c-4b5a-4978-8695-a4b3c2d1e0f1";
+const POD_B: &str = "1a2b3c4d-5e6f-4a7b-8c9d-0e1f2a3b4c5d";
+
+fn device(uid: &str, name: &str, dev: &str, uuid: &str) -> ClaimDevice {
+    ClaimDevice {
+        claim_uid: uid.into(),
+        namespace: "ns".into(),
+        name: name.into(),
+        device: dev.into(),
+        pool: "node-a".into(),
+        uuid: uuid.into(),
+        strategy: String::new(),
+        share_bytes: None,
+        mig_profile: String::new(),
+        admin_access: false,
+    }
+}
+
+fn process(pid: u32, used: u64, sm: Option<u32>) -> ProcessUsage {
+    ProcessUsage {
+        pid,
+        used_bytes: Some(used),
+        sm_percent: sm,
+    }
+}
+
+fn sample(uuid: &str, processes: Vec<ProcessUsage>, util: Option<u32>) -> DeviceUsage {
+    DeviceUsage {
+        uuid: uuid.into(),
+        processes,
+        memory_total: Some(40 << 30),
+        memory_used: None,
+        utilization_percent: util,
+    }
+}
+
+fn owner(pod: &str, container: &str) -> Owner {
+    Owner {
+        pod_uid: pod.into(),
+        container: container.into(),
+    }
+}
+
+#[test]
+fn cgroups_of_every_driver_name_the_pod() {
+    let cases = [
+        (
+            "0::/kubepods/burstable/pod0f1e2d3c-4b5a-4978-8695-a4b3c2d1e0f1/4f9c0d0e8d1b2f",
+            Some(owner(POD_A, "")),
+        ),
+        (
+            "0::/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod0f1e2d3c_4b5a_4978_8695_a4b3c2d1e0f1.slice/cri-containerd-4f9c.scope",
+            Some(owner(POD_A, "")),
+        ),
+        (
+            "12:memory:/kubepods/pod0f1e2d3c-4b5a-4978-8695-a4b3c2d1e0f1/abc\n0::/",
+            Some(owner(POD_A, "")),
+        ),
+        (
+            "0::/1a2b3c4d-5e6f-4a7b-8c9d-0e1f2a3b4c5d_trainer",
+            Some(owner(POD_B, "trainer")),
+        ),
+        ("0::/user.slice/user-0.slice/session-1.scope", None),
+        ("0::/kubepods/podnot-a-uuid/abc", None),
+        ("", None),
+    ];
+    for (text, want) in cases {
+        assert_eq!(owner_from_cgroup(text), want, "{text}");
+    }
+}
+
+#[test]
+fn processes_go_to_the_claim_their_pod_is_reserved_for() {
+    // Two claims time-slice one GPU; a third holds a MIG device alone; a fourth is idle.
+    let devices = vec![
+        device("c1", "a", "gpu-4", "GPU-4"),
+        device("c2", "b", "gpu-4", "GPU-4"),
+        device("c3", "mig", "gpu-0-mig-1g5gb-9-0", "MIG-0"),
+        device("c4", "idle", "gpu-5", "GPU-5"),
+    ];
+    let samples = vec![
+        sample(
+            "GPU-4",
+            vec![
+                process(10, 2 << 30, Some(40)),
+                process(11, 1 << 30, Some(0)),
+                process(12, 5, Some(7)),
+            ],
+            Some(47),
+        ),
+        sample("MIG-0", vec![process(20, 3 << 30, None)], None),
+        sample("GPU-5", vec![], Some(0)),
+    ];
+    let owners = HashMap::from([
+        (10, owner(POD_A, "main")),
+        (11, owner(POD_B, "")),
+        // Pod of no claim on a shared device: nobody's.
+        (12, owner("9a2b3c4d-5e6f-4a7b-8c9d-0e1f2a3b4c5d", "")),
+    ]);
+    let pods = HashMap::from([
+        (
+            "c1".to_string(),
+            vec![PodRef {
+                name: "pa".into(),
+                uid: POD_A.into(),
+            }],
+        ),
+        (
+            "c2".to_string(),
+            vec![PodRef {
+                name: "pb".into(),
+                uid: POD_B.into(),
+            }],
+        ),
+    ]);
+    let got = attribute(&devices, &samples, &owners, &pods);
+    let by = |name: &str| got.iter().find(|u| u.device.name == name).expect(name);
+
+    let a = by("a");
+    assert_eq!(a.pods.len(), 1);
+    assert_eq!(
+        (a.pods[0].pod.as_str(), a.pods[0].container.as_str()),
+        ("pa", "main")
+    );
+    assert_eq!(
+        (a.pods[0].used_bytes, a.pods[0].sm_percent),
+        (Some(2 << 30), Some(40))
+    );
+    assert!(a.active);
+    assert_eq!(
+        a.device_utilization_percent, None,
+        "a shared GPU's utilisation is everyone's"
+    );
+    let b = by("b");
+    assert_eq!(
+        (b.pods[0].pod.as_str(), b.pods[0].used_bytes),
+        ("pb", Some(1 << 30))
+    );
+    assert!(!b.active, "a process with no SM activity is idle");
+
+    // Alone on its device, the process is the claim's though its pod is unknown.
+    let mig = by("mig");
+    assert_eq!((mig.pods[0].pod.as_str(), mig.pods[0].processes), ("", 1));
+    assert_eq!(mig.pods[0].sm_percent, None, "no per-process SM on MIG");
+    assert!(
+        mig.active,
+        "where SM activity is not exposed, a process counts"
+    );
+    assert_eq!(mig.allocated_bytes, Some(40 << 30));
+
+    let idle = by("idle");
+    assert!(!idle.active);
+    assert_eq!(idle.pods.len(), 1);
+    assert_eq!(
+        (
+            idle.pods[0].used_bytes,
+            idle.pods[0].sm_percent,
+            idle.pods[0].processes
+        ),
+        (Some(0), Some(0), 0)
+    );
+    assert_eq!(idle.device_utilization_percent, Some(0));
+}
+
+#[test]
+fn a_memory_share_allocates_the_share() {
+    let mut d = device("c1", "share", "gpu-1", "GPU-1");
+    d.share_bytes = Some(10 << 30);
+    let got = attribute(
+        &[d],
+        &[sample("GPU-1", vec![], Some(0))],
+        &HashMap::new(),
+        &HashMap::new(),
+    );
+    assert_eq!(got[0].allocated_bytes, Some(10 << 30));
+}
+
+fn prepared(uuid: &str) -> PreparedDevice {
+    PreparedDevice {
+        device: "gpu-4".into(),
+        pool: "node-a".into(),
+        request_names: Vec::new(),
+        cdi_device_ids: Vec::new(),
+        uuid: uuid.into(),
+        admin_access: false,
+        share_id: None,
+        memory_share_bytes: None,
+        sharing_strategy: Some("TimeSlicing".into()),
+        extra: Default::default(),
+    }
+}
+
+fn entry(devices: Vec<PreparedDevice>) -> ClaimEntry {
+    ClaimEntry {
+        state: PrepareState::PrepareCompleted,
+        namespace: "ns".into(),
+        name: "train".into(),
+        devices,
+        sharing: None,
+        boot_id: None,
+        imported: None,
+        dynamic_mig: Vec::new(),
+        extra: Default::default(),
+    }
+}
+
+/// A source that reports one fixed device.
+struct Fixed(Vec<DeviceUsage>);
+
+impl UsageSource for Fixed {
+    fn sample(
+        &self,
+        uuids: &[String],
+        _: Duration,
+    ) -> Result<Vec<DeviceUsage>, gpu_dra_device::DeviceError> {
+        Ok(self
+            .0
+            .iter()
+            .filter(|d| uuids.contains(&d.uuid))
+            .cloned()
+            .collect())
+    }
+}
+
+#[tokio::test]
+async fn series_exist_while_the_claim_is_prepared_and_go_with_it() {
+    let metrics = crate::metrics::Metrics::default();
+    let claims = Arc::new(crate::testing::MemoryClaims::default());
+    let source = Arc::new(Fixed(vec![sample(
+        "GPU-4",
+        vec![process(1, 3 << 30, Some(25))],
+        Some(25),
+    )]));
+    let mut sampler = Sampler::new(
+        source,
+        claims,
+        PathBuf::from("/nonexistent"),
+        Duration::from_secs(15),
+    );
+    let mut cp = Checkpoint::default();
+    cp.claims
+        .insert("c1".into(), entry(vec![prepared("GPU-4")]));
+    let inv = Inventory {
+        driver_version: String::new(),
+        cuda_driver_version: String::new(),
+        gpus: Vec::new(),
+        lost_gpus: Vec::new(),
+    };
+    let usage = sampler.sample(&cp, &inv, &metrics.usage).await;
+    assert_eq!(usage.len(), 1);
+    let text = metrics.render();
+    let labels = r#"namespace="ns",claim="train",claim_namespace="ns",device="gpu-4",pool="node-a",uuid="GPU-4""#;
+    for series in [
+        format!(
+            r#"gpu_dra_claim_info{{{labels},strategy="TimeSlicing",mig_profile="",share=""}} 1"#
+        ),
+        format!(
+            "gpu_dra_claim_memory_allocated_bytes{{{labels}}} {}",
+            40u64 << 30
+        ),
+        format!(
+            r#"gpu_dra_claim_memory_used_bytes{{{labels},pod="",container=""}} {}"#,
+            3u64 << 30
+        ),
+        format!(r#"gpu_dra_claim_sm_utilization_percent{{{labels},pod="",container=""}} 25"#),
+        format!(r#"gpu_dra_claim_processes{{{labels},pod="",container=""}} 1"#),
+        format!("gpu_dra_claim_device_utilization_percent{{{labels}}} 25"),
+        format!("gpu_dra_claim_last_active_timestamp_seconds{{{labels}}} "),
+        "gpu_dra_usage_samples_total 1".to_string(),
+    ] {
+        assert!(text.contains(&series), "{series} missing:\n{text}");
+    }
+    // Unprepared: every claim series is gone at the next sample.
+    cp.claims.clear();
+    sampler.sample(&cp, &inv, &metrics.usage).await;
+    let text = metrics.render();
+    for name in CLAIM_SERIES {
+        assert!(!text.contains(&format!("{name}{{")), "{name} left:\n{text}");
+    }
+}

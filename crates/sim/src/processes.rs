@@ -1,0 +1,264 @@
+//! Processes using the simulated GPUs: what the kernel driver knows of each CUDA context (its
+//! PID, the device it runs on, the memory it holds, the share of the SMs it keeps busy), which
+//! NVML reports through `nvmlDeviceGetComputeRunningProcesses`, `nvmlDeviceGetProcessUtilization`,
+//! `nvmlDeviceGetUtilizationRates` and `nvmlDeviceGetMemoryInfo`.
+//!
+//! The problem: a CUDA program runs in a container, which sees the node's state folder
+//! read-only and has PID and mount namespaces of its own, while NVML is asked from another
+//! namespace (the plugin's, the host's) and must answer with PIDs of that namespace. The
+//! kernel knows both; the simulator has no kernel part. So a program registers as the kernel
+//! would see it, through two things the kernel itself translates:
+//! - it writes a [`ProcessRecord`] into a file of its own `/dev/shm` (writable in every
+//!   container, private to it) and holds an exclusive `flock` on that file while it runs;
+//! - a reader lists `/proc/locks`, where the kernel shows each lock's holder with its PID in
+//!   the reader's PID namespace and the file's device and inode, and reads the record through
+//!   `/proc/<pid>/root/dev/shm`, matching the inode.
+//!
+//! Invariants: a record counts only while its lock is held, so a process that exits (or is
+//! killed) vanishes from the answers at once, whatever happens to its file; a record names the
+//! state folder its process uses, and a reader keeps only those whose folder is its own (the
+//! same directory, by device and inode, seen through the process's root), so several
+//! simulated nodes on one machine never see each other's processes.
+//!
+//! Alternatives rejected: records in the shared state file (containers mount it read-only,
+//! and a PID written by the process is of its own namespace); a registry daemon on a socket
+//! (a process that must run on every simulated node, for every test).
+
+use std::fs::File;
+use std::io::Write;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::SimError;
+
+/// Prefix of the record files in a process's `/dev/shm`.
+pub const RECORD_PREFIX: &str = "gpu-sim-process-";
+
+/// What a process using a GPU tells the simulated driver.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ProcessRecord {
+    /// The state folder (`etc/gpu-sim`) this process uses, as a path in its own mount
+    /// namespace (`/etc/gpu-sim` in a container).
+    pub state_dir: PathBuf,
+    /// The device it runs on: a GPU UUID, or a MIG device's UUID.
+    pub uuid: String,
+    /// Device memory it holds, in bytes.
+    pub used_bytes: u64,
+    /// Percentage of the device's SMs it keeps busy (0 to 100).
+    pub sm_percent: u32,
+    /// It runs as a client of an MPS server.
+    #[serde(default)]
+    pub mps: bool,
+}
+
+/// A registered process: its record file stays locked until this is dropped (or the process
+/// ends), and is removed on drop.
+#[derive(Debug)]
+pub struct Registration {
+    _file: File,
+    path: PathBuf,
+}
+
+impl Registration {
+    /// The record file.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl Drop for Registration {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+/// Registers this process with `record`, in `shm_dir` (`/dev/shm` for programs; a test may
+/// pick another folder of the same machine). The lock is taken before the record is written
+/// completely, so a reader that sees the lock may find a partial record: it skips it.
+pub fn register(record: &ProcessRecord, shm_dir: &Path) -> Result<Registration, SimError> {
+    let path = shm_dir.join(format!("{RECORD_PREFIX}{}.json", std::process::id()));
+    let io = |source| SimError::Io {
+        path: path.clone(),
+        source,
+    };
+    let mut file = File::create(&path).map_err(io)?;
+    file.lock().map_err(io)?;
+    let json = serde_json::to_vec(record).map_err(|e| SimError::InvalidArgument {
+        field: "process record".into(),
+        message: e.to_string(),
+    })?;
+    file.write_all(&json).map_err(io)?;
+    file.flush().map_err(io)?;
+    Ok(Registration { _file: file, path })
+}
+
+/// A process running on a device of this node, as a reader sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RunningProcess {
+    /// Its PID in the reader's PID namespace.
+    pub pid: u32,
+    /// What it registered.
+    pub record: ProcessRecord,
+}
+
+/// The processes registered with the state folder `state_dir` (a path of this process), read
+/// through the procfs at `proc_root` (`/proc`). Unreadable entries are skipped: a process may
+/// exit while it is being read.
+pub fn running(proc_root: &Path, state_dir: &Path) -> Vec<RunningProcess> {
+    let Ok(locks) = std::fs::read_to_string(proc_root.join("locks")) else {
+        return Vec::new();
+    };
+    running_with_locks(&locks, proc_root, state_dir)
+}
+
+/// [`running`] with the text of `/proc/locks` already read: a caller that asks often keeps
+/// the answer while that text is unchanged (the same holders of the same files; records do
+/// not change while their lock is held).
+pub fn running_with_locks(locks: &str, proc_root: &Path, state_dir: &Path) -> Vec<RunningProcess> {
+    let Ok(ours) = std::fs::metadata(state_dir) else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    for (pid, inode) in locks.lines().filter_map(parse_lock) {
+        let root = proc_root.join(pid.to_string()).join("root");
+        let Some(record) = record_with_inode(&root.join("dev/shm"), inode) else {
+            continue;
+        };
+        let theirs = root.join(
+            record
+                .state_dir
+                .strip_prefix("/")
+                .unwrap_or(&record.state_dir),
+        );
+        let same = std::fs::metadata(&theirs)
+            .is_ok_and(|m| m.dev() == ours.dev() && m.ino() == ours.ino());
+        if same {
+            out.push(RunningProcess { pid, record });
+        }
+    }
+    out.sort_by_key(|p| p.pid);
+    out.dedup_by_key(|p| p.pid);
+    out
+}
+
+/// The holder's PID and the file's inode of a held `flock` line of `/proc/locks`
+/// (`1: FLOCK  ADVISORY  WRITE 26577 00:1b:2 0 EOF`); waiters (`-> FLOCK ...`) and other
+/// lock kinds give `None`.
+fn parse_lock(line: &str) -> Option<(u32, u64)> {
+    let mut fields = line.split_whitespace();
+    let _id = fields.next()?;
+    if fields.next()? != "FLOCK" {
+        return None;
+    }
+    let _advisory = fields.next()?;
+    if fields.next()? != "WRITE" {
+        return None;
+    }
+    let pid = fields.next()?.parse().ok()?;
+    let inode = fields.next()?.rsplit(':').next()?.parse().ok()?;
+    Some((pid, inode))
+}
+
+/// The record in `dir` whose file has inode `inode`.
+fn record_with_inode(dir: &Path, inode: u64) -> Option<ProcessRecord> {
+    std::fs::read_dir(dir)
+        .ok()?
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().starts_with(RECORD_PREFIX))
+        .find(|e| e.metadata().is_ok_and(|m| m.ino() == inode))
+        .and_then(|e| std::fs::read(e.path()).ok())
+        .and_then(|bytes| serde_json::from_slice(&bytes).ok())
+}
+
+/// A memory amount as `cuda-app --hold-memory` takes it: bytes, or a number with a
+/// Kubernetes binary or decimal suffix (`512Mi`, `2Gi`, `1G`).
+pub fn parse_bytes(s: &str) -> Option<u64> {
+    let s = s.trim();
+    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let (num, suffix) = s.split_at(split);
+    let n: u64 = num.parse().ok()?;
+    let mult: u64 = match suffix {
+        "" => 1,
+        "Ki" => 1 << 10,
+        "Mi" => 1 << 20,
+        "Gi" => 1 << 30,
+        "Ti" => 1 << 40,
+        "k" => 1_000,
+        "M" => 1_000_000,
+        "G" => 1_000_000_000,
+        "T" => 1_000_000_000_000,
+        _ => return None,
+    };
+    n.checked_mul(mult)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lock_lines_give_holder_and_inode() {
+        assert_eq!(
+            parse_lock("1: FLOCK  ADVISORY  WRITE 26577 00:1b:2 0 EOF"),
+            Some((26577, 2))
+        );
+        assert_eq!(
+            parse_lock("2: FLOCK  ADVISORY  READ 26338 fe:00:10051587 0 EOF"),
+            None
+        );
+        assert_eq!(
+            parse_lock("3: POSIX  ADVISORY  WRITE 1 fe:00:7 0 EOF"),
+            None
+        );
+        assert_eq!(
+            parse_lock("1: -> FLOCK  ADVISORY  WRITE 9 00:1b:2 0 EOF"),
+            None
+        );
+    }
+
+    #[test]
+    fn memory_amounts_take_kubernetes_suffixes() {
+        assert_eq!(parse_bytes("2Gi"), Some(2 << 30));
+        assert_eq!(parse_bytes("512Mi"), Some(512 << 20));
+        assert_eq!(parse_bytes("1G"), Some(1_000_000_000));
+        assert_eq!(parse_bytes("4096"), Some(4096));
+        assert_eq!(parse_bytes("2 GB"), None);
+        assert_eq!(parse_bytes("Gi"), None);
+    }
+
+    #[test]
+    fn a_registered_process_is_seen_while_it_holds_its_record_and_only_by_its_node() {
+        let node = tempfile::tempdir().expect("tmp");
+        let other = tempfile::tempdir().expect("tmp");
+        // Records live in the process's /dev/shm, which the reader finds through
+        // /proc/<pid>/root: this process's is the machine's.
+        let shm = Path::new("/dev/shm");
+        let record = ProcessRecord {
+            state_dir: node.path().to_path_buf(),
+            uuid: "GPU-test".into(),
+            used_bytes: 3 << 30,
+            sm_percent: 40,
+            mps: false,
+        };
+        let reg = register(&record, shm).expect("register");
+        let seen = running(Path::new("/proc"), node.path());
+        assert_eq!(
+            seen,
+            vec![RunningProcess {
+                pid: std::process::id(),
+                record: record.clone()
+            }]
+        );
+        assert!(running(Path::new("/proc"), other.path()).is_empty());
+        let path = reg.path().to_path_buf();
+        drop(reg);
+        assert!(
+            !path.exists(),
+            "the record is removed with the registration"
+        );
+        assert!(running(Path::new("/proc"), node.path()).is_empty());
+    }
+}
