@@ -6,6 +6,8 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
+	"strings"
 	"sync"
 	"syscall"
 	"time"
@@ -26,7 +28,8 @@ type PluginOptions struct {
 	// Identity is the service account the plugin runs as (default: the
 	// driver's, see Cluster.Driver).
 	Identity *Identity
-	// ExtraArgs are appended to `gpu-kubelet-plugin run`.
+	// ExtraArgs are appended to `gpu-kubelet-plugin run`; one of them may be
+	// an --http-address, which then replaces the default (off).
 	ExtraArgs []string
 	// BootIDFile is read by the plugin instead of the kernel's boot ID
 	// (--boot-id-file), so a test can simulate a reboot (see Node.Reboot).
@@ -141,7 +144,6 @@ func (n *Node) StartPlugin(ctx context.Context, opts PluginOptions) (*PluginProc
 			"--driver-root=" + n.SimRoot(),
 			"--dev-root=" + n.SimRoot(),
 			"--sysfs-root=" + filepath.Join(n.SimRoot(), "sys"),
-			"--http-address=",
 			"--log-level=info",
 		}, opts.ExtraArgs...),
 		LogPath: filepath.Join(n.Dir, "plugin.log"),
@@ -149,6 +151,11 @@ func (n *Node) StartPlugin(ctx context.Context, opts PluginOptions) (*PluginProc
 	}
 	if opts.BootIDFile != "" {
 		p.Args = append(p.Args, "--boot-id-file="+opts.BootIDFile)
+	}
+	// No HTTP endpoint unless asked for: the plugin's default port would be
+	// one for all the nodes of this machine (and the flag may appear once).
+	if !slices.ContainsFunc(opts.ExtraArgs, func(a string) bool { return strings.HasPrefix(a, "--http-address") }) {
+		p.Args = append(p.Args, "--http-address=")
 	}
 	if err := p.start(); err != nil {
 		return nil, err
