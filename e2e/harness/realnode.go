@@ -908,3 +908,13 @@ func tail(path string, lines int) string {
 	}
 	return strings.Join(all, "\n")
 }
+
+// PodResourcesSocket is the socket of a real node's kubelet PodResources API
+// (the kubelet serves it under its root dir, pod-resources/kubelet.sock, as
+// dcgm-exporter and device monitoring agents read it); "" for other nodes.
+func (n *Node) PodResourcesSocket() string {
+	if n.real == nil {
+		return ""
+	}
+	return filepath.Join(n.real.kubeletRoot, "pod-resources", "kubelet.sock")
+}

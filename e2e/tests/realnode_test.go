@@ -5,15 +5,20 @@ import (
 	"context"
 	"fmt"
 	"regexp"
+	"sort"
 	"strings"
 	"testing"
 	"time"
 
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
 	v1 "k8s.io/api/core/v1"
+	resourceapi "k8s.io/api/resource/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/client-go/kubernetes/scheme"
 	"k8s.io/client-go/tools/remotecommand"
+	podresourcesv1 "k8s.io/kubelet/pkg/apis/podresources/v1"
 
 	"github.com/gpu-dra/e2e/harness"
 )
@@ -184,6 +189,174 @@ func TestRealKubeletRunsAClaimPod(t *testing.T) {
 	t.Logf("real node stopped in %s; whole test %s", time.Since(stopping).Round(time.Millisecond), time.Since(started).Round(time.Millisecond))
 	if left := n.RealNodeLeftovers(); len(left) > 0 {
 		t.Errorf("left behind by the stopped real node:\n%s", strings.Join(left, "\n"))
+	}
+}
+
+// realNodePod is a pod pinned to a real node (tolerating its taint) whose
+// one container runs command in the test image and uses claims.
+func realNodePod(ns, name, node string, command []string, claims map[string]string) *v1.Pod {
+	pod := &v1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns},
+		Spec: v1.PodSpec{
+			NodeSelector: map[string]string{"kubernetes.io/hostname": node},
+			Tolerations:  []v1.Toleration{{Key: realNodeTaint.Key, Operator: v1.TolerationOpExists, Effect: realNodeTaint.Effect}},
+			// The kube-root-ca.crt ConfigMap of the token volume is published
+			// by kube-controller-manager's root-ca-cert-publisher.
+			AutomountServiceAccountToken: new(false),
+			// sleep as PID 1 has no SIGTERM handler.
+			TerminationGracePeriodSeconds: new(int64(1)),
+			Containers:                    []v1.Container{{Name: "ctr", Image: harness.TestImageName, Command: command}},
+		},
+	}
+	names := keys(claims)
+	sort.Strings(names)
+	for _, ref := range names {
+		claim := claims[ref]
+		pod.Spec.ResourceClaims = append(pod.Spec.ResourceClaims, v1.PodResourceClaim{Name: ref, ResourceClaimName: &claim})
+		pod.Spec.Containers[0].Resources.Claims = append(pod.Spec.Containers[0].Resources.Claims, v1.ResourceClaim{Name: ref})
+	}
+	return pod
+}
+
+// TestRealKubeletPodResources reads the real kubelet's PodResources API (the
+// socket dcgm-exporter reads to put pod names on GPU metrics) for a running
+// pod with a whole-GPU claim and a static MIG claim, on a real node with a
+// simulated DGX A100 (MIG on four GPUs): Get and List name both claims with
+// our driver, the pool and device each was allocated, and CDI devices whose
+// specs are on the node; the pool and device names resolve through our
+// ResourceSlices to the GPU UUID and to the MIG device's UUID, parent UUID
+// and profile, as dcgm-exporter resolves them; the UUIDs are the ones the
+// container's nvidia-smi -L lists. The KubeletPodResourcesDynamicResources
+// and KubeletPodResourcesGet gates are GA and locked on since 1.36, so the
+// kubelet configuration needs nothing for them.
+func TestRealKubeletPodResources(t *testing.T) {
+	requirePlugins(t)
+	ctx := context.Background()
+	const nodeName = "real-a100"
+	n := addPluginNodeWith(ctx, t, harness.NodeOptions{Name: nodeName, RealKubelet: true, Taints: []v1.Taint{realNodeTaint}},
+		"dgx-a100-40gb", nil, nil)
+	var static resourceapi.Device
+	for _, d := range poolDevices(ctx, t, nodeName) {
+		if attrString(d, "type") == "mig" && attrString(d, "uuid") != "" && (static.Name == "" || d.Name < static.Name) {
+			static = d
+		}
+	}
+	if static.Name == "" {
+		t.Fatal("no static MIG device published")
+	}
+	ns := newNamespace(ctx, t, "podresources")
+	whole := gpuClaim(t, ns, "whole", 1, nil)
+	mig := pinnedClaim(ns, "mig", "mig.nvidia.com", attrString(static, "uuid"))
+	if _, err := cluster.Client.ResourceV1().ResourceClaims(ns).Create(ctx, whole, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	pod := realNodePod(ns, "metrics-target", nodeName, []string{"sh", "-c", "nvidia-smi -L; exec sleep 2147483647"},
+		map[string]string{"gpu": whole.Name, "mig": mig.Name})
+	runClaimPod(ctx, t, mig, pod)
+	t.Cleanup(func() { deletePod(ctx, t, pod) })
+
+	allocated := map[string]resourceapi.DeviceRequestAllocationResult{}
+	for _, name := range []string{whole.Name, mig.Name} {
+		c, err := cluster.Client.ResourceV1().ResourceClaims(ns).Get(ctx, name, metav1.GetOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if c.Status.Allocation == nil || len(c.Status.Allocation.Devices.Results) != 1 {
+			t.Fatalf("claim %s: allocation %+v, want one device", name, c.Status.Allocation)
+		}
+		allocated[name] = c.Status.Allocation.Devices.Results[0]
+	}
+
+	conn, err := grpc.NewClient("unix://"+n.PodResourcesSocket(), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	lister := podresourcesv1.NewPodResourcesListerClient(conn)
+	got, err := lister.Get(ctx, &podresourcesv1.GetPodResourcesRequest{PodName: pod.Name, PodNamespace: ns})
+	if err != nil {
+		t.Fatalf("PodResources Get %s/%s: %v", ns, pod.Name, err)
+	}
+	list, err := lister.List(ctx, &podresourcesv1.ListPodResourcesRequest{})
+	if err != nil {
+		t.Fatalf("PodResources List: %v", err)
+	}
+	var listed *podresourcesv1.PodResources
+	for _, p := range list.PodResources {
+		if p.Namespace == ns && p.Name == pod.Name {
+			listed = p
+		}
+	}
+	if listed == nil {
+		t.Fatalf("PodResources List has no %s/%s: %v", ns, pod.Name, list.PodResources)
+	}
+
+	logs := ""
+	if !eventually(ctx, 30*time.Second, func() bool {
+		raw, err := cluster.Client.CoreV1().Pods(ns).GetLogs(pod.Name, &v1.PodLogOptions{Container: "ctr"}).DoRaw(ctx)
+		logs = string(raw)
+		return err == nil && strings.Contains(logs, "UUID: MIG-")
+	}) {
+		t.Fatalf("container's nvidia-smi -L lists no MIG device: %q", logs)
+	}
+
+	node := cluster.Node(nodeName)
+	for what, res := range map[string]*podresourcesv1.PodResources{"Get": got.PodResources, "List": listed} {
+		if len(res.Containers) != 1 || res.Containers[0].Name != "ctr" {
+			t.Errorf("%s: containers %v, want [ctr]", what, res.Containers)
+			continue
+		}
+		t.Logf("PodResources %s: %v", what, res.Containers[0].DynamicResources)
+		seen := map[string]bool{}
+		for _, dr := range res.Containers[0].DynamicResources {
+			want, ok := allocated[dr.ClaimName]
+			if !ok || dr.ClaimNamespace != ns {
+				t.Errorf("%s: dynamic resource of claim %s/%s, not one of the pod's", what, dr.ClaimNamespace, dr.ClaimName)
+				continue
+			}
+			seen[dr.ClaimName] = true
+			if len(dr.ClaimResources) != 1 {
+				t.Errorf("%s: claim %s has %d resources, want 1: %v", what, dr.ClaimName, len(dr.ClaimResources), dr.ClaimResources)
+				continue
+			}
+			cr := dr.ClaimResources[0]
+			if cr.DriverName != harness.DefaultDriver || cr.PoolName != want.Pool || cr.DeviceName != want.Device {
+				t.Errorf("%s: claim %s is %s/%s/%s, allocated %s/%s/%s", what, dr.ClaimName,
+					cr.DriverName, cr.PoolName, cr.DeviceName, want.Driver, want.Pool, want.Device)
+				continue
+			}
+			if len(cr.CdiDevices) == 0 {
+				t.Errorf("%s: claim %s has no CDI devices", what, dr.ClaimName)
+			}
+			for _, cdi := range cr.CdiDevices {
+				if _, err := harness.ResolveCDI(node.CDIRoot, cdi.Name); err != nil {
+					t.Errorf("%s: claim %s CDI device %s: %v", what, dr.ClaimName, cdi.Name, err)
+				}
+			}
+			// What dcgm-exporter does with them: the device of the slice
+			// named by pool and device carries the identity NVML reports.
+			d := sliceDevice(ctx, t, cr.PoolName, cr.DeviceName)
+			uuid := attrString(d, "uuid")
+			if uuid == "" || !strings.Contains(logs, "(UUID: "+uuid+")") {
+				t.Errorf("%s: claim %s resolves to device %s with uuid %q, not one the container lists:\n%s", what, dr.ClaimName, d.Name, uuid, logs)
+			}
+			switch dr.ClaimName {
+			case whole.Name:
+				if attrString(d, "type") != "gpu" || !strings.HasPrefix(uuid, "GPU-") {
+					t.Errorf("%s: claim %s resolves to %s (type %q, uuid %q), want a whole GPU", what, dr.ClaimName, d.Name, attrString(d, "type"), uuid)
+				}
+			case mig.Name:
+				parent, profile := attrString(d, "parentUUID"), attrString(d, "profile")
+				if uuid != attrString(static, "uuid") || !strings.HasPrefix(uuid, "MIG-") || profile != attrString(static, "profile") ||
+					parent == "" || !strings.Contains(logs, "(UUID: "+parent+")") {
+					t.Errorf("%s: claim %s resolves to %s: uuid %q parentUUID %q profile %q; pinned %s (profile %q); container lists:\n%s",
+						what, dr.ClaimName, d.Name, uuid, parent, profile, attrString(static, "uuid"), attrString(static, "profile"), logs)
+				}
+			}
+		}
+		if len(seen) != len(allocated) {
+			t.Errorf("%s: dynamic resources of claims %v, want %v: %v", what, keys(seen), keys(allocated), res.Containers[0].DynamicResources)
+		}
 	}
 }
 
