@@ -59,7 +59,6 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 	v1 "k8s.io/api/core/v1"
-	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/client-go/tools/clientcmd"
@@ -589,9 +588,8 @@ func freePortOn(ip net.IP) (int, error) {
 }
 
 // waitReady waits until the kubelet registered the Node and reports it
-// Ready, then lifts the not-ready taint that admission put on the new Node
-// (kube-controller-manager's node lifecycle controller does that on a
-// cluster; the control plane here does not run it yet).
+// Ready, and kube-controller-manager's node lifecycle controller lifted the
+// not-ready taint that admission put on the new Node.
 func (r *realNode) waitReady(ctx context.Context) error {
 	nodes := r.n.cluster.Client.CoreV1().Nodes()
 	var last string
@@ -604,32 +602,20 @@ func (r *realNode) waitReady(ctx context.Context) error {
 			last = err.Error()
 			return false, nil
 		}
+		ready := false
 		for _, cond := range node.Status.Conditions {
 			if cond.Type == v1.NodeReady {
 				last = fmt.Sprintf("Ready=%s %s: %s", cond.Status, cond.Reason, cond.Message)
-				if cond.Status != v1.ConditionTrue {
-					return false, nil
-				}
+				ready = cond.Status == v1.ConditionTrue
 			}
 		}
-		if last == "" {
-			return false, nil
-		}
-		var kept []v1.Taint
 		for _, t := range node.Spec.Taints {
-			if t.Key != v1.TaintNodeNotReady {
-				kept = append(kept, t)
+			if t.Key == v1.TaintNodeNotReady {
+				last += "; taint " + t.ToString()
+				return false, nil
 			}
 		}
-		if len(kept) == len(node.Spec.Taints) {
-			return true, nil
-		}
-		node.Spec.Taints = kept
-		_, err = nodes.Update(ctx, node, metav1.UpdateOptions{})
-		if err != nil && !apierrors.IsConflict(err) {
-			return false, err
-		}
-		return false, nil
+		return ready, nil
 	})
 	if err != nil {
 		return fmt.Errorf("node %s not ready: %w (last: %s); kubelet log:\n%s", r.n.Name, err, last,

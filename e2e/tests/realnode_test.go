@@ -82,10 +82,6 @@ func TestRealKubeletRunsAClaimPod(t *testing.T) {
 		Spec: v1.PodSpec{
 			NodeSelector: map[string]string{"kubernetes.io/hostname": nodeName},
 			Tolerations:  []v1.Toleration{{Key: realNodeTaint.Key, Operator: v1.TolerationOpExists, Effect: realNodeTaint.Effect}},
-			// The kube-root-ca.crt ConfigMap of the token volume is published
-			// by kube-controller-manager's root-ca-cert-publisher, which this
-			// control plane does not run yet.
-			AutomountServiceAccountToken: new(false),
 			// The container ignores SIGTERM (sleep as PID 1 has no handler).
 			TerminationGracePeriodSeconds: new(int64(1)),
 			Containers: []v1.Container{{
@@ -157,6 +153,13 @@ func TestRealKubeletRunsAClaimPod(t *testing.T) {
 		t.Errorf("container /dev has GPU nodes %v (want one) and lacks nvidiactl or nvidia-uvm? /dev: %s", gpuNodes, devs)
 	}
 
+	// The service account token volume: its CA is the kube-root-ca.crt
+	// ConfigMap that kube-controller-manager's root-ca-cert-publisher
+	// writes into every namespace.
+	ca, err := podExec(ctx, ns, pod.Name, "ctr", "cat", "/var/run/secrets/kubernetes.io/serviceaccount/ca.crt")
+	if err != nil || strings.TrimSpace(ca) != strings.TrimSpace(string(cluster.CA.CertPEM)) {
+		t.Errorf("service account token volume's ca.crt is not the cluster CA (err %v): %q", err, ca)
+	}
 	if files := claimSpecFiles(t, nodeName, string(allocated.UID)); len(files) == 0 {
 		t.Errorf("no CDI spec of claim %s on the node while its pod runs", allocated.UID)
 	}
@@ -200,9 +203,6 @@ func realNodePod(ns, name, node string, command []string, claims map[string]stri
 		Spec: v1.PodSpec{
 			NodeSelector: map[string]string{"kubernetes.io/hostname": node},
 			Tolerations:  []v1.Toleration{{Key: realNodeTaint.Key, Operator: v1.TolerationOpExists, Effect: realNodeTaint.Effect}},
-			// The kube-root-ca.crt ConfigMap of the token volume is published
-			// by kube-controller-manager's root-ca-cert-publisher.
-			AutomountServiceAccountToken: new(false),
 			// sleep as PID 1 has no SIGTERM handler.
 			TerminationGracePeriodSeconds: new(int64(1)),
 			Containers:                    []v1.Container{{Name: "ctr", Image: harness.TestImageName, Command: command}},
