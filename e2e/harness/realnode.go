@@ -541,7 +541,10 @@ func (r *realNode) startKubelet(ctx context.Context, tools nodeTools) error {
 		"imageGCLowThresholdPercent":    99,
 		"localStorageCapacityIsolation": false,
 		"nodeStatusReportFrequency":     "10s",
-		"serializeImagePulls":           false,
+		// The kubelet's restart back-off (10 s, doubling) capped at 2 s:
+		// a test watching restarts sees them within seconds.
+		"crashLoopBackOff":    map[string]any{"maxContainerRestartPeriod": "2s"},
+		"serializeImagePulls": false,
 	}
 	data, err := yaml.Marshal(config)
 	if err != nil {

@@ -12,6 +12,7 @@ import (
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
+	appsv1 "k8s.io/api/apps/v1"
 	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -384,4 +385,153 @@ func lastLines(s string, n int) string {
 		lines = lines[len(lines)-n:]
 	}
 	return strings.Join(lines, "\n")
+}
+
+// TestRealKubeletWorkloads is what a user does with a cluster, on a real
+// node with a simulated DGX H100 (8 GPUs): a Deployment of 2 replicas whose
+// pods each get a GPU from a ResourceClaimTemplate becomes Available (the
+// Deployment and ReplicaSet controllers of kube-controller-manager, the
+// kubelet's readiness), scales to 3 and back to 2 (the pod that goes has its
+// generated claim deleted and its CDI spec removed); a pod with
+// restartPolicy Always whose container exits is restarted by the kubelet
+// (restartCount grows, the last exit is in lastState); the kubelet's events
+// for these pods are in the API, as `kubectl get events` lists them.
+func TestRealKubeletWorkloads(t *testing.T) {
+	requirePlugins(t)
+	ctx := context.Background()
+	const nodeName = "real-h100"
+	addPluginNodeWith(ctx, t, harness.NodeOptions{Name: nodeName, RealKubelet: true, Taints: []v1.Taint{realNodeTaint}},
+		"dgx-h100", nil, nil)
+	ns := newNamespace(ctx, t, "real-workloads")
+
+	template := &resourceapi.ResourceClaimTemplate{
+		ObjectMeta: metav1.ObjectMeta{Name: "one-gpu", Namespace: ns},
+		Spec:       resourceapi.ResourceClaimTemplateSpec{Spec: gpuClaim(t, ns, "", 1, nil).Spec},
+	}
+	if _, err := cluster.Client.ResourceV1().ResourceClaimTemplates(ns).Create(ctx, template, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	podSpec := realNodePod(ns, "", nodeName, nil, nil).Spec
+	podSpec.ResourceClaims = []v1.PodResourceClaim{{Name: "gpu", ResourceClaimTemplateName: &template.Name}}
+	podSpec.Containers[0].Resources.Claims = []v1.ResourceClaim{{Name: "gpu"}}
+	labels := map[string]string{"app": "gpu-workers"}
+	deploy := &appsv1.Deployment{
+		ObjectMeta: metav1.ObjectMeta{Name: "gpu-workers", Namespace: ns},
+		Spec: appsv1.DeploymentSpec{
+			Replicas: new(int32(2)),
+			Selector: &metav1.LabelSelector{MatchLabels: labels},
+			Template: v1.PodTemplateSpec{ObjectMeta: metav1.ObjectMeta{Labels: labels}, Spec: podSpec},
+		},
+	}
+	deployments := cluster.Client.AppsV1().Deployments(ns)
+	if _, err := deployments.Create(ctx, deploy, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	started := time.Now()
+	// available waits until the Deployment has exactly n available replicas
+	// and n pods, each with its own allocated claim, and returns the claims.
+	available := func(n int32) []resourceapi.ResourceClaim {
+		t.Helper()
+		var last string
+		var claims []resourceapi.ResourceClaim
+		ok := eventually(ctx, 90*time.Second, func() bool {
+			d, err := deployments.Get(ctx, deploy.Name, metav1.GetOptions{})
+			if err != nil {
+				last = err.Error()
+				return false
+			}
+			pods, err := cluster.Client.CoreV1().Pods(ns).List(ctx, metav1.ListOptions{LabelSelector: "app=gpu-workers"})
+			if err != nil {
+				return false
+			}
+			list, err := cluster.Client.ResourceV1().ResourceClaims(ns).List(ctx, metav1.ListOptions{})
+			if err != nil {
+				return false
+			}
+			claims = list.Items
+			last = fmt.Sprintf("replicas %d, available %d, ready %d, pods %d, claims %d; conditions %v",
+				d.Status.Replicas, d.Status.AvailableReplicas, d.Status.ReadyReplicas, len(pods.Items), len(claims), d.Status.Conditions)
+			allocated := 0
+			for _, c := range claims {
+				if c.Status.Allocation != nil {
+					allocated++
+				}
+			}
+			return d.Status.AvailableReplicas == n && d.Status.Replicas == n && len(pods.Items) == int(n) &&
+				len(claims) == int(n) && allocated == int(n)
+		})
+		if !ok {
+			t.Fatalf("Deployment not at %d available replicas: %s", n, last)
+		}
+		return claims
+	}
+	available(2)
+	t.Logf("Deployment of 2 available after %s", time.Since(started).Round(time.Millisecond))
+	scale := func(n int32) {
+		t.Helper()
+		s, err := deployments.GetScale(ctx, deploy.Name, metav1.GetOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		s.Spec.Replicas = n
+		if _, err := deployments.UpdateScale(ctx, deploy.Name, s, metav1.UpdateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	scale(3)
+	three := available(3)
+	scale(2)
+	two := available(2)
+	kept := map[string]bool{}
+	for _, c := range two {
+		kept[string(c.UID)] = true
+	}
+	for _, c := range three {
+		if !kept[string(c.UID)] {
+			if !eventually(ctx, 30*time.Second, func() bool { return len(claimSpecFiles(t, nodeName, string(c.UID))) == 0 }) {
+				t.Errorf("CDI spec of the removed replica's claim %s still there: %v", c.Name, claimSpecFiles(t, nodeName, string(c.UID)))
+			}
+		}
+	}
+	t.Logf("scaled to 3 and back to 2 after %s", time.Since(started).Round(time.Millisecond))
+
+	// restartPolicy Always: the kubelet starts the exited container again.
+	crash := realNodePod(ns, "crash", nodeName, []string{"sh", "-c", "echo run; sleep 1; exit 3"}, nil)
+	if _, err := cluster.Client.CoreV1().Pods(ns).Create(ctx, crash, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	var st v1.ContainerStatus
+	if !eventually(ctx, 60*time.Second, func() bool {
+		p, err := cluster.Client.CoreV1().Pods(ns).Get(ctx, crash.Name, metav1.GetOptions{})
+		if err != nil || len(p.Status.ContainerStatuses) != 1 {
+			return false
+		}
+		st = p.Status.ContainerStatuses[0]
+		return p.Status.Phase == v1.PodRunning && st.RestartCount >= 2
+	}) {
+		t.Fatalf("container not restarted twice: %+v", st)
+	}
+	if last := st.LastTerminationState.Terminated; last == nil || last.ExitCode != 3 {
+		t.Errorf("lastState %+v, want terminated with exit code 3", st.LastTerminationState)
+	}
+	t.Logf("restartCount %d after %s", st.RestartCount, time.Since(started).Round(time.Millisecond))
+
+	// kubectl get events: the kubelet's events for the crashing pod.
+	reasons := map[string]bool{}
+	if !eventually(ctx, 30*time.Second, func() bool {
+		events, err := cluster.Client.CoreV1().Events(ns).List(ctx, metav1.ListOptions{
+			FieldSelector: "involvedObject.name=" + crash.Name + ",source=kubelet",
+		})
+		if err != nil {
+			return false
+		}
+		for _, e := range events.Items {
+			if e.Source.Host == nodeName {
+				reasons[e.Reason] = true
+			}
+		}
+		return reasons["Started"] && reasons["BackOff"] && (reasons["Pulled"] || reasons["Created"])
+	}) {
+		t.Errorf("kubelet events for pod %s: reasons %v, want Started, BackOff and Pulled or Created", crash.Name, keys(reasons))
+	}
 }
