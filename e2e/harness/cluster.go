@@ -85,12 +85,13 @@ type Cluster struct {
 	logFile   *os.File
 	ownsKlog  bool
 
-	mu      sync.Mutex
-	nodes   map[string]*Node
-	driver  *Driver
-	nodeSeq int
-	stops   []func()
-	wg      sync.WaitGroup
+	mu            sync.Mutex
+	imageRegistry *imageRegistry // registry.go; nil until a real node needs it
+	nodes         map[string]*Node
+	driver        *Driver
+	nodeSeq       int
+	stops         []func()
+	wg            sync.WaitGroup
 }
 
 // Start brings up etcd, kube-apiserver, kube-scheduler and

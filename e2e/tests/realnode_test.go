@@ -535,3 +535,95 @@ func TestRealKubeletWorkloads(t *testing.T) {
 		t.Errorf("kubelet events for pod %s: reasons %v, want Started, BackOff and Pulled or Created", crash.Name, keys(reasons))
 	}
 }
+
+// TestRealNodeImageCatalogue runs pods of the real nodes' image catalogue
+// (harness/nodeimages.go) on a real node with a simulated T4, pulled by the
+// kubelet from the cluster's registry under tags nothing here names: Ubuntu
+// and Debian run bash, busybox has none (as the real images), a CUDA image
+// has the real image's environment, a CUDA sample's /tmp/sample (the
+// simulated CUDA program) finds the claimed GPU; an image outside the
+// catalogue fails with ErrImagePull.
+func TestRealNodeImageCatalogue(t *testing.T) {
+	requirePlugins(t)
+	ctx := context.Background()
+	const nodeName = "real-images"
+	addPluginNodeWith(ctx, t, harness.NodeOptions{Name: nodeName, RealKubelet: true, Taints: []v1.Taint{realNodeTaint}},
+		"t4", nil, nil)
+	ns := newNamespace(ctx, t, "real-images")
+	claim := gpuClaim(t, ns, "gpu", 1, nil)
+	if _, err := cluster.Client.ResourceV1().ResourceClaims(ns).Create(ctx, claim, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	const hold = "; exec sleep 2147483647"
+	cases := []struct {
+		name, image string
+		command     []string
+		claims      map[string]string
+		want        []string // lines the log must have
+	}{
+		{"ubuntu", "ubuntu:24.04", []string{"bash", "-c", `echo "bash ${BASH_VERSION%%.*}"` + hold}, nil, []string{"bash 5"}},
+		{"debian", "debian:bookworm-slim", []string{"bash", "-c", `echo "bash ${BASH_VERSION%%.*}"` + hold}, nil, []string{"bash 5"}},
+		{"busybox", "busybox:1.37", []string{"sh", "-c", "command -v bash || echo no bash" + hold}, nil, []string{"no bash"}},
+		{"cuda", "nvcr.io/nvidia/cuda:12.4.1-base-ubuntu22.04", []string{"bash", "-c", `echo "$NVIDIA_VISIBLE_DEVICES $NVIDIA_DRIVER_CAPABILITIES $CUDA_VERSION"` + hold},
+			nil, []string{"all compute,utility 12.0.0"}},
+		{"sample", "nvcr.io/nvidia/k8s/cuda-sample:vectoradd-cuda12.5.0", nil, map[string]string{"gpu": claim.Name}, nil},
+	}
+	for _, tc := range cases {
+		pod := realNodePod(ns, tc.name, nodeName, tc.command, tc.claims)
+		pod.Spec.Containers[0].Image = tc.image
+		pod.Spec.RestartPolicy = v1.RestartPolicyNever
+		if _, err := cluster.Client.CoreV1().Pods(ns).Create(ctx, pod, metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	unknown := realNodePod(ns, "unknown", nodeName, nil, nil)
+	unknown.Spec.Containers[0].Image = "quay.io/e2e/not-in-the-catalogue:1"
+	if _, err := cluster.Client.CoreV1().Pods(ns).Create(ctx, unknown, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+
+	for _, tc := range cases {
+		var logs string
+		if !eventually(ctx, 60*time.Second, func() bool {
+			raw, err := cluster.Client.CoreV1().Pods(ns).GetLogs(tc.name, &v1.PodLogOptions{}).DoRaw(ctx)
+			logs = string(raw)
+			if err != nil || logs == "" {
+				return false
+			}
+			for _, w := range tc.want {
+				if !strings.Contains(logs, w+"\n") {
+					return false
+				}
+			}
+			return true
+		}) {
+			p, _ := cluster.Client.CoreV1().Pods(ns).Get(ctx, tc.name, metav1.GetOptions{})
+			t.Errorf("%s (%s): log %q, want lines %q; %s", tc.name, tc.image, logs, tc.want, harness.PodProblem(p))
+			continue
+		}
+		if tc.name == "sample" {
+			got, err := cluster.Client.ResourceV1().ResourceClaims(ns).Get(ctx, claim.Name, metav1.GetOptions{})
+			if err != nil || got.Status.Allocation == nil || len(got.Status.Allocation.Devices.Results) != 1 {
+				t.Fatalf("claim %s not allocated: %v", claim.Name, err)
+			}
+			res := got.Status.Allocation.Devices.Results[0]
+			uuid := attrString(sliceDevice(ctx, t, res.Pool, res.Device), "uuid")
+			if !strings.Contains(logs, uuid) {
+				t.Errorf("/tmp/sample of the CUDA sample image does not see the claimed GPU %s: %q", uuid, logs)
+			}
+		}
+	}
+	var state v1.ContainerState
+	if !eventually(ctx, 60*time.Second, func() bool {
+		p, err := cluster.Client.CoreV1().Pods(ns).Get(ctx, unknown.Name, metav1.GetOptions{})
+		if err != nil || len(p.Status.ContainerStatuses) != 1 {
+			return false
+		}
+		state = p.Status.ContainerStatuses[0].State
+		return state.Waiting != nil && (state.Waiting.Reason == "ErrImagePull" || state.Waiting.Reason == "ImagePullBackOff")
+	}) {
+		t.Errorf("pod of an image outside the catalogue: state %+v, want waiting with ErrImagePull", state)
+	} else {
+		t.Logf("image outside the catalogue: %s: %s", state.Waiting.Reason, state.Waiting.Message)
+	}
+}
