@@ -47,7 +47,8 @@ E2E_ENV = E2E_REPO_ROOT=$(CURDIR) E2E_BIN_DIR=$(CURDIR)/target/debug E2E_TEST_IM
 e2e-tools: $(HELM) ## helm from the Go module proxy into .tools/bin (e2e and demo install the chart with it)
 
 e2e-kubectl: ## optional: kubectl of the pinned Kubernetes release into .tools/bin
-	cd e2e && GOBIN=$(TOOLS)/bin $(GO) install k8s.io/kubernetes/cmd/kubectl
+	cd e2e && v=$$($(GO) list -m -f '{{.Version}}' k8s.io/kubernetes) && $(K8S_VERSION_FLAGS) && \
+		GOBIN=$(TOOLS)/bin $(GO) install -ldflags "$$flags" k8s.io/kubernetes/cmd/kubectl
 
 e2e-build: ## compile the e2e harness, demo, benchmark and tests without running them
 	cd e2e && $(GO) build ./... && $(GO) test -count=1 -run '^$$' ./... >/dev/null
@@ -73,13 +74,16 @@ NODE_TOOLS := $(TOOLS)/bin/kubelet $(TOOLS)/bin/containerd
 
 e2e-node-tools: $(NODE_TOOLS) ## the real nodes' kubelet (the control plane's release) and containerd, shim, ctr into .tools/bin
 
-# The version flags a release build sets: the Node then reports the release as its kubelet version.
+# The version flags a release build sets (shell: $$v is the release, sets $$flags): the Node then
+# reports the release as its kubelet version, and `kubectl version` its client version.
+K8S_VERSION_FLAGS = minor=$${v\#v*.} && flags="-X k8s.io/component-base/version.gitVersion=$$v \
+	-X k8s.io/component-base/version.gitMajor=$$(echo $$v | cut -d. -f1 | tr -d v) \
+	-X k8s.io/component-base/version.gitMinor=$${minor%%.*} \
+	-X k8s.io/component-base/version.gitTreeState=clean"
+
 $(TOOLS)/bin/kubelet: e2e/nodetools/go.mod e2e/nodetools/go.sum
-	cd e2e/nodetools && v=$$($(GO) list -m -f '{{.Version}}' k8s.io/kubernetes) && minor=$${v#v*.} && \
-		$(GO) build -o $@ -ldflags "-X k8s.io/component-base/version.gitVersion=$$v \
-			-X k8s.io/component-base/version.gitMajor=$$(echo $$v | cut -d. -f1 | tr -d v) \
-			-X k8s.io/component-base/version.gitMinor=$${minor%%.*} \
-			-X k8s.io/component-base/version.gitTreeState=clean" k8s.io/kubernetes/cmd/kubelet
+	cd e2e/nodetools && v=$$($(GO) list -m -f '{{.Version}}' k8s.io/kubernetes) && $(K8S_VERSION_FLAGS) && \
+		$(GO) build -o $@ -ldflags "$$flags" k8s.io/kubernetes/cmd/kubelet
 
 $(TOOLS)/bin/containerd:
 	GOBIN=$(TOOLS)/bin $(GO) install -ldflags "-X github.com/containerd/containerd/v2/version.Version=$(CONTAINERD_VERSION)" \

@@ -24,27 +24,16 @@ import (
 	"google.golang.org/grpc/grpclog"
 	v1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apiserver/pkg/quota/v1/generic"
 	"k8s.io/client-go/discovery/cached/memory"
 	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/dynamic/dynamicinformer"
-	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
-	"k8s.io/client-go/metadata"
-	"k8s.io/client-go/metadata/metadatainformer"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/restmapper"
 	"k8s.io/client-go/tools/clientcmd"
 	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
 	"k8s.io/client-go/tools/events"
-	"k8s.io/controller-manager/pkg/informerfactory"
 	"k8s.io/klog/v2"
-	pkgcontroller "k8s.io/kubernetes/pkg/controller"
-	"k8s.io/kubernetes/pkg/controller/garbagecollector"
-	"k8s.io/kubernetes/pkg/controller/resourceclaim"
-	resourcequotacontroller "k8s.io/kubernetes/pkg/controller/resourcequota"
-	"k8s.io/kubernetes/pkg/controller/serviceaccount"
-	quotainstall "k8s.io/kubernetes/pkg/quota/v1/install"
 	"k8s.io/kubernetes/pkg/scheduler"
 	"k8s.io/kubernetes/pkg/scheduler/profile"
 )
@@ -96,16 +85,18 @@ type Cluster struct {
 	logFile   *os.File
 	ownsKlog  bool
 
-	mu      sync.Mutex
-	nodes   map[string]*Node
-	driver  *Driver
-	nodeSeq int
-	stops   []func()
-	wg      sync.WaitGroup
+	mu            sync.Mutex
+	imageRegistry *imageRegistry // registry.go; nil until a real node needs it
+	nodes         map[string]*Node
+	driver        *Driver
+	nodeSeq       int
+	stops         []func()
+	wg            sync.WaitGroup
 }
 
-// Start brings up etcd, kube-apiserver, kube-scheduler, the resourceclaim,
-// serviceaccount and Job controllers, and writes an admin kubeconfig.
+// Start brings up etcd, kube-apiserver, kube-scheduler and
+// kube-controller-manager's default controllers, and writes an admin
+// kubeconfig.
 func Start(ctx context.Context, opts Options) (c *Cluster, err error) {
 	c = &Cluster{Dir: opts.Dir, logf: opts.Logf, nodes: map[string]*Node{}}
 	if c.logf == nil {
@@ -180,7 +171,7 @@ func Start(ctx context.Context, opts Options) (c *Cluster, err error) {
 	}
 	c.logf("control plane: apiserver %s up in %s", c.Host, time.Since(started).Round(time.Millisecond))
 
-	if err := c.startControllers(ctx); err != nil {
+	if err := c.startControllerManager(ctx); err != nil { // controllermanager.go
 		return nil, err
 	}
 	if err := c.startScheduler(ctx); err != nil {
@@ -219,85 +210,6 @@ func (c *Cluster) WriteKubeconfig(path, user, token string) error {
 	cfg.Contexts["e2e"] = &clientcmdapi.Context{Cluster: "e2e", AuthInfo: user, Namespace: "default"}
 	cfg.CurrentContext = "e2e"
 	return clientcmd.WriteToFile(*cfg, path)
-}
-
-func (c *Cluster) startControllers(ctx context.Context) error {
-	factory := informers.NewSharedInformerFactory(c.Client, 0)
-	logger := klog.FromContext(ctx)
-	claims, err := resourceclaim.NewController(
-		klog.LoggerWithName(logger, "resourceclaim-controller"),
-		c.Client,
-		factory.Core().V1().Pods(),
-		factory.Scheduling().V1beta1().PodGroups(),
-		factory.Resource().V1().ResourceClaims(),
-		factory.Resource().V1().ResourceClaimTemplates(),
-	)
-	if err != nil {
-		return fmt.Errorf("resourceclaim controller: %w", err)
-	}
-	// Pods need their namespace's "default" service account (the
-	// ServiceAccount admission plugin insists), which this controller creates.
-	sa, err := serviceaccount.NewServiceAccountsController(
-		klog.LoggerWithName(logger, "serviceaccount-controller"),
-		factory.Core().V1().ServiceAccounts(),
-		factory.Core().V1().Namespaces(),
-		c.Client,
-		serviceaccount.DefaultServiceAccountsControllerOptions(),
-	)
-	if err != nil {
-		return fmt.Errorf("serviceaccount controller: %w", err)
-	}
-	// The garbage collector removes generated claims whose pod is gone.
-	metadataClient, err := metadata.NewForConfig(c.AdminConfig)
-	if err != nil {
-		return err
-	}
-	metadataFactory := metadatainformer.NewSharedInformerFactory(metadataClient, 0)
-	gcMapper := restmapper.NewDeferredDiscoveryRESTMapper(memory.NewMemCacheClient(c.Client.Discovery()))
-	started := make(chan struct{})
-	close(started)
-	gc, err := garbagecollector.NewGarbageCollector(ctx, c.Client, metadataClient, gcMapper,
-		garbagecollector.DefaultIgnoredResources(),
-		informerfactory.NewInformerFactory(factory, metadataFactory), started)
-	if err != nil {
-		return fmt.Errorf("garbage collector: %w", err)
-	}
-	// ResourceQuota admission refuses pods in a namespace with a quota
-	// until this controller has computed the quota's status.
-	objectOrMetadata := informerfactory.NewInformerFactory(factory, metadataFactory)
-	quotaConfig, err := quotainstall.NewQuotaConfigurationForControllers(generic.ListerFuncForResourceFunc(factory.ForResource), factory)
-	if err != nil {
-		return err
-	}
-	discoverNamespaced := c.Client.Discovery().ServerPreferredNamespacedResources
-	quota, err := resourcequotacontroller.NewController(ctx, &resourcequotacontroller.ControllerOptions{
-		QuotaClient:               c.Client.CoreV1(),
-		ResourceQuotaInformer:     factory.Core().V1().ResourceQuotas(),
-		ResyncPeriod:              pkgcontroller.StaticResyncPeriodFunc(30 * time.Second),
-		InformerFactory:           objectOrMetadata,
-		ReplenishmentResyncPeriod: pkgcontroller.StaticResyncPeriodFunc(12 * time.Hour),
-		DiscoveryFunc:             discoverNamespaced,
-		IgnoredResourcesFunc:      quotaConfig.IgnoredResources,
-		InformersStarted:          started,
-		Registry:                  generic.NewRegistry(quotaConfig.Evaluators()),
-		UpdateFilter:              quotainstall.DefaultUpdateFilter(),
-	})
-	if err != nil {
-		return fmt.Errorf("resourcequota controller: %w", err)
-	}
-	if err := c.startJobController(ctx, factory); err != nil { // jobs.go
-		return err
-	}
-	factory.Start(ctx.Done())
-	metadataFactory.Start(ctx.Done())
-	c.wg.Add(6)
-	go func() { defer c.wg.Done(); quota.Run(ctx, 2) }()
-	go func() { defer c.wg.Done(); quota.Sync(ctx, discoverNamespaced, 30*time.Second) }()
-	go func() { defer c.wg.Done(); claims.Run(ctx, 10) }()
-	go func() { defer c.wg.Done(); sa.Run(ctx, 2) }()
-	go func() { defer c.wg.Done(); gc.Run(ctx, 5, 30*time.Second) }()
-	go func() { defer c.wg.Done(); gc.Sync(ctx, c.Client.Discovery(), 30*time.Second) }()
-	return nil
 }
 
 func (c *Cluster) startScheduler(ctx context.Context) error {

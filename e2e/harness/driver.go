@@ -128,6 +128,28 @@ func (c *Cluster) InstallDriver(ctx context.Context, opts InstallOptions) (*Driv
 		if err := c.replace(ctx, webhookConfigs, DriverNamespace); err != nil {
 			return nil, err
 		}
+		// The process serves the webhook; the chart's Deployment would run
+		// the webhook's image on nodes that run the test image
+		// (kube-controller-manager's Deployment controller starts its pods).
+		for _, o := range objs {
+			if o.GetKind() != "Deployment" || o.GetLabels()["app.kubernetes.io/component"] != "webhook" {
+				continue
+			}
+			ns := o.GetNamespace()
+			if ns == "" {
+				ns = DriverNamespace
+			}
+			deployments := c.Client.AppsV1().Deployments(ns)
+			scale, err := deployments.GetScale(ctx, o.GetName(), metav1.GetOptions{})
+			if err != nil {
+				return nil, fmt.Errorf("webhook Deployment %s: %w", o.GetName(), err)
+			}
+			scale.Spec.Replicas = 0
+			if _, err := deployments.UpdateScale(ctx, o.GetName(), scale, metav1.UpdateOptions{}); err != nil {
+				return nil, fmt.Errorf("scale webhook Deployment %s to 0: %w", o.GetName(), err)
+			}
+			d.Notes = append(d.Notes, "the chart's webhook Deployment scaled to 0: the webhook runs as a process")
+		}
 	} else if len(webhookConfigs) > 0 {
 		d.Notes = append(d.Notes, "webhook not started: its registration points at the chart's Service, which nothing serves here")
 	}

@@ -23,6 +23,7 @@ import (
 	corelisters "k8s.io/client-go/listers/core/v1"
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/client-go/tools/record"
+	"k8s.io/client-go/util/retry"
 	"k8s.io/client-go/util/workqueue"
 	"k8s.io/klog/v2"
 	pluginwatcherapi "k8s.io/kubelet/pkg/apis/pluginregistration/v1"
@@ -306,7 +307,8 @@ func (c *Cluster) SetUnschedulable(ctx context.Context, name string, on bool) er
 
 // register creates (or refreshes) the Node object, Ready, without the
 // not-ready taint that the TaintNodesByCondition admission plugin adds at
-// creation (the node lifecycle controller, which would lift it, is not run).
+// creation (the node lifecycle controller would lift it within seconds; a
+// node is usable at once).
 func (n *Node) register(ctx context.Context, opts NodeOptions) error {
 	labels := map[string]string{
 		"kubernetes.io/hostname": opts.Name,
@@ -325,43 +327,59 @@ func (n *Node) register(ctx context.Context, opts NodeOptions) error {
 		ObjectMeta: metav1.ObjectMeta{Name: opts.Name, Labels: labels},
 	}
 	nodes := n.cluster.Client.CoreV1().Nodes()
-	created, err := nodes.Create(ctx, node, metav1.CreateOptions{})
-	if apierrors.IsAlreadyExists(err) {
-		created, err = nodes.Get(ctx, opts.Name, metav1.GetOptions{})
-	}
-	if err != nil {
+	if _, err := nodes.Create(ctx, node, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
 		return fmt.Errorf("create node %s: %w", opts.Name, err)
 	}
-	created.Spec.Taints = nil
-	created.Labels = labels
-	updated, err := nodes.Update(ctx, created, metav1.UpdateOptions{})
+	// kube-controller-manager's node lifecycle controller writes the new
+	// Node too (taints, conditions): retried on conflicts.
+	err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
+		current, err := nodes.Get(ctx, opts.Name, metav1.GetOptions{})
+		if err != nil {
+			return err
+		}
+		current.Spec.Taints = nil
+		current.Labels = labels
+		_, err = nodes.Update(ctx, current, metav1.UpdateOptions{})
+		return err
+	})
 	if err != nil {
 		return fmt.Errorf("untaint node %s: %w", opts.Name, err)
 	}
-	now := metav1.Now()
-	updated.Status = v1.NodeStatus{
-		Capacity:    capacity,
-		Allocatable: capacity,
-		Phase:       v1.NodeRunning,
-		Conditions: []v1.NodeCondition{{
-			Type: v1.NodeReady, Status: v1.ConditionTrue, Reason: "KubeletReady",
-			Message: "simulated kubelet is posting ready status", LastHeartbeatTime: now, LastTransitionTime: now,
-		}},
-		Addresses: []v1.NodeAddress{{Type: v1.NodeInternalIP, Address: "127.0.0.1"}, {Type: v1.NodeHostName, Address: opts.Name}},
-		NodeInfo: v1.NodeSystemInfo{
-			KubeletVersion: KubernetesVersion, OperatingSystem: "linux", Architecture: "amd64",
-			ContainerRuntimeVersion: "simulated://0",
-		},
-	}
-	if _, err := nodes.UpdateStatus(ctx, updated, metav1.UpdateOptions{}); err != nil {
+	err = retry.RetryOnConflict(retry.DefaultRetry, func() error {
+		current, err := nodes.Get(ctx, opts.Name, metav1.GetOptions{})
+		if err != nil {
+			return err
+		}
+		now := metav1.Now()
+		current.Status = v1.NodeStatus{
+			Capacity:    capacity,
+			Allocatable: capacity,
+			Phase:       v1.NodeRunning,
+			Conditions: []v1.NodeCondition{{
+				Type: v1.NodeReady, Status: v1.ConditionTrue, Reason: "KubeletReady",
+				Message: "simulated kubelet is posting ready status", LastHeartbeatTime: now, LastTransitionTime: now,
+			}},
+			Addresses: []v1.NodeAddress{{Type: v1.NodeInternalIP, Address: "127.0.0.1"}, {Type: v1.NodeHostName, Address: opts.Name}},
+			NodeInfo: v1.NodeSystemInfo{
+				KubeletVersion: KubernetesVersion, OperatingSystem: "linux", Architecture: "amd64",
+				ContainerRuntimeVersion: "simulated://0",
+			},
+		}
+		_, err = nodes.UpdateStatus(ctx, current, metav1.UpdateOptions{})
+		return err
+	})
+	if err != nil {
 		return fmt.Errorf("node %s status: %w", opts.Name, err)
 	}
 	return nil
 }
 
-// heartbeat keeps the Ready condition fresh like the kubelet's node status loop.
+// heartbeat keeps the Ready condition fresh like the kubelet's node status
+// loop: kube-controller-manager's node lifecycle controller marks a node
+// whose condition is older than its grace period (50 s) unreachable and
+// taints it.
 func (n *Node) heartbeat(ctx context.Context) {
-	t := time.NewTicker(40 * time.Second)
+	t := time.NewTicker(10 * time.Second)
 	defer t.Stop()
 	for {
 		select {

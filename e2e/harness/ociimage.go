@@ -1,15 +1,18 @@
 package harness
 
-// OCI image archives made from root filesystems the harness has: no registry
-// is reachable, so a real node's containerd gets its images by `ctr images
-// import` of archives written here (see realnode.go). An archive is an OCI
-// image layout (oci-layout, index.json, blobs/sha256/...) in a tar stream,
-// with one uncompressed layer holding the whole root filesystem; its index
-// names the image with containerd's `io.containerd.image.name` annotation,
-// which `ctr images import` takes as the image's name.
+// OCI images made from root filesystems the harness has: no registry is
+// reachable, so a real node's containerd gets its images either by `ctr
+// images import` of archives written here or from the harness's own
+// registry (registry.go), which serves the same manifests and blobs. An
+// image has one uncompressed layer per root filesystem it is made of (the
+// test image, then small trees added on top: bash, a sample program); an
+// archive is an OCI image layout (oci-layout, index.json, blobs/sha256/...)
+// in a tar stream, its index naming the image with containerd's
+// `io.containerd.image.name` annotation, which `ctr images import` takes as
+// the image's name.
 //
-// Invariant: the layer is deterministic (entries sorted, times zeroed), so
-// two images made from one root filesystem share their layer blob, and the
+// Invariant: a layer is deterministic (entries sorted, times zeroed), so
+// two images made from one root filesystem share its layer blob, and the
 // same content always gets the same digest.
 
 import (
@@ -35,16 +38,38 @@ type ImageConfig struct {
 	Env []string
 }
 
-// WriteOCIArchive writes an OCI image layout archive of the root filesystem
-// rootfs to path, naming the image name (a full reference:
-// host/path:tag). layerCache is a directory where the layer of rootfs is
-// kept between calls (several images of one root filesystem, several nodes).
-func WriteOCIArchive(path, name, rootfs string, cfg ImageConfig, layerCache string) error {
-	layer, layerDigest, layerSize, err := rootfsLayer(rootfs, layerCache)
-	if err != nil {
-		return err
+// ociImage is an image's manifest, config and layer blobs, as a registry
+// serves them and an OCI layout holds them.
+type ociImage struct {
+	config, manifest             []byte
+	configDigest, manifestDigest string
+	layers                       []ociLayer
+}
+
+// ociLayer is a layer blob: an uncompressed tar in the layer cache.
+type ociLayer struct {
+	path, digest string
+	size         int64
+}
+
+// buildOCIImage makes the image of root filesystem layers (lowest first,
+// each a directory whose tree is one layer) and cfg; layer tars are written
+// once into cache.
+func buildOCIImage(layers []string, cfg ImageConfig, cache string) (*ociImage, error) {
+	img := &ociImage{}
+	diffIDs := []string{}
+	descs := []map[string]any{}
+	for _, dir := range layers {
+		path, digest, size, err := rootfsLayer(dir, cache)
+		if err != nil {
+			return nil, err
+		}
+		img.layers = append(img.layers, ociLayer{path: path, digest: digest, size: size})
+		diffIDs = append(diffIDs, digest)
+		descs = append(descs, map[string]any{"mediaType": "application/vnd.oci.image.layer.v1.tar", "digest": digest, "size": size})
 	}
-	config, err := json.Marshal(map[string]any{
+	var err error
+	img.config, err = json.Marshal(map[string]any{
 		"architecture": "amd64",
 		"os":           "linux",
 		"config": map[string]any{
@@ -53,26 +78,38 @@ func WriteOCIArchive(path, name, rootfs string, cfg ImageConfig, layerCache stri
 			"Env":        cfg.Env,
 			"WorkingDir": "/",
 		},
-		"rootfs": map[string]any{"type": "layers", "diff_ids": []string{layerDigest}},
+		"rootfs": map[string]any{"type": "layers", "diff_ids": diffIDs},
 	})
 	if err != nil {
-		return err
+		return nil, err
 	}
-	configDigest := digestOf(config)
-	manifest, err := json.Marshal(map[string]any{
+	img.configDigest = digestOf(img.config)
+	img.manifest, err = json.Marshal(map[string]any{
 		"schemaVersion": 2,
 		"mediaType":     "application/vnd.oci.image.manifest.v1+json",
 		"config": map[string]any{
-			"mediaType": "application/vnd.oci.image.config.v1+json", "digest": configDigest, "size": len(config),
+			"mediaType": "application/vnd.oci.image.config.v1+json", "digest": img.configDigest, "size": len(img.config),
 		},
-		"layers": []map[string]any{{
-			"mediaType": "application/vnd.oci.image.layer.v1.tar", "digest": layerDigest, "size": layerSize,
-		}},
+		"layers": descs,
 	})
+	if err != nil {
+		return nil, err
+	}
+	img.manifestDigest = digestOf(img.manifest)
+	return img, nil
+}
+
+// WriteOCIArchive writes an OCI image layout archive of the root filesystem
+// layers (lowest first) to path, naming the image name (a full reference:
+// host/path:tag). layerCache is a directory where the layer of each root
+// filesystem is kept between calls (several images of one root filesystem,
+// several nodes).
+func WriteOCIArchive(path, name string, layers []string, cfg ImageConfig, layerCache string) error {
+	img, err := buildOCIImage(layers, cfg, layerCache)
 	if err != nil {
 		return err
 	}
-	manifestDigest := digestOf(manifest)
+	config, configDigest, manifest, manifestDigest := img.config, img.configDigest, img.manifest, img.manifestDigest
 	index, err := json.Marshal(map[string]any{
 		"schemaVersion": 2,
 		"mediaType":     "application/vnd.oci.image.index.v1+json",
@@ -122,8 +159,12 @@ func WriteOCIArchive(path, name, rootfs string, cfg ImageConfig, layerCache stri
 	if err == nil {
 		err = addBytes("index.json", index)
 	}
-	if err == nil {
-		err = copyFileInto(tw, blob(layerDigest), layer, layerSize)
+	written := map[string]bool{}
+	for _, l := range img.layers {
+		if err == nil && !written[l.digest] {
+			written[l.digest] = true
+			err = copyFileInto(tw, blob(l.digest), l.path, l.size)
+		}
 	}
 	if err == nil {
 		err = tw.Close()

@@ -25,10 +25,12 @@ package harness
 // No mount namespace: a LayoutProcess node's CDI specs name host paths of
 // this machine (<node>/sim), which containerd resolves as they are.
 //
-// Images: no registry is reachable; the images a node's pods may use
-// (nodeImageCatalogue) are written as OCI archives from root filesystems
-// the harness has (ociimage.go) and imported with `ctr images import` into
-// the node's containerd (namespace k8s.io) before the kubelet starts.
+// Images: no registry is reachable; the images a node's pods may use are
+// the catalogue's (nodeimages.go): the sandbox and test images are written
+// as OCI archives (ociimage.go) and imported with `ctr images import` into
+// the node's containerd (namespace k8s.io) before the kubelet starts; the
+// others are pulled by the kubelet from the cluster's registry
+// (registry.go), which containerd uses for every registry host.
 //
 // Invariant: Node.Stop leaves nothing of the node behind: kubelet,
 // containerd, shims and containers killed (pods stopped and removed through
@@ -59,7 +61,6 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 	v1 "k8s.io/api/core/v1"
-	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/client-go/tools/clientcmd"
@@ -67,37 +68,6 @@ import (
 	runtimeapi "k8s.io/cri-api/pkg/apis/runtime/v1"
 	"sigs.k8s.io/yaml"
 )
-
-// Images of the real nodes' catalogue (nodeImageCatalogue).
-const (
-	// TestImageName is the test image (TestImage) as real nodes know it.
-	// A pod asking for it runs the image's default command (a long sleep)
-	// unless it says otherwise.
-	TestImageName = "e2e.invalid/gpu-dra/test-image:1"
-	// PauseImageName is the pod sandbox image of real nodes' containerd:
-	// the test image's busybox sleeping (containerd kills a sandbox with
-	// SIGKILL, so it needs no signal handling of its own).
-	PauseImageName = "e2e.invalid/gpu-dra/pause:1"
-)
-
-// nodeImage is one image of the catalogue: a name, a root filesystem the
-// harness has and how containers of it run.
-type nodeImage struct {
-	name   string
-	rootfs func() (string, error)
-	config ImageConfig
-}
-
-// nodeImageCatalogue is every image a real node holds; a pod asking for
-// another one fails to pull it (ErrImagePull), as on a cluster without
-// registry access.
-var nodeImageCatalogue = []nodeImage{
-	{name: PauseImageName, rootfs: TestImage, config: ImageConfig{Entrypoint: []string{"/bin/sleep", "2147483647"}}},
-	{name: TestImageName, rootfs: TestImage, config: ImageConfig{
-		Cmd: []string{"sleep", "2147483647"},
-		Env: []string{"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"},
-	}},
-}
 
 // realNode is what a real node runs besides our plugin.
 type realNode struct {
@@ -368,6 +338,18 @@ func (r *realNode) startContainerd(ctx context.Context, tools nodeTools) error {
 	if err := os.WriteFile(filepath.Join(netDir, "10-bridge.conflist"), cni, 0o644); err != nil {
 		return err
 	}
+	registry, err := r.n.cluster.registry()
+	if err != nil {
+		return err
+	}
+	hostsDir := filepath.Join(r.dir, "certs.d")
+	if err := os.MkdirAll(filepath.Join(hostsDir, "_default"), 0o755); err != nil {
+		return err
+	}
+	hosts := "server = " + strconv.Quote("http://"+registry) + "\n"
+	if err := os.WriteFile(filepath.Join(hostsDir, "_default", "hosts.toml"), []byte(hosts), 0o644); err != nil {
+		return err
+	}
 	q := strconv.Quote
 	config := strings.Join([]string{
 		`version = 3`,
@@ -387,6 +369,9 @@ func (r *realNode) startContainerd(ctx context.Context, tools nodeTools) error {
 		`  stream_server_port = "0"`,
 		`[plugins."io.containerd.cri.v1.images"]`,
 		`  snapshotter = "overlayfs"`,
+		// Every registry host resolves to the cluster's registry (hosts.toml).
+		`[plugins."io.containerd.cri.v1.images".registry]`,
+		`  config_path = ` + q(hostsDir),
 		`[plugins."io.containerd.cri.v1.images".pinned_images]`,
 		`  sandbox = ` + q(PauseImageName),
 		// CDI is always on in containerd 2 (`enable_cdi` is gone); the
@@ -542,7 +527,10 @@ func (r *realNode) startKubelet(ctx context.Context, tools nodeTools) error {
 		"imageGCLowThresholdPercent":    99,
 		"localStorageCapacityIsolation": false,
 		"nodeStatusReportFrequency":     "10s",
-		"serializeImagePulls":           false,
+		// The kubelet's restart back-off (10 s, doubling) capped at 2 s:
+		// a test watching restarts sees them within seconds.
+		"crashLoopBackOff":    map[string]any{"maxContainerRestartPeriod": "2s"},
+		"serializeImagePulls": false,
 	}
 	data, err := yaml.Marshal(config)
 	if err != nil {
@@ -589,9 +577,8 @@ func freePortOn(ip net.IP) (int, error) {
 }
 
 // waitReady waits until the kubelet registered the Node and reports it
-// Ready, then lifts the not-ready taint that admission put on the new Node
-// (kube-controller-manager's node lifecycle controller does that on a
-// cluster; the control plane here does not run it yet).
+// Ready, and kube-controller-manager's node lifecycle controller lifted the
+// not-ready taint that admission put on the new Node.
 func (r *realNode) waitReady(ctx context.Context) error {
 	nodes := r.n.cluster.Client.CoreV1().Nodes()
 	var last string
@@ -604,32 +591,20 @@ func (r *realNode) waitReady(ctx context.Context) error {
 			last = err.Error()
 			return false, nil
 		}
+		ready := false
 		for _, cond := range node.Status.Conditions {
 			if cond.Type == v1.NodeReady {
 				last = fmt.Sprintf("Ready=%s %s: %s", cond.Status, cond.Reason, cond.Message)
-				if cond.Status != v1.ConditionTrue {
-					return false, nil
-				}
+				ready = cond.Status == v1.ConditionTrue
 			}
 		}
-		if last == "" {
-			return false, nil
-		}
-		var kept []v1.Taint
 		for _, t := range node.Spec.Taints {
-			if t.Key != v1.TaintNodeNotReady {
-				kept = append(kept, t)
+			if t.Key == v1.TaintNodeNotReady {
+				last += "; taint " + t.ToString()
+				return false, nil
 			}
 		}
-		if len(kept) == len(node.Spec.Taints) {
-			return true, nil
-		}
-		node.Spec.Taints = kept
-		_, err = nodes.Update(ctx, node, metav1.UpdateOptions{})
-		if err != nil && !apierrors.IsConflict(err) {
-			return false, err
-		}
-		return false, nil
+		return ready, nil
 	})
 	if err != nil {
 		return fmt.Errorf("node %s not ready: %w (last: %s); kubelet log:\n%s", r.n.Name, err, last,
@@ -863,39 +838,6 @@ func (n *Node) KubeletLog() string {
 // IsReal says whether the node runs the real kubelet and containerd.
 func (n *Node) IsReal() bool { return n.real != nil }
 
-// nodeImageArchives writes (once per cluster) the OCI archive of every
-// image of nodeImageCatalogue and returns their paths.
-func (c *Cluster) nodeImageArchives() ([]string, error) {
-	imageArchives.mu.Lock()
-	defer imageArchives.mu.Unlock()
-	if paths, ok := imageArchives.byCluster[c.Dir]; ok {
-		return paths, nil
-	}
-	dir := filepath.Join(c.Dir, "images")
-	var paths []string
-	for i, img := range nodeImageCatalogue {
-		rootfs, err := img.rootfs()
-		if err != nil {
-			return nil, fmt.Errorf("image %s: %w", img.name, err)
-		}
-		p := filepath.Join(dir, fmt.Sprintf("%d.tar", i))
-		if err := os.MkdirAll(dir, 0o755); err != nil {
-			return nil, err
-		}
-		if err := WriteOCIArchive(p, img.name, rootfs, img.config, dir); err != nil {
-			return nil, err
-		}
-		paths = append(paths, p)
-	}
-	imageArchives.byCluster[c.Dir] = paths
-	return paths, nil
-}
-
-var imageArchives = struct {
-	mu        sync.Mutex
-	byCluster map[string][]string
-}{byCluster: map[string][]string{}}
-
 // tail is the last lines of a file, for error messages.
 func tail(path string, lines int) string {
 	data, err := os.ReadFile(path)
@@ -907,4 +849,14 @@ func tail(path string, lines int) string {
 		all = all[len(all)-lines:]
 	}
 	return strings.Join(all, "\n")
+}
+
+// PodResourcesSocket is the socket of a real node's kubelet PodResources API
+// (the kubelet serves it under its root dir, pod-resources/kubelet.sock, as
+// dcgm-exporter and device monitoring agents read it); "" for other nodes.
+func (n *Node) PodResourcesSocket() string {
+	if n.real == nil {
+		return ""
+	}
+	return filepath.Join(n.real.kubeletRoot, "pod-resources", "kubelet.sock")
 }

@@ -78,10 +78,10 @@ func TestOCIArchive(t *testing.T) {
 	cache := filepath.Join(dir, "cache")
 	cfg := ImageConfig{Cmd: []string{"sleep", "1"}, Env: []string{"PATH=/bin"}}
 	a, b := filepath.Join(dir, "a.tar"), filepath.Join(dir, "b.tar")
-	if err := WriteOCIArchive(a, "e2e.invalid/a:1", rootfs, cfg, cache); err != nil {
+	if err := WriteOCIArchive(a, "e2e.invalid/a:1", []string{rootfs}, cfg, cache); err != nil {
 		t.Fatal(err)
 	}
-	if err := WriteOCIArchive(b, "e2e.invalid/b:1", rootfs, ImageConfig{Entrypoint: []string{"/bin/sleep"}}, cache); err != nil {
+	if err := WriteOCIArchive(b, "e2e.invalid/b:1", []string{rootfs}, ImageConfig{Entrypoint: []string{"/bin/sleep"}}, cache); err != nil {
 		t.Fatal(err)
 	}
 
@@ -192,5 +192,38 @@ func mustJSON(t *testing.T, data []byte, v any) {
 	t.Helper()
 	if err := json.Unmarshal(data, v); err != nil {
 		t.Fatalf("%v: %s", err, data)
+	}
+}
+
+// References resolve to catalogue entries as containerd normalizes them:
+// docker.io and library/ added, any tag of a repository entry, exact names
+// for the imported ones; other repositories, registries or hosts with a
+// port are not in the catalogue.
+func TestImageCatalogueMatches(t *testing.T) {
+	for ref, want := range map[string]string{
+		"ubuntu:24.04":                          "docker.io/library/ubuntu",
+		"ubuntu":                                "docker.io/library/ubuntu",
+		"docker.io/library/debian:bookworm":     "docker.io/library/debian",
+		"busybox:1.37":                          "docker.io/library/busybox",
+		"busybox@sha256:0123":                   "docker.io/library/busybox",
+		"nvcr.io/nvidia/cuda:12.4.1-base":       "nvcr.io/nvidia/cuda",
+		"nvcr.io/nvidia/k8s/cuda-sample:nbody":  "nvcr.io/nvidia/k8s/cuda-sample",
+		TestImageName:                           TestImageName,
+		"nvcr.io/nvidia/cuda-samples:vectoradd": "",
+		"quay.io/library/ubuntu:24.04":          "",
+		"registry:5000/ubuntu:24.04":            "",
+		"e2e.invalid/gpu-dra/test-image:2":      "",
+	} {
+		entry, ok := catalogueEntry(ref)
+		got := entry.repository + entry.name
+		if !ok {
+			got = ""
+		}
+		if got != want {
+			t.Errorf("%s: catalogue entry %q, want %q", ref, got, want)
+		}
+	}
+	if got := normalizeImage("ubuntu"); got != "docker.io/library/ubuntu:latest" {
+		t.Errorf("normalizeImage(ubuntu) = %s", got)
 	}
 }

@@ -16,7 +16,8 @@ package harness
 //
 // What is simplified: every container runs on the test image, the pod's
 // image selects only the environment it starts with (images.go); containers are never restarted (a pod whose containers
-// have all exited is Succeeded or Failed whatever its restartPolicy); no
+// have all exited is Succeeded or Failed when its restartPolicy is Never, or OnFailure and none failed; otherwise it
+// stays Running with them waiting in CrashLoopBackOff, as the kubelet reports them between restarts); no
 // resource limits, probes, volumes or networking.
 
 import (
@@ -593,8 +594,23 @@ func (r *runtime) podStatus(pod *v1.Pod) (v1.PodPhase, []v1.ContainerStatus) {
 		c.mu.Unlock()
 		statuses = append(statuses, st)
 	}
+	restarts := pod.Spec.RestartPolicy == v1.RestartPolicyAlways || pod.Spec.RestartPolicy == "" ||
+		(pod.Spec.RestartPolicy == v1.RestartPolicyOnFailure && failed > 0)
 	switch {
 	case done < len(pod.Spec.Containers) && running+done == len(pod.Spec.Containers):
+		return v1.PodRunning, statuses
+	case done == len(pod.Spec.Containers) && restarts:
+		// The kubelet would restart the containers and keep the pod Running
+		// (a workload controller does not replace it); this loop does not
+		// restart them: they stay exited, reported as the kubelet reports a
+		// container between restarts (real nodes restart them).
+		for i := range statuses {
+			if t := statuses[i].State.Terminated; t != nil {
+				statuses[i].LastTerminationState.Terminated = t
+				statuses[i].State = v1.ContainerState{Waiting: &v1.ContainerStateWaiting{Reason: "CrashLoopBackOff",
+					Message: "exited; containers of pods on pod-loop nodes are not restarted"}}
+			}
+		}
 		return v1.PodRunning, statuses
 	case done == len(pod.Spec.Containers) && failed > 0:
 		return v1.PodFailed, statuses

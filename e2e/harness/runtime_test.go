@@ -10,7 +10,10 @@ import (
 )
 
 // The pod phase and container states the kubelet would report, from the
-// runtime's containers: Running while one runs, then Succeeded or Failed.
+// runtime's containers: Running while one runs, then Succeeded or Failed
+// where the restart policy lets the pod end; where it asks for a restart,
+// Running with the exited containers waiting in CrashLoopBackOff (their
+// exit in lastState), so that a workload controller keeps the pod.
 func TestPodStatusFollowsContainers(t *testing.T) {
 	pod := &v1.Pod{
 		ObjectMeta: metav1.ObjectMeta{Name: "p", Namespace: "ns", UID: "uid-1"},
@@ -23,18 +26,25 @@ func TestPodStatusFollowsContainers(t *testing.T) {
 	}
 	for _, tc := range []struct {
 		name   string
+		policy v1.RestartPolicy
 		states map[string]state
 		want   v1.PodPhase
 	}{
-		{"not started", nil, v1.PodPending},
-		{"both running", map[string]state{"a": {ContainerRunning, 0, ""}, "b": {ContainerRunning, 0, ""}}, v1.PodRunning},
-		{"one done, one running", map[string]state{"a": {ContainerExited, 0, ""}, "b": {ContainerRunning, 0, ""}}, v1.PodRunning},
-		{"one failed, one running", map[string]state{"a": {ContainerExited, 2, ""}, "b": {ContainerRunning, 0, ""}}, v1.PodRunning},
-		{"all exited 0", map[string]state{"a": {ContainerExited, 0, ""}, "b": {ContainerExited, 0, ""}}, v1.PodSucceeded},
-		{"one exited 3", map[string]state{"a": {ContainerExited, 0, ""}, "b": {ContainerExited, 3, ""}}, v1.PodFailed},
-		{"start failed", map[string]state{"a": {ContainerStartFailed, 128, "hook failed"}, "b": {ContainerExited, 0, ""}}, v1.PodFailed},
+		{"not started", v1.RestartPolicyNever, nil, v1.PodPending},
+		{"both running", v1.RestartPolicyNever, map[string]state{"a": {ContainerRunning, 0, ""}, "b": {ContainerRunning, 0, ""}}, v1.PodRunning},
+		{"one done, one running", v1.RestartPolicyNever, map[string]state{"a": {ContainerExited, 0, ""}, "b": {ContainerRunning, 0, ""}}, v1.PodRunning},
+		{"one failed, one running", v1.RestartPolicyNever, map[string]state{"a": {ContainerExited, 2, ""}, "b": {ContainerRunning, 0, ""}}, v1.PodRunning},
+		{"all exited 0", v1.RestartPolicyNever, map[string]state{"a": {ContainerExited, 0, ""}, "b": {ContainerExited, 0, ""}}, v1.PodSucceeded},
+		{"one exited 3", v1.RestartPolicyNever, map[string]state{"a": {ContainerExited, 0, ""}, "b": {ContainerExited, 3, ""}}, v1.PodFailed},
+		{"start failed", v1.RestartPolicyNever, map[string]state{"a": {ContainerStartFailed, 128, "hook failed"}, "b": {ContainerExited, 0, ""}}, v1.PodFailed},
+		{"on failure, all exited 0", v1.RestartPolicyOnFailure, map[string]state{"a": {ContainerExited, 0, ""}, "b": {ContainerExited, 0, ""}}, v1.PodSucceeded},
+		{"on failure, one exited 3", v1.RestartPolicyOnFailure, map[string]state{"a": {ContainerExited, 0, ""}, "b": {ContainerExited, 3, ""}}, v1.PodRunning},
+		{"always, all exited 0", v1.RestartPolicyAlways, map[string]state{"a": {ContainerExited, 0, ""}, "b": {ContainerExited, 0, ""}}, v1.PodRunning},
+		{"default policy, one exited 3", "", map[string]state{"a": {ContainerExited, 0, ""}, "b": {ContainerExited, 3, ""}}, v1.PodRunning},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
+			pod := pod.DeepCopy()
+			pod.Spec.RestartPolicy = tc.policy
 			r := &runtime{pods: map[types.UID][]*Container{}, byKey: map[string]types.UID{}}
 			if tc.states != nil {
 				for _, name := range []string{"a", "b"} {
@@ -64,6 +74,10 @@ func TestPodStatusFollowsContainers(t *testing.T) {
 				case s.phase == ContainerStartFailed:
 					if tt := st.State.Terminated; tt == nil || tt.Reason != "StartError" || tt.Message != s.msg || tt.ExitCode != 128 {
 						t.Errorf("%s: %+v, want terminated StartError %q", st.Name, st.State, s.msg)
+					}
+				case tc.policy != v1.RestartPolicyNever && tc.want == v1.PodRunning:
+					if w, tt := st.State.Waiting, st.LastTerminationState.Terminated; w == nil || w.Reason != "CrashLoopBackOff" || tt == nil || tt.ExitCode != s.code {
+						t.Errorf("%s: %+v, want waiting in CrashLoopBackOff after exiting with %d", st.Name, st, s.code)
 					}
 				default:
 					if tt := st.State.Terminated; tt == nil || tt.ExitCode != s.code {
