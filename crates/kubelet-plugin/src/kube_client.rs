@@ -1,6 +1,10 @@
 //! The one way the plugin's subcommands reach the API server: `--kubeconfig` when given, the
 //! pod's in-cluster configuration otherwise.
 //!
+//! Every request carries the user agent `gpu-kubelet-plugin/<version> (<subcommand>; <node>)`
+//! (no node for cluster-wide subcommands), so the API server's audit log and request metrics attribute the load to this plugin and its
+//! node (kube-rs sends none by default).
+//!
 //! Invariant: the process's TLS provider is chosen here, before the first client exists, so
 //! that `run` and `uninstall` talk TLS the same way whatever features other crates turn on in
 //! rustls.
@@ -43,6 +47,15 @@ pub enum KubeClientError {
         #[source]
         source: kube::config::InClusterError,
     },
+    /// The node name cannot be sent in an HTTP header.
+    #[error("--node-name {node:?} cannot be sent in the User-Agent header: {source}")]
+    UserAgent {
+        /// The node name given.
+        node: String,
+        /// Why.
+        #[source]
+        source: http::header::InvalidHeaderValue,
+    },
     /// The configuration does not make a client (TLS, proxy, authentication).
     #[error("building the Kubernetes client: {source}")]
     Client {
@@ -53,11 +66,22 @@ pub enum KubeClientError {
 }
 
 impl KubeArgs {
-    /// A client for the configured cluster.
-    pub async fn client(&self) -> Result<kube::Client, KubeClientError> {
+    /// A client for the configured cluster, sending [`user_agent`]`(subcommand, node)`.
+    pub async fn client(
+        &self,
+        subcommand: &str,
+        node: Option<&str>,
+    ) -> Result<kube::Client, KubeClientError> {
         // One TLS provider for the process, whatever features other crates turn on in rustls.
         let _ = rustls::crypto::ring::default_provider().install_default();
-        let config = match &self.kubeconfig {
+        let agent =
+            http::HeaderValue::from_str(&user_agent(subcommand, node)).map_err(|source| {
+                KubeClientError::UserAgent {
+                    node: node.unwrap_or_default().to_owned(),
+                    source,
+                }
+            })?;
+        let mut config = match &self.kubeconfig {
             Some(path) => {
                 let kc = kube::config::Kubeconfig::read_from(path).map_err(|source| {
                     KubeClientError::ReadKubeconfig {
@@ -79,7 +103,18 @@ impl KubeArgs {
                 kube::Config::incluster().map_err(|source| KubeClientError::InCluster { source })?
             }
         };
+        config.headers.push((http::header::USER_AGENT, agent));
         kube::Client::try_from(config).map_err(|source| KubeClientError::Client { source })
+    }
+}
+
+/// The user agent of this plugin's requests: binary, version, subcommand and node, e.g.
+/// `gpu-kubelet-plugin/1.2.3 (run; node-a)`, or `gpu-kubelet-plugin/1.2.3 (uninstall)`.
+pub fn user_agent(subcommand: &str, node: Option<&str>) -> String {
+    let version = env!("CARGO_PKG_VERSION");
+    match node {
+        Some(node) => format!("gpu-kubelet-plugin/{version} ({subcommand}; {node})"),
+        None => format!("gpu-kubelet-plugin/{version} ({subcommand})"),
     }
 }
 
@@ -94,7 +129,7 @@ mod tests {
         let args = KubeArgs {
             kubeconfig: Some(path.clone()),
         };
-        let Err(err) = args.client().await else {
+        let Err(err) = args.client("run", Some("node-a")).await else {
             panic!("a client from a missing file");
         };
         let err = err.to_string();
@@ -116,9 +151,32 @@ mod tests {
         let client = KubeArgs {
             kubeconfig: Some(path),
         }
-        .client()
+        .client("run", Some("node-a"))
         .await
         .expect("client");
         assert_eq!(client.default_namespace(), "default");
+    }
+
+    #[tokio::test]
+    async fn a_node_name_that_is_no_header_value_is_refused_by_name() {
+        let args = KubeArgs { kubeconfig: None };
+        let Err(err) = args.client("run", Some("node\na")).await else {
+            panic!("a client with a newline in its user agent");
+        };
+        let err = err.to_string();
+        assert!(err.contains("--node-name"), "{err}");
+    }
+
+    #[test]
+    fn the_user_agent_names_the_plugin_its_version_and_node() {
+        let version = env!("CARGO_PKG_VERSION");
+        assert_eq!(
+            user_agent("run", Some("node-a")),
+            format!("gpu-kubelet-plugin/{version} (run; node-a)")
+        );
+        assert_eq!(
+            user_agent("uninstall", None),
+            format!("gpu-kubelet-plugin/{version} (uninstall)")
+        );
     }
 }

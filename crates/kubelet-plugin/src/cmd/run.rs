@@ -303,7 +303,7 @@ async fn claim_source(
     if let Some(path) = &args.claim_source_file {
         return Ok((Arc::new(FileClaims::new(path.clone())), None));
     }
-    let client = args.kube.client().await?;
+    let client = args.kube.client("run", Some(&args.node_name)).await?;
     Ok((Arc::new(KubeClaims::new(client.clone())), Some(client)))
 }
 

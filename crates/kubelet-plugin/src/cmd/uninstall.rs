@@ -473,7 +473,7 @@ fn ended(pod: &Pod) -> String {
 
 /// The `uninstall` subcommand.
 pub async fn run(args: UninstallArgs) -> anyhow::Result<()> {
-    let client = args.kube.client().await?;
+    let client = args.kube.client("uninstall", None).await?;
     uninstall(client, &args).await?;
     Ok(())
 }
