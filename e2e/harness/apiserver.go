@@ -4,16 +4,19 @@ import (
 	"context"
 	"fmt"
 	"net"
+	"net/http"
 	"os"
 	"path/filepath"
 	"runtime/debug"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/spf13/pflag"
 	utilerrors "k8s.io/apimachinery/pkg/util/errors"
 	"k8s.io/apimachinery/pkg/util/wait"
 	apimachineryversion "k8s.io/apimachinery/pkg/version"
+	"k8s.io/apiserver/pkg/endpoints/request"
 	genericapiserver "k8s.io/apiserver/pkg/server"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
@@ -28,8 +31,54 @@ const adminToken = "e2e-admin-token"
 
 // apiserver is a running in-process kube-apiserver.
 type apiserver struct {
-	host  string // https://127.0.0.1:<port>
-	errCh chan error
+	host     string // https://127.0.0.1:<port>
+	errCh    chan error
+	requests *requestCounter
+}
+
+// APIRequestKind is what the API server counts requests by: the client's
+// User-Agent, the verb ("watch" for a watch stream's start, "list", "get",
+// "create", "update", "patch", "delete", or the HTTP method of a
+// non-resource request) and the resource ("resourceslices",
+// "resourceclaims/status"; the path of a non-resource request).
+type APIRequestKind struct {
+	UserAgent string
+	Verb      string
+	Resource  string
+}
+
+// requestCounter counts the requests the API server served, by kind, from
+// the innermost filter of its handler chain: authenticated requests only,
+// each counted when it starts (a watch once, however long it stays open).
+type requestCounter struct {
+	mu     sync.Mutex
+	counts map[APIRequestKind]int
+}
+
+func (rc *requestCounter) wrap(next http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		kind := APIRequestKind{UserAgent: r.UserAgent(), Verb: strings.ToLower(r.Method), Resource: r.URL.Path}
+		if info, ok := request.RequestInfoFrom(r.Context()); ok && info.IsResourceRequest {
+			kind.Verb, kind.Resource = info.Verb, info.Resource
+			if info.Subresource != "" {
+				kind.Resource += "/" + info.Subresource
+			}
+		}
+		rc.mu.Lock()
+		rc.counts[kind]++
+		rc.mu.Unlock()
+		next.ServeHTTP(w, r)
+	})
+}
+
+func (rc *requestCounter) snapshot() map[APIRequestKind]int {
+	rc.mu.Lock()
+	defer rc.mu.Unlock()
+	out := make(map[APIRequestKind]int, len(rc.counts))
+	for k, v := range rc.counts {
+		out[k] = v
+	}
+	return out
 }
 
 // admissionConfig is the API server's admission configuration: ResourceQuota
@@ -157,6 +206,13 @@ func startAPIServer(ctx context.Context, dir, etcdURL string, ca *CA) (*apiserve
 			g.EffectiveVersion = releaseVersion{EffectiveVersion: g.EffectiveVersion, gitVersion: v}
 		}
 	}
+	// The aggregator's chain is the outermost: every request passes its
+	// filters once (the servers it delegates to do not filter again).
+	counter := &requestCounter{counts: map[APIRequestKind]int{}}
+	buildChain := cfg.Aggregator.GenericConfig.BuildHandlerChainFunc
+	cfg.Aggregator.GenericConfig.BuildHandlerChainFunc = func(h http.Handler, c *genericapiserver.Config) http.Handler {
+		return buildChain(counter.wrap(h), c)
+	}
 	cc, err := cfg.Complete()
 	if err != nil {
 		return nil, err
@@ -169,7 +225,7 @@ func startAPIServer(ctx context.Context, dir, etcdURL string, ca *CA) (*apiserve
 	if err != nil {
 		return nil, err
 	}
-	a := &apiserver{host: fmt.Sprintf("https://127.0.0.1:%d", port), errCh: make(chan error, 1)}
+	a := &apiserver{host: fmt.Sprintf("https://127.0.0.1:%d", port), errCh: make(chan error, 1), requests: counter}
 	go func() {
 		a.errCh <- prepared.Run(ctx)
 		close(a.errCh)

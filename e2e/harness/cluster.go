@@ -191,6 +191,13 @@ func quietKlog() {
 	}
 }
 
+// APIRequests is how many requests the API server has served since it
+// started, by user agent, verb and resource (APIRequestKind); subtract two
+// snapshots for the requests of a window.
+func (c *Cluster) APIRequests() map[APIRequestKind]int {
+	return c.apiserver.requests.snapshot()
+}
+
 // TokenConfig is a rest.Config for the given bearer token, trusting the cluster CA.
 func (c *Cluster) TokenConfig(token string) *rest.Config {
 	return &rest.Config{
