@@ -11,7 +11,6 @@ import (
 	"math/big"
 	"net"
 	"os"
-	"path/filepath"
 	"time"
 )
 
@@ -55,41 +54,12 @@ func NewCA() (*CA, error) {
 // IssueServing writes a serving certificate for 127.0.0.1 and localhost (plus
 // the given DNS names) to dir/<name>.crt and dir/<name>.key and returns both paths.
 func (ca *CA) IssueServing(dir, name string, dnsNames ...string) (certFile, keyFile string, err error) {
-	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	if err != nil {
-		return "", "", err
-	}
-	serial, err := rand.Int(rand.Reader, big.NewInt(1<<62))
-	if err != nil {
-		return "", "", err
-	}
-	tmpl := &x509.Certificate{
-		SerialNumber: serial,
-		Subject:      pkix.Name{CommonName: name},
-		NotBefore:    time.Now().Add(-time.Hour),
-		NotAfter:     time.Now().Add(24 * time.Hour),
-		KeyUsage:     x509.KeyUsageDigitalSignature | x509.KeyUsageKeyEncipherment,
-		ExtKeyUsage:  []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth},
-		DNSNames:     append([]string{"localhost"}, dnsNames...),
-		IPAddresses:  []net.IP{net.ParseIP("127.0.0.1")},
-	}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, ca.cert, &key.PublicKey, ca.key)
-	if err != nil {
-		return "", "", fmt.Errorf("sign %s certificate: %w", name, err)
-	}
-	keyDER, err := x509.MarshalECPrivateKey(key)
-	if err != nil {
-		return "", "", err
-	}
-	certFile = filepath.Join(dir, name+".crt")
-	keyFile = filepath.Join(dir, name+".key")
-	if err := os.WriteFile(certFile, pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der}), 0o600); err != nil {
-		return "", "", err
-	}
-	if err := os.WriteFile(keyFile, pem.EncodeToMemory(&pem.Block{Type: "EC PRIVATE KEY", Bytes: keyDER}), 0o600); err != nil {
-		return "", "", err
-	}
-	return certFile, keyFile, nil
+	return ca.issue(dir, name, certRequest{
+		commonName: name,
+		server:     true,
+		dnsNames:   append([]string{"localhost"}, dnsNames...),
+		ips:        []net.IP{net.ParseIP("127.0.0.1")},
+	})
 }
 
 // writeSigningKey writes a fresh EC private key used to sign and verify
