@@ -13,6 +13,40 @@ use std::path::{Path, PathBuf};
 use anyhow::Context;
 use gpu_dra_nvml::{self as nvml, NvmlInventory, NvmlLibrary, NvmlOptions};
 
+/// The kernel's boot ID, read by `run` (claims and sharing state record the boot they were
+/// prepared in: another ID means the node rebooted) and `cleanup` (recorded MIG instance IDs name
+/// an instance only in the boot they were recorded in).
+#[derive(Debug, Clone, clap::Args)]
+pub struct BootId {
+    /// The kernel's boot ID file (the same inside a container); changed only by tests.
+    #[arg(
+        long = "boot-id-file",
+        env = "BOOT_ID_FILE",
+        hide = true,
+        default_value = "/proc/sys/kernel/random/boot_id"
+    )]
+    pub file: PathBuf,
+}
+
+impl BootId {
+    /// The boot ID, or `None` (with a warning) when the file is missing or empty: reboots are
+    /// then detected only by missing CDI specs.
+    pub fn read(&self) -> Option<String> {
+        let path = &self.file;
+        match std::fs::read_to_string(path) {
+            Ok(text) if !text.trim().is_empty() => Some(text.trim().to_owned()),
+            Ok(_) => {
+                tracing::warn!(path = %path.display(), "boot ID file is empty; reboots are detected only by missing CDI specs");
+                None
+            }
+            Err(e) => {
+                tracing::warn!(path = %path.display(), error = %e, "cannot read the boot ID; reboots are detected only by missing CDI specs");
+                None
+            }
+        }
+    }
+}
+
 /// Where the driver, device nodes and sysfs of the host are: flags shared by the subcommands
 /// that read the host, so all read one host the same way.
 #[derive(Debug, Clone, clap::Args)]

@@ -64,16 +64,10 @@ pub struct CleanupArgs {
     /// The host's driver (its `nvidia-smi` and MPS control tool restore the GPUs).
     #[command(flatten)]
     pub host: HostArgs,
-    /// The kernel's boot ID file (the same inside a container), as `run` reads it: recorded
-    /// MIG instance IDs name an instance only in the boot they were recorded in (changed only
-    /// by tests).
-    #[arg(
-        long,
-        env = "BOOT_ID_FILE",
-        hide = true,
-        default_value = "/proc/sys/kernel/random/boot_id"
-    )]
-    pub boot_id_file: PathBuf,
+    /// The kernel's boot ID, as `run` reads it: recorded MIG instance IDs name an instance
+    /// only in the boot they were recorded in.
+    #[command(flatten)]
+    pub boot_id: crate::host::BootId,
     /// Logging.
     #[command(flatten)]
     pub log: LogArgs,
@@ -524,7 +518,7 @@ pub async fn run(args: CleanupArgs) -> anyhow::Result<()> {
         Ok(mig) => Box::new(mig),
         Err(reason) => Box::new(crate::mig::NoMig(reason)),
     };
-    let boot_id = crate::cmd::run::read_boot_id(&args.boot_id_file);
+    let boot_id = args.boot_id.read();
     let report = cleanup(&args, mig.as_ref(), boot_id.as_deref()).await;
     info!(
         mps_stopped = %report.mps_stopped.join(","),
@@ -594,7 +588,9 @@ mod tests {
                     sysfs_root: self.host.sysfs_root(),
                     nvml_lib: None,
                 },
-                boot_id_file: d.join("boot_id"),
+                boot_id: crate::host::BootId {
+                    file: d.join("boot_id"),
+                },
                 log: LogArgs {
                     log_format: gpu_dra_telemetry::LogFormat::Text,
                     log_level: "info".into(),

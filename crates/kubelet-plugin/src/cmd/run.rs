@@ -203,15 +203,10 @@ pub struct RunArgs {
     /// Test only: inventory from this JSON file (`Inventory`), not NVML.
     #[arg(long, env = "INVENTORY_FIXTURE", hide = true)]
     pub inventory_fixture: Option<PathBuf>,
-    /// The kernel's boot ID file; a different ID than the one a claim was prepared under
-    /// means the node rebooted (changed only by tests).
-    #[arg(
-        long,
-        env = "BOOT_ID_FILE",
-        hide = true,
-        default_value = "/proc/sys/kernel/random/boot_id"
-    )]
-    pub boot_id_file: PathBuf,
+    /// The kernel's boot ID: another ID than the one a claim was prepared under means the
+    /// node rebooted.
+    #[command(flatten)]
+    pub boot_id: crate::host::BootId,
     /// Test only: failpoints, `step=error|kill|pause,...`.
     #[arg(long, env = "GPU_DRA_FAILPOINTS", hide = true, default_value = "")]
     pub failpoints: String,
@@ -333,22 +328,6 @@ pub fn cdi_hook_path(args: &RunArgs) -> Option<PathBuf> {
         }
         Err(e) => {
             warn!(error = %e, "CDI specs carry no hooks");
-            None
-        }
-    }
-}
-
-/// The node's boot ID from `path`, or `None` (logged) when it cannot be read: reboots are
-/// then detected only by missing CDI specs.
-pub fn read_boot_id(path: &Path) -> Option<String> {
-    match std::fs::read_to_string(path) {
-        Ok(text) if !text.trim().is_empty() => Some(text.trim().to_owned()),
-        Ok(_) => {
-            warn!(path = %path.display(), "boot ID file is empty; reboots are detected only by missing CDI specs");
-            None
-        }
-        Err(e) => {
-            warn!(path = %path.display(), error = %e, "cannot read the boot ID; reboots are detected only by missing CDI specs");
             None
         }
     }
@@ -514,7 +493,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         Arc::new(move |found: &gpu_dra_device::Inventory| cdi.refresh(&found.driver_version))
     });
     cdi.refresh(&live.current().driver_version);
-    let boot_id = read_boot_id(&args.boot_id_file);
+    let boot_id = args.boot_id.read();
     let mut sharing_options = SharingOptions::new(
         DriverRoot::new(args.host.driver_root_here(), args.host.nvml_lib.clone()),
         &args.folders.plugin_dir,
