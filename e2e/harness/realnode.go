@@ -485,9 +485,11 @@ func (r *realNode) startKubelet(ctx context.Context, tools nodeTools) error {
 	if err := clientcmd.WriteToFile(*cfg, kubeconfig); err != nil {
 		return err
 	}
-	r.port, err = freePortOn(r.ip)
-	if err != nil {
-		return err
+	// A node powered on again (realnode_reboot.go) keeps its port.
+	if r.port == 0 {
+		if r.port, err = freePortOn(r.ip); err != nil {
+			return err
+		}
 	}
 	taints := []map[string]string{}
 	for _, t := range n.opts.Taints {

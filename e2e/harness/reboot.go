@@ -15,6 +15,11 @@ package harness
 // After it the kubelet starts again with its DRA manager's claim cache read
 // from the checkpoint, every claim marked not prepared: for each pod it
 // starts again it calls NodePrepareResources, as the real kubelet does.
+//
+// On a real node (NodeOptions.RealKubelet) the same happens to the real
+// kubelet and containerd: realnode_reboot.go says what their power loss
+// kills, wipes and keeps. This file keeps what both kinds share: the checks,
+// the GPUs' boot settings and the boot ID.
 
 import (
 	"context"
@@ -66,15 +71,36 @@ func (n *Node) Reboot(ctx context.Context) error {
 // CDI root is emptied, the simulated GPUs get their boot settings and the
 // boot ID file a new ID. The plugin must have been started with
 // PluginOptions.BootIDFile set to BootIDFile. Nothing runs until PowerOn.
+// On a real node everything of the node is SIGKILLed at once, as a power
+// loss (realnode_reboot.go).
 func (n *Node) PowerOff() error {
-	if n.Layout != LayoutProcess || n.runtime == nil {
+	if n.real == nil && (n.Layout != LayoutProcess || n.runtime == nil) {
 		return fmt.Errorf("node %s: a reboot needs a node whose plugin runs as a process and which runs containers", n.Name)
 	}
 	if n.Plugin == nil || !containsArg(n.Plugin.Args, "--boot-id-file="+n.BootIDFile()) {
 		return fmt.Errorf("node %s: plugin not started with PluginOptions.BootIDFile = Node.BootIDFile(); it would not see the reboot", n.Name)
 	}
 	old := n.BootID()
+	if n.real != nil {
+		if err := n.real.powerOff(); err != nil {
+			return err
+		}
+	} else if err := n.powerOffPodLoop(); err != nil {
+		return err
+	}
+	if err := n.bootGPUs(); err != nil {
+		return err
+	}
+	id := NewBootID()
+	for id == old {
+		id = NewBootID()
+	}
+	return n.WriteBootID(id)
+}
 
+// powerOffPodLoop stops a pod-loop node's kubelet pieces, runtime, plugin
+// and MPS daemons and empties its CDI root.
+func (n *Node) powerOffPodLoop() error {
 	// The kubelet goes first, so nothing reacts to the dying containers.
 	n.cancel()
 	n.wg.Wait()
@@ -95,22 +121,20 @@ func (n *Node) PowerOff() error {
 	if err := emptyDir(n.CDIRoot); err != nil {
 		return fmt.Errorf("node %s: empty the CDI root: %w", n.Name, err)
 	}
-	if err := n.bootGPUs(); err != nil {
-		return err
-	}
-	id := NewBootID()
-	for id == old {
-		id = NewBootID()
-	}
-	return n.WriteBootID(id)
+	return nil
 }
 
 // PowerOn is the second half of a reboot: the kubelet starts again (its DRA
 // checkpoint read back, every claim not prepared), then, as the DaemonSet
 // pod the kubelet runs, the plugin with its earlier command line. It
 // returns once both run; the kubelet prepares the pods' claims again and
-// starts their containers on its own.
+// starts their containers on its own. A real node's containerd and kubelet
+// start again on the same folders, port and IP, and PowerOn returns once
+// the kubelet reported the Node Ready.
 func (n *Node) PowerOn(ctx context.Context) error {
+	if n.real != nil {
+		return n.real.powerOn(ctx)
+	}
 	if err := n.startKubelet(ctx); err != nil {
 		return fmt.Errorf("node %s: kubelet after reboot: %w", n.Name, err)
 	}

@@ -651,6 +651,9 @@ type ExecResult struct {
 // Exec runs a command in a running container of a pod on this node, like
 // `kubectl exec` (runc exec: same namespaces, root, devices and cgroup).
 func (n *Node) Exec(ctx context.Context, pod *v1.Pod, container string, args ...string) (ExecResult, error) {
+	if n.real != nil {
+		return n.real.execReal(ctx, pod, container, args) // realnode_reboot.go
+	}
 	if n.runtime == nil {
 		return ExecResult{}, fmt.Errorf("%w: node %s runs no containers", ErrNoContainer, n.Name)
 	}
