@@ -4,29 +4,36 @@ import (
 	"context"
 	"os"
 	"reflect"
+	"sort"
 	"strings"
 	"testing"
 	"time"
 
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
 	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	podresourcesv1 "k8s.io/kubelet/pkg/apis/podresources/v1"
 
 	"github.com/gpu-dra/e2e/harness"
 )
 
-// A node reboots with a time-sliced and an MPS claim prepared and their pods
-// running. Afterwards the kubelet prepares both claims again (its claim
-// cache starts unprepared), our plugin sees the new boot ID and prepares
-// them from scratch: the CDI specs come back under the same device IDs, the
-// containers start from them and see exactly their GPU, the MPS container
-// reaches a new control daemon with the claim's limits, and the GPUs get
-// their sharing settings again (a boot resets them).
+// A real node (the kubelet and containerd, harness/realnode.go) loses power
+// with a time-sliced and an MPS claim prepared and their pods running, and
+// boots again (harness/realnode_reboot.go). Afterwards the kubelet prepares
+// both claims again (its DRA checkpoint holds them, none prepared), our
+// plugin sees the new boot ID and prepares them from scratch: the CDI specs
+// come back under the same device IDs, the kubelet's new containers start
+// from them and see exactly their GPU, the MPS container reaches a new
+// control daemon with the claim's limits, and the GPUs get their sharing
+// settings again (a boot resets them).
 func TestNodeReboot(t *testing.T) {
 	requirePlugins(t)
 	ctx := context.Background()
 	const name = "node-reboot"
-	n := addBootNode(ctx, t, name, "dgx-h100", nil)
+	n := addPluginNodeWith(ctx, t, harness.NodeOptions{Name: name, RealKubelet: true, Taints: []v1.Taint{realNodeTaint}},
+		"dgx-h100", nil, nil)
 	ns := newNamespace(ctx, t, "reboot")
 
 	tsConfig := map[string]any{
@@ -39,19 +46,25 @@ func TestNodeReboot(t *testing.T) {
 			"defaultActiveThreadPercentage": 40, "defaultPinnedDeviceMemoryLimit": "6Gi",
 		}},
 	}
-	ts, tsClaim := runClaimPod(ctx, t, gpuClaim(t, ns, "ts", 1, tsConfig), claimPod(ns, "ts", name, "ts"))
-	mps, mpsClaim := runClaimPod(ctx, t, gpuClaim(t, ns, "mps", 1, mpsConfig), claimPod(ns, "mps", name, "mps"))
+	sleep := []string{"sleep", "2147483647"}
+	ts, tsClaim := runClaimPod(ctx, t, gpuClaim(t, ns, "ts", 1, tsConfig), realNodePod(ns, "ts", name, sleep, map[string]string{"gpu": "ts"}))
+	mps, mpsClaim := runClaimPod(ctx, t, gpuClaim(t, ns, "mps", 1, mpsConfig), realNodePod(ns, "mps", name, sleep, map[string]string{"gpu": "mps"}))
 	tsGPU, mpsGPU := claimGPU(ctx, t, tsClaim), claimGPU(ctx, t, mpsClaim)
 	if tsGPU == mpsGPU {
 		t.Fatalf("both claims got GPU %s", tsGPU)
 	}
-	idsBefore := map[string]map[string][]string{ts.Name: cdiIDs(t, ts), mps.Name: cdiIDs(t, mps)}
+	idsBefore := map[string]map[string][]string{ts.Name: kubeletCDIIDs(ctx, t, n, ts), mps.Name: kubeletCDIIDs(ctx, t, n, mps)}
+	containersBefore := map[string]string{ts.Name: ts.Status.ContainerStatuses[0].ContainerID, mps.Name: mps.Status.ContainerStatuses[0].ContainerID}
 
 	checkShared := func(when string) {
 		t.Helper()
 		for _, pod := range []*v1.Pod{ts, mps} {
-			for _, list := range podDevices(t, pod) {
-				for _, r := range list {
+			for ctr, ids := range kubeletCDIIDs(ctx, t, n, pod) {
+				for _, id := range ids {
+					r, err := harness.ResolveCDI(n.CDIRoot, id)
+					if err != nil {
+						t.Fatalf("%s: pod %s container %s: %v", when, pod.Name, ctr, err)
+					}
 					checkGPUEdits(t, r)
 				}
 			}
@@ -74,12 +87,16 @@ func TestNodeReboot(t *testing.T) {
 	daemonBefore := n.MPSDaemons()
 	bootBefore := n.BootID()
 
+	off := time.Now()
 	if err := n.PowerOff(); err != nil {
 		t.Fatal(err)
 	}
 	// What the power cycle took, so that what comes back is the plugin's doing.
 	if n.BootID() == bootBefore {
 		t.Fatalf("boot ID unchanged: %s", bootBefore)
+	}
+	if left := n.PoweredOffLeftovers(); len(left) > 0 {
+		t.Errorf("left after the power loss:\n%s", strings.Join(left, "\n"))
 	}
 	if left, _ := os.ReadDir(n.CDIRoot); len(left) > 0 {
 		t.Errorf("CDI root not empty after power-off: %v", left)
@@ -93,20 +110,30 @@ func TestNodeReboot(t *testing.T) {
 	if got := computeMode(t, n, mpsGPU); got != "DEFAULT" {
 		t.Errorf("compute mode of %s after power-off: %s, want DEFAULT", mpsGPU, got)
 	}
+	offTook := time.Since(off)
+	on := time.Now()
 	if err := n.PowerOn(ctx); err != nil {
 		t.Fatal(err)
 	}
-	t.Logf("%s rebooted: boot ID %s -> %s", name, bootBefore, n.BootID())
+	t.Logf("%s rebooted: boot ID %s -> %s; power-off %s, power-on to Node Ready %s", name, bootBefore, n.BootID(),
+		offTook.Round(time.Millisecond), time.Since(on).Round(time.Millisecond))
 
+	// The kubelet makes a new sandbox and container for each pod; the old
+	// container is gone with the power.
 	for _, pod := range []*v1.Pod{ts, mps} {
-		if !eventually(ctx, 90*time.Second, func() bool { return allRunning(n.Containers(pod), len(pod.Spec.Containers)) }) {
+		if !eventually(ctx, 90*time.Second, func() bool {
+			got, err := cluster.Client.CoreV1().Pods(ns).Get(ctx, pod.Name, metav1.GetOptions{})
+			return err == nil && runningAgain(got, containersBefore[pod.Name])
+		}) {
 			got, _ := cluster.Client.CoreV1().Pods(ns).Get(ctx, pod.Name, metav1.GetOptions{})
-			t.Fatalf("pod %s: containers not running again after the reboot (%s); plugin log:\n%s", pod.Name, harness.PodProblem(got), n.Plugin.Log())
+			t.Fatalf("pod %s: container not running again after the reboot (%s); plugin log:\n%s\nkubelet log (end):\n%s",
+				pod.Name, harness.PodProblem(got), n.Plugin.Log(), lastLines(n.KubeletLog(), 30))
 		}
 	}
+	t.Logf("both pods running again %s after power-on", time.Since(on).Round(time.Millisecond))
 	ts, mps = getPod(ctx, t, ts), getPod(ctx, t, mps)
 	for _, pod := range []*v1.Pod{ts, mps} {
-		if got := cdiIDs(t, pod); !reflect.DeepEqual(got, idsBefore[pod.Name]) {
+		if got := kubeletCDIIDs(ctx, t, n, pod); !reflect.DeepEqual(got, idsBefore[pod.Name]) {
 			t.Errorf("pod %s: CDI devices after the reboot %v, before %v", pod.Name, got, idsBefore[pod.Name])
 		}
 	}
@@ -215,13 +242,49 @@ func claimGPU(ctx context.Context, t *testing.T, claim *resourceapi.ResourceClai
 	return uuid
 }
 
-func cdiIDs(t *testing.T, pod *v1.Pod) map[string][]string {
+// kubeletCDIIDs are the CDI device IDs a real node's kubelet gives each
+// container of a pod for its claims, as its PodResources API reports them
+// (sorted per container).
+func kubeletCDIIDs(ctx context.Context, t *testing.T, n *harness.Node, pod *v1.Pod) map[string][]string {
 	t.Helper()
-	ids, err := harness.CDIDevices(pod)
+	conn, err := grpc.NewClient("unix://"+n.PodResourcesSocket(), grpc.WithTransportCredentials(insecure.NewCredentials()))
 	if err != nil {
 		t.Fatal(err)
 	}
-	return ids
+	defer conn.Close()
+	res, err := podresourcesv1.NewPodResourcesListerClient(conn).Get(ctx, &podresourcesv1.GetPodResourcesRequest{PodName: pod.Name, PodNamespace: pod.Namespace})
+	if err != nil {
+		t.Fatalf("PodResources Get %s/%s on %s: %v", pod.Namespace, pod.Name, n.Name, err)
+	}
+	out := map[string][]string{}
+	for _, c := range res.PodResources.Containers {
+		for _, dr := range c.DynamicResources {
+			for _, cr := range dr.ClaimResources {
+				for _, cdi := range cr.CdiDevices {
+					out[c.Name] = append(out[c.Name], cdi.Name)
+				}
+			}
+		}
+		sort.Strings(out[c.Name])
+	}
+	if len(out) == 0 {
+		t.Fatalf("PodResources: no CDI devices for pod %s/%s: %v", pod.Namespace, pod.Name, res.PodResources)
+	}
+	return out
+}
+
+// runningAgain says whether every container of a pod runs in a container
+// other than before, and the pod is Ready.
+func runningAgain(pod *v1.Pod, before string) bool {
+	if len(pod.Status.ContainerStatuses) != len(pod.Spec.Containers) {
+		return false
+	}
+	for _, st := range pod.Status.ContainerStatuses {
+		if st.State.Running == nil || !st.Ready || st.ContainerID == before {
+			return false
+		}
+	}
+	return true
 }
 
 func getPod(ctx context.Context, t *testing.T, pod *v1.Pod) *v1.Pod {
