@@ -202,6 +202,14 @@ func (r *realNode) powerOn(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
+	// The Node's heartbeats have whole seconds: the boot starts in a second
+	// after the last one before the power loss, so that a heartbeat of this
+	// boot tells itself apart (waitReadySince).
+	if last, err := r.lastHeartbeat(ctx); err != nil {
+		return err
+	} else if d := time.Until(last.Add(time.Second)); d > 0 {
+		time.Sleep(d)
+	}
 	booted := time.Now()
 	if err := r.setupCgroups(); err != nil {
 		return fmt.Errorf("node %s cgroups: %w", n.Name, err)
@@ -220,12 +228,25 @@ func (r *realNode) powerOn(ctx context.Context) error {
 	return r.waitReadySince(ctx, booted)
 }
 
-// waitReadySince waits until the kubelet reported the Node Ready in a
-// heartbeat after since (a Ready condition from before the power loss does
-// not count).
+// lastHeartbeat is the time of the Node's last Ready heartbeat (zero if none).
+func (r *realNode) lastHeartbeat(ctx context.Context) (time.Time, error) {
+	node, err := r.n.cluster.Client.CoreV1().Nodes().Get(ctx, r.n.Name, metav1.GetOptions{})
+	if err != nil {
+		return time.Time{}, fmt.Errorf("node %s: %w", r.n.Name, err)
+	}
+	for _, cond := range node.Status.Conditions {
+		if cond.Type == v1.NodeReady {
+			return cond.LastHeartbeatTime.Time, nil
+		}
+	}
+	return time.Time{}, nil
+}
+
+// waitReadySince waits until the kubelet renewed its node Lease after since
+// and reported the Node Ready in a heartbeat of since's second or later
+// (powerOn makes sure no heartbeat from before the power loss has one).
 func (r *realNode) waitReadySince(ctx context.Context, since time.Time) error {
-	nodes := r.n.cluster.Client.CoreV1().Nodes()
-	since = since.Truncate(time.Second)
+	c := r.n.cluster
 	var last string
 	err := wait.PollUntilContextTimeout(ctx, 250*time.Millisecond, 120*time.Second, true, func(ctx context.Context) (bool, error) {
 		r.mu.Lock()
@@ -234,15 +255,24 @@ func (r *realNode) waitReadySince(ctx context.Context, since time.Time) error {
 		if !kubelet.running() {
 			return false, fmt.Errorf("kubelet exited")
 		}
-		node, err := nodes.Get(ctx, r.n.Name, metav1.GetOptions{})
+		lease, err := c.Client.CoordinationV1().Leases(v1.NamespaceNodeLease).Get(ctx, r.n.Name, metav1.GetOptions{})
+		if err != nil {
+			last = err.Error()
+			return false, nil
+		}
+		if lease.Spec.RenewTime == nil || lease.Spec.RenewTime.Time.Before(since) {
+			last = fmt.Sprintf("node lease renewed at %v, before the power-on", lease.Spec.RenewTime)
+			return false, nil
+		}
+		node, err := c.Client.CoreV1().Nodes().Get(ctx, r.n.Name, metav1.GetOptions{})
 		if err != nil {
 			last = err.Error()
 			return false, nil
 		}
 		for _, cond := range node.Status.Conditions {
 			if cond.Type == v1.NodeReady {
-				last = fmt.Sprintf("Ready=%s %s at %s", cond.Status, cond.Reason, cond.LastHeartbeatTime)
-				return cond.Status == v1.ConditionTrue && !cond.LastHeartbeatTime.Time.Before(since), nil
+				last = fmt.Sprintf("Ready=%s %s, heartbeat %s", cond.Status, cond.Reason, cond.LastHeartbeatTime)
+				return cond.Status == v1.ConditionTrue && !cond.LastHeartbeatTime.Time.Before(since.Truncate(time.Second)), nil
 			}
 		}
 		return false, nil
