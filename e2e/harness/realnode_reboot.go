@@ -103,6 +103,13 @@ func (r *realNode) powerOff() error {
 			return fmt.Errorf("node %s: unmount %s: %w", n.Name, m, err)
 		}
 	}
+	// A network namespace goes once nothing holds it (no process, no
+	// mount); the kernel then deletes its veth pair, which leaves the bridge.
+	if err := wait.PollUntilContextTimeout(context.Background(), 50*time.Millisecond, 10*time.Second, true, func(context.Context) (bool, error) {
+		return len(r.bridgePorts()) == 0, nil
+	}); err != nil {
+		return fmt.Errorf("node %s: pod links still on bridge %s after power-off: %v", n.Name, r.bridge, r.bridgePorts())
+	}
 	for _, dir := range []string{r.stateDir(), r.runcRoot()} {
 		if err := os.RemoveAll(dir); err != nil {
 			return fmt.Errorf("node %s: %w", n.Name, err)
@@ -156,10 +163,22 @@ func (r *realNode) processes() []int {
 	return out
 }
 
+// bridgePorts are the links attached to the node's bridge: the host ends of
+// its pods' veth pairs.
+func (r *realNode) bridgePorts() []string {
+	entries, _ := os.ReadDir(filepath.Join("/sys/class/net", r.bridge, "brif"))
+	var out []string
+	for _, e := range entries {
+		out = append(out, e.Name())
+	}
+	return out
+}
+
 // PoweredOffLeftovers lists what a power loss would not have left of a real
 // node: its processes (kubelet, containerd, shims, containers, plugin, MPS
-// daemons), mounts under its folder, its cgroups, and the memory-backed
-// state (containerd's state folder and sockets, runc's state, CDI specs).
+// daemons), mounts under its folder, its cgroups, its pods' links on its
+// bridge, and the memory-backed state (containerd's state folder and
+// sockets, runc's state, CDI specs).
 // Empty for other nodes.
 func (n *Node) PoweredOffLeftovers() []string {
 	r := n.real
@@ -180,6 +199,9 @@ func (n *Node) PoweredOffLeftovers() []string {
 				left = append(left, "cgroup "+filepath.Join(h, r.cgroupRoot))
 			}
 		}
+	}
+	for _, l := range r.bridgePorts() {
+		left = append(left, "pod link "+l+" on bridge "+r.bridge)
 	}
 	for _, p := range []string{r.stateDir(), r.runcRoot(), r.sock, r.sock + ".ttrpc"} {
 		if _, err := os.Lstat(p); err == nil {

@@ -26,7 +26,7 @@ import (
 // PowerOn brings the kubelet back, which makes a new sandbox and container
 // for the pod (restartPolicy Always) after the plugin prepared the claim
 // again (its CDI spec is back), and `nvidia-smi -L` through the API
-// server's exec lists the same GPU.
+// server's exec lists the same GPU; removing the node then leaves nothing.
 func TestRealNodePowerCycle(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 8*time.Minute)
 	defer cancel()
@@ -46,9 +46,10 @@ func TestRealNodePowerCycle(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	removed := false
 	defer func() {
-		if err := c.RemoveNode(context.Background(), name); err != nil {
-			t.Errorf("remove node: %v", err)
+		if !removed {
+			_ = c.RemoveNode(context.Background(), name)
 		}
 	}()
 	if err := n.WriteBootID(NewBootID()); err != nil {
@@ -254,6 +255,15 @@ func TestRealNodePowerCycle(t *testing.T) {
 	}
 	if left := specsOfClaim(); len(left) > 0 {
 		t.Errorf("CDI spec of claim %s left after its pod went: %v", claim.UID, left)
+	}
+	// The sandbox and container from before the power loss, which
+	// containerd still knew from its root, go with the node as well.
+	removed = true
+	if err := c.RemoveNode(ctx, name); err != nil {
+		t.Fatal(err)
+	}
+	if left := n.RealNodeLeftovers(); len(left) > 0 {
+		t.Errorf("left behind by the node after its power cycle:\n%s", strings.Join(left, "\n"))
 	}
 }
 
