@@ -136,11 +136,6 @@ func (c *Cluster) AddNode(ctx context.Context, opts NodeOptions) (*Node, error) 
 		logger:       klog.LoggerWithValues(klog.Background(), "node", opts.Name),
 		opts:         opts,
 	}
-	if opts.NvidiaRuntime && opts.RealKubelet {
-		// A real node's runtime is containerd's runc; NVIDIA's runtime would be a
-		// containerd runtime class there, which the real node does not set up yet.
-		return nil, fmt.Errorf("node %s: NVIDIA's runtime is for pod-loop nodes; a real node runs containerd's runc", opts.Name)
-	}
 	if opts.NvidiaRuntime && (opts.Layout != LayoutProcess || opts.NoContainers) {
 		return nil, fmt.Errorf("node %s: NVIDIA's runtime runs containers of nodes whose plugin runs as a process (LayoutProcess, containers on)", opts.Name)
 	}

@@ -32,6 +32,13 @@ package harness
 // `<runtime> create`, then `<runtime> start`, and waits for the container's
 // process, which is reparented to it; its exit status is the container's.
 //
+// On a real node (NodeOptions.RealKubelet, realnode.go) containerd itself
+// runs it, as on a GPU Operator node: runtime `nvidia` (containerd's runc
+// shim with this binary) is the default runtime, its config reaches it
+// through containerd's environment, and the spec is written once the
+// simulated driver is set up (Node.SetupSim), as the toolkit container
+// writes it once the driver is there.
+//
 // Only nodes whose plugin runs as a process (LayoutProcess): the runtime
 // reads the CDI root's host paths as they are.
 

@@ -77,9 +77,11 @@ func (n *Node) SetupSim(profile string) error {
 	}
 	if isFile(filepath.Join(n.SimRoot(), "etc", "gpu-sim", "state.json")) {
 		if n.runtime != nil || n.real != nil {
-			return makeDeviceNodes(n.SimRoot())
+			if err := makeDeviceNodes(n.SimRoot()); err != nil {
+				return err
+			}
 		}
-		return nil
+		return n.ensureToolkitSpec()
 	}
 	sim, err := Binary("gpu-sim")
 	if err != nil {
@@ -90,9 +92,22 @@ func (n *Node) SetupSim(profile string) error {
 		return fmt.Errorf("gpu-sim setup --profile %s: %v: %s", profile, err, out)
 	}
 	if n.runtime != nil || n.real != nil {
-		return makeDeviceNodes(n.SimRoot())
+		if err := makeDeviceNodes(n.SimRoot()); err != nil {
+			return err
+		}
 	}
-	return nil
+	return n.ensureToolkitSpec()
+}
+
+// ensureToolkitSpec writes the toolkit's nvidia.com/gpu spec into the CDI
+// root of a real node with NVIDIA's runtime, as the GPU Operator's toolkit
+// container does once the driver is there: containerd hands containers to
+// the runtime directly, so there is no first container to wait for.
+func (n *Node) ensureToolkitSpec() error {
+	if n.real == nil || n.real.nvidia == nil {
+		return nil
+	}
+	return n.real.nvidia.ensureSpec()
 }
 
 // StartPlugin sets up the node's simulated host and starts our node plugin

@@ -85,6 +85,10 @@ type realNode struct {
 	containerd *daemon
 	kubelet    *daemon
 	stopped    bool
+
+	// nvidia is NVIDIA's runtime, containerd's default runtime on this node
+	// (NodeOptions.NvidiaRuntime); nil otherwise.
+	nvidia *nvidiaRuntime
 }
 
 // daemon is a process the harness started and waits for.
@@ -351,6 +355,36 @@ func (r *realNode) startContainerd(ctx context.Context, tools nodeTools) error {
 		return err
 	}
 	q := strconv.Quote
+	// The runtimes containerd knows: runc, and with NodeOptions.NvidiaRuntime
+	// also `nvidia` as the default, as the GPU Operator's toolkit configures
+	// containerd: the same runc shim with nvidia-container-runtime as its
+	// binary, which edits the bundle on `create` and hands every command to
+	// runc (same --root, so containers of both runtimes share runc's state).
+	defaultRuntime := "runc"
+	runtimeBinaries := [][2]string{{"runc", tools.runc}}
+	env := []string{"PATH=" + filepath.Dir(tools.shim) + ":" + os.Getenv("PATH")}
+	if r.n.opts.NvidiaRuntime {
+		if r.nvidia, err = newNvidiaRuntime(r.n, tools.runc); err != nil {
+			return err
+		}
+		defaultRuntime = "nvidia"
+		runtimeBinaries = append(runtimeBinaries, [2]string{"nvidia", r.nvidia.bin})
+		// The shims inherit containerd's environment, and the runtime reads
+		// its config from here.
+		env = append(env, "NVIDIA_CTK_CONFIG_FILE_PATH="+r.nvidia.config)
+	}
+	var runtimes []string
+	for _, rt := range runtimeBinaries {
+		section := `[plugins."io.containerd.cri.v1.runtime".containerd.runtimes.` + rt[0] + `]`
+		runtimes = append(runtimes,
+			section,
+			`  runtime_type = "io.containerd.runc.v2"`,
+			`  base_runtime_spec = `+q(baseSpec),
+			strings.TrimSuffix(section, "]")+`.options]`,
+			`  BinaryName = `+q(rt[1]),
+			`  Root = `+q(filepath.Join(r.n.Dir, "runc")),
+			`  SystemdCgroup = false`)
+	}
 	config := strings.Join([]string{
 		`version = 3`,
 		`root = ` + q(filepath.Join(r.dir, "root")),
@@ -384,14 +418,8 @@ func (r *realNode) startContainerd(ctx context.Context, tools nodeTools) error {
 		// Guaranteed pods; containerd then keeps scores at or above its own.
 		`  restrict_oom_score_adj = true`,
 		`[plugins."io.containerd.cri.v1.runtime".containerd]`,
-		`  default_runtime_name = "runc"`,
-		`[plugins."io.containerd.cri.v1.runtime".containerd.runtimes.runc]`,
-		`  runtime_type = "io.containerd.runc.v2"`,
-		`  base_runtime_spec = ` + q(baseSpec),
-		`[plugins."io.containerd.cri.v1.runtime".containerd.runtimes.runc.options]`,
-		`  BinaryName = ` + q(tools.runc),
-		`  Root = ` + q(filepath.Join(r.n.Dir, "runc")),
-		`  SystemdCgroup = false`,
+		`  default_runtime_name = ` + q(defaultRuntime),
+		strings.Join(runtimes, "\n"),
 		`[plugins."io.containerd.cri.v1.runtime".cni]`,
 		`  bin_dirs = [` + q(tools.cniDir) + `]`,
 		`  conf_dir = ` + q(netDir),
@@ -402,8 +430,7 @@ func (r *realNode) startContainerd(ctx context.Context, tools nodeTools) error {
 		return err
 	}
 	// The shim is found next to containerd's binary on PATH.
-	path := "PATH=" + filepath.Dir(tools.shim) + ":" + os.Getenv("PATH")
-	d, err := startDaemon("containerd", filepath.Join(r.n.Dir, "containerd.log"), []string{path},
+	d, err := startDaemon("containerd", filepath.Join(r.n.Dir, "containerd.log"), env,
 		tools.containerd, "--config", configPath)
 	if err != nil {
 		return err
