@@ -239,6 +239,11 @@ func (r *realNode) powerOn(ctx context.Context) error {
 	if err := r.startContainerd(ctx, tools); err != nil {
 		return fmt.Errorf("node %s containerd: %w", n.Name, err)
 	}
+	// The toolkit's spec went with the CDI root (tmpfs); its container writes
+	// it again at boot, before the kubelet starts pods.
+	if err := n.ensureToolkitSpec(); err != nil {
+		return err
+	}
 	if err := r.startKubelet(ctx, tools); err != nil {
 		return fmt.Errorf("node %s kubelet: %w", n.Name, err)
 	}
