@@ -43,10 +43,10 @@ func mpsDaemonOutlivesThePlugin(t *testing.T, layout harness.Layout) {
 
 	pod, daemon, server := runMPSWorkload(ctx, t, n, plugin, "mps-pods-"+string(layout))
 
-	// A crash of the plugin's container: the harness starts it again.
+	// A crash of the plugin's container: the kubelet starts it again.
 	const adopted = "re-adopted MPS control daemon pod"
 	before := strings.Count(plugin.Log(), adopted)
-	plugin.Kill(n)
+	plugin.Kill()
 	waitLog(ctx, t, plugin, func(log string) bool { return strings.Count(log, adopted) > before })
 	sameDaemon(ctx, t, n, daemon)
 	if got := mpsServer(ctx, t, n, pod, "40.0"); got != server {
@@ -77,7 +77,7 @@ func mpsDaemonOutlivesThePlugin(t *testing.T, layout harness.Layout) {
 	if _, err := cluster.Client.CoreV1().Pods(stray.Namespace).Create(ctx, stray, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	second.Kill(n)
+	second.Kill()
 	if err := cluster.WaitPodGone(ctx, stray.Namespace, stray.Name, 60*time.Second); err != nil {
 		t.Errorf("the daemon pod nothing records is still there after the plugin's restart: %v; log:\n%s", err, second.Log())
 	}

@@ -90,7 +90,7 @@ func TestRollingUpgrade(t *testing.T) {
 	})
 	var oldGone time.Time
 	for time.Since(upgradeStart) < 60*time.Second {
-		if phase, _, _ := first.Container().State(); phase != harness.ContainerRunning {
+		if !first.Running() {
 			oldGone = time.Now()
 			break
 		}

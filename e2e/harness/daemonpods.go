@@ -1,0 +1,216 @@
+package harness
+
+// What tests see of the DaemonSet pods on a real node (the chart's plugin
+// pods): kube-controller-manager's DaemonSet controller creates them, the
+// node's kubelet runs them with containerd. A DaemonPod is the API's Pod
+// plus what the node has of its container: the log the kubelet keeps, the
+// OCI spec containerd gave runc (its bundle's config.json), its process.
+// Nothing here runs or changes a pod, except Kill, which crashes the
+// container's process as a fault would.
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"sort"
+	"strconv"
+	"strings"
+	"syscall"
+
+	rspec "github.com/opencontainers/runtime-spec/specs-go"
+	v1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes/scheme"
+	"k8s.io/client-go/tools/remotecommand"
+	utilexec "k8s.io/client-go/util/exec"
+)
+
+// ImageRootfs is the driver's image content: E2E_IMAGE_ROOTFS, else
+// <repo>/target/image-rootfs (`make image-rootfs`). Real nodes get it as
+// the chart's image (nodeimages.go).
+func ImageRootfs() (string, error) {
+	dir := os.Getenv("E2E_IMAGE_ROOTFS")
+	if dir == "" {
+		root, err := RepoRoot()
+		if err != nil {
+			return "", err
+		}
+		dir = filepath.Join(root, "target", "image-rootfs")
+	}
+	if !isFile(filepath.Join(dir, "usr", "local", "bin", "gpu-kubelet-plugin")) {
+		return "", fmt.Errorf("%w: driver image rootfs %s (run `make image-rootfs`)", ErrMissing, dir)
+	}
+	return dir, nil
+}
+
+// DaemonPod is a DaemonSet's pod on a real node, as listed.
+type DaemonPod struct {
+	// DaemonSet is namespace/name of the owner.
+	DaemonSet string
+	// Pod is the Pod object as listed.
+	Pod *v1.Pod
+
+	node *Node
+	// containerID is the first container's containerd ID when listed ("" if
+	// it had none yet).
+	containerID string
+}
+
+// DaemonPods are the DaemonSet pods bound to this node that the API still
+// has (terminating ones included), oldest first.
+func (n *Node) DaemonPods() []*DaemonPod {
+	pods, err := n.cluster.Client.CoreV1().Pods("").List(context.Background(), metav1.ListOptions{FieldSelector: "spec.nodeName=" + n.Name})
+	if err != nil {
+		return nil
+	}
+	var out []*DaemonPod
+	for i := range pods.Items {
+		p := &pods.Items[i]
+		ref := metav1.GetControllerOf(p)
+		if ref == nil || ref.Kind != "DaemonSet" {
+			continue
+		}
+		d := &DaemonPod{DaemonSet: p.Namespace + "/" + ref.Name, Pod: p, node: n}
+		if len(p.Status.ContainerStatuses) > 0 {
+			_, d.containerID, _ = strings.Cut(p.Status.ContainerStatuses[0].ContainerID, "://")
+		}
+		out = append(out, d)
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].Pod.CreationTimestamp.Before(&out[j].Pod.CreationTimestamp) })
+	return out
+}
+
+// DaemonPodError is the DaemonSet controller's last failure to create the
+// DaemonSet's pod (namespace/name), from its FailedCreate events; nil if
+// there is none.
+func (n *Node) DaemonPodError(ds string) error {
+	ns, name, _ := strings.Cut(ds, "/")
+	events, err := n.cluster.Client.CoreV1().Events(ns).List(context.Background(), metav1.ListOptions{
+		FieldSelector: "involvedObject.kind=DaemonSet,involvedObject.name=" + name + ",reason=FailedCreate",
+	})
+	if err != nil || len(events.Items) == 0 {
+		return nil
+	}
+	last := events.Items[0]
+	for _, e := range events.Items[1:] {
+		if e.LastTimestamp.After(last.LastTimestamp.Time) {
+			last = e
+		}
+	}
+	return errors.New(last.Message)
+}
+
+// bundle is the container's runc bundle in the node's containerd state.
+func (d *DaemonPod) bundle() string {
+	if d.containerID == "" || d.node.real == nil {
+		return ""
+	}
+	return filepath.Join(d.node.real.dir, "state", "io.containerd.runtime.v2.task", "k8s.io", d.containerID)
+}
+
+// Spec is the OCI spec containerd ran the pod's (first) container with;
+// nil once the container is gone.
+func (d *DaemonPod) Spec() *rspec.Spec {
+	b := d.bundle()
+	if b == "" {
+		return nil
+	}
+	data, err := os.ReadFile(filepath.Join(b, "config.json"))
+	if err != nil {
+		return nil
+	}
+	var spec rspec.Spec
+	if json.Unmarshal(data, &spec) != nil {
+		return nil
+	}
+	return &spec
+}
+
+// pid is the container's process as this machine numbers it (0: none).
+func (d *DaemonPod) pid() int {
+	b := d.bundle()
+	if b == "" {
+		return 0
+	}
+	data, err := os.ReadFile(filepath.Join(b, "init.pid"))
+	if err != nil {
+		return 0
+	}
+	pid, _ := strconv.Atoi(strings.TrimSpace(string(data)))
+	return pid
+}
+
+// Running says whether the container seen when listed still has its
+// process (a zombie does not count).
+func (d *DaemonPod) Running() bool {
+	pid := d.pid()
+	if pid <= 0 {
+		return false
+	}
+	stat, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return false
+	}
+	i := bytes.LastIndexByte(stat, ')')
+	return i > 0 && i+2 < len(stat) && stat[i+2] != 'Z'
+}
+
+// Kill kills the container's process with SIGKILL, as a crash; the kubelet
+// starts it again (restartPolicy Always).
+func (d *DaemonPod) Kill() {
+	if pid := d.pid(); pid > 0 {
+		_ = syscall.Kill(pid, syscall.SIGKILL)
+	}
+}
+
+// Log is what the pod's first container printed so far, every restart, as
+// the kubelet keeps it (podLogsDir/<ns>_<name>_<uid>/<container>/<n>.log,
+// CRI format: time, stream, tag, line).
+func (d *DaemonPod) Log() string {
+	p := d.Pod
+	dir := filepath.Join(d.node.Dir, "pod-logs", fmt.Sprintf("%s_%s_%s", p.Namespace, p.Name, p.UID), p.Spec.Containers[0].Name)
+	files, _ := filepath.Glob(filepath.Join(dir, "*.log"))
+	num := func(f string) int { n, _ := strconv.Atoi(strings.TrimSuffix(filepath.Base(f), ".log")); return n }
+	sort.Slice(files, func(i, j int) bool { return num(files[i]) < num(files[j]) })
+	var b strings.Builder
+	for _, f := range files {
+		data, err := os.ReadFile(f)
+		if err != nil {
+			continue
+		}
+		for _, line := range strings.Split(strings.TrimRight(string(data), "\n"), "\n") {
+			if f := strings.SplitN(line, " ", 4); len(f) == 4 {
+				b.WriteString(f[3])
+				if f[2] == "F" {
+					b.WriteByte('\n')
+				}
+			}
+		}
+	}
+	return b.String()
+}
+
+// Exec runs a command in a container of a pod through the API server's
+// pods/exec, as `kubectl exec` does (the node's kubelet and containerd run
+// it), and returns what it printed and its exit code.
+func (c *Cluster) Exec(ctx context.Context, pod *v1.Pod, container string, args ...string) (ExecResult, error) {
+	req := c.Client.CoreV1().RESTClient().Post().Resource("pods").Namespace(pod.Namespace).Name(pod.Name).SubResource("exec").
+		VersionedParams(&v1.PodExecOptions{Container: container, Command: args, Stdout: true, Stderr: true}, scheme.ParameterCodec)
+	exec, err := remotecommand.NewSPDYExecutor(c.AdminConfig, "POST", req.URL())
+	if err != nil {
+		return ExecResult{}, err
+	}
+	var stdout, stderr bytes.Buffer
+	err = exec.StreamWithContext(ctx, remotecommand.StreamOptions{Stdout: &stdout, Stderr: &stderr})
+	res := ExecResult{Stdout: stdout.String(), Stderr: stderr.String()}
+	var exit utilexec.ExitError
+	if errors.As(err, &exit) {
+		res.ExitCode = exit.ExitStatus()
+		return res, nil
+	}
+	return res, err
+}
