@@ -117,7 +117,10 @@ func createClaimPod(ctx context.Context, ns, name, node string, params []byte) (
 	pod := &v1.Pod{
 		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns},
 		Spec: v1.PodSpec{
-			NodeSelector: map[string]string{"kubernetes.io/hostname": node},
+			// The test image's sleep, as PID 1, ignores SIGTERM: without a
+			// short grace period every deletion waits the default 30 s.
+			TerminationGracePeriodSeconds: new(int64(1)),
+			NodeSelector:                  map[string]string{"kubernetes.io/hostname": node},
 			Containers: []v1.Container{{
 				Name: "ctr", Image: harness.TestImageName,
 				Resources: v1.ResourceRequirements{Claims: []v1.ResourceClaim{{Name: "gpu"}}},
@@ -217,11 +220,13 @@ func TestHelmLifecycle(t *testing.T) {
 	if got := envOf(second, "LOG_LEVEL"); got != "debug" {
 		t.Errorf("after the upgrade the plugin runs with LOG_LEVEL=%q, want debug", got)
 	}
-	if _, err := cluster.Client.CoreV1().Pods(first.Pod.Namespace).Get(ctx, first.Pod.Name, metav1.GetOptions{}); !apierrors.IsNotFound(err) {
-		t.Errorf("the old plugin pod %s is still there (err %v)", first.Pod.Name, err)
+	// The surge rollout (maxSurge 1, maxUnavailable 0): the DaemonSet
+	// controller deletes the old pod once the new one is available.
+	if err := cluster.WaitPodGone(ctx, first.Pod.Namespace, first.Pod.Name, 60*time.Second); err != nil {
+		t.Errorf("the old plugin pod %s is still there: %v", first.Pod.Name, err)
 	}
 	if first.Running() {
-		t.Errorf("the old plugin container still runs")
+		t.Errorf("the old plugin container still runs after its pod is gone")
 	}
 	got, err := cluster.Client.CoreV1().Pods(pod.Namespace).Get(ctx, pod.Name, metav1.GetOptions{})
 	if err != nil || got.Status.Phase != v1.PodRunning {

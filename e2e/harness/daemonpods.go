@@ -22,11 +22,14 @@ import (
 	"syscall"
 
 	rspec "github.com/opencontainers/runtime-spec/specs-go"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
 	v1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes/scheme"
 	"k8s.io/client-go/tools/remotecommand"
 	utilexec "k8s.io/client-go/util/exec"
+	runtimeapi "k8s.io/cri-api/pkg/apis/runtime/v1"
 )
 
 // ImageRootfs is the driver's image content: E2E_IMAGE_ROOTFS, else
@@ -213,4 +216,39 @@ func (c *Cluster) Exec(ctx context.Context, pod *v1.Pod, container string, args 
 		return res, nil
 	}
 	return res, err
+}
+
+// CRIContainer is a container a real node's containerd runs for a pod.
+type CRIContainer struct {
+	// ID is containerd's container ID.
+	ID string
+	// PodNamespace, PodName, PodUID name the pod; Name is the container's.
+	PodNamespace, PodName, PodUID, Name string
+	// Running says whether the container runs.
+	Running bool
+}
+
+// CRIContainers are the containers (not the pod sandboxes) the node's
+// containerd has, as `crictl ps -a` lists them; nil for other nodes.
+func (n *Node) CRIContainers(ctx context.Context) ([]CRIContainer, error) {
+	if n.real == nil {
+		return nil, nil
+	}
+	conn, err := grpc.NewClient("unix://"+n.real.sock, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		return nil, err
+	}
+	defer conn.Close()
+	list, err := runtimeapi.NewRuntimeServiceClient(conn).ListContainers(ctx, &runtimeapi.ListContainersRequest{})
+	if err != nil {
+		return nil, err
+	}
+	var out []CRIContainer
+	for _, c := range list.Containers {
+		out = append(out, CRIContainer{
+			ID: c.Id, Name: c.Metadata.GetName(), Running: c.State == runtimeapi.ContainerState_CONTAINER_RUNNING,
+			PodNamespace: c.Labels["io.kubernetes.pod.namespace"], PodName: c.Labels["io.kubernetes.pod.name"], PodUID: c.Labels["io.kubernetes.pod.uid"],
+		})
+	}
+	return out, nil
 }

@@ -99,7 +99,7 @@ type Node struct {
 	opts    NodeOptions
 	simRoot string
 	real    *realNode // nil unless NodeOptions.RealKubelet
-	runtime *runtime    // nil with NodeOptions.NoContainers
+	runtime *runtime  // nil with NodeOptions.NoContainers
 	dra     *dra.Manager
 	pods    corelisters.PodLister
 	queue   workqueue.TypedRateLimitingInterface[string]

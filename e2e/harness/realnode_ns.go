@@ -257,3 +257,37 @@ func (r *realNode) hostNamespaceLeft() []string {
 	}
 	return []string{fmt.Sprintf("mount namespace holder (pid %d) running", r.ns.holder.cmd.Process.Pid)}
 }
+
+// MountNamespace is the node's mount namespace as /proc/<pid>/ns/mnt links
+// name it ("mnt:[<inode>]"), where its kubelet, containerd and shims run;
+// "" for a node without a host tree.
+func (n *Node) MountNamespace() string {
+	if n.real == nil || n.real.ns == nil {
+		return ""
+	}
+	link, err := os.Readlink(n.real.ns.nsPath)
+	if err != nil {
+		return ""
+	}
+	return link
+}
+
+// NamespaceMounts are the mount points of the node's mount namespace (the
+// host's mounts as the node's kubelet and containerd see them, theirs
+// included); nil for a node without a host tree or once it is gone.
+func (n *Node) NamespaceMounts() []string {
+	if n.real == nil || n.real.ns == nil || !n.real.ns.holder.running() {
+		return nil
+	}
+	data, err := os.ReadFile(fmt.Sprintf("/proc/%d/mountinfo", n.real.ns.holder.cmd.Process.Pid))
+	if err != nil {
+		return nil
+	}
+	var out []string
+	for _, line := range strings.Split(string(data), "\n") {
+		if f := strings.Fields(line); len(f) > 4 {
+			out = append(out, unescapeMountPath(f[4]))
+		}
+	}
+	return out
+}

@@ -107,7 +107,9 @@ func applyPluginDaemonSet(t *testing.T, set ...string) {
 	}
 	render := func(template string) string {
 		args := []string{"template", harness.HelmRelease, chart, "--namespace", harness.DriverNamespace,
-			"--kube-version", harness.KubernetesVersion, "--show-only", template}
+			"--kube-version", harness.KubernetesVersion, "--show-only", template,
+			// As the harness installs it: on the deployed nodes only.
+			"--set", harness.DeployedPluginSelector}
 		for _, s := range set {
 			args = append(args, "--set", s)
 		}
