@@ -30,6 +30,7 @@ import (
 	"k8s.io/client-go/tools/remotecommand"
 	utilexec "k8s.io/client-go/util/exec"
 	runtimeapi "k8s.io/cri-api/pkg/apis/runtime/v1"
+	podresourcesv1 "k8s.io/kubelet/pkg/apis/podresources/v1"
 )
 
 // ImageRootfs is the driver's image content: E2E_IMAGE_ROOTFS, else
@@ -171,11 +172,30 @@ func (d *DaemonPod) Kill() {
 }
 
 // Log is what the pod's first container printed so far, every restart, as
-// the kubelet keeps it (podLogsDir/<ns>_<name>_<uid>/<container>/<n>.log,
-// CRI format: time, stream, tag, line).
+// the kubelet keeps it.
 func (d *DaemonPod) Log() string {
-	p := d.Pod
-	dir := filepath.Join(d.node.Dir, "pod-logs", fmt.Sprintf("%s_%s_%s", p.Namespace, p.Name, p.UID), p.Spec.Containers[0].Name)
+	return criLogs(d.node.podLogDir(d.Pod, d.Pod.Spec.Containers[0].Name))
+}
+
+// podLogDir is where a real node's kubelet keeps a container's logs:
+// podLogsDir/<ns>_<name>_<uid>/<container>/<restart>.log.
+func (n *Node) podLogDir(pod *v1.Pod, container string) string {
+	return filepath.Join(n.Dir, "pod-logs", fmt.Sprintf("%s_%s_%s", pod.Namespace, pod.Name, pod.UID), container)
+}
+
+// realContainerLogs is Node.ContainerLogs on a real node: the kubelet's
+// log files of the container, every restart.
+func (n *Node) realContainerLogs(pod *v1.Pod, container string) (string, error) {
+	dir := n.podLogDir(pod, container)
+	if !isDir(dir) {
+		return "", fmt.Errorf("%w: no logs of container %q of pod %s/%s on %s", ErrNoContainer, container, pod.Namespace, pod.Name, n.Name)
+	}
+	return criLogs(dir), nil
+}
+
+// criLogs is the content of a container's log files in dir, oldest first
+// (CRI format: time, stream, tag P or F, line).
+func criLogs(dir string) string {
 	files, _ := filepath.Glob(filepath.Join(dir, "*.log"))
 	num := func(f string) int { n, _ := strconv.Atoi(strings.TrimSuffix(filepath.Base(f), ".log")); return n }
 	sort.Slice(files, func(i, j int) bool { return num(files[i]) < num(files[j]) })
@@ -249,6 +269,40 @@ func (n *Node) CRIContainers(ctx context.Context) ([]CRIContainer, error) {
 			ID: c.Id, Name: c.Metadata.GetName(), Running: c.State == runtimeapi.ContainerState_CONTAINER_RUNNING,
 			PodNamespace: c.Labels["io.kubernetes.pod.namespace"], PodName: c.Labels["io.kubernetes.pod.name"], PodUID: c.Labels["io.kubernetes.pod.uid"],
 		})
+	}
+	return out, nil
+}
+
+// PodCDIDevices are the CDI device IDs each container of a running pod got
+// from its claims: on a real node what the kubelet's PodResources API (Get)
+// reports for the pod, as monitoring agents read it; on a pod-loop node the
+// pod's CDIAnnotation (CDIDevices). Every container of the pod has an entry.
+func (c *Cluster) PodCDIDevices(ctx context.Context, pod *v1.Pod) (map[string][]string, error) {
+	n := c.Node(pod.Spec.NodeName)
+	if n == nil || n.real == nil {
+		return CDIDevices(pod)
+	}
+	conn, err := grpc.NewClient("unix://"+n.PodResourcesSocket(), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		return nil, err
+	}
+	defer conn.Close()
+	got, err := podresourcesv1.NewPodResourcesListerClient(conn).Get(ctx, &podresourcesv1.GetPodResourcesRequest{PodName: pod.Name, PodNamespace: pod.Namespace})
+	if err != nil {
+		return nil, fmt.Errorf("PodResources Get %s/%s on %s: %w", pod.Namespace, pod.Name, n.Name, err)
+	}
+	out := map[string][]string{}
+	for _, ctr := range pod.Spec.Containers {
+		out[ctr.Name] = []string{}
+	}
+	for _, ctr := range got.GetPodResources().GetContainers() {
+		for _, dr := range ctr.GetDynamicResources() {
+			for _, cr := range dr.GetClaimResources() {
+				for _, d := range cr.GetCdiDevices() {
+					out[ctr.Name] = append(out[ctr.Name], d.GetName())
+				}
+			}
+		}
 	}
 	return out, nil
 }

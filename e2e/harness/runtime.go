@@ -668,6 +668,9 @@ func (n *Node) Exec(ctx context.Context, pod *v1.Pod, container string, args ...
 // ContainerLogs is what a container of a pod on this node has written to
 // stdout and stderr so far (kept after the pod is gone).
 func (n *Node) ContainerLogs(pod *v1.Pod, container string) (string, error) {
+	if n.real != nil {
+		return n.realContainerLogs(pod, container) // daemonpods.go
+	}
 	path := filepath.Join(n.Dir, "logs", fmt.Sprintf("%s_%s_%s", pod.Namespace, pod.Name, pod.UID), container+".log")
 	data, err := os.ReadFile(path)
 	if errors.Is(err, os.ErrNotExist) {
