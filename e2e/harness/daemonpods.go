@@ -16,6 +16,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"regexp"
 	"sort"
 	"strconv"
 	"strings"
@@ -305,4 +306,24 @@ func (c *Cluster) PodCDIDevices(ctx context.Context, pod *v1.Pod) (map[string][]
 		}
 	}
 	return out, nil
+}
+
+// kubeletDRAError is how a real kubelet logs a failed PrepareResources
+// (kuberuntime_manager: "Failed to prepare dynamic resources", err
+// "prepare dynamic resources: ...") or UnprepareResources (the pod worker's
+// "Error syncing pod", err "unprepare dynamic resources: ...").
+var kubeletDRAError = regexp.MustCompile(`err="((?:un)?prepare) dynamic resources: (.*?)" pod="([^"]+)"`)
+
+// realDRAErrors is Node.DRAErrors on a real node: the failed calls its
+// kubelet logged, in order, as "prepare ns/pod: error".
+func (n *Node) realDRAErrors() []string {
+	data, err := os.ReadFile(filepath.Join(n.Dir, "kubelet.log"))
+	if err != nil {
+		return nil
+	}
+	var out []string
+	for _, m := range kubeletDRAError.FindAllStringSubmatch(string(data), -1) {
+		out = append(out, fmt.Sprintf("%s %s: %s", m[1], m[3], m[2]))
+	}
+	return out
 }

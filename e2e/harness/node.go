@@ -272,6 +272,9 @@ func (c *Cluster) Node(name string) *Node {
 // DRAErrors are the kubelet's failed PrepareResources and UnprepareResources
 // calls on this node so far ("prepare ns/pod: error"), in order.
 func (n *Node) DRAErrors() []string {
+	if n.real != nil {
+		return n.realDRAErrors() // daemonpods.go
+	}
 	n.draErrMu.Lock()
 	defer n.draErrMu.Unlock()
 	return append([]string(nil), n.draErrs...)
