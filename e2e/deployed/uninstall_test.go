@@ -15,6 +15,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/util/wait"
 
 	"github.com/gpu-dra/e2e/harness"
 )
@@ -81,10 +82,35 @@ func uninstallRestoresNode(t *testing.T, layout harness.Layout) {
 		t.Logf("logs of the driver's pods:\n%s", cleanupLogs(mpsNode, tsNode))
 	}
 
+	// The chart's other pods (the webhook Deployment's) go after the
+	// uninstall: the garbage collector deletes them once their owners are
+	// gone, and their kubelet stops them. Pods of an earlier subtest's
+	// removed nodes are not this test's.
+	ours := func(p v1.Pod) bool {
+		return p.Spec.NodeName == "" || p.Spec.NodeName == mpsNode.Name || p.Spec.NodeName == tsNode.Name
+	}
+	var left []string
+	if err := wait.PollUntilContextTimeout(ctx, 500*time.Millisecond, 90*time.Second, true, func(ctx context.Context) (bool, error) {
+		pods, err := cluster.Client.CoreV1().Pods(harness.DriverNamespace).List(ctx, metav1.ListOptions{})
+		if err != nil {
+			return false, nil
+		}
+		left = nil
+		for _, p := range pods.Items {
+			if ours(p) {
+				left = append(left, fmt.Sprintf("%s (%s)", p.Name, p.Status.Phase))
+			}
+		}
+		return len(left) == 0, nil
+	}); err != nil {
+		t.Errorf("after uninstall: pods left in %s: %v", harness.DriverNamespace, left)
+	}
 	for _, n := range []*harness.Node{mpsNode, tsNode} {
-		// The hook ran our cleanup on the node, on the driver's image.
-		if logs := cleanupLogs(n); !strings.Contains(logs, "node cleanup done") {
-			t.Errorf("%s: no cleanup pod ran `gpu-kubelet-plugin cleanup` here; logs of the driver's pods:\n%s", n.Name, logs)
+		// The hook ran our cleanup on the node, on the driver's image: the
+		// node's kubelet started a cleanup pod (its events stay in the API;
+		// its logs go with the pod, which the hook deletes on success).
+		if !cleanupStartedOn(ctx, t, n) {
+			t.Errorf("%s: no cleanup pod ran `gpu-kubelet-plugin cleanup` here; logs of the driver's pods:\n%s", n.Name, cleanupLogs(mpsNode, tsNode))
 		}
 		if mode, slice := gpuSettings(t, n); mode != "DEFAULT" || slice != 0 {
 			t.Errorf("%s after uninstall: GPU 0 in compute mode %q with time-slice %d, want DEFAULT and 0 (default)", n.Name, mode, slice)
@@ -105,14 +131,8 @@ func uninstallRestoresNode(t *testing.T, layout harness.Layout) {
 	if left, err := installedObjects(ctx); err != nil || len(left) > 0 {
 		t.Errorf("after uninstall: %v left (%v)", left, err)
 	}
-	// The hook's Job and cleanup pods are gone too (hook-succeeded, deleted on success).
-	pods, err := cluster.Client.CoreV1().Pods(harness.DriverNamespace).List(ctx, metav1.ListOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, p := range pods.Items {
-		t.Errorf("after uninstall: pod %s/%s left (%s)", p.Namespace, p.Name, p.Status.Phase)
-	}
+	// The hook's Job and cleanup pods are gone too (hook-succeeded, deleted
+	// on success): no pod of these nodes is left (above).
 	jobs, err := cluster.Client.BatchV1().Jobs(harness.DriverNamespace).List(ctx, metav1.ListOptions{})
 	if err != nil {
 		t.Fatal(err)
@@ -340,6 +360,25 @@ func containsProcess(procs []string, name string) bool {
 func containsDaemonContainer(procs []string) bool {
 	for _, p := range procs {
 		if strings.HasPrefix(p, "container "+harness.DriverNamespace+"/mps-") {
+			return true
+		}
+	}
+	return false
+}
+
+// cleanupStartedOn says whether the node's kubelet started a container of
+// the uninstall hook's cleanup pods (a Started event from that node).
+func cleanupStartedOn(ctx context.Context, t *testing.T, n *harness.Node) bool {
+	t.Helper()
+	events, err := cluster.Client.CoreV1().Events(harness.DriverNamespace).List(ctx, metav1.ListOptions{
+		FieldSelector: "involvedObject.kind=Pod,reason=Started",
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	prefix := harness.HelmRelease + "-gpu-dra-driver-kubelet-plugin-cleanup-"
+	for _, e := range events.Items {
+		if strings.HasPrefix(e.InvolvedObject.Name, prefix) && e.Source.Host == n.Name {
 			return true
 		}
 	}
