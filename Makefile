@@ -56,13 +56,17 @@ e2e-build: ## compile the e2e harness, demo, benchmark and tests without running
 e2e-bins: ## the binaries e2e runs: node plugin, webhook, simulator
 	$(CARGO) build --workspace --locked
 
-e2e-runtime: ## runc, a static busybox and the CNI plugins (Debian packages), installed when missing: e2e runs containers
+e2e-runtime: ## runc, a static busybox, the CNI plugins and iptables (Debian packages), installed when missing: e2e runs containers
 	@if ! command -v runc >/dev/null || ! busybox --list >/dev/null 2>&1 || ldd "$$(command -v busybox)" >/dev/null 2>&1; then \
 		apt-get update && apt-get install -y --no-install-recommends runc busybox-static; \
 	fi
 	@if ! { test -x /usr/lib/cni/bridge && test -x /usr/lib/cni/host-local && test -x /usr/lib/cni/loopback; } && \
 		! { test -x /opt/cni/bin/bridge && test -x /opt/cni/bin/host-local && test -x /opt/cni/bin/loopback; }; then \
 		apt-get update && apt-get install -y --no-install-recommends containernetworking-plugins; \
+	fi
+	@# Real nodes forward the kubernetes Service to the API server (e2e/harness/podnet.go).
+	@if ! command -v iptables >/dev/null; then \
+		apt-get update && apt-get install -y --no-install-recommends iptables; \
 	fi
 
 # Real nodes (e2e/harness/realnode.go) run the kubelet of the control plane's Kubernetes release,

@@ -59,13 +59,14 @@ func install(t *testing.T, set ...string) {
 func waitPlugin(ctx context.Context, t *testing.T, n *harness.Node, not types.UID) *harness.DaemonPod {
 	t.Helper()
 	var got *harness.DaemonPod
-	err := wait.PollUntilContextTimeout(ctx, 200*time.Millisecond, 90*time.Second, true, func(context.Context) (bool, error) {
+	err := wait.PollUntilContextTimeout(ctx, 200*time.Millisecond, 120*time.Second, true, func(context.Context) (bool, error) {
+		got = nil
 		for _, d := range n.DaemonPods() {
-			if d.Pod.UID != not {
+			if d.Pod.UID != not && d.Pod.DeletionTimestamp == nil && d.Running() {
 				got = d
 			}
 		}
-		return got != nil && n.DriverRegistered(harness.DefaultDriver), nil
+		return got != nil && strings.Contains(got.Log(), "registered with the kubelet"), nil
 	})
 	if err != nil {
 		var log string
@@ -116,9 +117,12 @@ func createClaimPod(ctx context.Context, ns, name, node string, params []byte) (
 	pod := &v1.Pod{
 		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns},
 		Spec: v1.PodSpec{
-			NodeSelector: map[string]string{"kubernetes.io/hostname": node},
+			// The test image's sleep, as PID 1, ignores SIGTERM: without a
+			// short grace period every deletion waits the default 30 s.
+			TerminationGracePeriodSeconds: new(int64(1)),
+			NodeSelector:                  map[string]string{"kubernetes.io/hostname": node},
 			Containers: []v1.Container{{
-				Name: "ctr", Image: "cuda-sample",
+				Name: "ctr", Image: harness.TestImageName,
 				Resources: v1.ResourceRequirements{Claims: []v1.ResourceClaim{{Name: "gpu"}}},
 			}},
 			ResourceClaims: []v1.PodResourceClaim{{Name: "gpu", ResourceClaimName: &claim.Name}},
@@ -128,7 +132,11 @@ func createClaimPod(ctx context.Context, ns, name, node string, params []byte) (
 }
 
 func envOf(d *harness.DaemonPod, key string) string {
-	for _, e := range d.Spec().Process.Env {
+	spec := d.Spec()
+	if spec == nil {
+		return ""
+	}
+	for _, e := range spec.Process.Env {
 		if k, v, _ := strings.Cut(e, "="); k == key {
 			return v
 		}
@@ -150,9 +158,14 @@ func TestHelmLifecycle(t *testing.T) {
 	first := waitPlugin(ctx, t, n, "")
 	otherFirst := waitPlugin(ctx, t, other, "")
 
-	// The container is the chart's DaemonSet pod: root, privileged, the
-	// kubelet's folders of the node bind-mounted at their host paths.
+	// The container is the chart's DaemonSet pod, as containerd ran it:
+	// root, privileged, the kubelet's folders bind-mounted from their host
+	// paths, which in the node's mount namespace are the node's own tree
+	// (the plugin's registration socket is there, not on the other node).
 	spec := first.Spec()
+	if spec == nil {
+		t.Fatalf("no OCI spec of the plugin container %s", first.Pod.Name)
+	}
 	if spec.Process.User.UID != 0 || !slices.Contains(spec.Process.Capabilities.Effective, "CAP_SYS_ADMIN") {
 		t.Errorf("plugin container runs as uid %d with %v; the chart asks for root, privileged", spec.Process.User.UID, spec.Process.Capabilities.Effective)
 	}
@@ -161,9 +174,16 @@ func TestHelmLifecycle(t *testing.T) {
 		mounts[m.Destination] = m.Source
 	}
 	for _, p := range []string{"/var/lib/kubelet/plugins_registry", "/var/lib/kubelet/plugins/gpu.nvidia.com", "/var/run/cdi", harness.ContainerDriverRoot} {
-		if mounts[p] != n.HostPath(p) {
-			t.Errorf("mount %s: source %q, want the node's %q", p, mounts[p], n.HostPath(p))
+		if mounts[p] != p {
+			t.Errorf("mount %s: source %q, want the host path %q", p, mounts[p], p)
 		}
+	}
+	socket := "gpu.nvidia.com-" + string(first.Pod.UID) + "-reg.sock"
+	if _, err := os.Stat(n.HostPath("/var/lib/kubelet/plugins_registry/" + socket)); err != nil {
+		t.Errorf("the plugin's registration socket is not in its node's tree: %v", err)
+	}
+	if _, err := os.Stat(other.HostPath("/var/lib/kubelet/plugins_registry/" + socket)); err == nil {
+		t.Errorf("the plugin's registration socket of %s is in the tree of %s", n.Name, other.Name)
 	}
 	if got := mounts["/var/run/secrets/kubernetes.io/serviceaccount"]; got == "" {
 		t.Errorf("no service-account token mounted: %v", mounts)
@@ -200,19 +220,21 @@ func TestHelmLifecycle(t *testing.T) {
 	if got := envOf(second, "LOG_LEVEL"); got != "debug" {
 		t.Errorf("after the upgrade the plugin runs with LOG_LEVEL=%q, want debug", got)
 	}
-	if _, err := cluster.Client.CoreV1().Pods(first.Pod.Namespace).Get(ctx, first.Pod.Name, metav1.GetOptions{}); !apierrors.IsNotFound(err) {
-		t.Errorf("the old plugin pod %s is still there (err %v)", first.Pod.Name, err)
+	// The surge rollout (maxSurge 1, maxUnavailable 0): the DaemonSet
+	// controller deletes the old pod once the new one is available.
+	if err := cluster.WaitPodGone(ctx, first.Pod.Namespace, first.Pod.Name, 60*time.Second); err != nil {
+		t.Errorf("the old plugin pod %s is still there: %v", first.Pod.Name, err)
 	}
-	if phase, _, msg := first.Container().State(); phase == harness.ContainerRunning {
-		t.Errorf("the old plugin container still runs: %s", msg)
+	if first.Running() {
+		t.Errorf("the old plugin container still runs after its pod is gone")
 	}
 	got, err := cluster.Client.CoreV1().Pods(pod.Namespace).Get(ctx, pod.Name, metav1.GetOptions{})
 	if err != nil || got.Status.Phase != v1.PodRunning {
 		t.Fatalf("workload pod after the upgrade: %v %v", err, got.Status.Phase)
 	}
-	for _, c := range n.Containers(pod) {
-		if phase, _, msg := c.State(); phase != harness.ContainerRunning {
-			t.Errorf("workload container %s after the upgrade: %s %s", c.Name, phase, msg)
+	for _, c := range got.Status.ContainerStatuses {
+		if c.State.Running == nil || c.RestartCount != 0 {
+			t.Errorf("workload container %s after the upgrade: %+v, %d restarts", c.Name, c.State, c.RestartCount)
 		}
 	}
 	// The new plugin unprepares the claim the old one prepared.

@@ -43,10 +43,10 @@ func mpsDaemonOutlivesThePlugin(t *testing.T, layout harness.Layout) {
 
 	pod, daemon, server := runMPSWorkload(ctx, t, n, plugin, "mps-pods-"+string(layout))
 
-	// A crash of the plugin's container: the harness starts it again.
+	// A crash of the plugin's container: the kubelet starts it again.
 	const adopted = "re-adopted MPS control daemon pod"
 	before := strings.Count(plugin.Log(), adopted)
-	plugin.Kill(n)
+	plugin.Kill()
 	waitLog(ctx, t, plugin, func(log string) bool { return strings.Count(log, adopted) > before })
 	sameDaemon(ctx, t, n, daemon)
 	if got := mpsServer(ctx, t, n, pod, "40.0"); got != server {
@@ -77,7 +77,7 @@ func mpsDaemonOutlivesThePlugin(t *testing.T, layout harness.Layout) {
 	if _, err := cluster.Client.CoreV1().Pods(stray.Namespace).Create(ctx, stray, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	second.Kill(n)
+	second.Kill()
 	if err := cluster.WaitPodGone(ctx, stray.Namespace, stray.Name, 60*time.Second); err != nil {
 		t.Errorf("the daemon pod nothing records is still there after the plugin's restart: %v; log:\n%s", err, second.Log())
 	}
@@ -95,7 +95,17 @@ func mpsDaemonOutlivesThePlugin(t *testing.T, layout harness.Layout) {
 		t.Fatalf("the deleted MPS control daemon pod was not replaced: %v; plugin log:\n%s", err, second.Log())
 	}
 	daemon = daemonPod(ctx, t, n.Name)
-	// The workload's CUDA program joins the new daemon's server, with the claim's limits.
+	// The workload's CUDA program joins the new daemon's server, with the
+	// claim's limits, once the daemon serves: the kubelet reports the pod
+	// Running when its container started, not when the daemon listens.
+	var res harness.ExecResult
+	err = wait.PollUntilContextTimeout(ctx, 500*time.Millisecond, 30*time.Second, true, func(ctx context.Context) (bool, error) {
+		res, err = n.Exec(ctx, pod, "ctr", "cuda-app")
+		return err == nil && res.ExitCode == 0 && strings.Contains(res.Stdout, "MPS server "), nil
+	})
+	if err != nil {
+		t.Fatalf("the workload's CUDA program joined no server of the replaced daemon: %v: %s%s", err, res.Stdout, res.Stderr)
+	}
 	mpsServer(ctx, t, n, pod, "40.0")
 
 	// The claim is unprepared: its daemon pod goes, the GPU is released.

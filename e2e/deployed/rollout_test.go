@@ -90,7 +90,7 @@ func TestRollingUpgrade(t *testing.T) {
 	})
 	var oldGone time.Time
 	for time.Since(upgradeStart) < 60*time.Second {
-		if phase, _, _ := first.Container().State(); phase != harness.ContainerRunning {
+		if !first.Running() {
 			oldGone = time.Now()
 			break
 		}
@@ -100,7 +100,25 @@ func TestRollingUpgrade(t *testing.T) {
 		t.Errorf("the old plugin container still runs 60 s after the upgrade")
 		oldGone = time.Now()
 	}
-	time.Sleep(3 * time.Second)
+	// The stream goes on after the rollout until claims went through
+	// before, during and after it (a real kubelet's round trip, deletion
+	// included, takes seconds on this machine).
+	deadline := time.Now().Add(90 * time.Second)
+	for time.Now().Before(deadline) {
+		mu.Lock()
+		after := 0
+		for _, s := range samples {
+			if s.start.After(oldGone) {
+				after++
+			}
+		}
+		enough := len(samples) >= 12 && after >= 3
+		mu.Unlock()
+		if enough {
+			break
+		}
+		time.Sleep(500 * time.Millisecond)
+	}
 	close(stop)
 	wg.Wait()
 

@@ -15,6 +15,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/util/wait"
 
 	"github.com/gpu-dra/e2e/harness"
 )
@@ -81,10 +82,35 @@ func uninstallRestoresNode(t *testing.T, layout harness.Layout) {
 		t.Logf("logs of the driver's pods:\n%s", cleanupLogs(mpsNode, tsNode))
 	}
 
+	// The chart's other pods (the webhook Deployment's) go after the
+	// uninstall: the garbage collector deletes them once their owners are
+	// gone, and their kubelet stops them. Pods of an earlier subtest's
+	// removed nodes are not this test's.
+	ours := func(p v1.Pod) bool {
+		return p.Spec.NodeName == "" || p.Spec.NodeName == mpsNode.Name || p.Spec.NodeName == tsNode.Name
+	}
+	var left []string
+	if err := wait.PollUntilContextTimeout(ctx, 500*time.Millisecond, 90*time.Second, true, func(ctx context.Context) (bool, error) {
+		pods, err := cluster.Client.CoreV1().Pods(harness.DriverNamespace).List(ctx, metav1.ListOptions{})
+		if err != nil {
+			return false, nil
+		}
+		left = nil
+		for _, p := range pods.Items {
+			if ours(p) {
+				left = append(left, fmt.Sprintf("%s (%s)", p.Name, p.Status.Phase))
+			}
+		}
+		return len(left) == 0, nil
+	}); err != nil {
+		t.Errorf("after uninstall: pods left in %s: %v", harness.DriverNamespace, left)
+	}
 	for _, n := range []*harness.Node{mpsNode, tsNode} {
-		// The hook ran our cleanup on the node, on the driver's image.
-		if logs := cleanupLogs(n); !strings.Contains(logs, "node cleanup done") {
-			t.Errorf("%s: no cleanup pod ran `gpu-kubelet-plugin cleanup` here; logs of the driver's pods:\n%s", n.Name, logs)
+		// The hook ran our cleanup on the node, on the driver's image: the
+		// node's kubelet started a cleanup pod (its events stay in the API;
+		// its logs go with the pod, which the hook deletes on success).
+		if !cleanupStartedOn(ctx, t, n) {
+			t.Errorf("%s: no cleanup pod ran `gpu-kubelet-plugin cleanup` here; logs of the driver's pods:\n%s", n.Name, cleanupLogs(mpsNode, tsNode))
 		}
 		if mode, slice := gpuSettings(t, n); mode != "DEFAULT" || slice != 0 {
 			t.Errorf("%s after uninstall: GPU 0 in compute mode %q with time-slice %d, want DEFAULT and 0 (default)", n.Name, mode, slice)
@@ -92,8 +118,8 @@ func uninstallRestoresNode(t *testing.T, layout harness.Layout) {
 		if left := ourFiles(n); len(left) > 0 {
 			t.Errorf("%s after uninstall: files of ours left: %v", n.Name, left)
 		}
-		if m := mountsUnder(n.HostRoot); len(m) > 0 {
-			t.Errorf("%s after uninstall: mounts left under the node's tree: %v", n.Name, m)
+		if m := ourMounts(n); len(m) > 0 {
+			t.Errorf("%s after uninstall: mounts left in the plugin folder: %v", n.Name, m)
 		}
 		if procs := procs[n].list(workloads); len(procs) > 0 {
 			t.Errorf("%s after uninstall: processes of ours left: %v", n.Name, procs)
@@ -105,14 +131,8 @@ func uninstallRestoresNode(t *testing.T, layout harness.Layout) {
 	if left, err := installedObjects(ctx); err != nil || len(left) > 0 {
 		t.Errorf("after uninstall: %v left (%v)", left, err)
 	}
-	// The hook's Job and cleanup pods are gone too (hook-succeeded, deleted on success).
-	pods, err := cluster.Client.CoreV1().Pods(harness.DriverNamespace).List(ctx, metav1.ListOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, p := range pods.Items {
-		t.Errorf("after uninstall: pod %s/%s left (%s)", p.Namespace, p.Name, p.Status.Phase)
-	}
+	// The hook's Job and cleanup pods are gone too (hook-succeeded, deleted
+	// on success): no pod of these nodes is left (above).
 	jobs, err := cluster.Client.BatchV1().Jobs(harness.DriverNamespace).List(ctx, metav1.ListOptions{})
 	if err != nil {
 		t.Fatal(err)
@@ -122,9 +142,14 @@ func uninstallRestoresNode(t *testing.T, layout harness.Layout) {
 	}
 	// The workloads were not touched: only the driver's state went.
 	for _, p := range workloads {
-		for _, c := range nodeOf(p, mpsNode, tsNode).Containers(p) {
-			if phase, _, msg := c.State(); phase != harness.ContainerRunning {
-				t.Errorf("workload %s/%s container %s after uninstall: %s %s", p.Namespace, p.Name, c.Name, phase, msg)
+		got, err := cluster.Client.CoreV1().Pods(p.Namespace).Get(ctx, p.Name, metav1.GetOptions{})
+		if err != nil {
+			t.Errorf("workload %s/%s after uninstall: %v", p.Namespace, p.Name, err)
+			continue
+		}
+		for _, c := range got.Status.ContainerStatuses {
+			if c.State.Running == nil || c.RestartCount != 0 {
+				t.Errorf("workload %s/%s container %s after uninstall: %+v, %d restarts", p.Namespace, p.Name, c.Name, c.State, c.RestartCount)
 			}
 		}
 	}
@@ -192,15 +217,6 @@ func runExample(ctx context.Context, t *testing.T, file string, node *harness.No
 	return out
 }
 
-func nodeOf(p *v1.Pod, nodes ...*harness.Node) *harness.Node {
-	for _, n := range nodes {
-		if p.Spec.NodeSelector["kubernetes.io/hostname"] == n.Name {
-			return n
-		}
-	}
-	return nodes[0]
-}
-
 // gpuSettings are GPU 0's compute mode and time-slice value in the node's
 // simulator state (what the simulated kernel driver holds).
 func gpuSettings(t *testing.T, n *harness.Node) (string, int) {
@@ -246,17 +262,13 @@ func ourFiles(n *harness.Node) []string {
 	return out
 }
 
-// mountsUnder are the mount points of this machine's mount table under dir.
-func mountsUnder(dir string) []string {
-	data, err := os.ReadFile("/proc/self/mountinfo")
-	if err != nil {
-		return []string{"cannot read /proc/self/mountinfo: " + err.Error()}
-	}
+// ourMounts are the mount points in the plugin folder, at its host path or
+// in the node's tree, of the node's mount namespace (where its kubelet and
+// containerd, and so every mount made for the driver's pods, live).
+func ourMounts(n *harness.Node) []string {
 	var out []string
-	for _, line := range strings.Split(string(data), "\n") {
-		f := strings.Fields(line)
-		if len(f) > 4 {
-			p := strings.ReplaceAll(f[4], `\040`, " ")
+	for _, p := range n.NamespaceMounts() {
+		for _, dir := range []string{pluginDir, n.HostPath(pluginDir)} {
 			if p == dir || strings.HasPrefix(p, dir+"/") {
 				out = append(out, p)
 			}
@@ -270,7 +282,9 @@ func mountsUnder(dir string) []string {
 // exists) at its host path, i.e. the plugin, hook and cleanup containers and
 // everything they started (MPS control daemons among them), and those
 // running the node's simulated driver tools from the host. Workload
-// containers do not mount the plugin folder.
+// containers do not mount the plugin folder; the node's own kubelet,
+// containerd and shims (its mount namespace) see it as the host does and
+// are not ours.
 type nodeProcesses struct {
 	n        *harness.Node
 	dev, ino uint64
@@ -307,25 +321,26 @@ func (np nodeProcesses) list(workloads []*v1.Pod) []string {
 		if err != nil || pid == os.Getpid() {
 			continue
 		}
+		if ns, _ := os.Readlink(filepath.Join("/proc", e.Name(), "ns", "mnt")); ns == np.n.MountNamespace() {
+			continue
+		}
 		var st syscall.Stat_t
 		if syscall.Stat(filepath.Join("/proc", e.Name(), "root")+pluginDir, &st) == nil &&
 			uint64(st.Dev) == np.dev && st.Ino == np.ino {
 			add(pid)
 		}
 	}
-	workloadIDs := map[string]bool{}
+	workloadPods := map[string]bool{}
 	for _, p := range workloads {
-		for _, c := range np.n.Containers(p) {
-			workloadIDs[c.ID] = true
-		}
+		workloadPods[string(p.UID)] = true
 	}
-	ids, err := np.n.RuncList()
+	ctrs, err := np.n.CRIContainers(context.Background())
 	if err != nil {
-		out = append(out, "runc list: "+err.Error())
+		out = append(out, "CRI ListContainers: "+err.Error())
 	}
-	for _, id := range ids {
-		if !workloadIDs[id] {
-			out = append(out, "container "+id)
+	for _, c := range ctrs {
+		if c.Running && !workloadPods[c.PodUID] {
+			out = append(out, fmt.Sprintf("container %s/%s/%s", c.PodNamespace, c.PodName, c.Name))
 		}
 	}
 	return out
@@ -344,7 +359,26 @@ func containsProcess(procs []string, name string) bool {
 // control daemon pod.
 func containsDaemonContainer(procs []string) bool {
 	for _, p := range procs {
-		if strings.HasPrefix(p, "container ") && strings.HasSuffix(p, "_mps-control-daemon") {
+		if strings.HasPrefix(p, "container "+harness.DriverNamespace+"/mps-") {
+			return true
+		}
+	}
+	return false
+}
+
+// cleanupStartedOn says whether the node's kubelet started a container of
+// the uninstall hook's cleanup pods (a Started event from that node).
+func cleanupStartedOn(ctx context.Context, t *testing.T, n *harness.Node) bool {
+	t.Helper()
+	events, err := cluster.Client.CoreV1().Events(harness.DriverNamespace).List(ctx, metav1.ListOptions{
+		FieldSelector: "involvedObject.kind=Pod,reason=Started",
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	prefix := harness.HelmRelease + "-gpu-dra-driver-kubelet-plugin-cleanup-"
+	for _, e := range events.Items {
+		if strings.HasPrefix(e.InvolvedObject.Name, prefix) && e.Source.Host == n.Name {
 			return true
 		}
 	}
@@ -356,13 +390,11 @@ func containsDaemonContainer(procs []string) bool {
 func cleanupLogs(nodes ...*harness.Node) string {
 	var b strings.Builder
 	for _, n := range nodes {
-		dirs, _ := filepath.Glob(filepath.Join(n.Dir, "logs", harness.DriverNamespace+"_*"))
-		for _, d := range dirs {
-			files, _ := filepath.Glob(filepath.Join(d, "*.log"))
-			for _, f := range files {
-				data, _ := os.ReadFile(f)
-				fmt.Fprintf(&b, "--- %s %s\n%s\n", n.Name, strings.TrimPrefix(f, n.Dir+"/"), data)
-			}
+		// The kubelet's pod logs: <ns>_<pod>_<uid>/<container>/<restart>.log.
+		files, _ := filepath.Glob(filepath.Join(n.Dir, "pod-logs", harness.DriverNamespace+"_*", "*", "*.log"))
+		for _, f := range files {
+			data, _ := os.ReadFile(f)
+			fmt.Fprintf(&b, "--- %s %s\n%s\n", n.Name, strings.TrimPrefix(f, n.Dir+"/"), data)
 		}
 	}
 	return b.String()

@@ -110,7 +110,12 @@ plugins:
 // ValidatingAdmissionPolicy) with ResourceQuota configured as on GKE
 // (admissionConfig), and every GA resource.k8s.io API.
 func startAPIServer(ctx context.Context, dir, etcdURL string, ca *CA) (*apiserver, error) {
-	certFile, keyFile, err := ca.IssueServing(dir, "apiserver", "kubernetes", "kubernetes.default", "kubernetes.default.svc")
+	// Pods of real nodes reach it as the `kubernetes` Service (podnet.go).
+	certFile, keyFile, err := ca.issue(dir, "apiserver", certRequest{
+		commonName: "apiserver", server: true,
+		dnsNames: []string{"localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc"},
+		ips:      []net.IP{net.ParseIP("127.0.0.1"), net.ParseIP(KubernetesServiceIP)},
+	})
 	if err != nil {
 		return nil, err
 	}

@@ -252,7 +252,6 @@ func (c *Cluster) Stop() {
 	c.mu.Unlock()
 	for _, n := range nodes {
 		n.Stop()
-		n.removeShortRoot()
 	}
 	c.mu.Lock()
 	stops := c.stops

@@ -52,7 +52,7 @@ func (c *Cluster) startControllerManager(ctx context.Context) error {
 	s.Generic.ClientConnection.QPS = 1000
 	s.Generic.ClientConnection.Burst = 2000
 	s.Generic.LeaderElection.LeaderElect = false
-	s.Generic.Controllers = []string{"*", "-daemonset"}
+	s.Generic.Controllers = []string{"*"}
 	s.SecureServing.BindPort = 0
 	s.SAController.RootCAFile = caFile
 	config, err := s.Config(ctx, kcm.KnownControllers(), kcm.ControllersDisabledByDefault(), kcm.ControllerAliases())

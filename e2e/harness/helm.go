@@ -2,8 +2,9 @@ package harness
 
 // The driver gets into a cluster as an admin installs it: `helm install` of
 // the chart against the cluster's API server (its admin kubeconfig), `helm
-// upgrade` and `helm uninstall` after. Nodes whose plugin runs deployed pick
-// the DaemonSet up from the API server (daemonset.go).
+// upgrade` and `helm uninstall` after. kube-controller-manager's DaemonSet
+// controller places the plugin's pods on the nodes whose plugin runs
+// deployed (DeployedPluginSelector), whose kubelets run them.
 
 import (
 	"context"
@@ -64,6 +65,10 @@ func (c *Cluster) helmChart(ctx context.Context, verb string, set []string) erro
 	if verb == "install" {
 		args = append(args, "--create-namespace")
 	}
+	// The plugin's DaemonSet on the nodes whose plugin runs deployed only
+	// (realnode_ns.go), as admins select their GPU nodes; a later --set of
+	// the caller wins.
+	args = append(args, "--set", DeployedPluginSelector)
 	for _, s := range set {
 		args = append(args, "--set", s)
 	}

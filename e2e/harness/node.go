@@ -32,7 +32,6 @@ import (
 	draplugin "k8s.io/kubernetes/pkg/kubelet/cm/dra/plugin"
 	kubeletconfig "k8s.io/kubernetes/pkg/kubelet/config"
 	"k8s.io/kubernetes/pkg/kubelet/pluginmanager"
-	pluginmanagercache "k8s.io/kubernetes/pkg/kubelet/pluginmanager/cache"
 )
 
 // CDIAnnotation is the pod annotation where a simulated node records, per
@@ -59,8 +58,9 @@ type NodeOptions struct {
 	// GPUs (see nvidiaruntime.go). LayoutProcess nodes only.
 	NvidiaRuntime bool
 	// RealKubelet runs the kubelet and containerd as processes instead of
-	// the pod loop and runtime of this file (see realnode.go); the plugin
-	// runs as a process (LayoutProcess only).
+	// the pod loop and runtime of this file (see realnode.go). Nodes of a
+	// deployed Layout always do (their plugin is the chart's DaemonSet pod,
+	// in the node's mount namespace: realnode_ns.go).
 	RealKubelet bool
 	// Taints the kubelet registers a real node with (RealKubelet only).
 	Taints []v1.Taint
@@ -98,9 +98,8 @@ type Node struct {
 	cluster *Cluster
 	opts    NodeOptions
 	simRoot string
-	daemons *daemonSets // nil for LayoutProcess
-	real    *realNode   // nil unless NodeOptions.RealKubelet
-	runtime *runtime    // nil with NodeOptions.NoContainers
+	real    *realNode // nil unless NodeOptions.RealKubelet
+	runtime *runtime  // nil with NodeOptions.NoContainers
 	dra     *dra.Manager
 	pods    corelisters.PodLister
 	queue   workqueue.TypedRateLimitingInterface[string]
@@ -110,8 +109,6 @@ type Node struct {
 
 	draErrMu sync.Mutex
 	draErrs  []string
-	// shortRoot links to HostRoot with a short path (shortHostRoot).
-	shortRoot string
 }
 
 // AddNode creates a Node object and starts the node's kubelet pieces.
@@ -143,11 +140,19 @@ func (c *Cluster) AddNode(ctx context.Context, opts NodeOptions) (*Node, error) 
 		if opts.NoContainers {
 			return nil, fmt.Errorf("node %s: a deployed node plugin needs the container runtime", opts.Name)
 		}
+		// A real node with its host tree (realnode_ns.go), which the chart's
+		// DaemonSet selects (DeployedPluginLabel).
+		opts.RealKubelet = true
+		labels := map[string]string{DeployedPluginLabel: "deployed"}
+		for k, v := range opts.Labels {
+			labels[k] = v
+		}
+		opts.Labels = labels
+		n.opts = opts
 		n.useHostTree(filepath.Join(dir, "r"))
-	}
-	if opts.RealKubelet {
-		if opts.Layout != LayoutProcess || opts.NoContainers {
-			return nil, fmt.Errorf("node %s: a real kubelet runs with the plugin as a process and with containers", opts.Name)
+	} else if opts.RealKubelet {
+		if opts.NoContainers {
+			return nil, fmt.Errorf("node %s: a real kubelet runs containers", opts.Name)
 		}
 		// The real kubelet's own folders (its --root-dir is <node>/kubelet).
 		n.RegistrarDir = filepath.Join(dir, "kubelet", "plugins_registry")
@@ -231,22 +236,8 @@ func (n *Node) startKubelet(ctx context.Context) error {
 	if err := n.dra.Start(ctx, n.activePods, getNode, sourcesReady); err != nil {
 		return fmt.Errorf("node %s: start DRA manager: %w", n.Name, err)
 	}
-	watched := n.RegistrarDir
-	var handler pluginmanagercache.PluginHandler = n.dra.GetWatcherHandler()
-	if n.HostRoot != "" {
-		// Socket paths in the tree, seen from this machine, would be longer
-		// than a UNIX socket address allows (108 bytes) where the host's own
-		// are not (per-pod socket names); a short link to the tree keeps
-		// them as short as on the host, plus a few bytes.
-		short, err := n.shortHostRoot()
-		if err != nil {
-			return err
-		}
-		watched = filepath.Join(short, "var/lib/kubelet/plugins_registry")
-		handler = hostEndpoints{PluginHandler: handler, root: short}
-	}
-	plugins := pluginmanager.NewPluginManager(watched, &record.FakeRecorder{})
-	plugins.AddHandler(pluginwatcherapi.DRAPlugin, handler)
+	plugins := pluginmanager.NewPluginManager(n.RegistrarDir, &record.FakeRecorder{})
+	plugins.AddHandler(pluginwatcherapi.DRAPlugin, n.dra.GetWatcherHandler())
 	n.wg.Add(1)
 	go func() { defer n.wg.Done(); plugins.Run(ctx, sourcesReady, ctx.Done()) }()
 
@@ -262,11 +253,6 @@ func (n *Node) startKubelet(ctx context.Context) error {
 	go func() { defer n.wg.Done(); n.heartbeat(ctx) }()
 	n.wg.Add(1)
 	go func() { defer n.wg.Done(); n.watchHealthUpdates(ctx, queue) }()
-	if n.Layout != LayoutProcess {
-		n.daemons = newDaemonSets(n)
-		n.wg.Add(1)
-		go func() { defer n.wg.Done(); n.daemons.run(ctx) }()
-	}
 	go func() { <-ctx.Done(); queue.ShutDown() }()
 	return nil
 }
@@ -281,6 +267,9 @@ func (c *Cluster) Node(name string) *Node {
 // DRAErrors are the kubelet's failed PrepareResources and UnprepareResources
 // calls on this node so far ("prepare ns/pod: error"), in order.
 func (n *Node) DRAErrors() []string {
+	if n.real != nil {
+		return n.realDRAErrors() // daemonpods.go
+	}
 	n.draErrMu.Lock()
 	defer n.draErrMu.Unlock()
 	return append([]string(nil), n.draErrs...)
@@ -445,9 +434,6 @@ func (n *Node) syncPod(ctx context.Context, key string) error {
 	}
 	if err != nil {
 		return err
-	}
-	if ownedByDaemonSet(pod) {
-		return nil // run by the node's DaemonSet loop (daemonset.go)
 	}
 	pods := n.cluster.Client.CoreV1().Pods(ns)
 	if pod.DeletionTimestamp != nil {
@@ -725,9 +711,6 @@ func (n *Node) Stop() {
 	if n.real != nil {
 		n.real.stopWorkloads() // realnode.go; the rest after the plugin
 	}
-	if n.daemons != nil {
-		n.daemons.stop()
-	}
 	if n.runtime != nil {
 		n.runtime.stop()
 	}
@@ -776,7 +759,6 @@ func (c *Cluster) RemoveNode(ctx context.Context, name string) error {
 	c.mu.Unlock()
 	if n != nil {
 		n.Stop()
-		n.removeShortRoot()
 	}
 	err := c.Client.CoreV1().Nodes().Delete(ctx, name, metav1.DeleteOptions{})
 	if apierrors.IsNotFound(err) {

@@ -48,8 +48,11 @@ const imagePath = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:
 type nodeImage struct {
 	// name is a full reference imported into every real node; repository
 	// (normalized: docker.io/library/ubuntu) matches any tag of it, served
-	// by the registry. One of the two.
+	// by the registry. One of the two, or driverImage.
 	name, repository string
+	// driverImage: the repository is the chart's image.repository (read
+	// from the chart's values.yaml), any tag.
+	driverImage bool
 	// layers are the root filesystems the image is made of, lowest first.
 	layers []imageLayer
 	config ImageConfig
@@ -59,6 +62,23 @@ type nodeImage struct {
 type imageLayer func(c *Cluster) (string, error)
 
 func testImageLayer(*Cluster) (string, error) { return TestImage() }
+
+// driverImageLayer is the driver's image content (`make image-rootfs`),
+// the tree the Dockerfile copies onto an empty base.
+func driverImageLayer(*Cluster) (string, error) { return ImageRootfs() }
+
+// repo is the entry's normalized repository ("" for an entry by name or
+// when the chart cannot be read).
+func (img nodeImage) repo() string {
+	if !img.driverImage {
+		return img.repository
+	}
+	repo, err := ChartImageRepository()
+	if err != nil {
+		return ""
+	}
+	return imageRepository(normalizeImage(repo))
+}
 
 // nodeImageCatalogue is every image a real node's pods can use.
 var nodeImageCatalogue = []nodeImage{
@@ -82,6 +102,12 @@ var nodeImageCatalogue = []nodeImage{
 	// (the simulated CUDA program), which NVIDIA's specs run.
 	{repository: "nvcr.io/nvidia/k8s/cuda-sample", layers: []imageLayer{testImageLayer, bashLayer, sampleLayer},
 		config: ImageConfig{Cmd: []string{"/tmp/sample"}, Env: ImageEnv(CUDAImage)}},
+	// The driver's own image, as the chart names it (image.repository, any
+	// tag: the chart's appVersion by default): the content and the config
+	// of the Dockerfile (no shell; the webhook as entrypoint; user 65532).
+	{driverImage: true, layers: []imageLayer{driverImageLayer}, config: ImageConfig{
+		Entrypoint: []string{"/usr/local/bin/gpu-dra-webhook"}, User: "65532:65532", Env: []string{imagePath},
+	}},
 }
 
 // normalizeImage is a reference as containerd names it: docker.io and
@@ -113,7 +139,7 @@ func catalogueEntry(ref string) (nodeImage, bool) {
 		if img.name != "" && normalizeImage(img.name) == full {
 			return img, true
 		}
-		if img.repository != "" && imageRepository(full) == img.repository {
+		if repo := img.repo(); repo != "" && imageRepository(full) == repo {
 			return img, true
 		}
 	}
@@ -138,7 +164,7 @@ func (c *Cluster) catalogueImage(i int) (*ociImage, error) {
 	for _, l := range entry.layers {
 		dir, err := l(c)
 		if err != nil {
-			return nil, fmt.Errorf("image %s%s: %w", entry.name, entry.repository, err)
+			return nil, fmt.Errorf("image %s%s: %w", entry.name, entry.repo(), err)
 		}
 		dirs = append(dirs, dir)
 	}

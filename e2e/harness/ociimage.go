@@ -36,6 +36,8 @@ type ImageConfig struct {
 	Entrypoint, Cmd []string
 	// Env is the image's environment (KEY=value).
 	Env []string
+	// User is the user the image runs as (uid[:gid]; empty: root).
+	User string
 }
 
 // ociImage is an image's manifest, config and layer blobs, as a registry
@@ -76,6 +78,7 @@ func buildOCIImage(layers []string, cfg ImageConfig, cache string) (*ociImage, e
 			"Entrypoint": cfg.Entrypoint,
 			"Cmd":        cfg.Cmd,
 			"Env":        cfg.Env,
+			"User":       cfg.User,
 			"WorkingDir": "/",
 		},
 		"rootfs": map[string]any{"type": "layers", "diff_ids": diffIDs},

@@ -22,8 +22,10 @@ package harness
 //     has no dummy links, so the node IP lives on the bridge; the API server
 //     reaches the kubelet there (--kubelet-preferred-address-types=InternalIP).
 //
-// No mount namespace: a LayoutProcess node's CDI specs name host paths of
-// this machine (<node>/sim), which containerd resolves as they are.
+// No mount namespace for a LayoutProcess node: its CDI specs name host
+// paths of this machine (<node>/sim), which containerd resolves as they
+// are. A node with a host tree (deployed plugin) runs its kubelet and
+// containerd in a mount namespace of its own (realnode_ns.go).
 //
 // Images: no registry is reachable; the images a node's pods may use are
 // the catalogue's (nodeimages.go): the sandbox and test images are written
@@ -80,6 +82,8 @@ type realNode struct {
 	subnet      *net.IPNet
 	cgroupRoot  string
 	port        int
+	ns          *hostNamespace // nil without a host tree
+	service     []string       // the iptables rule forwarding the API Service (podnet.go)
 
 	mu         sync.Mutex
 	containerd *daemon
@@ -185,6 +189,9 @@ func (n *Node) startReal(ctx context.Context, seq int) (err error) {
 		cgroupRoot:  fmt.Sprintf("/%s-n%d", filepath.Base(c.Dir), seq),
 	}
 	r.sock = filepath.Join(r.dir, "containerd.sock")
+	if n.HostRoot != "" {
+		r.kubeletRoot = filepath.Join(n.HostRoot, "var/lib/kubelet")
+	}
 	n.real = r
 	defer func() {
 		if err != nil {
@@ -201,6 +208,14 @@ func (n *Node) startReal(ctx context.Context, seq int) (err error) {
 	}
 	if err := r.setupCgroups(); err != nil {
 		return fmt.Errorf("node %s cgroups: %w", n.Name, err)
+	}
+	if err := r.forwardAPIService(); err != nil { // podnet.go
+		return fmt.Errorf("node %s: %w", n.Name, err)
+	}
+	if n.HostRoot != "" {
+		if err := r.startHostNamespace(ctx); err != nil { // realnode_ns.go
+			return err
+		}
 	}
 	archives, err := c.nodeImageArchives()
 	if err != nil {
@@ -333,6 +348,8 @@ func (r *realNode) startContainerd(ctx context.Context, tools nodeTools) error {
 				"type":    "host-local",
 				"dataDir": filepath.Join(r.dir, "ipam"),
 				"ranges":  [][]map[string]string{{{"subnet": r.subnet.String(), "rangeStart": first.String(), "gateway": r.ip.String()}}},
+				// The Service range through the node (podnet.go).
+				"routes": []map[string]string{{"dst": serviceCIDR}},
 			},
 		}},
 	}, "", "  ")
@@ -431,7 +448,7 @@ func (r *realNode) startContainerd(ctx context.Context, tools nodeTools) error {
 	}
 	// The shim is found next to containerd's binary on PATH.
 	d, err := startDaemon("containerd", filepath.Join(r.n.Dir, "containerd.log"), env,
-		tools.containerd, "--config", configPath)
+		r.nodeCommand([]string{tools.containerd, "--config", configPath})...)
 	if err != nil {
 		return err
 	}
@@ -466,6 +483,7 @@ func (r *realNode) writeBaseSpec(ctx context.Context, ctr string) (string, error
 		Destination: SimStateMount, Type: "bind", Source: filepath.Join(r.n.SimRoot(), "etc", "gpu-sim"),
 		Options: []string{"rbind", "ro", "nosuid", "nodev"},
 	})
+	spec.Mounts = append(spec.Mounts, r.hostTreeBaseMounts()...) // realnode_ns.go
 	if err := os.MkdirAll(filepath.Join(r.n.SimRoot(), "etc", "gpu-sim"), 0o755); err != nil {
 		return "", err
 	}
@@ -579,14 +597,14 @@ func (r *realNode) startKubelet(ctx context.Context, tools nodeTools) error {
 		"--kubeconfig=" + kubeconfig,
 		"--hostname-override=" + n.Name,
 		"--node-ip=" + r.ip.String(),
-		"--root-dir=" + r.kubeletRoot,
+		"--root-dir=" + r.kubeletRootDir(),
 		"--cert-dir=" + pki,
 		"--v=2",
 	}
 	if len(labels) > 0 {
 		args = append(args, "--node-labels="+strings.Join(labels, ","))
 	}
-	d, err := startDaemon("kubelet", filepath.Join(n.Dir, "kubelet.log"), nil, args...)
+	d, err := startDaemon("kubelet", filepath.Join(n.Dir, "kubelet.log"), nil, r.nodeCommand(args)...)
 	if err != nil {
 		return err
 	}
@@ -646,8 +664,16 @@ func (r *realNode) waitReady(ctx context.Context) error {
 // the kubelet tells the plugin (NotifyRegistrationStatus) once its DRA
 // handler registered it, and our plugin logs that.
 func (r *realNode) driverRegistered() bool {
-	p := r.n.Plugin
-	return p != nil && p.Running() && strings.Contains(p.Log(), "registered with the kubelet")
+	if p := r.n.Plugin; p != nil {
+		return p.Running() && strings.Contains(p.Log(), "registered with the kubelet")
+	}
+	// A deployed plugin: a running DaemonSet pod of the node said so.
+	for _, d := range r.n.DaemonPods() { // daemonpods.go
+		if d.Pod.DeletionTimestamp == nil && d.Running() && strings.Contains(d.Log(), "registered with the kubelet") {
+			return true
+		}
+	}
+	return false
 }
 
 // stopWorkloads stops the kubelet, then every pod through CRI (containers
@@ -713,6 +739,8 @@ func (r *realNode) stop() {
 			removeCgroupTree(filepath.Join(h, r.cgroupRoot))
 		}
 	}
+	r.stopHostNamespace() // realnode_ns.go
+	r.removeAPIService()  // podnet.go
 	if r.bridge != "" {
 		if _, err := net.InterfaceByName(r.bridge); err == nil {
 			_ = exec.Command("ip", "link", "del", r.bridge).Run()
@@ -836,6 +864,8 @@ func (n *Node) RealNodeLeftovers() []string {
 		}
 	}
 	r.mu.Unlock()
+	left = append(left, r.hostNamespaceLeft()...)
+	left = append(left, r.apiServiceLeft()...)
 	for _, pid := range r.strayProcesses() {
 		cmd, _ := os.ReadFile(filepath.Join("/proc", strconv.Itoa(pid), "cmdline"))
 		left = append(left, fmt.Sprintf("process %d: %s", pid, strings.ReplaceAll(string(cmd), "\x00", " ")))

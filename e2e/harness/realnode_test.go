@@ -201,21 +201,24 @@ func mustJSON(t *testing.T, data []byte, v any) {
 // port are not in the catalogue.
 func TestImageCatalogueMatches(t *testing.T) {
 	for ref, want := range map[string]string{
-		"ubuntu:24.04":                          "docker.io/library/ubuntu",
-		"ubuntu":                                "docker.io/library/ubuntu",
-		"docker.io/library/debian:bookworm":     "docker.io/library/debian",
-		"busybox:1.37":                          "docker.io/library/busybox",
-		"busybox@sha256:0123":                   "docker.io/library/busybox",
-		"nvcr.io/nvidia/cuda:12.4.1-base":       "nvcr.io/nvidia/cuda",
-		"nvcr.io/nvidia/k8s/cuda-sample:nbody":  "nvcr.io/nvidia/k8s/cuda-sample",
-		TestImageName:                           TestImageName,
-		"nvcr.io/nvidia/cuda-samples:vectoradd": "",
-		"quay.io/library/ubuntu:24.04":          "",
-		"registry:5000/ubuntu:24.04":            "",
-		"e2e.invalid/gpu-dra/test-image:2":      "",
+		"ubuntu:24.04":                         "docker.io/library/ubuntu",
+		"ubuntu":                               "docker.io/library/ubuntu",
+		"docker.io/library/debian:bookworm":    "docker.io/library/debian",
+		"busybox:1.37":                         "docker.io/library/busybox",
+		"busybox@sha256:0123":                  "docker.io/library/busybox",
+		"nvcr.io/nvidia/cuda:12.4.1-base":      "nvcr.io/nvidia/cuda",
+		"nvcr.io/nvidia/k8s/cuda-sample:nbody": "nvcr.io/nvidia/k8s/cuda-sample",
+		TestImageName:                          TestImageName,
+		// The driver's own image, as the chart names it (any tag).
+		"ghcr.io/gpu-dra/gpu-dra-driver:0.1.0":       "ghcr.io/gpu-dra/gpu-dra-driver",
+		"ghcr.io/gpu-dra/gpu-dra-driver@sha256:0123": "ghcr.io/gpu-dra/gpu-dra-driver",
+		"nvcr.io/nvidia/cuda-samples:vectoradd":      "",
+		"quay.io/library/ubuntu:24.04":               "",
+		"registry:5000/ubuntu:24.04":                 "",
+		"e2e.invalid/gpu-dra/test-image:2":           "",
 	} {
 		entry, ok := catalogueEntry(ref)
-		got := entry.repository + entry.name
+		got := entry.repo() + entry.name
 		if !ok {
 			got = ""
 		}

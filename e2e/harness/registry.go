@@ -110,11 +110,11 @@ func (r *imageRegistry) manifest(w http.ResponseWriter, req *http.Request, name,
 // first use (nil: not in the catalogue).
 func (r *imageRegistry) image(ref string) (*ociImage, error) {
 	entry, ok := catalogueEntry(ref)
-	if !ok || entry.repository == "" {
+	if !ok || entry.repo() == "" {
 		return nil, nil
 	}
 	for i := range nodeImageCatalogue {
-		if nodeImageCatalogue[i].repository != entry.repository {
+		if nodeImageCatalogue[i].repo() != entry.repo() {
 			continue
 		}
 		img, err := r.c.catalogueImage(i)

@@ -245,7 +245,7 @@ func (c *Container) fail(err error) {
 // and runs it on the test image.
 func (r *runtime) start(pod *v1.Pod, ctr *v1.Container, c *Container) error {
 	if RunsOnDriverImage(ctr.Image) {
-		return r.startOnDriverImage(pod, c) // imagepods.go
+		return errDriverImageOnPodLoop(pod) // imagepods.go
 	}
 	spec := r.ociSpec(pod, ctr)
 	if len(c.CDIDevices) > 0 {
@@ -265,20 +265,9 @@ func (r *runtime) start(pod *v1.Pod, ctr *v1.Container, c *Container) error {
 // injectCDI applies CDI devices to a spec with the official CDI library. A
 // fresh cache per container, as a runtime refreshes before each create: the
 // plugin has just written the claim's spec. Errors of unrelated spec files do
-// not stop the injection (containerd logs them). On a node whose host is a
-// directory tree (Node.HostRoot), the specs are read through hostView: their
-// host paths resolve inside that tree, as they would on the node itself.
+// not stop the injection (containerd logs them).
 func (r *runtime) injectCDI(spec *rspec.Spec, ids []string) error {
-	dir := r.node.CDIRoot
-	if r.node.HostRoot != "" {
-		view, err := hostView(r.node.HostRoot, r.node.CDIRoot, filepath.Join(r.node.Dir, "cdi-host-view"))
-		defer os.RemoveAll(view)
-		if err != nil {
-			return err
-		}
-		dir = view
-	}
-	cache, _ := cdi.NewCache(cdi.WithSpecDirs(dir), cdi.WithAutoRefresh(false))
+	cache, _ := cdi.NewCache(cdi.WithSpecDirs(r.node.CDIRoot), cdi.WithAutoRefresh(false))
 	if cache == nil {
 		return fmt.Errorf("CDI cache for %s", r.node.CDIRoot)
 	}
@@ -502,7 +491,6 @@ func (r *runtime) killPod(uid types.UID) {
 		go func() { defer wg.Done(); r.kill(c) }()
 	}
 	wg.Wait()
-	closeDriverImageNetwork(uid)
 }
 
 // killKey is killPod for a pod known only by namespace/name (it is gone).
@@ -652,7 +640,7 @@ type ExecResult struct {
 // `kubectl exec` (runc exec: same namespaces, root, devices and cgroup).
 func (n *Node) Exec(ctx context.Context, pod *v1.Pod, container string, args ...string) (ExecResult, error) {
 	if n.real != nil {
-		return n.real.execReal(ctx, pod, container, args) // realnode_reboot.go
+		return n.cluster.Exec(ctx, pod, container, args...) // daemonpods.go
 	}
 	if n.runtime == nil {
 		return ExecResult{}, fmt.Errorf("%w: node %s runs no containers", ErrNoContainer, n.Name)
@@ -680,6 +668,9 @@ func (n *Node) Exec(ctx context.Context, pod *v1.Pod, container string, args ...
 // ContainerLogs is what a container of a pod on this node has written to
 // stdout and stderr so far (kept after the pod is gone).
 func (n *Node) ContainerLogs(pod *v1.Pod, container string) (string, error) {
+	if n.real != nil {
+		return n.realContainerLogs(pod, container) // daemonpods.go
+	}
 	path := filepath.Join(n.Dir, "logs", fmt.Sprintf("%s_%s_%s", pod.Namespace, pod.Name, pod.UID), container+".log")
 	data, err := os.ReadFile(path)
 	if errors.Is(err, os.ErrNotExist) {

@@ -20,10 +20,11 @@ import (
 )
 
 // TestExamplesDeployed runs every scenario in examples/ again, with the node
-// plugin as the chart deploys it: a node whose plugin is the DaemonSet's pod
-// that `helm install` created (the harness runs it in a container on the
-// image content, translated from the pod spec; see e2e/README.md), with the
-// same checks inside every container as TestExamples. The suite's other
+// plugin as the chart deploys it: a real node whose plugin is the DaemonSet's
+// pod that `helm install` created (kube-controller-manager's DaemonSet
+// controller places it, the node's kubelet and containerd run it on the
+// driver's image; see e2e/README.md), with the same checks inside every
+// container as TestExamples. The suite's other
 // nodes (plugins run as processes) are cordoned meanwhile, so the scheduler
 // places every pod on the deployed node.
 //
@@ -33,8 +34,7 @@ import (
 //     device. MIG
 //     devices need the kernel's /proc/driver/nvidia capabilities, which a
 //     host-layout plugin reads from its own procfs; here that is this
-//     machine's kernel, which has none, and runc refuses to mount anything
-//     inside /proc.
+//     machine's kernel, which has none.
 //   - containerized driver (`/run/nvidia/driver`, GPU Operator): an A100
 //     node with MIG on four GPUs, every scenario.
 func TestExamplesDeployed(t *testing.T) {
@@ -107,7 +107,9 @@ func applyPluginDaemonSet(t *testing.T, set ...string) {
 	}
 	render := func(template string) string {
 		args := []string{"template", harness.HelmRelease, chart, "--namespace", harness.DriverNamespace,
-			"--kube-version", harness.KubernetesVersion, "--show-only", template}
+			"--kube-version", harness.KubernetesVersion, "--show-only", template,
+			// As the harness installs it: on the deployed nodes only.
+			"--set", harness.DeployedPluginSelector}
 		for _, s := range set {
 			args = append(args, "--set", s)
 		}

@@ -155,7 +155,7 @@ func deletePod(ctx context.Context, t *testing.T, pod *v1.Pod) {
 // node's CDI root, per container.
 func podDevices(t *testing.T, pod *v1.Pod) map[string][]harness.ResolvedDevice {
 	t.Helper()
-	ids, err := harness.CDIDevices(pod)
+	ids, err := cluster.PodCDIDevices(context.Background(), pod)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -1,0 +1,329 @@
+package harness
+
+// What tests see of the DaemonSet pods on a real node (the chart's plugin
+// pods): kube-controller-manager's DaemonSet controller creates them, the
+// node's kubelet runs them with containerd. A DaemonPod is the API's Pod
+// plus what the node has of its container: the log the kubelet keeps, the
+// OCI spec containerd gave runc (its bundle's config.json), its process.
+// Nothing here runs or changes a pod, except Kill, which crashes the
+// container's process as a fault would.
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"regexp"
+	"sort"
+	"strconv"
+	"strings"
+	"syscall"
+
+	rspec "github.com/opencontainers/runtime-spec/specs-go"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+	v1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes/scheme"
+	"k8s.io/client-go/tools/remotecommand"
+	utilexec "k8s.io/client-go/util/exec"
+	runtimeapi "k8s.io/cri-api/pkg/apis/runtime/v1"
+	podresourcesv1 "k8s.io/kubelet/pkg/apis/podresources/v1"
+)
+
+// ImageRootfs is the driver's image content: E2E_IMAGE_ROOTFS, else
+// <repo>/target/image-rootfs (`make image-rootfs`). Real nodes get it as
+// the chart's image (nodeimages.go).
+func ImageRootfs() (string, error) {
+	dir := os.Getenv("E2E_IMAGE_ROOTFS")
+	if dir == "" {
+		root, err := RepoRoot()
+		if err != nil {
+			return "", err
+		}
+		dir = filepath.Join(root, "target", "image-rootfs")
+	}
+	if !isFile(filepath.Join(dir, "usr", "local", "bin", "gpu-kubelet-plugin")) {
+		return "", fmt.Errorf("%w: driver image rootfs %s (run `make image-rootfs`)", ErrMissing, dir)
+	}
+	return dir, nil
+}
+
+// DaemonPod is a DaemonSet's pod on a real node, as listed.
+type DaemonPod struct {
+	// DaemonSet is namespace/name of the owner.
+	DaemonSet string
+	// Pod is the Pod object as listed.
+	Pod *v1.Pod
+
+	node *Node
+	// containerID is the first container's containerd ID when listed ("" if
+	// it had none yet).
+	containerID string
+}
+
+// DaemonPods are the DaemonSet pods bound to this node that the API still
+// has (terminating ones included), oldest first.
+func (n *Node) DaemonPods() []*DaemonPod {
+	pods, err := n.cluster.Client.CoreV1().Pods("").List(context.Background(), metav1.ListOptions{FieldSelector: "spec.nodeName=" + n.Name})
+	if err != nil {
+		return nil
+	}
+	var out []*DaemonPod
+	for i := range pods.Items {
+		p := &pods.Items[i]
+		ref := metav1.GetControllerOf(p)
+		if ref == nil || ref.Kind != "DaemonSet" {
+			continue
+		}
+		d := &DaemonPod{DaemonSet: p.Namespace + "/" + ref.Name, Pod: p, node: n}
+		if len(p.Status.ContainerStatuses) > 0 {
+			_, d.containerID, _ = strings.Cut(p.Status.ContainerStatuses[0].ContainerID, "://")
+		}
+		out = append(out, d)
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].Pod.CreationTimestamp.Before(&out[j].Pod.CreationTimestamp) })
+	return out
+}
+
+// DaemonPodError is the DaemonSet controller's last failure to create the
+// DaemonSet's pod (namespace/name), from its FailedCreate events; nil if
+// there is none.
+func (n *Node) DaemonPodError(ds string) error {
+	ns, name, _ := strings.Cut(ds, "/")
+	events, err := n.cluster.Client.CoreV1().Events(ns).List(context.Background(), metav1.ListOptions{
+		FieldSelector: "involvedObject.kind=DaemonSet,involvedObject.name=" + name + ",reason=FailedCreate",
+	})
+	if err != nil || len(events.Items) == 0 {
+		return nil
+	}
+	last := events.Items[0]
+	for _, e := range events.Items[1:] {
+		if e.LastTimestamp.After(last.LastTimestamp.Time) {
+			last = e
+		}
+	}
+	return errors.New(last.Message)
+}
+
+// bundle is the container's runc bundle in the node's containerd state.
+func (d *DaemonPod) bundle() string {
+	if d.containerID == "" || d.node.real == nil {
+		return ""
+	}
+	return filepath.Join(d.node.real.dir, "state", "io.containerd.runtime.v2.task", "k8s.io", d.containerID)
+}
+
+// Spec is the OCI spec containerd ran the pod's (first) container with;
+// nil once the container is gone.
+func (d *DaemonPod) Spec() *rspec.Spec {
+	b := d.bundle()
+	if b == "" {
+		return nil
+	}
+	data, err := os.ReadFile(filepath.Join(b, "config.json"))
+	if err != nil {
+		return nil
+	}
+	var spec rspec.Spec
+	if json.Unmarshal(data, &spec) != nil {
+		return nil
+	}
+	return &spec
+}
+
+// pid is the container's process as this machine numbers it (0: none).
+func (d *DaemonPod) pid() int {
+	b := d.bundle()
+	if b == "" {
+		return 0
+	}
+	data, err := os.ReadFile(filepath.Join(b, "init.pid"))
+	if err != nil {
+		return 0
+	}
+	pid, _ := strconv.Atoi(strings.TrimSpace(string(data)))
+	return pid
+}
+
+// Running says whether the container seen when listed still has its
+// process (a zombie does not count).
+func (d *DaemonPod) Running() bool {
+	pid := d.pid()
+	if pid <= 0 {
+		return false
+	}
+	stat, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return false
+	}
+	i := bytes.LastIndexByte(stat, ')')
+	return i > 0 && i+2 < len(stat) && stat[i+2] != 'Z'
+}
+
+// Kill kills the container's process with SIGKILL, as a crash; the kubelet
+// starts it again (restartPolicy Always).
+func (d *DaemonPod) Kill() {
+	if pid := d.pid(); pid > 0 {
+		_ = syscall.Kill(pid, syscall.SIGKILL)
+	}
+}
+
+// Log is what the pod's first container printed so far, every restart, as
+// the kubelet keeps it.
+func (d *DaemonPod) Log() string {
+	return criLogs(d.node.podLogDir(d.Pod, d.Pod.Spec.Containers[0].Name))
+}
+
+// podLogDir is where a real node's kubelet keeps a container's logs:
+// podLogsDir/<ns>_<name>_<uid>/<container>/<restart>.log.
+func (n *Node) podLogDir(pod *v1.Pod, container string) string {
+	return filepath.Join(n.Dir, "pod-logs", fmt.Sprintf("%s_%s_%s", pod.Namespace, pod.Name, pod.UID), container)
+}
+
+// realContainerLogs is Node.ContainerLogs on a real node: the kubelet's
+// log files of the container, every restart.
+func (n *Node) realContainerLogs(pod *v1.Pod, container string) (string, error) {
+	dir := n.podLogDir(pod, container)
+	if !isDir(dir) {
+		return "", fmt.Errorf("%w: no logs of container %q of pod %s/%s on %s", ErrNoContainer, container, pod.Namespace, pod.Name, n.Name)
+	}
+	return criLogs(dir), nil
+}
+
+// criLogs is the content of a container's log files in dir, oldest first
+// (CRI format: time, stream, tag P or F, line).
+func criLogs(dir string) string {
+	files, _ := filepath.Glob(filepath.Join(dir, "*.log"))
+	num := func(f string) int { n, _ := strconv.Atoi(strings.TrimSuffix(filepath.Base(f), ".log")); return n }
+	sort.Slice(files, func(i, j int) bool { return num(files[i]) < num(files[j]) })
+	var b strings.Builder
+	for _, f := range files {
+		data, err := os.ReadFile(f)
+		if err != nil {
+			continue
+		}
+		for _, line := range strings.Split(strings.TrimRight(string(data), "\n"), "\n") {
+			if f := strings.SplitN(line, " ", 4); len(f) == 4 {
+				b.WriteString(f[3])
+				if f[2] == "F" {
+					b.WriteByte('\n')
+				}
+			}
+		}
+	}
+	return b.String()
+}
+
+// Exec runs a command in a container of a pod through the API server's
+// pods/exec, as `kubectl exec` does (the node's kubelet and containerd run
+// it), and returns what it printed and its exit code.
+func (c *Cluster) Exec(ctx context.Context, pod *v1.Pod, container string, args ...string) (ExecResult, error) {
+	req := c.Client.CoreV1().RESTClient().Post().Resource("pods").Namespace(pod.Namespace).Name(pod.Name).SubResource("exec").
+		VersionedParams(&v1.PodExecOptions{Container: container, Command: args, Stdout: true, Stderr: true}, scheme.ParameterCodec)
+	exec, err := remotecommand.NewSPDYExecutor(c.AdminConfig, "POST", req.URL())
+	if err != nil {
+		return ExecResult{}, err
+	}
+	var stdout, stderr bytes.Buffer
+	err = exec.StreamWithContext(ctx, remotecommand.StreamOptions{Stdout: &stdout, Stderr: &stderr})
+	res := ExecResult{Stdout: stdout.String(), Stderr: stderr.String()}
+	var exit utilexec.ExitError
+	if errors.As(err, &exit) {
+		res.ExitCode = exit.ExitStatus()
+		return res, nil
+	}
+	return res, err
+}
+
+// CRIContainer is a container a real node's containerd runs for a pod.
+type CRIContainer struct {
+	// ID is containerd's container ID.
+	ID string
+	// PodNamespace, PodName, PodUID name the pod; Name is the container's.
+	PodNamespace, PodName, PodUID, Name string
+	// Running says whether the container runs.
+	Running bool
+}
+
+// CRIContainers are the containers (not the pod sandboxes) the node's
+// containerd has, as `crictl ps -a` lists them; nil for other nodes.
+func (n *Node) CRIContainers(ctx context.Context) ([]CRIContainer, error) {
+	if n.real == nil {
+		return nil, nil
+	}
+	conn, err := grpc.NewClient("unix://"+n.real.sock, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		return nil, err
+	}
+	defer conn.Close()
+	list, err := runtimeapi.NewRuntimeServiceClient(conn).ListContainers(ctx, &runtimeapi.ListContainersRequest{})
+	if err != nil {
+		return nil, err
+	}
+	var out []CRIContainer
+	for _, c := range list.Containers {
+		out = append(out, CRIContainer{
+			ID: c.Id, Name: c.Metadata.GetName(), Running: c.State == runtimeapi.ContainerState_CONTAINER_RUNNING,
+			PodNamespace: c.Labels["io.kubernetes.pod.namespace"], PodName: c.Labels["io.kubernetes.pod.name"], PodUID: c.Labels["io.kubernetes.pod.uid"],
+		})
+	}
+	return out, nil
+}
+
+// PodCDIDevices are the CDI device IDs each container of a running pod got
+// from its claims: on a real node what the kubelet's PodResources API (Get)
+// reports for the pod, as monitoring agents read it; on a pod-loop node the
+// pod's CDIAnnotation (CDIDevices). Every container of the pod has an entry.
+func (c *Cluster) PodCDIDevices(ctx context.Context, pod *v1.Pod) (map[string][]string, error) {
+	n := c.Node(pod.Spec.NodeName)
+	if n == nil || n.real == nil {
+		return CDIDevices(pod)
+	}
+	conn, err := grpc.NewClient("unix://"+n.PodResourcesSocket(), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		return nil, err
+	}
+	defer conn.Close()
+	got, err := podresourcesv1.NewPodResourcesListerClient(conn).Get(ctx, &podresourcesv1.GetPodResourcesRequest{PodName: pod.Name, PodNamespace: pod.Namespace})
+	if err != nil {
+		return nil, fmt.Errorf("PodResources Get %s/%s on %s: %w", pod.Namespace, pod.Name, n.Name, err)
+	}
+	out := map[string][]string{}
+	for _, ctr := range pod.Spec.Containers {
+		out[ctr.Name] = []string{}
+	}
+	for _, ctr := range got.GetPodResources().GetContainers() {
+		for _, dr := range ctr.GetDynamicResources() {
+			for _, cr := range dr.GetClaimResources() {
+				for _, d := range cr.GetCdiDevices() {
+					out[ctr.Name] = append(out[ctr.Name], d.GetName())
+				}
+			}
+		}
+	}
+	return out, nil
+}
+
+// kubeletDRAError is how a real kubelet logs a failed PrepareResources
+// (kuberuntime_manager: "Failed to prepare dynamic resources", err
+// "prepare dynamic resources: ...") or UnprepareResources (the pod worker's
+// "Error syncing pod", err "unprepare dynamic resources: ...").
+var kubeletDRAError = regexp.MustCompile(`err="((?:un)?prepare) dynamic resources: (.*?)" pod="([^"]+)"`)
+
+// realDRAErrors is Node.DRAErrors on a real node: the failed calls its
+// kubelet logged, in order, as "prepare ns/pod: error".
+func (n *Node) realDRAErrors() []string {
+	data, err := os.ReadFile(filepath.Join(n.Dir, "kubelet.log"))
+	if err != nil {
+		return nil
+	}
+	var out []string
+	for _, m := range kubeletDRAError.FindAllStringSubmatch(string(data), -1) {
+		out = append(out, fmt.Sprintf("%s %s: %s", m[1], m[3], m[2]))
+	}
+	return out
+}
