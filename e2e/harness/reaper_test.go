@@ -432,7 +432,7 @@ func TestNextStartSweepsADeadCluster(t *testing.T) {
 }
 
 // TestSweepRefusesWhatIsNotACluster: a record whose folder is not absolute
-// or is "/", or whose cgroups or bridges are not named after its folder,
+// or is "/" or the temporary folder, or whose cgroups or bridges are not named after its folder,
 // sweeps nothing (a damaged record must not unmount or kill this machine's
 // processes).
 func TestSweepRefusesWhatIsNotACluster(t *testing.T) {
@@ -442,12 +442,13 @@ func TestSweepRefusesWhatIsNotACluster(t *testing.T) {
 		t.Fatalf("a record with the cluster's own names is refused: %+v", good)
 	}
 	for name, rec := range map[string]clusterRecord{
-		"root folder":     {Dir: "/", BridgePrefix: bridgePrefix("/")},
-		"empty folder":    {Dir: "", BridgePrefix: bridgePrefix("")},
-		"relative folder": {Dir: "x", BridgePrefix: bridgePrefix("x")},
-		"other bridges":   {Dir: dir, BridgePrefix: "e2e"},
-		"other cgroup":    {Dir: dir, BridgePrefix: bridgePrefix(dir), Cgroups: []string{"/sys/fs/cgroup/pids/user.slice"}},
-		"not a cgroup":    {Dir: dir, BridgePrefix: bridgePrefix(dir), Cgroups: []string{filepath.Join(os.TempDir(), clusterCgroupName(dir))}},
+		"root folder":      {Dir: "/", BridgePrefix: bridgePrefix("/")},
+		"empty folder":     {Dir: "", BridgePrefix: bridgePrefix("")},
+		"relative folder":  {Dir: "x", BridgePrefix: bridgePrefix("x")},
+		"temporary folder": {Dir: os.TempDir(), BridgePrefix: bridgePrefix(os.TempDir())},
+		"other bridges":    {Dir: dir, BridgePrefix: "e2e"},
+		"other cgroup":     {Dir: dir, BridgePrefix: bridgePrefix(dir), Cgroups: []string{"/sys/fs/cgroup/pids/user.slice"}},
+		"not a cgroup":     {Dir: dir, BridgePrefix: bridgePrefix(dir), Cgroups: []string{filepath.Join(os.TempDir(), clusterCgroupName(dir))}},
 	} {
 		if rec.valid() {
 			t.Errorf("%s: record %+v accepted", name, rec)
