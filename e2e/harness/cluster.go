@@ -52,7 +52,8 @@ var klogOwner struct {
 // Options configure a Cluster.
 type Options struct {
 	// Dir holds all state (etcd data, certificates, kubeconfigs, node
-	// directories, logs). Empty: a new temporary directory, removed by Stop.
+	// directories, logs). Empty: a new temporary directory, removed by Stop
+	// (or by the cluster's reaper when the process ends without Stop).
 	Dir string
 	// Logf receives progress lines (test logger or stdout). Nil: discarded.
 	Logf func(format string, args ...any)
