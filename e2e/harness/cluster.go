@@ -4,7 +4,9 @@
 // own plugin watcher and DRA manager.
 //
 // Invariants: everything a Cluster starts lives under Cluster.Dir and stops
-// with Cluster.Stop (containers included); nothing listens on anything but
+// with Cluster.Stop (containers included), or, when the process ends
+// without Stop (killed, interrupted twice, a test timeout), with the
+// cluster's reaper (reaper.go); nothing listens on anything but
 // 127.0.0.1; nothing here fakes a Kubernetes component between the API and
 // the container runtime: the kubelet's DRA manager prepares the claims, and
 // the containers run with runc after the CDI library applied their CDI
@@ -17,6 +19,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"strings"
 	"sync"
 	"time"
 
@@ -49,7 +52,8 @@ var klogOwner struct {
 // Options configure a Cluster.
 type Options struct {
 	// Dir holds all state (etcd data, certificates, kubeconfigs, node
-	// directories, logs). Empty: a new temporary directory, removed by Stop.
+	// directories, logs). Empty: a new temporary directory, removed by Stop
+	// (or by the cluster's reaper when the process ends without Stop).
 	Dir string
 	// Logf receives progress lines (test logger or stdout). Nil: discarded.
 	Logf func(format string, args ...any)
@@ -79,6 +83,10 @@ type Cluster struct {
 
 	logf      func(format string, args ...any)
 	ownDir    bool
+	tag       string         // names the cluster's cgroups and bridges (clusterTag)
+	placement *placement     // where its processes start (clustercgroups.go); nil: no cgroups
+	reaper    *reaper        // reaper.go; nil until started
+	record    *clusterRecord // what a sweep removes; nil until the reaper started
 	cancel    context.CancelFunc
 	etcd      *embed.Etcd
 	apiserver *apiserver
@@ -109,6 +117,9 @@ func Start(ctx context.Context, opts Options) (c *Cluster, err error) {
 		}
 		c.ownDir = true
 	}
+	if c.Dir, err = filepath.Abs(c.Dir); err != nil {
+		return nil, err
+	}
 	if err := os.MkdirAll(c.Dir, 0o755); err != nil {
 		return nil, err
 	}
@@ -118,6 +129,21 @@ func Start(ctx context.Context, opts Options) (c *Cluster, err error) {
 			c.Stop()
 		}
 	}()
+	// Dead clusters' leftovers first (their reapers were killed too), then
+	// this cluster's reaper, before anything of it exists outside Dir.
+	sweepStale(c.logf)
+	c.tag = clusterTag(c.Dir)
+	rec := clusterRecord{
+		Dir: c.Dir, Cgroups: clusterCgroupDirs(c.Dir), BridgePrefix: bridgePrefix(c.Dir),
+		RemoveDir: c.ownDir && os.Getenv("E2E_KEEP_DIR") == "", Pid: os.Getpid(),
+	}
+	if c.reaper, err = startReaper(rec); err != nil {
+		return nil, fmt.Errorf("cluster reaper: %w", err)
+	}
+	c.record = &rec
+	if c.placement, err = newPlacement(c.Dir); err != nil {
+		return nil, fmt.Errorf("cluster cgroups: %w", err)
+	}
 	if !opts.Verbose {
 		c.logFile, err = os.Create(filepath.Join(c.Dir, "control-plane.log"))
 		if err != nil {
@@ -244,7 +270,9 @@ func (c *Cluster) startScheduler(ctx context.Context) error {
 }
 
 // Stop stops the nodes (and their plugin processes), the control plane and
-// etcd, and removes Dir if Start created it.
+// etcd, then sweeps (reaper.go): whatever still runs in the cluster's
+// cgroups is killed, mounts under Dir, the cluster's cgroups and bridges
+// go, and Dir too if Start created it (unless E2E_KEEP_DIR is set).
 func (c *Cluster) Stop() {
 	c.mu.Lock()
 	nodes := c.nodes
@@ -289,7 +317,22 @@ func (c *Cluster) Stop() {
 	if c.logFile != nil {
 		c.logFile.Close()
 	}
-	if c.ownDir && os.Getenv("E2E_KEEP_DIR") == "" {
-		os.RemoveAll(c.Dir)
+	c.placement.close()
+	if c.record == nil {
+		if c.ownDir && os.Getenv("E2E_KEEP_DIR") == "" {
+			os.RemoveAll(c.Dir)
+		}
+		return
 	}
+	rep := c.record.sweep()
+	// The cluster's own cgroups are always there; anything else is what the
+	// graceful stop missed.
+	if rep.processes+rep.mounts+rep.bridges+rep.files > 0 {
+		c.logf("stop: removed what the nodes' stop left: %s", rep)
+	}
+	if len(rep.left) > 0 {
+		c.logf("stop: left on this machine: %s", strings.Join(rep.left, "; "))
+	}
+	c.reaper.finish()
+	c.reaper, c.record = nil, nil
 }

@@ -264,7 +264,7 @@ func (c *Cluster) StartWebhook(ctx context.Context) (*WebhookProcess, error) {
 		"--tls-cert-file="+certFile, "--tls-key-file="+keyFile,
 		"--log-level=info")
 	w.cmd.Stdout, w.cmd.Stderr = log, log
-	if err := w.cmd.Start(); err != nil {
+	if err := c.startProcess(w.cmd); err != nil { // in the cluster's cgroups (clustercgroups.go)
 		log.Close()
 		return nil, err
 	}

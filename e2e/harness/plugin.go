@@ -52,9 +52,10 @@ type PluginProcess struct {
 	// SimRoot is the simulated host root (`gpu-sim setup --root`).
 	SimRoot string
 
-	mu   sync.Mutex
-	cmd  *exec.Cmd
-	done chan struct{}
+	cluster *Cluster // starts it in the cluster's cgroups (clustercgroups.go)
+	mu      sync.Mutex
+	cmd     *exec.Cmd
+	done    chan struct{}
 }
 
 // DefaultDriver is the driver name we publish by default.
@@ -163,6 +164,7 @@ func (n *Node) StartPlugin(ctx context.Context, opts PluginOptions) (*PluginProc
 		}, opts.ExtraArgs...),
 		LogPath: filepath.Join(n.Dir, "plugin.log"),
 		SimRoot: n.SimRoot(),
+		cluster: n.cluster,
 	}
 	if opts.BootIDFile != "" {
 		p.Args = append(p.Args, "--boot-id-file="+opts.BootIDFile)
@@ -191,7 +193,7 @@ func (p *PluginProcess) start() error {
 	// Its own process group, so MPS daemons it starts can be found and
 	// reaped even after a kill -9 of the plugin itself.
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
-	if err := cmd.Start(); err != nil {
+	if err := p.cluster.startProcess(cmd); err != nil {
 		log.Close()
 		return fmt.Errorf("start %s: %w", p.Args[0], err)
 	}

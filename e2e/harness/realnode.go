@@ -13,8 +13,8 @@ package harness
 //     socket would be machine-wide); netns mounts under the state folder.
 //   - kubelet: root dir <node>/kubelet (plugins_registry and plugins are
 //     there, and our plugin's --registrar-dir points at them), pod logs
-//     under <node>/pod-logs, its own port, cgroupRoot /<cluster>-n<i> in
-//     every cgroup v1 hierarchy.
+//     under <node>/pod-logs, its own port, cgroupRoot /e2e-<tag>/n<i> in
+//     every cgroup hierarchy (under the cluster's cgroup, clustercgroups.go).
 //   - network: a Linux bridge of its own (name and /24 unique on the
 //     machine), which the CNI bridge plugin attaches pods to; the bridge's
 //     address is the node IP. The kubelet refuses a loopback node IP ("nodeIP
@@ -44,7 +44,6 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
-	"hash/crc32"
 	"math/rand/v2"
 	"net"
 	"os"
@@ -102,7 +101,7 @@ type daemon struct {
 	done chan struct{}
 }
 
-func startDaemon(name, logPath string, env []string, args ...string) (*daemon, error) {
+func startDaemon(c *Cluster, name, logPath string, env []string, args ...string) (*daemon, error) {
 	log, err := os.OpenFile(logPath, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
 	if err != nil {
 		return nil, err
@@ -112,7 +111,7 @@ func startDaemon(name, logPath string, env []string, args ...string) (*daemon, e
 	cmd.Env = append(os.Environ(), env...)
 	// Its own process group; killed if the harness dies without stopping it.
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
-	if err := cmd.Start(); err != nil {
+	if err := c.startProcess(cmd); err != nil { // in the cluster's cgroups (clustercgroups.go)
 		log.Close()
 		return nil, fmt.Errorf("start %s: %w", name, err)
 	}
@@ -180,13 +179,12 @@ func (n *Node) startReal(ctx context.Context, seq int) (err error) {
 		return err
 	}
 	c := n.cluster
-	tag := fmt.Sprintf("%06x", crc32.ChecksumIEEE([]byte(c.Dir))&0xffffff)
 	r := &realNode{
 		n:           n,
 		dir:         filepath.Join(n.Dir, "containerd"),
 		kubeletRoot: filepath.Join(n.Dir, "kubelet"),
-		bridge:      fmt.Sprintf("e2e%sn%d", tag, seq),
-		cgroupRoot:  fmt.Sprintf("/%s-n%d", filepath.Base(c.Dir), seq),
+		bridge:      c.bridgeName(seq),     // clustercgroups.go: the cluster's reaper
+		cgroupRoot:  c.nodeCgroupRoot(seq), // finds and removes both by these names
 	}
 	r.sock = filepath.Join(r.dir, "containerd.sock")
 	if n.HostRoot != "" {
@@ -447,7 +445,7 @@ func (r *realNode) startContainerd(ctx context.Context, tools nodeTools) error {
 		return err
 	}
 	// The shim is found next to containerd's binary on PATH.
-	d, err := startDaemon("containerd", filepath.Join(r.n.Dir, "containerd.log"), env,
+	d, err := startDaemon(r.n.cluster, "containerd", filepath.Join(r.n.Dir, "containerd.log"), env,
 		r.nodeCommand([]string{tools.containerd, "--config", configPath})...)
 	if err != nil {
 		return err
@@ -604,7 +602,7 @@ func (r *realNode) startKubelet(ctx context.Context, tools nodeTools) error {
 	if len(labels) > 0 {
 		args = append(args, "--node-labels="+strings.Join(labels, ","))
 	}
-	d, err := startDaemon("kubelet", filepath.Join(n.Dir, "kubelet.log"), nil, r.nodeCommand(args)...)
+	d, err := startDaemon(r.n.cluster, "kubelet", filepath.Join(n.Dir, "kubelet.log"), nil, r.nodeCommand(args)...)
 	if err != nil {
 		return err
 	}

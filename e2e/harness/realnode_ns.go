@@ -92,7 +92,7 @@ func (r *realNode) startHostNamespace(ctx context.Context) error {
 	if _, err := exec.LookPath("nsenter"); err != nil {
 		return fmt.Errorf("%w: nsenter (util-linux) for the node's mount namespace", ErrMissing)
 	}
-	holder, err := startDaemon("mount namespace", filepath.Join(n.Dir, "mountns.log"), nil,
+	holder, err := startDaemon(r.n.cluster, "mount namespace", filepath.Join(n.Dir, "mountns.log"), nil,
 		unshare, "--mount", "--propagation", "slave", "sleep", "2147483647")
 	if err != nil {
 		return err

@@ -326,7 +326,7 @@ func (r *runtime) run(c *Container, spec *rspec.Spec, image string, exited func(
 	// Its own process group: a Ctrl-C of the demo reaches the harness, which
 	// then stops the containers itself.
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
-	if err := cmd.Start(); err != nil {
+	if err := r.node.cluster.startProcess(cmd); err != nil { // in the cluster's cgroups (clustercgroups.go)
 		logFile.Close()
 		return fmt.Errorf("start runc: %w", err)
 	}

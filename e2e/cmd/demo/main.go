@@ -11,11 +11,9 @@ import (
 	"fmt"
 	"os"
 	"os/exec"
-	"os/signal"
 	"path/filepath"
 	"sort"
 	"strings"
-	"syscall"
 	"time"
 
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -30,7 +28,9 @@ func main() {
 	examples := flag.String("examples", "", "comma-separated example folders for the tour (default: a few picked from examples/)")
 	tour := flag.Bool("tour", true, "apply a few examples and show what happened")
 	flag.Parse()
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	// The first Ctrl-C stops the cluster gracefully, a second one at once
+	// (the cluster's reaper then removes what is left).
+	ctx, stop := harness.InterruptContext(context.Background(), say)
 	defer stop()
 	if err := run(ctx, *dir, *examples, *tour); err != nil {
 		fmt.Fprintln(os.Stderr, "demo:", err)
@@ -113,9 +113,8 @@ func run(ctx context.Context, dir, examples string, tour bool) error {
 		say("   kubectl get resourceslices,deviceclasses,resourceclaims -A   (no kubectl? `make e2e-kubectl`)")
 	}
 	say("   control-plane log: %s", filepath.Join(dir, "control-plane.log"))
-	say("Ctrl-C stops everything.")
+	say("Ctrl-C stops everything (a second Ctrl-C at once).")
 	<-ctx.Done()
-	say("stopping")
 	return nil
 }
 
