@@ -68,6 +68,11 @@ e2e-runtime: ## runc, a static busybox, the CNI plugins and iptables (Debian pac
 	@if ! command -v iptables >/dev/null; then \
 		apt-get update && apt-get install -y --no-install-recommends iptables; \
 	fi
+	@# Every real node's kubelet and containerd watch files with inotify: the kernel's default of
+	@# 128 instances per user is too few for the suites' nodes running side by side (kind asks 512).
+	@if [ "$$(cat /proc/sys/fs/inotify/max_user_instances 2>/dev/null || echo 512)" -lt 512 ]; then \
+		echo 512 > /proc/sys/fs/inotify/max_user_instances || echo "fs.inotify.max_user_instances is below 512: real nodes may fail to start" >&2; \
+	fi
 
 # Real nodes (e2e/harness/realnode.go) run the kubelet of the control plane's Kubernetes release,
 # built from e2e/nodetools (its own module: the kubelet's dependencies as Kubernetes pins them),
