@@ -6,8 +6,10 @@
 //! 1. fixture inventory like a DGX A100 40GB (10 GPUs with MIG, 8 whole), simulated device
 //!    nodes: p50/p99 of a one-GPU claim's prepare and unprepare, the durable-write floor of
 //!    the same run (one crash-safe small-file write: write, fsync, rename, fsync the folder)
-//!    and the ratios against it; 64 claims on disjoint devices, all at once vs one at a time;
-//!    resident memory. Targets: prepare p50 <= 2.5x the floor, unprepare p50 <= 1.5x, the
+//!    and the ratios against it; the transport alone (a call with no claim) and unprepare's
+//!    p50 split into floor, transport and the rest; 64 claims on disjoint devices, all at
+//!    once vs one at a time, with the CPU per prepare of each and the bound the CPU sets on the
+//!    speedup (a burst cannot end before 64 x its CPU per call / cores); resident memory. Targets: prepare p50 <= 2.5x the floor, unprepare p50 <= 1.5x, the
 //!    burst >= 16x faster than one at a time, RSS <= 20 MiB.
 //! 2. the NVML backend over the GPU simulator (`dgx-a100-40gb`: 8 GPUs, 20 devices;
 //!    `dgx-h100`: 8 GPUs) and the plugin's sharing manager (its state file included), with
@@ -18,7 +20,8 @@
 //!    (what every prepare paid before prepare checked only its claim's devices). Each profile
 //!    runs in a child process: the simulator reads its delay once per process.
 //! 3. syscalls per prepare and per unprepare (fsync family, stat family, readlink), median
-//!    over cycles: children run under `strace -f` and mark each operation's start and end
+//!    over cycles, and on the fixture those of 64 prepares at once (the group commit's
+//!    fsyncs): children run under `strace -f` and mark each operation's start and end
 //!    with a `statx` of a path under `/bench-mark/`, so only the syscalls between the marks
 //!    count. Tracing is the one way to count `statx` and `readlink` without instrumenting the
 //!    code (the kernel's per-process I/O counters count only reads and writes); it slows the
@@ -92,6 +95,21 @@ fn rss_kib() -> u64 {
                 .and_then(|l| l.split_whitespace().nth(1).and_then(|v| v.parse().ok()))
         })
         .unwrap_or(0)
+}
+
+/// CPU time this process's threads have run so far (`/proc/self/task/*/schedstat`, in
+/// nanoseconds; a thread that ended is no longer counted, so measure spans in which the
+/// runtime's threads live).
+fn cpu_time() -> Duration {
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
+        return Duration::ZERO;
+    };
+    let ns: u64 = tasks
+        .filter_map(Result::ok)
+        .filter_map(|t| std::fs::read_to_string(t.path().join("schedstat")).ok())
+        .filter_map(|s| s.split_whitespace().next()?.parse::<u64>().ok())
+        .sum();
+    Duration::from_nanos(ns)
 }
 
 fn percentile(sorted: &[Duration], p: f64) -> Duration {
@@ -301,6 +319,10 @@ impl Node {
     }
 }
 
+fn cores() -> usize {
+    std::thread::available_parallelism().map_or(1, usize::from)
+}
+
 /// Part 1: the fixture inventory.
 async fn fixture_part() -> anyhow::Result<()> {
     let mut node = Node::fixture().await?;
@@ -323,20 +345,30 @@ async fn fixture_part() -> anyhow::Result<()> {
         idle.push(t.elapsed());
     }
     idle.sort();
+    // The transport alone: a call with no claim, answered before the engine is asked.
+    let mut empty = Vec::new();
+    for _ in 0..scaled(LATENCY_ITERS) {
+        let t = Instant::now();
+        node.unprepare(Vec::new()).await?;
+        empty.push(t.elapsed());
+    }
+    empty.sort();
     let floor = node.floor(scaled(100))?;
 
     // 64 claims on disjoint devices: one at a time vs all at once.
     let rounds = scaled(ROUNDS);
     let (mut sequential, mut concurrent) = (Vec::new(), Vec::new());
+    let (mut cpu_sequential, mut cpu_concurrent) = (Duration::ZERO, Duration::ZERO);
     for _ in 0..rounds {
-        let t = Instant::now();
+        let (t, cpu) = (Instant::now(), cpu_time());
         for i in 0..CONCURRENT {
             node.prepare(vec![claim(i)]).await?;
         }
         sequential.push(t.elapsed());
+        cpu_sequential += cpu_time().saturating_sub(cpu);
         node.unprepare((0..CONCURRENT).map(claim).collect()).await?;
 
-        let t = Instant::now();
+        let (t, cpu) = (Instant::now(), cpu_time());
         let calls = (0..CONCURRENT).map(|i| {
             let mut c = node.client.clone();
             async move {
@@ -354,8 +386,10 @@ async fn fixture_part() -> anyhow::Result<()> {
             );
         }
         concurrent.push(t.elapsed());
+        cpu_concurrent += cpu_time().saturating_sub(cpu);
         node.unprepare((0..CONCURRENT).map(claim).collect()).await?;
     }
+    let per_call = |cpu: Duration| cpu / (rounds * CONCURRENT) as u32;
     sequential.sort();
     concurrent.sort();
     let (seq, conc) = (sequential[rounds / 2], concurrent[rounds / 2]);
@@ -393,12 +427,34 @@ async fn fixture_part() -> anyhow::Result<()> {
         ms(percentile(&idle, 0.5)),
         ms(percentile(&idle, 0.99))
     );
+    let (unprepare_p50, empty_p50) = (percentile(&unprepares, 0.5), percentile(&empty, 0.5));
+    println!(
+        "  the transport alone (a call with no claim: tonic client, h2 over the socket, tonic server): p50 {:.3} ms, p99 {:.3} ms = {:.2}x the floor",
+        ms(empty_p50),
+        ms(percentile(&empty, 0.99)),
+        ms(empty_p50) / ms(floor_p50)
+    );
+    println!(
+        "  unprepare p50 split: floor {:.3} + transport {:.3} + the rest {:.3} ms (engine, CDI spec removal, what the write costs beyond the floor's)",
+        ms(floor_p50),
+        ms(empty_p50),
+        ms(unprepare_p50) - ms(floor_p50) - ms(empty_p50)
+    );
     let speedup = seq.as_secs_f64() / conc.as_secs_f64();
     println!(
         "  {CONCURRENT} claims, disjoint devices: one at a time {:.1} ms, all at once {:.1} ms, speedup {speedup:.1}x (target >= 16x: {}; median of {rounds})",
         ms(seq),
         ms(conc),
         verdict(speedup >= 16.0)
+    );
+    let (cpu_seq, cpu_conc) = (per_call(cpu_sequential), per_call(cpu_concurrent));
+    println!(
+        "  CPU per prepare (client and plugin, all threads): one at a time {:.0} us, all at once {:.0} us; at once on {} cores the burst cannot end before {:.1} ms, {:.1}x the one-at-a-time time",
+        cpu_seq.as_secs_f64() * 1e6,
+        cpu_conc.as_secs_f64() * 1e6,
+        cores(),
+        ms(cpu_conc * CONCURRENT as u32) / cores() as f64,
+        seq.as_secs_f64() / ((cpu_conc * CONCURRENT as u32).as_secs_f64() / cores() as f64)
     );
     println!(
         "  RSS (plugin and client in one process): {:.1} MiB after warm-up, {:.1} MiB at end (target <= 20 MiB)",
@@ -505,6 +561,33 @@ async fn syscalls_child(backend: &str) -> anyhow::Result<()> {
             mark("unprepare-end");
         }
     }
+    if backend == "fixture" {
+        // A burst of claims on disjoint devices, each in its own call: how many durable
+        // writes the group commit makes for all of them.
+        let devices: Vec<String> = node.inventory.devices().map(|d| d.name()).collect();
+        for (i, device) in devices.iter().take(CONCURRENT).enumerate() {
+            node.allocate(i + 1, device);
+        }
+        for round in 0..3 {
+            let label = if round == 0 { "warm" } else { "burst" };
+            mark(&format!("{label}-begin"));
+            let calls = (1..=CONCURRENT).map(|i| {
+                let mut c = node.client.clone();
+                async move {
+                    c.node_prepare_resources(v1::NodePrepareResourcesRequest {
+                        claims: vec![claim(i)],
+                    })
+                    .await
+                }
+            });
+            for r in futures::future::join_all(calls).await {
+                r?;
+            }
+            mark(&format!("{label}-end"));
+            node.unprepare((1..=CONCURRENT).map(claim).collect())
+                .await?;
+        }
+    }
     Ok(())
 }
 
@@ -598,14 +681,22 @@ fn syscalls_part(exe: &Path) -> anyhow::Result<()> {
             .status()?;
         anyhow::ensure!(status.success(), "traced run on {backend} failed: {status}");
         let counts = count_syscalls(&std::fs::read_to_string(&log)?);
-        for op in ["prepare", "unprepare"] {
+        for op in ["prepare", "unprepare", "burst"] {
+            if !counts.contains_key(&(op.to_owned(), "fsync")) {
+                continue;
+            }
+            let op_label = if op == "burst" {
+                format!("{CONCURRENT} prepares at once")
+            } else {
+                op.to_owned()
+            };
             let of = |family: &str| {
                 counts
                     .get(&(op.to_owned(), family))
                     .map_or_else(|| "?".to_owned(), usize::to_string)
             };
             println!(
-                "  {backend:<14} {op:<9}: fsync {}, stat {}, readlink {}",
+                "  {backend:<14} {op_label:<9}: fsync {}, stat {}, readlink {}",
                 of("fsync"),
                 of("stat"),
                 of("readlink")

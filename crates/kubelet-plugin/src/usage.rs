@@ -8,8 +8,9 @@
 //! `/proc/<pid>/cgroup` names the pod UID, and under the e2e runtime the container name; the
 //! plugin needs the host's PID namespace for that, which the chart's `hostPID` gives) -> the
 //! claim, through the claim's `status.reservedFor` (the pods the scheduler let use it), read
-//! from the API server once per claim and again only when a process of an unknown pod shows
-//! up on its device. A process on a device that one claim holds alone is that claim's even
+//! from the API server when a process of a pod no holder of its device knows shows up on its
+//! device: once per claim that runs something, none for a claim whose device stays idle or
+//! whose processes cannot be told by pod (reading its pods could not attribute anything). A process on a device that one claim holds alone is that claim's even
 //! when its pod cannot be told (no hostPID, a process outside any pod): whoever runs there
 //! uses that claim's device.
 //!
@@ -660,8 +661,10 @@ impl Sampler {
         usage
     }
 
-    /// Reads `status.reservedFor` of claims not read yet, and of claims on whose device a
-    /// process of a pod none of its holders knows runs; forgets claims no longer prepared.
+    /// Reads `status.reservedFor` of the claims on whose device a process of a pod none of
+    /// the claims read so far knows runs; forgets claims no longer prepared. A claim whose
+    /// device has no process of a known pod is not read: on a node of idle claims (or of
+    /// processes outside pods) sampling sends no request.
     async fn refresh_pods(&mut self, devices: &[ClaimDevice], reading: &Reading) {
         let prepared: BTreeSet<&str> = devices.iter().map(|d| d.claim_uid.as_str()).collect();
         self.pods.retain(|uid, _| prepared.contains(uid.as_str()));
@@ -677,7 +680,7 @@ impl Sampler {
                 .flat_map(|s| &s.processes)
                 .filter_map(|p| reading.owners.get(&p.pid))
                 .any(|o| !known(&self.pods, &o.pod_uid));
-            if !self.pods.contains_key(&d.claim_uid) || unknown_pod {
+            if unknown_pod {
                 stale.insert(&d.claim_uid, (&d.namespace, &d.name));
             }
         }

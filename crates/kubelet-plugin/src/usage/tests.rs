@@ -284,3 +284,105 @@ async fn series_exist_while_the_claim_is_prepared_and_go_with_it() {
         assert!(!text.contains(&format!("{name}{{")), "{name} left:\n{text}");
     }
 }
+
+/// A source whose device reports whatever the test last set.
+#[derive(Default)]
+struct Settable(std::sync::Mutex<Vec<DeviceUsage>>);
+
+impl UsageSource for Settable {
+    fn sample(
+        &self,
+        uuids: &[String],
+        _: Duration,
+    ) -> Result<Vec<DeviceUsage>, gpu_dra_device::DeviceError> {
+        let now = self.0.lock().map(|d| d.clone()).unwrap_or_default();
+        Ok(now
+            .into_iter()
+            .filter(|d| uuids.contains(&d.uuid))
+            .collect())
+    }
+}
+
+/// Claims in memory that count the reads.
+#[derive(Default)]
+struct CountedClaims {
+    inner: crate::testing::MemoryClaims,
+    reads: std::sync::atomic::AtomicUsize,
+}
+
+impl ClaimSource for CountedClaims {
+    fn get<'a>(
+        &'a self,
+        namespace: &'a str,
+        name: &'a str,
+    ) -> futures::future::BoxFuture<
+        'a,
+        Result<
+            Option<k8s_openapi::api::resource::v1::ResourceClaim>,
+            crate::claims::ClaimSourceError,
+        >,
+    > {
+        self.reads.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        self.inner.get(namespace, name)
+    }
+}
+
+#[tokio::test]
+async fn a_claim_is_read_once_a_process_of_an_unknown_pod_runs_on_its_device_and_never_while_idle()
+{
+    let metrics = crate::metrics::Metrics::default();
+    let claims = Arc::new(CountedClaims::default());
+    let claim: k8s_openapi::api::resource::v1::ResourceClaim =
+        serde_json::from_value(serde_json::json!({
+            "metadata": {"namespace": "ns", "name": "train", "uid": "c1"},
+            "spec": {},
+            "status": {"reservedFor": [{"resource": "pods", "name": "trainer-0", "uid": POD_A}]},
+        }))
+        .expect("claim");
+    claims.inner.insert(claim);
+    let proc_root = tempfile::tempdir().expect("tempdir");
+    std::fs::create_dir(proc_root.path().join("7")).expect("pid dir");
+    std::fs::write(
+        proc_root.path().join("7/cgroup"),
+        format!("0::/kubepods/burstable/pod{POD_A}/4f9c0d0e8d1b2f\n"),
+    )
+    .expect("cgroup");
+    let source = Arc::new(Settable::default());
+    *source.0.lock().expect("lock") = vec![sample("GPU-4", Vec::new(), Some(0))];
+    let mut sampler = Sampler::new(
+        source.clone(),
+        claims.clone(),
+        proc_root.path().to_path_buf(),
+        Duration::from_secs(15),
+    );
+    let mut cp = Checkpoint::default();
+    cp.claims
+        .insert("c1".into(), entry(vec![prepared("GPU-4")]));
+    let inv = Inventory {
+        driver_version: String::new(),
+        cuda_driver_version: String::new(),
+        gpus: Vec::new(),
+        lost_gpus: Vec::new(),
+    };
+    let reads = || claims.reads.load(std::sync::atomic::Ordering::SeqCst);
+    for _ in 0..3 {
+        sampler.sample(&cp, &inv, &metrics.usage).await;
+    }
+    assert_eq!(reads(), 0, "an idle claim is not read");
+
+    // A process outside any pod: its claim's pods could not name it, so no read either.
+    *source.0.lock().expect("lock") =
+        vec![sample("GPU-4", vec![process(8, 1 << 30, Some(5))], Some(5))];
+    sampler.sample(&cp, &inv, &metrics.usage).await;
+    assert_eq!(reads(), 0, "a process of no pod makes no read");
+
+    *source.0.lock().expect("lock") =
+        vec![sample("GPU-4", vec![process(7, 1 << 30, Some(5))], Some(5))];
+    let usage = sampler.sample(&cp, &inv, &metrics.usage).await;
+    assert_eq!(reads(), 1, "the pod's process makes one read");
+    assert_eq!(usage[0].pods[0].pod, "trainer-0");
+    for _ in 0..3 {
+        sampler.sample(&cp, &inv, &metrics.usage).await;
+    }
+    assert_eq!(reads(), 1, "a known pod makes no further read");
+}
