@@ -49,6 +49,7 @@ pub mod ffi;
 pub mod health;
 pub mod mig;
 pub mod mps;
+pub mod nbody;
 pub mod processes;
 pub mod profile;
 pub mod setup;
