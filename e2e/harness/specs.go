@@ -262,9 +262,11 @@ func (c *Cluster) RunSpec(ctx context.Context, files []SpecFile, opts SpecOption
 	if err != nil {
 		return r, err
 	}
-	r.Pods = pods
 	for _, pod := range pods {
-		r.checkPodDevices(ctx, pod)
+		if podRan(pod) {
+			r.Pods = append(r.Pods, pod)
+			r.checkPodDevices(ctx, pod)
+		}
 	}
 	return r, nil
 }
@@ -298,16 +300,22 @@ func (r *SpecRun) waitPods(ctx context.Context) ([]*v1.Pod, error) {
 	c := r.cluster
 	var pods []*v1.Pod
 	var short []string
+	makesPods := false
+	for _, a := range r.applied {
+		makesPods = makesPods || a.obj.GetKind() == "Pod" || workloadKinds[a.obj.GetKind()]
+	}
 	err := wait.PollUntilContextTimeout(ctx, 500*time.Millisecond, r.opts.Timeout, true, func(ctx context.Context) (bool, error) {
 		pods, short = nil, nil
 		for _, ns := range r.Namespaces {
 			list, err := c.Client.CoreV1().Pods(ns).List(ctx, metav1.ListOptions{})
 			if err != nil {
-				return false, nil
+				short = append(short, fmt.Sprintf("list pods of namespace %s: %v", ns, err))
+				continue
 			}
 			for i := range list.Items {
 				p := &list.Items[i]
 				if p.DeletionTimestamp != nil {
+					short = append(short, fmt.Sprintf("%s: being deleted: %s", r.podSource(p), PodProblem(p)))
 					continue
 				}
 				pods = append(pods, p)
@@ -320,6 +328,9 @@ func (r *SpecRun) waitPods(ctx context.Context) ([]*v1.Pod, error) {
 			if msg := r.workloadShort(ctx, a); msg != "" {
 				short = append(short, msg)
 			}
+		}
+		if makesPods && len(pods) == 0 && len(short) == 0 {
+			short = append(short, fmt.Sprintf("no pod in namespaces %v, though the spec has pods or workloads", r.Namespaces))
 		}
 		return len(short) == 0, nil
 	})

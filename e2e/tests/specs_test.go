@@ -122,7 +122,15 @@ func TestSpecFolder(t *testing.T) {
 func runSpecUnit(ctx context.Context, t *testing.T, files []harness.SpecFile, prefix string, during func(*harness.SpecRun)) {
 	t.Helper()
 	started := time.Now()
-	run, err := cluster.RunSpec(ctx, files, harness.SpecOptions{NamespacePrefix: prefix, Logf: t.Logf})
+	opts := harness.SpecOptions{NamespacePrefix: prefix, Logf: t.Logf}
+	if v := os.Getenv("E2E_SPECS_TIMEOUT"); v != "" {
+		d, err := time.ParseDuration(v)
+		if err != nil {
+			t.Fatalf("E2E_SPECS_TIMEOUT=%q: %v (a Go duration such as 90s or 5m)", v, err)
+		}
+		opts.Timeout = d
+	}
+	run, err := cluster.RunSpec(ctx, files, opts)
 	defer func() {
 		problems := len(run.Problems)
 		run.Teardown(ctx)
