@@ -96,6 +96,12 @@ type SpecOptions struct {
 	Timeout time.Duration
 	// Logf reports progress (optional).
 	Logf func(format string, args ...any)
+	// DeleteGracePeriod, when set, shortens the pods' termination grace
+	// period at deletion, as `kubectl delete --grace-period=<n>` does (for
+	// specs whose containers ignore SIGTERM: busybox sleep as PID 1 has no
+	// handler, and the kubelet waits the pod's whole grace period, 30 s by
+	// default, before it kills it).
+	DeleteGracePeriod *int64
 }
 
 // SpecRun is one spec unit applied to the cluster: what it made and the
@@ -699,6 +705,21 @@ func (r *SpecRun) Teardown(ctx context.Context) {
 		}
 		if err := ri.Delete(ctx, a.obj.GetName(), metav1.DeleteOptions{PropagationPolicy: &background}); err != nil && !apierrors.IsNotFound(err) {
 			r.problemf("%s: delete %s %s: %v", filepath.Base(a.file), a.obj.GetKind(), a.obj.GetName(), err)
+		}
+	}
+	if r.opts.DeleteGracePeriod != nil {
+		for _, ns := range r.Namespaces {
+			pods, err := c.Client.CoreV1().Pods(ns).List(ctx, metav1.ListOptions{})
+			if err != nil {
+				r.problemf("list pods of namespace %s: %v", ns, err)
+				continue
+			}
+			for _, p := range pods.Items {
+				err := c.Client.CoreV1().Pods(ns).Delete(ctx, p.Name, metav1.DeleteOptions{GracePeriodSeconds: r.opts.DeleteGracePeriod})
+				if err != nil && !apierrors.IsNotFound(err) {
+					r.problemf("delete pod %s/%s: %v", ns, p.Name, err)
+				}
+			}
 		}
 	}
 	for _, ns := range r.created {

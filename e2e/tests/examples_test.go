@@ -62,7 +62,10 @@ func TestExamples(t *testing.T) {
 			if needsMemoryShares(t, paths) {
 				addMemoryShareNode(t)
 			}
-			runSpecUnit(ctx, t, files, "ex-"+d.Name(), func(run *harness.SpecRun) { exampleChecks(ctx, t, run) })
+			// The examples' busybox sleep ignores SIGTERM: their pods are
+			// deleted with a 1 s grace period, not the default 30 s.
+			opts := harness.SpecOptions{NamespacePrefix: "ex-" + d.Name(), DeleteGracePeriod: new(int64(1))}
+			runSpecUnit(ctx, t, files, opts, func(run *harness.SpecRun) { exampleChecks(ctx, t, run) })
 		})
 	}
 	if ran == 0 {

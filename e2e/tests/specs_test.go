@@ -105,7 +105,7 @@ func TestSpecFolder(t *testing.T) {
 			name = filepath.Base(dir)
 		}
 		ok := t.Run(name, func(t *testing.T) {
-			runSpecUnit(ctx, t, unit, strings.TrimSuffix(name, filepath.Ext(name)), nil)
+			runSpecUnit(ctx, t, unit, harness.SpecOptions{NamespacePrefix: strings.TrimSuffix(name, filepath.Ext(name))}, nil)
 		})
 		verdict := "pass"
 		if !ok {
@@ -116,13 +116,15 @@ func TestSpecFolder(t *testing.T) {
 	t.Logf("spec folder %s:\n%s", dir, strings.Join(summary, "\n"))
 }
 
-// runSpecUnit applies one spec unit through the runner, reports each
+// runSpecUnit applies one spec unit through the runner (opts: its
+// namespace prefix and grace period; E2E_SPECS_TIMEOUT sets the timeout),
+// reports each
 // problem, calls during (if any) with the run while its pods run, then
 // deletes everything and reports what deletion left behind.
-func runSpecUnit(ctx context.Context, t *testing.T, files []harness.SpecFile, prefix string, during func(*harness.SpecRun)) {
+func runSpecUnit(ctx context.Context, t *testing.T, files []harness.SpecFile, opts harness.SpecOptions, during func(*harness.SpecRun)) {
 	t.Helper()
 	started := time.Now()
-	opts := harness.SpecOptions{NamespacePrefix: prefix, Logf: t.Logf}
+	opts.Logf = t.Logf
 	if v := os.Getenv("E2E_SPECS_TIMEOUT"); v != "" {
 		d, err := time.ParseDuration(v)
 		if err != nil {
