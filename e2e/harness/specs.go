@@ -348,9 +348,35 @@ func (r *SpecRun) waitPods(ctx context.Context) ([]*v1.Pod, error) {
 		for _, s := range short {
 			r.problemf("after %s: %s", r.opts.Timeout, s)
 		}
+		for _, p := range pods {
+			if !podRan(p) {
+				if ev := c.podWarnings(ctx, p); ev != "" {
+					r.problemf("%s: warning events: %s", r.podSource(p), ev)
+				}
+			}
+		}
 		return pods, nil
 	}
 	return pods, nil
+}
+
+// podWarnings are the last warning events of a pod (the kubelet's prepare
+// errors, the scheduler's reasons), for failure messages.
+func (c *Cluster) podWarnings(ctx context.Context, pod *v1.Pod) string {
+	events, err := c.Client.CoreV1().Events(pod.Namespace).List(ctx, metav1.ListOptions{
+		FieldSelector: "involvedObject.name=" + pod.Name + ",type=Warning",
+	})
+	if err != nil {
+		return err.Error()
+	}
+	var out []string
+	for _, e := range events.Items {
+		out = append(out, fmt.Sprintf("%s (%s, x%d): %s", e.Reason, e.Source.Component, e.Count, e.Message))
+	}
+	if len(out) > 5 {
+		out = out[len(out)-5:]
+	}
+	return strings.Join(out, "; ")
 }
 
 // podRan: the pod is Succeeded, or Running with every container running.
