@@ -8,7 +8,7 @@ TOOLS := $(CURDIR)/.tools
 HELM_VERSION ?= v3.22.0
 HELM := $(TOOLS)/bin/helm
 
-.PHONY: help build release unit test lint fmt fuzz bench bench-check generate chart-check cdi-check e2e e2e-build e2e-bins e2e-tools e2e-runtime e2e-node-tools e2e-image e2e-kubectl demo bench-e2e bench-mps toolkit image-rootfs kubectl-plugin
+.PHONY: help build release unit test lint fmt fuzz bench bench-check generate chart-check cdi-check e2e e2e-build e2e-bins e2e-tools e2e-runtime e2e-node-tools e2e-image e2e-kubectl e2e-specs demo bench-e2e bench-mps toolkit image-rootfs kubectl-plugin
 
 help: ## list targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | sort
@@ -103,6 +103,12 @@ e2e-image: e2e-bins e2e-runtime ## the e2e test image: busybox, glibc for the si
 
 e2e: e2e-bins e2e-tools e2e-node-tools e2e-image image-rootfs ## end-to-end tests against the in-process control plane
 	cd e2e && $(E2E_ENV) $(GO) test -count=1 -timeout $(E2E_TIMEOUT) ./...
+
+# Other people's specs as written: every YAML file of DIR, one at a time, on real nodes
+# (e2e/tests/specs_test.go, e2e/harness/specs.go; e2e/README.md says what is checked).
+e2e-specs: e2e-bins e2e-tools e2e-node-tools e2e-image image-rootfs ## run every YAML file of a spec folder (DIR=<folder>) on real nodes and check what holds for any spec
+	@test -n "$(DIR)" || { echo "make e2e-specs: name the spec folder: DIR=<folder>" >&2; exit 2; }
+	cd e2e && E2E_SPECS_DIR=$(abspath $(DIR)) $(E2E_ENV) $(GO) test -count=1 -timeout $(E2E_TIMEOUT) -run '^TestSpecFolder$$' -v ./tests
 
 demo: e2e-bins e2e-tools e2e-image toolkit ## local cluster with an A100 and a T4 node, a short tour, then up for kubectl until Ctrl-C
 	cd e2e && $(E2E_ENV) $(GO) run ./cmd/demo

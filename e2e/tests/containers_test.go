@@ -31,7 +31,7 @@ var (
 // GPU and MIG UUIDs it lists.
 func visibleDevices(ctx context.Context, t *testing.T, pod *v1.Pod, ctr string) (gpus, migs []string) {
 	t.Helper()
-	res, err := cluster.Node(pod.Spec.NodeName).Exec(ctx, pod, ctr, "nvidia-smi", "-L")
+	res, err := execIn(ctx, pod, ctr, "nvidia-smi", "-L")
 	if err != nil {
 		t.Fatalf("pod %s container %s: exec nvidia-smi -L: %v", pod.Name, ctr, err)
 	}
@@ -212,7 +212,7 @@ func checkMPSControl(ctx context.Context, t *testing.T, pod *v1.Pod, ctr v1.Cont
 		return
 	}
 	ask := func(command string) string {
-		res, err := cluster.Node(pod.Spec.NodeName).Exec(ctx, pod, ctr.Name, "sh", "-c", "echo "+command+" | nvidia-cuda-mps-control")
+		res, err := execIn(ctx, pod, ctr.Name, "sh", "-c", "echo "+command+" | nvidia-cuda-mps-control")
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -244,7 +244,7 @@ func checkMPSControl(ctx context.Context, t *testing.T, pod *v1.Pod, ctr v1.Cont
 // (unless empty).
 func checkMPSClient(ctx context.Context, t *testing.T, pod *v1.Pod, ctr v1.Container, pct, wantMem string, oneDevice bool) {
 	t.Helper()
-	res, err := cluster.Node(pod.Spec.NodeName).Exec(ctx, pod, ctr.Name, "cuda-app")
+	res, err := execIn(ctx, pod, ctr.Name, "cuda-app")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -293,7 +293,6 @@ var versionedNVML = regexp.MustCompile(`^/usr/lib/x86_64-linux-gnu/libnvidia-ml\
 // installs), is in the container, and looks at how the loader would find it.
 func checkDriverLibrary(ctx context.Context, t *testing.T, pod *v1.Pod, ctr string, devices []harness.ResolvedDevice) {
 	t.Helper()
-	node := cluster.Node(pod.Spec.NodeName)
 	lib := ""
 	for _, r := range devices {
 		for _, m := range r.Mounts() {
@@ -306,18 +305,18 @@ func checkDriverLibrary(ctx context.Context, t *testing.T, pod *v1.Pod, ctr stri
 		t.Errorf("pod %s container %s: its CDI devices mount no libnvidia-ml.so.<version>", pod.Name, ctr)
 		return
 	}
-	res, err := node.Exec(ctx, pod, ctr, "test", "-s", lib)
+	res, err := execIn(ctx, pod, ctr, "test", "-s", lib)
 	if err != nil || res.ExitCode != 0 {
 		t.Errorf("pod %s container %s: %s not in the container (%v, exit %d)", pod.Name, ctr, lib, err, res.ExitCode)
 	}
-	cache, err := node.Exec(ctx, pod, ctr, "ldconfig", "-p")
+	cache, err := execIn(ctx, pod, ctr, "ldconfig", "-p")
 	if err != nil || cache.ExitCode != 0 {
 		t.Fatalf("pod %s container %s: ldconfig -p: %v (exit %d) %s", pod.Name, ctr, err, cache.ExitCode, cache.Stderr)
 	}
 	if !strings.Contains(cache.Stdout, "libc.so.6") {
 		t.Errorf("pod %s container %s: ldconfig -p does not read the image's cache: %s", pod.Name, ctr, cache.Stdout)
 	}
-	soname, err := node.Exec(ctx, pod, ctr, "test", "-e", "/usr/lib/x86_64-linux-gnu/"+libnvidiaML)
+	soname, err := execIn(ctx, pod, ctr, "test", "-e", "/usr/lib/x86_64-linux-gnu/"+libnvidiaML)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -337,7 +336,7 @@ func checkDriverLibrary(ctx context.Context, t *testing.T, pod *v1.Pod, ctr stri
 // GPU device node.
 func checkNoGPU(ctx context.Context, t *testing.T, pod *v1.Pod, ctr string) {
 	t.Helper()
-	res, err := cluster.Node(pod.Spec.NodeName).Exec(ctx, pod, ctr, "sh", "-c", "ls /dev/nvidia* 2>/dev/null; command -v nvidia-smi")
+	res, err := execIn(ctx, pod, ctr, "sh", "-c", "ls /dev/nvidia* 2>/dev/null; command -v nvidia-smi")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -351,7 +350,7 @@ func checkContainerLog(ctx context.Context, t *testing.T, pod *v1.Pod, ctr, want
 	t.Helper()
 	var logs string
 	if !eventually(ctx, 10*time.Second, func() bool {
-		logs, _ = cluster.Node(pod.Spec.NodeName).ContainerLogs(pod, ctr)
+		logs, _ = containerLogs(ctx, pod, ctr)
 		return strings.Contains(logs, want)
 	}) {
 		t.Errorf("pod %s container %s: log lacks %q:\n%s", pod.Name, ctr, want, logs)

@@ -19,7 +19,59 @@ import (
 	"github.com/gpu-dra/e2e/harness"
 )
 
-// Kinds whose pods need a controller the harness does not run.
+// Every scenario folder in examples/ (but invalid/) runs through the spec
+// runner (harness/specs.go) on the spec nodes (real kubelets and containerd;
+// dynamic-mig's GPUs 0 and 1 are specNodeDynamic's dynamic MIG GPUs, the
+// memory-share scenario gets a real node with a memory-share GPU): applied
+// as written to a fresh namespace, every pod runs, each container that claims
+// devices lists exactly them with nvidia-smi -L, claims are released and CDI
+// specs removed after deletion. On top, the examples' own checks: the CDI
+// devices the kubelet gave each container (its PodResources) resolve to
+// specs with the GPU device nodes (and MIG capability nodes), the driver's
+// NVML library is in the container and found by the loader, MPS clients
+// reach their daemon with the claim's settings, the examples that list
+// /dev/nvidia* or their MPS pipe directory print it, and a container without
+// devices sees none.
+func TestExamples(t *testing.T) {
+	requirePlugins(t)
+	root, err := harness.RepoPath("examples")
+	if err != nil {
+		t.Fatalf("no examples: %v", err)
+	}
+	dirs, err := os.ReadDir(root)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	addSpecNodes(ctx, t)
+	ran := 0
+	for _, d := range dirs {
+		if !d.IsDir() || d.Name() == "invalid" {
+			continue
+		}
+		files, err := harness.SpecFiles(filepath.Join(root, d.Name()))
+		if err != nil {
+			continue
+		}
+		ran++
+		t.Run(d.Name(), func(t *testing.T) {
+			var paths []string
+			for _, f := range files {
+				paths = append(paths, f.Path)
+			}
+			if needsMemoryShares(t, paths) {
+				addMemoryShareNode(t)
+			}
+			// The examples' busybox sleep ignores SIGTERM: their pods are
+			// deleted with a 1 s grace period, not the default 30 s.
+			opts := harness.SpecOptions{NamespacePrefix: "ex-" + d.Name(), DeleteGracePeriod: new(int64(1))}
+			runSpecUnit(ctx, t, files, opts, func(run *harness.SpecRun) { exampleChecks(ctx, t, run) })
+		})
+	}
+	if ran == 0 {
+		t.Fatalf("no examples: no scenario folder with manifests in %s", root)
+	}
+}
 
 // exampleNode is a node an example needs besides the suite's, added for its
 // run only: a node plugin with extra flags on a simulator profile.
@@ -31,56 +83,13 @@ type exampleNode struct {
 	emptyGPUs []int
 }
 
-// exampleNodes by example folder. dynamic-mig asks for MIG profiles that no
+// exampleNodes by example folder, for the pod-loop nodes of
+// TestExamplesDeployed (TestExamples runs them on the spec nodes, whose
+// specNodeDynamic has these GPUs dynamic). dynamic-mig asks for MIG profiles that no
 // static instance of the suite's nodes has: only this node's dynamic GPUs
 // offer them.
 var exampleNodes = map[string]exampleNode{
 	"dynamic-mig": {profile: "dgx-a100-40gb", args: []string{"--dynamic-mig-gpus=0,1"}, emptyGPUs: []int{0, 1}},
-}
-
-// Every scenario folder in examples/ (but invalid/): applied to a fresh
-// namespace, every pod reaches Running with CDI IDs that resolve to spec
-// files with the GPU device nodes; each claim's devices are published;
-// inside each running container nvidia-smi -L lists exactly the devices
-// allocated to it (and a container without devices sees none); the spec
-// files go away when the pods do.
-func TestExamples(t *testing.T) {
-	requirePlugins(t)
-	root, err := harness.RepoPath("examples")
-	if err != nil {
-		t.Fatalf("no examples: %v", err)
-	}
-	dirs, err := os.ReadDir(root)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ran := 0
-	for _, d := range dirs {
-		if !d.IsDir() || d.Name() == "invalid" {
-			continue
-		}
-		files := yamlFiles(t, filepath.Join(root, d.Name()))
-		if len(files) == 0 {
-			continue
-		}
-		ran++
-		t.Run(d.Name(), func(t *testing.T) {
-			if needsMemoryShares(t, files) {
-				addMemoryShareNode(t)
-			} else if node, ok := exampleNodes[d.Name()]; ok {
-				empty := func(n *harness.Node) {
-					for _, gpu := range node.emptyGPUs {
-						destroyInstances(t, n, gpu)
-					}
-				}
-				addPluginNode(context.Background(), t, "node-ex-"+d.Name(), node.profile, node.args, empty)
-			}
-			runExample(t, d.Name(), files)
-		})
-	}
-	if ran == 0 {
-		t.Fatalf("no examples: no scenario folder with manifests in %s", root)
-	}
 }
 
 // needsMemoryShares says whether a scenario asks for consumable capacity,
@@ -103,7 +112,7 @@ func needsMemoryShares(t *testing.T, files []string) bool {
 // memory shares, named in the examples' READMEs.
 const exampleShareGPU = "gpu-7"
 
-// addMemoryShareNode adds a dgx-a100-40gb node for the rest of the test whose
+// addMemoryShareNode adds a real dgx-a100-40gb node for the rest of the test whose
 // gpu-7 is offered as memory shares through the Node annotation, set as an
 // admin sets it (the plugin reads it when it publishes; set here before it
 // starts).
@@ -117,7 +126,7 @@ func addMemoryShareNode(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	addPluginNode(ctx, t, name, "dgx-a100-40gb", nil, annotate)
+	addPluginNodeWith(ctx, t, harness.NodeOptions{Name: name, RealKubelet: true}, "dgx-a100-40gb", nil, annotate)
 	if !eventually(ctx, 60*time.Second, func() bool {
 		d, ok := poolDevices(ctx, t, name)[exampleShareGPU]
 		return ok && d.AllowMultipleAllocations != nil && *d.AllowMultipleAllocations
@@ -142,6 +151,57 @@ func yamlFiles(t *testing.T, dir string) []string {
 	return out
 }
 
+// exampleChecks are the examples' own checks on a unit whose pods run.
+func exampleChecks(ctx context.Context, t *testing.T, run *harness.SpecRun) {
+	t.Helper()
+	for _, pod := range run.Pods {
+		if pod.Status.Phase != v1.PodRunning {
+			continue
+		}
+		node := cluster.Node(pod.Spec.NodeName)
+		cdiIDs, err := node.ContainerCDIDevices(ctx, pod)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, ctr := range pod.Spec.Containers {
+			if !usesDevices(pod, ctr) {
+				checkNoGPU(ctx, t, pod, ctr.Name)
+				continue
+			}
+			var resolved []harness.ResolvedDevice
+			for _, id := range cdiIDs[ctr.Name] {
+				r, err := harness.ResolveCDI(node.CDIRoot, id)
+				if err != nil {
+					t.Fatalf("pod %s container %s: %v", pod.Name, ctr.Name, err)
+				}
+				resolved = append(resolved, r)
+			}
+			if len(resolved) == 0 {
+				t.Errorf("pod %s container %s asks for devices but got no CDI device", pod.Name, ctr.Name)
+			}
+			for _, r := range resolved {
+				checkGPUEdits(t, r)
+				if strings.Contains(r.ID, "-mig-") {
+					checkMIGEdits(t, r)
+				}
+			}
+			t.Logf("pod %s on %s container %s: %v", pod.Name, pod.Spec.NodeName, ctr.Name, ids(resolved))
+			checkDriverLibrary(ctx, t, pod, ctr.Name, resolved)
+			if strings.Contains(strings.Join(ctr.Command, " "), "ls -l /dev/nvidia") {
+				// The example's own command listed what it got.
+				checkContainerLog(ctx, t, pod, ctr.Name, "/dev/nvidiactl")
+			}
+			if dir := mpsPipeDir(resolved); dir != "" {
+				// The examples' MPS clients print their pipe directory.
+				checkContainerLog(ctx, t, pod, ctr.Name, dir)
+				checkMPSControl(ctx, t, pod, ctr)
+			}
+		}
+	}
+}
+
+// runExample runs a scenario on the deployed pod-loop nodes of
+// TestExamplesDeployed: workloads expanded to bare pods, runc exec.
 func runExample(t *testing.T, name string, files []string) {
 	ctx := context.Background()
 	ns := newNamespace(ctx, t, "ex-"+name)

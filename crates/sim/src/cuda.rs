@@ -270,6 +270,25 @@ pub fn run(
     0
 }
 
+/// What a CUDA program's first call does about MPS, for programs other than `cuda-app`'s own
+/// report (the nbody sample, [`crate::nbody`]): the MPS connection when a daemon answers
+/// (keep it while computing), none on GPUs in `DEFAULT` mode, and `Err` with CUDA's line
+/// ([`DEVICES_UNAVAILABLE`]) when a GPU is in `EXCLUSIVE_PROCESS` mode and no daemon
+/// answers.
+pub fn join_mps(state: &State, env: &ClientEnv) -> Result<Option<UnixStream>, String> {
+    if let Some((_, conn)) = attach(env) {
+        return Ok(Some(conn));
+    }
+    if state
+        .gpus
+        .iter()
+        .any(|g| g.compute_mode == ComputeMode::ExclusiveProcess)
+    {
+        return Err(DEVICES_UNAVAILABLE.to_string());
+    }
+    Ok(None)
+}
+
 /// Joins the daemon's server through `<pipe dir>/control`, sending the client's own limits;
 /// `None` when no daemon answers.
 /// The connection is returned with the reply: the client stays attached while it is open.

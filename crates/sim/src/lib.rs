@@ -8,7 +8,8 @@
 //!   command-line and stdin protocols ([`smi`], [`mps`]);
 //! - `cuda-app`, the stand-in for a CUDA program in a container ([`cuda`]), which can hold
 //!   device memory and keep a share of the SMs busy, registered with the node as the kernel
-//!   driver would know it ([`processes`]) so that NVML reports it;
+//!   driver would know it ([`processes`]) so that NVML reports it, and which plays NVIDIA's
+//!   nbody CUDA sample when given its flags ([`nbody`]);
 //! - `gpu-sim`, which lays out a self-contained simulated host (libraries, tools, `/dev`,
 //!   `/proc` and `/sys` files, state file) under a directory ([`setup`], with the driver's
 //!   other user-space files from [`driverfiles`]) and injects GPU faults (XID, ECC, fallen off
@@ -49,6 +50,7 @@ pub mod ffi;
 pub mod health;
 pub mod mig;
 pub mod mps;
+pub mod nbody;
 pub mod processes;
 pub mod profile;
 pub mod setup;

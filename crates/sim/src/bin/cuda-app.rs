@@ -1,6 +1,8 @@
 //! `cuda-app`: stand-in for a CUDA program (see [`gpu_dra_sim::cuda`]); prints the GPUs it
 //! sees and the MPS server settings it gets through `CUDA_MPS_PIPE_DIRECTORY`, and with a
-//! load holds device memory and keeps SMs busy, as NVML then reports.
+//! load holds device memory and keeps SMs busy, as NVML then reports. Given the nbody
+//! sample's flags (`--benchmark --numbodies=N`, see [`gpu_dra_sim::nbody`]) it is that
+//! sample, as `/tmp/sample` of NVIDIA's nbody images.
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -34,11 +36,22 @@ fn memory(s: &str) -> Result<u64, String> {
 }
 
 fn main() {
-    let args = Args::parse();
+    let argv: Vec<String> = std::env::args().skip(1).collect();
+    let nbody = match gpu_dra_sim::nbody::NbodyArgs::parse(&argv) {
+        Ok(nbody) => nbody,
+        Err(err) => {
+            eprintln!("{err}");
+            std::process::exit(2);
+        }
+    };
     let exe = std::env::current_exe().ok();
     let file = gpu_dra_sim::state::locate(exe.as_deref()).ok();
     let state = file.as_ref().and_then(|f| f.load_visible().ok());
     let env = gpu_dra_sim::cuda::ClientEnv::from_process();
+    if let Some(nbody) = nbody {
+        std::process::exit(run_nbody(&nbody, state.as_ref(), &env));
+    }
+    let args = Args::parse();
     let load = gpu_dra_sim::cuda::Load {
         memory_bytes: args.hold_memory,
         sm_percent: args.sm_load,
@@ -53,4 +66,45 @@ fn main() {
     let code = gpu_dra_sim::cuda::run(state.as_ref(), &env, &load, hold, &mut out);
     let _ = out.flush();
     std::process::exit(code);
+}
+
+/// The nbody sample: prints its header for the devices it sees, computes for the simulated
+/// time (attached to MPS when the claim has it), prints the figures; 0 when done.
+fn run_nbody(
+    args: &gpu_dra_sim::nbody::NbodyArgs,
+    state: Option<&gpu_dra_sim::state::State>,
+    env: &gpu_dra_sim::cuda::ClientEnv,
+) -> i32 {
+    let mut out = std::io::stdout();
+    let devices = state.map(gpu_dra_sim::nbody::devices).unwrap_or_default();
+    let run = match gpu_dra_sim::nbody::plan(args, &devices) {
+        Ok(run) => run,
+        Err(text) => {
+            let _ = out.write_all(text.as_bytes());
+            return 1;
+        }
+    };
+    let _ = out.write_all(run.header.as_bytes());
+    let _ = out.flush();
+    let mps = match state.map(|s| gpu_dra_sim::cuda::join_mps(s, env)) {
+        Some(Err(line)) => {
+            let _ = writeln!(out, "{line}");
+            return 1;
+        }
+        Some(Ok(conn)) => conn,
+        None => None,
+    };
+    let Some(benchmark) = run.benchmark else {
+        // The windowed simulation runs until its window is closed: here, until killed.
+        loop {
+            std::thread::sleep(std::time::Duration::from_secs(3600));
+        }
+    };
+    std::thread::sleep(std::time::Duration::from_secs_f64(
+        benchmark.millis / 1000.0,
+    ));
+    let _ = out.write_all(benchmark.report().as_bytes());
+    let _ = out.flush();
+    drop(mps);
+    0
 }
