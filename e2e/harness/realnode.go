@@ -613,12 +613,13 @@ func (r *realNode) waitReady(ctx context.Context) error {
 	return nil
 }
 
-// driverRegistered says whether the kubelet accepted the driver's plugin:
-// the kubelet tells the plugin (NotifyRegistrationStatus) once its DRA
-// handler registered it, and our plugin logs that.
+// driverRegistered says whether the kubelet accepted the driver's current
+// plugin process: the kubelet tells the plugin (NotifyRegistrationStatus)
+// once its DRA handler registered it, and our plugin logs that (a process
+// before a restart logged it too: only the current one's log counts).
 func (r *realNode) driverRegistered() bool {
 	p := r.n.Plugin
-	return p != nil && p.Running() && strings.Contains(p.Log(), "registered with the kubelet")
+	return p != nil && p.Running() && strings.Contains(p.CurrentLog(), "registered with the kubelet")
 }
 
 // stopWorkloads stops the kubelet, then every pod through CRI (containers

@@ -73,7 +73,7 @@ func TestExamples(t *testing.T) {
 						destroyInstances(t, n, gpu)
 					}
 				}
-				addPluginNode(context.Background(), t, "node-ex-"+d.Name(), node.profile, node.args, empty)
+				addPluginNodeWith(context.Background(), t, harness.NodeOptions{Name: "node-ex-" + d.Name(), PodLoop: true}, node.profile, node.args, empty)
 			}
 			runExample(t, d.Name(), files)
 		})
@@ -117,7 +117,7 @@ func addMemoryShareNode(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	addPluginNode(ctx, t, name, "dgx-a100-40gb", nil, annotate)
+	addPluginNodeWith(ctx, t, harness.NodeOptions{Name: name, PodLoop: true}, "dgx-a100-40gb", nil, annotate)
 	if !eventually(ctx, 60*time.Second, func() bool {
 		d, ok := poolDevices(ctx, t, name)[exampleShareGPU]
 		return ok && d.AllowMultipleAllocations != nil && *d.AllowMultipleAllocations

@@ -112,7 +112,9 @@ func claimPod(ns, name, node, claim string) *v1.Pod {
 		Spec: v1.PodSpec{
 			NodeSelector: map[string]string{"kubernetes.io/hostname": node},
 			Containers: []v1.Container{{
-				Name: "ctr", Image: "cuda-sample",
+				// The test image sleeps by default: the container runs
+				// until the pod is deleted.
+				Name: "ctr", Image: harness.TestImageName,
 				Resources: v1.ResourceRequirements{Claims: []v1.ResourceClaim{{Name: "gpu"}}},
 			}},
 			ResourceClaims: []v1.PodResourceClaim{{Name: "gpu", ResourceClaimName: &claim}},
@@ -151,17 +153,18 @@ func deletePod(ctx context.Context, t *testing.T, pod *v1.Pod) {
 	}
 }
 
-// podDevices resolves every CDI ID recorded on a running pod against its
-// node's CDI root, per container.
+// podDevices resolves every CDI ID a running pod's containers got (on a
+// real node, those containerd applied) against its node's CDI root, per
+// container.
 func podDevices(t *testing.T, pod *v1.Pod) map[string][]harness.ResolvedDevice {
 	t.Helper()
-	ids, err := harness.CDIDevices(pod)
-	if err != nil {
-		t.Fatal(err)
-	}
 	node := cluster.Node(pod.Spec.NodeName)
 	if node == nil {
 		t.Fatalf("pod %s on unknown node %q", pod.Name, pod.Spec.NodeName)
+	}
+	ids, err := node.CDIDevices(context.Background(), pod)
+	if err != nil {
+		t.Fatal(err)
 	}
 	out := map[string][]harness.ResolvedDevice{}
 	for ctr, list := range ids {

@@ -149,7 +149,8 @@ func TestNodeReboot(t *testing.T) {
 // the test ends.
 func addBootNode(ctx context.Context, t *testing.T, name, profile string, before func(*harness.Node)) *harness.Node {
 	t.Helper()
-	return addPluginNode(ctx, t, name, profile, nil, before)
+	// Reboots are the pod loop's until real nodes reboot (PodLoop).
+	return addPluginNodeWith(ctx, t, harness.NodeOptions{Name: name, PodLoop: true}, profile, nil, before)
 }
 
 // addPluginNode is addBootNode with extra plugin flags.
