@@ -214,9 +214,8 @@ func (r *realNode) cdiDevices(ctx context.Context, pod *v1.Pod) (map[string][]st
 }
 
 // logs is what a container wrote, from the kubelet's log files of every
-// attempt (<pod logs>/<ns>_<name>_<uid>/<container>/<attempt>.log). Each
-// line is "<time> <stream> <P|F> <text>": P marks a partial line whose
-// text continues in the next one.
+// attempt (<pod logs>/<ns>_<name>_<uid>/<container>/<attempt>.log), in
+// attempt order.
 func (r *realNode) logs(pod *v1.Pod, container string) (string, error) {
 	dir := filepath.Join(r.n.Dir, "pod-logs", fmt.Sprintf("%s_%s_%s", pod.Namespace, pod.Name, pod.UID), container)
 	entries, err := os.ReadDir(dir)
@@ -247,25 +246,29 @@ func (r *realNode) logs(pod *v1.Pod, container string) (string, error) {
 		if err != nil {
 			return "", err
 		}
-		for _, line := range strings.Split(strings.TrimSuffix(string(data), "\n"), "\n") {
-			if line == "" {
-				continue
-			}
-			fields := strings.SplitN(line, " ", 4)
-			if len(fields) < 3 {
-				continue
-			}
-			text := ""
-			if len(fields) == 4 {
-				text = fields[3]
-			}
-			b.WriteString(text)
-			if fields[2] != "P" {
-				b.WriteByte('\n')
-			}
-		}
+		b.WriteString(decodeCRILog(string(data)))
 	}
 	return b.String(), nil
+}
+
+// decodeCRILog is the text a CRI log file holds: each line is
+// "<time> <stream> <P|F> <text>", P marking a partial line whose text
+// continues in the next one (the kubelet splits long lines).
+func decodeCRILog(data string) string {
+	var b strings.Builder
+	for _, line := range strings.Split(strings.TrimSuffix(data, "\n"), "\n") {
+		fields := strings.SplitN(line, " ", 4)
+		if len(fields) < 3 {
+			continue
+		}
+		if len(fields) == 4 {
+			b.WriteString(fields[3])
+		}
+		if fields[2] != "P" {
+			b.WriteByte('\n')
+		}
+	}
+	return b.String()
 }
 
 // runcList lists the containers runc keeps state for under the node's runc

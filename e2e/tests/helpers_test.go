@@ -224,6 +224,12 @@ func claimSpecFiles(t *testing.T, node string, claimUID string) []string {
 	return out
 }
 
+// registerTimeout bounds the wait for a started or restarted plugin to
+// register with the kubelet: the plugin must finish its start (inventory,
+// recovery) and the real kubelet's plugin watcher see its socket; the start
+// alone took over 80 s at a load of 100-200 on this 2-core machine.
+const registerTimeout = 3 * time.Minute
+
 // eventually polls cond for up to timeout.
 func eventually(ctx context.Context, timeout time.Duration, cond func() bool) bool {
 	return wait.PollUntilContextTimeout(ctx, 100*time.Millisecond, timeout, true, func(context.Context) (bool, error) {

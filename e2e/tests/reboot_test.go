@@ -190,7 +190,7 @@ func addPluginNodeWith(ctx context.Context, t *testing.T, opts harness.NodeOptio
 	if _, err := n.StartPlugin(ctx, harness.PluginOptions{Profile: profile, BootIDFile: n.BootIDFile(), ExtraArgs: extraArgs}); err != nil {
 		t.Fatal(err)
 	}
-	if !eventually(ctx, 60*time.Second, func() bool { return n.DriverRegistered(harness.DefaultDriver) }) {
+	if !eventually(ctx, registerTimeout, func() bool { return n.DriverRegistered(harness.DefaultDriver) }) {
 		t.Fatalf("plugin on %s not registered (running: %v); log:\n%s", name, n.Plugin.Running(), n.Plugin.Log())
 	}
 	if !eventually(ctx, 60*time.Second, func() bool {
