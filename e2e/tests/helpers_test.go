@@ -105,12 +105,19 @@ func gpuClaim(t *testing.T, ns, name string, count int64, config map[string]any)
 	return claim
 }
 
+// testGracePeriod is the test pods' termination grace period. Their
+// containers (sleep as PID 1) ignore SIGTERM, so the real kubelet waits the
+// whole period before SIGKILL: the default 30 s added half a minute to every
+// deletion, which no test is about.
+var testGracePeriod = int64(1)
+
 // claimPod is a pod on a node using one claim in its one container.
 func claimPod(ns, name, node, claim string) *v1.Pod {
 	return &v1.Pod{
 		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns},
 		Spec: v1.PodSpec{
-			NodeSelector: map[string]string{"kubernetes.io/hostname": node},
+			TerminationGracePeriodSeconds: &testGracePeriod,
+			NodeSelector:                  map[string]string{"kubernetes.io/hostname": node},
 			Containers: []v1.Container{{
 				// The test image sleeps by default: the container runs
 				// until the pod is deleted.

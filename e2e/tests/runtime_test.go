@@ -29,9 +29,10 @@ func runtimePod(ns, name, node, script string, cdiDevices ...string) *v1.Pod {
 	pod := &v1.Pod{
 		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns},
 		Spec: v1.PodSpec{
-			NodeName:      node,
-			RestartPolicy: v1.RestartPolicyNever,
-			Containers:    []v1.Container{{Name: "ctr", Image: "busybox:1.37", Command: []string{"sh", "-c", script}}},
+			NodeName:                      node,
+			RestartPolicy:                 v1.RestartPolicyNever,
+			TerminationGracePeriodSeconds: &testGracePeriod,
+			Containers:                    []v1.Container{{Name: "ctr", Image: "busybox:1.37", Command: []string{"sh", "-c", script}}},
 		},
 	}
 	if len(cdiDevices) > 0 {
