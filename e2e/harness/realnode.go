@@ -529,7 +529,11 @@ func (r *realNode) startKubelet(ctx context.Context, tools nodeTools) error {
 		"nodeStatusReportFrequency":     "10s",
 		// The kubelet's restart back-off (10 s, doubling) capped at 2 s:
 		// a test watching restarts sees them within seconds.
-		"crashLoopBackOff":    map[string]any{"maxContainerRestartPeriod": "2s"},
+		"crashLoopBackOff": map[string]any{"maxContainerRestartPeriod": "2s"},
+		// The kubelet retries a pod whose DRA prepare failed only at its
+		// periodic sync (default 1 min): 10 s lets a test see the retry
+		// (the next claim's error, the prepare after a plugin restart).
+		"syncFrequency":       "10s",
 		"serializeImagePulls": false,
 	}
 	data, err := yaml.Marshal(config)
