@@ -16,7 +16,6 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
-	"regexp"
 	"sort"
 	"strconv"
 	"strings"
@@ -27,11 +26,7 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 	v1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/client-go/kubernetes/scheme"
-	"k8s.io/client-go/tools/remotecommand"
-	utilexec "k8s.io/client-go/util/exec"
 	runtimeapi "k8s.io/cri-api/pkg/apis/runtime/v1"
-	podresourcesv1 "k8s.io/kubelet/pkg/apis/podresources/v1"
 )
 
 // ImageRootfs is the driver's image content: E2E_IMAGE_ROOTFS, else
@@ -184,16 +179,6 @@ func (n *Node) podLogDir(pod *v1.Pod, container string) string {
 	return filepath.Join(n.Dir, "pod-logs", fmt.Sprintf("%s_%s_%s", pod.Namespace, pod.Name, pod.UID), container)
 }
 
-// realContainerLogs is Node.ContainerLogs on a real node: the kubelet's
-// log files of the container, every restart.
-func (n *Node) realContainerLogs(pod *v1.Pod, container string) (string, error) {
-	dir := n.podLogDir(pod, container)
-	if !isDir(dir) {
-		return "", fmt.Errorf("%w: no logs of container %q of pod %s/%s on %s", ErrNoContainer, container, pod.Namespace, pod.Name, n.Name)
-	}
-	return criLogs(dir), nil
-}
-
 // criLogs is the content of a container's log files in dir, oldest first
 // (CRI format: time, stream, tag P or F, line).
 func criLogs(dir string) string {
@@ -216,27 +201,6 @@ func criLogs(dir string) string {
 		}
 	}
 	return b.String()
-}
-
-// Exec runs a command in a container of a pod through the API server's
-// pods/exec, as `kubectl exec` does (the node's kubelet and containerd run
-// it), and returns what it printed and its exit code.
-func (c *Cluster) Exec(ctx context.Context, pod *v1.Pod, container string, args ...string) (ExecResult, error) {
-	req := c.Client.CoreV1().RESTClient().Post().Resource("pods").Namespace(pod.Namespace).Name(pod.Name).SubResource("exec").
-		VersionedParams(&v1.PodExecOptions{Container: container, Command: args, Stdout: true, Stderr: true}, scheme.ParameterCodec)
-	exec, err := remotecommand.NewSPDYExecutor(c.AdminConfig, "POST", req.URL())
-	if err != nil {
-		return ExecResult{}, err
-	}
-	var stdout, stderr bytes.Buffer
-	err = exec.StreamWithContext(ctx, remotecommand.StreamOptions{Stdout: &stdout, Stderr: &stderr})
-	res := ExecResult{Stdout: stdout.String(), Stderr: stderr.String()}
-	var exit utilexec.ExitError
-	if errors.As(err, &exit) {
-		res.ExitCode = exit.ExitStatus()
-		return res, nil
-	}
-	return res, err
 }
 
 // CRIContainer is a container a real node's containerd runs for a pod.
@@ -272,58 +236,4 @@ func (n *Node) CRIContainers(ctx context.Context) ([]CRIContainer, error) {
 		})
 	}
 	return out, nil
-}
-
-// PodCDIDevices are the CDI device IDs each container of a running pod got
-// from its claims: on a real node what the kubelet's PodResources API (Get)
-// reports for the pod, as monitoring agents read it; on a pod-loop node the
-// pod's CDIAnnotation (CDIDevices). Every container of the pod has an entry.
-func (c *Cluster) PodCDIDevices(ctx context.Context, pod *v1.Pod) (map[string][]string, error) {
-	n := c.Node(pod.Spec.NodeName)
-	if n == nil || n.real == nil {
-		return CDIDevices(pod)
-	}
-	conn, err := grpc.NewClient("unix://"+n.PodResourcesSocket(), grpc.WithTransportCredentials(insecure.NewCredentials()))
-	if err != nil {
-		return nil, err
-	}
-	defer conn.Close()
-	got, err := podresourcesv1.NewPodResourcesListerClient(conn).Get(ctx, &podresourcesv1.GetPodResourcesRequest{PodName: pod.Name, PodNamespace: pod.Namespace})
-	if err != nil {
-		return nil, fmt.Errorf("PodResources Get %s/%s on %s: %w", pod.Namespace, pod.Name, n.Name, err)
-	}
-	out := map[string][]string{}
-	for _, ctr := range pod.Spec.Containers {
-		out[ctr.Name] = []string{}
-	}
-	for _, ctr := range got.GetPodResources().GetContainers() {
-		for _, dr := range ctr.GetDynamicResources() {
-			for _, cr := range dr.GetClaimResources() {
-				for _, d := range cr.GetCdiDevices() {
-					out[ctr.Name] = append(out[ctr.Name], d.GetName())
-				}
-			}
-		}
-	}
-	return out, nil
-}
-
-// kubeletDRAError is how a real kubelet logs a failed PrepareResources
-// (kuberuntime_manager: "Failed to prepare dynamic resources", err
-// "prepare dynamic resources: ...") or UnprepareResources (the pod worker's
-// "Error syncing pod", err "unprepare dynamic resources: ...").
-var kubeletDRAError = regexp.MustCompile(`err="((?:un)?prepare) dynamic resources: (.*?)" pod="([^"]+)"`)
-
-// realDRAErrors is Node.DRAErrors on a real node: the failed calls its
-// kubelet logged, in order, as "prepare ns/pod: error".
-func (n *Node) realDRAErrors() []string {
-	data, err := os.ReadFile(filepath.Join(n.Dir, "kubelet.log"))
-	if err != nil {
-		return nil
-	}
-	var out []string
-	for _, m := range kubeletDRAError.FindAllStringSubmatch(string(data), -1) {
-		out = append(out, fmt.Sprintf("%s %s: %s", m[1], m[3], m[2]))
-	}
-	return out
 }

@@ -57,11 +57,19 @@ type NodeOptions struct {
 	// GPU Operator node, so NVIDIA_VISIBLE_DEVICES in a container's env adds
 	// GPUs (see nvidiaruntime.go). LayoutProcess nodes only.
 	NvidiaRuntime bool
-	// RealKubelet runs the kubelet and containerd as processes instead of
-	// the pod loop and runtime of this file (see realnode.go). Nodes of a
-	// deployed Layout always do (their plugin is the chart's DaemonSet pod,
-	// in the node's mount namespace: realnode_ns.go).
+	// RealKubelet asks for a real node: the kubelet and containerd as
+	// processes instead of the pod loop and runtime of this file (see
+	// realnode.go), failing where the node cannot be one. Every node with
+	// containers is real unless PodLoop says otherwise (nodes of a deployed
+	// Layout always are: their plugin is the chart's DaemonSet pod, in the
+	// node's mount namespace, realnode_ns.go), so only tests that insist set it.
 	RealKubelet bool
+	// PodLoop keeps a LayoutProcess node on the harness's pod loop and
+	// runtime (this file, runtime.go) instead of the real kubelet and
+	// containerd: for the test of that runtime's own CDI handling
+	// (TestBrokenCDISpecFailsTheContainer). Nodes with NoContainers (the
+	// scale benchmark) always run it.
+	PodLoop bool
 	// Taints the kubelet registers a real node with (RealKubelet only).
 	Taints []v1.Taint
 }
@@ -132,6 +140,14 @@ func (c *Cluster) AddNode(ctx context.Context, opts NodeOptions) (*Node, error) 
 		simRoot:      filepath.Join(dir, "sim"),
 		logger:       klog.LoggerWithValues(klog.Background(), "node", opts.Name),
 		opts:         opts,
+	}
+	if opts.RealKubelet && opts.PodLoop {
+		return nil, fmt.Errorf("node %s: RealKubelet and PodLoop both set; a node runs one of them", opts.Name)
+	}
+	// Real unless it cannot be (see NodeOptions.PodLoop).
+	if !opts.PodLoop && opts.Layout == LayoutProcess && !opts.NoContainers {
+		opts.RealKubelet = true
+		n.opts = opts
 	}
 	if opts.NvidiaRuntime && (opts.Layout != LayoutProcess || opts.NoContainers) {
 		return nil, fmt.Errorf("node %s: NVIDIA's runtime runs containers of nodes whose plugin runs as a process (LayoutProcess, containers on)", opts.Name)
@@ -265,10 +281,13 @@ func (c *Cluster) Node(name string) *Node {
 }
 
 // DRAErrors are the kubelet's failed PrepareResources and UnprepareResources
-// calls on this node so far ("prepare ns/pod: error"), in order.
+// calls on this node so far ("prepare ns/pod: error"), in order (on a real
+// node from the kubelet's events and log, see realnode_cri.go).
 func (n *Node) DRAErrors() []string {
 	if n.real != nil {
-		return n.realDRAErrors() // daemonpods.go
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		return n.real.draErrors(ctx)
 	}
 	n.draErrMu.Lock()
 	defer n.draErrMu.Unlock()
@@ -735,7 +754,18 @@ func (n *Node) Stop() {
 	}
 }
 
-// CDIDevices returns the CDI device IDs recorded on a pod, per container.
+// CDIDevices are the CDI device IDs each container of a running pod on this
+// node got: on a real node those the kubelet handed containerd (CRI), on a
+// pod-loop node those the pod loop recorded (CDIAnnotation).
+func (n *Node) CDIDevices(ctx context.Context, pod *v1.Pod) (map[string][]string, error) {
+	if n.real != nil {
+		return n.real.cdiDevices(ctx, pod)
+	}
+	return CDIDevices(pod)
+}
+
+// CDIDevices returns the CDI device IDs the pod loop recorded on a pod, per
+// container (pod-loop nodes; Node.CDIDevices works on every node).
 func CDIDevices(pod *v1.Pod) (map[string][]string, error) {
 	raw, ok := pod.Annotations[CDIAnnotation]
 	if !ok {

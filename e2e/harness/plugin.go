@@ -56,6 +56,8 @@ type PluginProcess struct {
 	mu      sync.Mutex
 	cmd     *exec.Cmd
 	done    chan struct{}
+	// logStart is the log's size when the current process started.
+	logStart int64
 }
 
 // DefaultDriver is the driver name we publish by default.
@@ -186,6 +188,10 @@ func (p *PluginProcess) start() error {
 	if err != nil {
 		return err
 	}
+	var logStart int64
+	if st, err := log.Stat(); err == nil {
+		logStart = st.Size()
+	}
 	cmd := exec.Command(p.Args[0], p.Args[1:]...)
 	cmd.Stdout = log
 	cmd.Stderr = log
@@ -200,7 +206,7 @@ func (p *PluginProcess) start() error {
 	done := make(chan struct{})
 	go func() { _ = cmd.Wait(); log.Close(); close(done) }()
 	p.mu.Lock()
-	p.cmd, p.done = cmd, done
+	p.cmd, p.done, p.logStart = cmd, done, logStart
 	p.mu.Unlock()
 	return nil
 }
@@ -264,6 +270,19 @@ func (p *PluginProcess) Stop() {
 func (p *PluginProcess) Log() string {
 	b, _ := os.ReadFile(p.LogPath)
 	return string(b)
+}
+
+// CurrentLog is what the plugin's current process (since its last start or
+// Restart) has logged.
+func (p *PluginProcess) CurrentLog() string {
+	p.mu.Lock()
+	start := p.logStart
+	p.mu.Unlock()
+	b, _ := os.ReadFile(p.LogPath)
+	if int64(len(b)) < start {
+		return ""
+	}
+	return string(b[start:])
 }
 
 // NodeBoundToken creates (once) a Pod object standing for the plugin's

@@ -574,7 +574,11 @@ func (r *realNode) startKubelet(ctx context.Context, tools nodeTools) error {
 		"nodeStatusReportFrequency":     "10s",
 		// The kubelet's restart back-off (10 s, doubling) capped at 2 s:
 		// a test watching restarts sees them within seconds.
-		"crashLoopBackOff":    map[string]any{"maxContainerRestartPeriod": "2s"},
+		"crashLoopBackOff": map[string]any{"maxContainerRestartPeriod": "2s"},
+		// The kubelet retries a pod whose DRA prepare failed only at its
+		// periodic sync (default 1 min): 10 s lets a test see the retry
+		// (the next claim's error, the prepare after a plugin restart).
+		"syncFrequency":       "10s",
 		"serializeImagePulls": false,
 	}
 	data, err := yaml.Marshal(config)
@@ -658,12 +662,13 @@ func (r *realNode) waitReady(ctx context.Context) error {
 	return nil
 }
 
-// driverRegistered says whether the kubelet accepted the driver's plugin:
-// the kubelet tells the plugin (NotifyRegistrationStatus) once its DRA
-// handler registered it, and our plugin logs that.
+// driverRegistered says whether the kubelet accepted the driver's current
+// plugin process: the kubelet tells the plugin (NotifyRegistrationStatus)
+// once its DRA handler registered it, and our plugin logs that (a process
+// before a restart logged it too: only the current one's log counts).
 func (r *realNode) driverRegistered() bool {
 	if p := r.n.Plugin; p != nil {
-		return p.Running() && strings.Contains(p.Log(), "registered with the kubelet")
+		return p.Running() && strings.Contains(p.CurrentLog(), "registered with the kubelet")
 	}
 	// A deployed plugin: a running DaemonSet pod of the node said so.
 	for _, d := range r.n.DaemonPods() { // daemonpods.go

@@ -350,31 +350,3 @@ func (n *Node) PodSandboxes(ctx context.Context, pod *v1.Pod) ([]PodSandbox, err
 	}
 	return out, nil
 }
-
-// execReal is Node.Exec on a real node: CRI ExecSync in the pod's running
-// container of that name, as `crictl exec` does.
-func (r *realNode) execReal(ctx context.Context, pod *v1.Pod, container string, args []string) (ExecResult, error) {
-	rt, done, err := r.runtimeService()
-	if err != nil {
-		return ExecResult{}, err
-	}
-	defer done()
-	list, err := rt.ListContainers(ctx, &runtimeapi.ListContainersRequest{Filter: &runtimeapi.ContainerFilter{
-		State: &runtimeapi.ContainerStateValue{State: runtimeapi.ContainerState_CONTAINER_RUNNING},
-		LabelSelector: map[string]string{
-			"io.kubernetes.pod.uid":        string(pod.UID),
-			"io.kubernetes.container.name": container,
-		},
-	}})
-	if err != nil {
-		return ExecResult{}, fmt.Errorf("node %s: CRI ListContainers: %w", r.n.Name, err)
-	}
-	if len(list.Containers) == 0 {
-		return ExecResult{}, fmt.Errorf("%w: no running container %q of pod %s/%s on %s", ErrNoContainer, container, pod.Namespace, pod.Name, r.n.Name)
-	}
-	res, err := rt.ExecSync(ctx, &runtimeapi.ExecSyncRequest{ContainerId: list.Containers[0].Id, Cmd: args, Timeout: 60})
-	if err != nil {
-		return ExecResult{}, fmt.Errorf("node %s: CRI ExecSync %v: %w", r.n.Name, args, err)
-	}
-	return ExecResult{Stdout: string(res.Stdout), Stderr: string(res.Stderr), ExitCode: int(res.ExitCode)}, nil
-}

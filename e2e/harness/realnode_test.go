@@ -10,6 +10,7 @@ import (
 	"path/filepath"
 	"reflect"
 	"regexp"
+	"slices"
 	"strings"
 	"testing"
 )
@@ -228,5 +229,32 @@ func TestImageCatalogueMatches(t *testing.T) {
 	}
 	if got := normalizeImage("ubuntu"); got != "docker.io/library/ubuntu:latest" {
 		t.Errorf("normalizeImage(ubuntu) = %s", got)
+	}
+}
+
+// The kubelet's CRI log files read back as the text written: partial lines
+// joined, an empty line kept, both streams in file order.
+func TestDecodeCRILog(t *testing.T) {
+	in := "2026-11-25T23:00:00.000000001Z stdout F hello from ok\n" +
+		"2026-11-25T23:00:00.000000002Z stderr P part one, \n" +
+		"2026-11-25T23:00:00.000000003Z stderr F part two\n" +
+		"2026-11-25T23:00:00.000000004Z stdout F \n" +
+		"2026-11-25T23:00:00.000000005Z stdout F last\n"
+	want := "hello from ok\npart one, part two\n\nlast\n"
+	if got := decodeCRILog(in); got != want {
+		t.Errorf("decodeCRILog:\n got %q\nwant %q", got, want)
+	}
+}
+
+// The kubelet's unprepare failures are found in its log by pod, other
+// failed syncs are not.
+func TestUnprepareErrors(t *testing.T) {
+	log := `E1125 23:01:02.000000  100 pod_workers.go:1338] "Error syncing pod, skipping" err="unprepare dynamic resources: NodeUnprepareResources failed for ResourceClaim c: boom" pod="ns1/p1" podUID="u1"` + "\n" +
+		`E1125 23:01:03.000000  100 pod_workers.go:1338] "Error syncing pod, skipping" err="failed to \"StartContainer\" for \"ctr\" with CrashLoopBackOff" pod="ns1/p2" podUID="u2"` + "\n" +
+		`I1125 23:01:04.000000  100 kubelet.go:1] "SyncLoop ADD" source="api" pods=["ns1/p3"]` + "\n"
+	got := unprepareErrors(log)
+	want := []string{`unprepare ns1/p1: unprepare dynamic resources: NodeUnprepareResources failed for ResourceClaim c: boom`}
+	if !slices.Equal(got, want) {
+		t.Errorf("unprepareErrors:\n got %q\nwant %q", got, want)
 	}
 }

@@ -63,15 +63,19 @@ const (
 	ContainerExited ContainerPhase = "exited"
 	// ContainerStartFailed never ran: the runtime refused it (see Message).
 	ContainerStartFailed ContainerPhase = "start-failed"
+	// ContainerCreated is created and not started yet (real nodes only:
+	// containerd reports it between CreateContainer and StartContainer).
+	ContainerCreated ContainerPhase = "created"
 )
 
 // Container is one runc container of a pod.
 type Container struct {
-	// ID is runc's container ID: <pod UID>_<container name>.
+	// ID is runc's container ID: <pod UID>_<container name> on pod-loop
+	// nodes, containerd's on real nodes.
 	ID string
 	// Name is the container's name in the pod.
 	Name string
-	// Bundle is the OCI bundle directory.
+	// Bundle is the OCI bundle directory (empty on real nodes: containerd's).
 	Bundle string
 	// LogPath receives the container's stdout and stderr.
 	LogPath string
@@ -637,10 +641,11 @@ type ExecResult struct {
 }
 
 // Exec runs a command in a running container of a pod on this node, like
-// `kubectl exec` (runc exec: same namespaces, root, devices and cgroup).
+// `kubectl exec` (runc exec: same namespaces, root, devices and cgroup; on
+// a real node CRI ExecSync, see realnode_cri.go).
 func (n *Node) Exec(ctx context.Context, pod *v1.Pod, container string, args ...string) (ExecResult, error) {
 	if n.real != nil {
-		return n.cluster.Exec(ctx, pod, container, args...) // daemonpods.go
+		return n.real.exec(ctx, pod, container, args)
 	}
 	if n.runtime == nil {
 		return ExecResult{}, fmt.Errorf("%w: node %s runs no containers", ErrNoContainer, n.Name)
@@ -666,10 +671,11 @@ func (n *Node) Exec(ctx context.Context, pod *v1.Pod, container string, args ...
 }
 
 // ContainerLogs is what a container of a pod on this node has written to
-// stdout and stderr so far (kept after the pod is gone).
+// stdout and stderr so far (kept after the pod is gone on pod-loop nodes;
+// on a real node the kubelet's files, every attempt, gone with the pod).
 func (n *Node) ContainerLogs(pod *v1.Pod, container string) (string, error) {
 	if n.real != nil {
-		return n.realContainerLogs(pod, container) // daemonpods.go
+		return n.real.logs(pod, container)
 	}
 	path := filepath.Join(n.Dir, "logs", fmt.Sprintf("%s_%s_%s", pod.Namespace, pod.Name, pod.UID), container+".log")
 	data, err := os.ReadFile(path)
@@ -679,8 +685,20 @@ func (n *Node) ContainerLogs(pod *v1.Pod, container string) (string, error) {
 	return string(data), err
 }
 
-// Containers are the runc containers of a pod on this node.
+// Containers are the runc containers of a pod on this node (on a real node
+// the latest attempt of each, as containerd's CRI reports them; none if
+// containerd does not answer).
 func (n *Node) Containers(pod *v1.Pod) []*Container {
+	if n.real != nil {
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		ctrs, err := n.real.containers(ctx, pod)
+		if err != nil {
+			n.logger.Error(err, "list containers", "pod", pod.Namespace+"/"+pod.Name)
+			return nil
+		}
+		return ctrs
+	}
 	if n.runtime == nil {
 		return nil
 	}
@@ -688,8 +706,11 @@ func (n *Node) Containers(pod *v1.Pod) []*Container {
 }
 
 // RuncList is what runc lists under this node's root: container IDs that
-// runc still keeps state for.
+// runc still keeps state for (on a real node, containerd's runc).
 func (n *Node) RuncList() ([]string, error) {
+	if n.real != nil {
+		return n.real.runcList()
+	}
 	if n.runtime == nil {
 		return nil, nil
 	}

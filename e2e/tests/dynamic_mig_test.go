@@ -215,6 +215,11 @@ func TestDynamicMIG(t *testing.T) {
 	if err := n.Plugin.Restart(); err != nil {
 		t.Fatal(err)
 	}
+	// Registered first: a real kubelet that finds no plugin at prepare
+	// retries the pod only at its next periodic sync (a minute later).
+	if !eventually(ctx, registerTimeout, func() bool { return n.DriverRegistered(harness.DefaultDriver) }) {
+		t.Fatalf("plugin with the failpoint did not register; log:\n%s", n.Plugin.Log())
+	}
 	crash := createClaimAndPod(ctx, t, migClaim(ns, "crash", "3g.20gb", gpu0), name)
 	if !eventually(ctx, 60*time.Second, func() bool { return !n.Plugin.Running() }) {
 		t.Fatalf("plugin not killed at prepare.after_mig_create; log:\n%s", n.Plugin.Log())

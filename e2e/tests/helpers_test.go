@@ -105,14 +105,23 @@ func gpuClaim(t *testing.T, ns, name string, count int64, config map[string]any)
 	return claim
 }
 
+// testGracePeriod is the test pods' termination grace period. Their
+// containers (sleep as PID 1) ignore SIGTERM, so the real kubelet waits the
+// whole period before SIGKILL: the default 30 s added half a minute to every
+// deletion, which no test is about.
+var testGracePeriod = int64(1)
+
 // claimPod is a pod on a node using one claim in its one container.
 func claimPod(ns, name, node, claim string) *v1.Pod {
 	return &v1.Pod{
 		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns},
 		Spec: v1.PodSpec{
-			NodeSelector: map[string]string{"kubernetes.io/hostname": node},
+			TerminationGracePeriodSeconds: &testGracePeriod,
+			NodeSelector:                  map[string]string{"kubernetes.io/hostname": node},
 			Containers: []v1.Container{{
-				Name: "ctr", Image: "cuda-sample",
+				// The test image sleeps by default: the container runs
+				// until the pod is deleted.
+				Name: "ctr", Image: harness.TestImageName,
 				Resources: v1.ResourceRequirements{Claims: []v1.ResourceClaim{{Name: "gpu"}}},
 			}},
 			ResourceClaims: []v1.PodResourceClaim{{Name: "gpu", ResourceClaimName: &claim}},
@@ -151,17 +160,18 @@ func deletePod(ctx context.Context, t *testing.T, pod *v1.Pod) {
 	}
 }
 
-// podDevices resolves every CDI ID recorded on a running pod against its
-// node's CDI root, per container.
+// podDevices resolves every CDI ID a running pod's containers got (on a
+// real node, those containerd applied) against its node's CDI root, per
+// container.
 func podDevices(t *testing.T, pod *v1.Pod) map[string][]harness.ResolvedDevice {
 	t.Helper()
-	ids, err := cluster.PodCDIDevices(context.Background(), pod)
-	if err != nil {
-		t.Fatal(err)
-	}
 	node := cluster.Node(pod.Spec.NodeName)
 	if node == nil {
 		t.Fatalf("pod %s on unknown node %q", pod.Name, pod.Spec.NodeName)
+	}
+	ids, err := node.CDIDevices(context.Background(), pod)
+	if err != nil {
+		t.Fatal(err)
 	}
 	out := map[string][]harness.ResolvedDevice{}
 	for ctr, list := range ids {
@@ -220,6 +230,12 @@ func claimSpecFiles(t *testing.T, node string, claimUID string) []string {
 	}
 	return out
 }
+
+// registerTimeout bounds the wait for a started or restarted plugin to
+// register with the kubelet: the plugin must finish its start (inventory,
+// recovery) and the real kubelet's plugin watcher see its socket; the start
+// alone took over 80 s at a load of 100-200 on this 2-core machine.
+const registerTimeout = 3 * time.Minute
 
 // eventually polls cond for up to timeout.
 func eventually(ctx context.Context, timeout time.Duration, cond func() bool) bool {

@@ -306,7 +306,7 @@ func TestDeviceHealth(t *testing.T) {
 	if err := n.Plugin.Restart(); err != nil {
 		t.Fatal(err)
 	}
-	if !eventually(ctx, 60*time.Second, func() bool { return n.DriverRegistered(harness.DefaultDriver) }) {
+	if !eventually(ctx, registerTimeout, func() bool { return n.DriverRegistered(harness.DefaultDriver) }) {
 		t.Fatalf("plugin did not register again; log:\n%s", n.Plugin.Log())
 	}
 	time.Sleep(3 * time.Second)

@@ -100,7 +100,8 @@ func run(m *testing.M) int {
 }
 
 // checkContainersCleanedUp stops every node and fails the run if runc still
-// keeps a container of it or a container process is left.
+// keeps a container of it or a container process is left (on a real node
+// also its kubelet, containerd, shims, mounts, cgroups or bridge).
 func checkContainersCleanedUp(c *harness.Cluster) error {
 	var left []string
 	for _, n := range c.Nodes() {
@@ -113,6 +114,7 @@ func checkContainersCleanedUp(c *harness.Cluster) error {
 		for _, pid := range harness.ContainerProcesses(n.Dir) {
 			left = append(left, fmt.Sprintf("process %d", pid))
 		}
+		left = append(left, n.RealNodeLeftovers()...)
 	}
 	if len(left) > 0 {
 		return fmt.Errorf("containers left after the nodes stopped: %v", left)

@@ -186,7 +186,7 @@ func TestReplaceNvidiaDriver(t *testing.T) {
 	if err := n.Plugin.Restart(); err != nil {
 		t.Fatal(err)
 	}
-	if !eventually(ctx, 60*time.Second, func() bool {
+	if !eventually(ctx, registerTimeout, func() bool {
 		return strings.Count(n.Plugin.Log(), "serving registration=") == 2 && n.DriverRegistered(harness.DefaultDriver)
 	}) {
 		t.Fatalf("plugin not serving and registered after restart; log:\n%s", n.Plugin.Log())

@@ -180,7 +180,7 @@ func TestPluginCrashAndRestart(t *testing.T) {
 	if err := n.Plugin.Restart(); err != nil {
 		t.Fatal(err)
 	}
-	if !eventually(ctx, 60*time.Second, func() bool { return n.DriverRegistered(harness.DefaultDriver) }) {
+	if !eventually(ctx, registerTimeout, func() bool { return n.DriverRegistered(harness.DefaultDriver) }) {
 		t.Fatalf("plugin did not register again after restart; log:\n%s", n.Plugin.Log())
 	}
 	// The running pods still have their devices, and the MPS daemon (re-adopted or restarted) still serves.

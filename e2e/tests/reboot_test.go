@@ -176,7 +176,7 @@ func TestNodeReboot(t *testing.T) {
 // the test ends.
 func addBootNode(ctx context.Context, t *testing.T, name, profile string, before func(*harness.Node)) *harness.Node {
 	t.Helper()
-	return addPluginNode(ctx, t, name, profile, nil, before)
+	return addPluginNodeWith(ctx, t, harness.NodeOptions{Name: name}, profile, nil, before)
 }
 
 // addPluginNode is addBootNode with extra plugin flags.
@@ -216,7 +216,7 @@ func addPluginNodeWith(ctx context.Context, t *testing.T, opts harness.NodeOptio
 	if _, err := n.StartPlugin(ctx, harness.PluginOptions{Profile: profile, BootIDFile: n.BootIDFile(), ExtraArgs: extraArgs}); err != nil {
 		t.Fatal(err)
 	}
-	if !eventually(ctx, 60*time.Second, func() bool { return n.DriverRegistered(harness.DefaultDriver) }) {
+	if !eventually(ctx, registerTimeout, func() bool { return n.DriverRegistered(harness.DefaultDriver) }) {
 		t.Fatalf("plugin on %s not registered (running: %v); log:\n%s", name, n.Plugin.Running(), n.Plugin.Log())
 	}
 	if !eventually(ctx, 60*time.Second, func() bool {

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -17,8 +18,9 @@ import (
 	"github.com/gpu-dra/e2e/harness"
 )
 
-// The simulated node's container runtime: pod phase follows the containers,
-// logs are kept, and a CDI spec that would fail on a real node fails here.
+// A node's containers: pod phase follows the containers and logs are kept
+// (on the suite's real nodes), and a CDI spec that fails on a real node
+// fails the same way in the pod loop's runtime (runtime.go).
 
 // runtimePod is a pod pinned to a node with one container running script,
 // CDI devices from cdi.k8s.io annotations (as containerd injects them for
@@ -27,9 +29,10 @@ func runtimePod(ns, name, node, script string, cdiDevices ...string) *v1.Pod {
 	pod := &v1.Pod{
 		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns},
 		Spec: v1.PodSpec{
-			NodeName:      node,
-			RestartPolicy: v1.RestartPolicyNever,
-			Containers:    []v1.Container{{Name: "ctr", Image: "busybox:1.37", Command: []string{"sh", "-c", script}}},
+			NodeName:                      node,
+			RestartPolicy:                 v1.RestartPolicyNever,
+			TerminationGracePeriodSeconds: &testGracePeriod,
+			Containers:                    []v1.Container{{Name: "ctr", Image: "busybox:1.37", Command: []string{"sh", "-c", script}}},
 		},
 	}
 	if len(cdiDevices) > 0 {
@@ -113,26 +116,53 @@ func TestContainerExitAndLogs(t *testing.T) {
 		t.Errorf("exec in long-running container: %v %+v", err, res)
 	}
 	checkNoGPU(ctx, t, running, "ctr")
+	ctrs := node.Containers(running)
+	if len(ctrs) != 1 {
+		t.Fatalf("containers of the running pod: %d, want 1", len(ctrs))
+	}
+	before, err := node.RuncList()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !slices.Contains(before, ctrs[0].ID) {
+		t.Fatalf("runc does not list the running container %s: %v", ctrs[0].ID, before)
+	}
 	deletePod(ctx, t, running)
 	ids, err := node.RuncList()
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, id := range ids {
-		if strings.HasPrefix(id, string(running.UID)) {
-			t.Errorf("runc still lists container %s of the deleted pod", id)
-		}
+	if slices.Contains(ids, ctrs[0].ID) {
+		t.Errorf("runc still lists container %s of the deleted pod", ctrs[0].ID)
 	}
 }
 
 // A CDI spec naming a missing device node, a missing host path or a missing
 // hook binary makes the container fail with the runtime's message, as it
-// would on a real node; the same spec's good device runs.
+// does on a real node; the same spec's good device runs. It checks the pod
+// loop's runtime (still the runtime of NVIDIA-runtime and deployed-layout
+// nodes) against containerd's behaviour, so it runs on a pod-loop node: the
+// CDI IDs come from cdi.k8s.io pod annotations, which only the pod loop
+// applies (the real kubelet hands containerd only DRA's and device
+// plugins' CDI devices).
 func TestBrokenCDISpecFailsTheContainer(t *testing.T) {
 	requireRegistered(t)
 	ctx := context.Background()
 	ns := newNamespace(ctx, t, "runtime-cdi")
-	node := cluster.Node(nodeT4)
+	const nodeName = "node-podloop-cdi"
+	node, err := cluster.AddNode(ctx, harness.NodeOptions{Name: nodeName, PodLoop: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if err := cluster.RemoveNode(context.Background(), nodeName); err != nil {
+			t.Errorf("remove node %s: %v", nodeName, err)
+		}
+	})
+	// The simulated host (the state folder every container mounts); no plugin.
+	if err := node.SetupSim("t4"); err != nil {
+		t.Fatal(err)
+	}
 	good := filepath.Join(node.Dir, "e2e-cdi-good.txt")
 	if err := os.WriteFile(good, []byte("mounted\n"), 0o644); err != nil {
 		t.Fatal(err)
@@ -169,7 +199,7 @@ func TestBrokenCDISpecFailsTheContainer(t *testing.T) {
 	t.Cleanup(func() { _ = os.Remove(specPath) })
 
 	t.Run("good", func(t *testing.T) {
-		pod := runtimePod(ns, "good", nodeT4, "echo $E2E_CDI; cat /e2e/good.txt; sleep 3600", "e2e.example.com/test=good")
+		pod := runtimePod(ns, "good", nodeName, "echo $E2E_CDI; cat /e2e/good.txt; sleep 3600", "e2e.example.com/test=good")
 		createPod(ctx, t, pod)
 		running, err := cluster.WaitPodRunning(ctx, ns, pod.Name, 60*time.Second)
 		if err != nil {
@@ -187,7 +217,7 @@ func TestBrokenCDISpecFailsTheContainer(t *testing.T) {
 		{"missing-hook", "usr/bin/nvidia-cdi-hook"},
 	} {
 		t.Run(tc.device, func(t *testing.T) {
-			pod := runtimePod(ns, tc.device, nodeT4, "echo started; sleep 3600", "e2e.example.com/test="+tc.device)
+			pod := runtimePod(ns, tc.device, nodeName, "echo started; sleep 3600", "e2e.example.com/test="+tc.device)
 			createPod(ctx, t, pod)
 			failed := waitPodPhase(ctx, t, pod, v1.PodFailed)
 			st := failed.Status.ContainerStatuses[0].State.Terminated

@@ -71,6 +71,7 @@ func run(ctx context.Context, dir, examples string, tour bool) error {
 	nodes := []struct{ name, profile string }{{"gpu-node-a100", "dgx-a100-40gb"}, {"gpu-node-t4", "t4"}}
 	plugins := true
 	for _, spec := range nodes {
+		// The pod loop's nodes until the demo's shutdown handles real ones.
 		n, err := c.AddNode(ctx, harness.NodeOptions{Name: spec.name})
 		if err != nil {
 			return err
