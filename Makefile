@@ -110,7 +110,7 @@ e2e-specs: e2e-bins e2e-tools e2e-node-tools e2e-image image-rootfs ## run every
 	@test -n "$(DIR)" || { echo "make e2e-specs: name the spec folder: DIR=<folder>" >&2; exit 2; }
 	cd e2e && E2E_SPECS_DIR=$(abspath $(DIR)) $(E2E_ENV) $(GO) test -count=1 -timeout $(E2E_TIMEOUT) -run '^TestSpecFolder$$' -v ./tests
 
-demo: e2e-bins e2e-tools e2e-image toolkit ## local cluster with an A100 and a T4 node, a short tour, then up for kubectl until Ctrl-C
+demo: e2e-bins e2e-tools e2e-node-tools e2e-image toolkit ## local cluster with real A100 (static and dynamic MIG) and T4 nodes, a short tour, then up for kubectl until Ctrl-C
 	cd e2e && $(E2E_ENV) $(GO) run ./cmd/demo
 
 bench-e2e: e2e-bins toolkit ## scale benchmark: 100 nodes x 8 GPUs, 800 one-GPU pods (not in CI)

@@ -305,10 +305,15 @@ func (c *Cluster) NodeBoundToken(ctx context.Context, node string, id Identity) 
 	if apierrors.IsNotFound(err) {
 		pod, err = pods.Create(ctx, &v1.Pod{
 			ObjectMeta: metav1.ObjectMeta{Name: name, Labels: map[string]string{"app.kubernetes.io/component": "kubelet-plugin"}},
+			// The plugin process stands for this pod's container; on a real
+			// node the kubelet runs the pod too, so its image is one the node
+			// has (the test image, which sleeps) rather than a name no
+			// registry serves (ImagePullBackOff for ever).
 			Spec: v1.PodSpec{
-				NodeName:           node,
-				ServiceAccountName: id.ServiceAccount,
-				Containers:         []v1.Container{{Name: "plugin", Image: "gpu-kubelet-plugin"}},
+				NodeName:                      node,
+				ServiceAccountName:            id.ServiceAccount,
+				TerminationGracePeriodSeconds: new(int64(1)),
+				Containers:                    []v1.Container{{Name: "plugin", Image: TestImageName}},
 			},
 		}, metav1.CreateOptions{})
 	}

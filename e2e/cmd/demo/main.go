@@ -17,7 +17,6 @@ import (
 	"time"
 
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/util/wait"
 
 	"github.com/gpu-dra/e2e/harness"
@@ -68,15 +67,31 @@ func run(ctx context.Context, dir, examples string, tour bool) error {
 		say("   note: %s", n)
 	}
 
-	nodes := []struct{ name, profile string }{{"gpu-node-a100", "dgx-a100-40gb"}, {"gpu-node-t4", "t4"}}
+	// The A100 node: static MIG instances on GPUs 2 and 3 (the profile's),
+	// GPUs 0 and 1 emptied and offered as dynamic MIG (as an admin sets it
+	// up), whole GPUs 4-7; so every example of the tour finds its devices.
+	nodes := []struct {
+		name, profile string
+		dynamicMIG    []int
+	}{{"gpu-node-a100", "dgx-a100-40gb", []int{0, 1}}, {"gpu-node-t4", "t4", nil}}
 	plugins := true
 	for _, spec := range nodes {
-		// The pod loop's nodes until the demo's shutdown handles real ones.
 		n, err := c.AddNode(ctx, harness.NodeOptions{Name: spec.name})
 		if err != nil {
 			return err
 		}
-		if _, err := n.StartPlugin(ctx, harness.PluginOptions{Profile: spec.profile}); err != nil {
+		var extra []string
+		if len(spec.dynamicMIG) > 0 {
+			if err := emptyGPUs(n, spec.profile, spec.dynamicMIG); err != nil {
+				return err
+			}
+			var ids []string
+			for _, g := range spec.dynamicMIG {
+				ids = append(ids, fmt.Sprint(g))
+			}
+			extra = []string{"--dynamic-mig-gpus=" + strings.Join(ids, ",")}
+		}
+		if _, err := n.StartPlugin(ctx, harness.PluginOptions{Profile: spec.profile, ExtraArgs: extra}); err != nil {
 			if !errors.Is(err, harness.ErrMissing) {
 				return err
 			}
@@ -116,6 +131,24 @@ func run(ctx context.Context, dir, examples string, tour bool) error {
 	say("   control-plane log: %s", filepath.Join(dir, "control-plane.log"))
 	say("Ctrl-C stops everything (a second Ctrl-C at once).")
 	<-ctx.Done()
+	return nil
+}
+
+// emptyGPUs sets up the node's simulated host and destroys the MIG
+// instances of gpus with the host's nvidia-smi, as an admin does before
+// handing GPUs to dynamic MIG.
+func emptyGPUs(n *harness.Node, profile string, gpus []int) error {
+	if err := n.SetupSim(profile); err != nil {
+		return err
+	}
+	smi := filepath.Join(n.SimRoot(), "usr", "bin", "nvidia-smi")
+	for _, gpu := range gpus {
+		for _, op := range []string{"-dci", "-dgi"} {
+			if out, err := exec.Command(smi, "mig", "-i", fmt.Sprint(gpu), op).CombinedOutput(); err != nil {
+				return fmt.Errorf("nvidia-smi mig -i %d %s: %v: %s", gpu, op, err, out)
+			}
+		}
+	}
 	return nil
 }
 
@@ -199,74 +232,58 @@ func runTour(ctx context.Context, c *harness.Cluster, requested string) error {
 		if readme, err := os.ReadFile(filepath.Join(root, name, "README.md")); err == nil {
 			say("   %s", strings.SplitN(strings.TrimSpace(string(readme)), "\n", 2)[0])
 		}
-		ns := "demo-" + strings.ReplaceAll(strings.ToLower(name), "_", "-")
-		if err := c.CreateNamespace(ctx, ns); err != nil {
-			return err
-		}
-		var objs []*unstructured.Unstructured
-		files, _ := filepath.Glob(filepath.Join(root, name, "*.yaml"))
-		for _, f := range files {
-			data, err := os.ReadFile(f)
-			if err != nil {
-				return err
-			}
-			parsed, err := harness.ParseYAML(data)
-			if err != nil {
-				return fmt.Errorf("%s: %w", f, err)
-			}
-			objs = append(objs, parsed...)
-		}
-		var pods []string
-		var expanded []*unstructured.Unstructured
-		for _, o := range objs {
-			if o.GetNamespace() != "" {
-				o.SetNamespace(ns)
-			}
-			if harness.WorkloadKinds[o.GetKind()] {
-				workloadPods, err := harness.PodsFromWorkload(o)
-				if err != nil {
-					return err
-				}
-				say("   apply %s %s as %d bare pod(s): no workload controllers run here", o.GetKind(), o.GetName(), len(workloadPods))
-				for _, p := range workloadPods {
-					expanded = append(expanded, p)
-					pods = append(pods, p.GetName())
-				}
-				continue
-			}
-			expanded = append(expanded, o)
-			if o.GetKind() == "Pod" {
-				pods = append(pods, o.GetName())
-			}
-			say("   apply %s %s", o.GetKind(), o.GetName())
-		}
-		objs = expanded
-		if err := c.Apply(ctx, objs, ns); err != nil {
-			say("   refused: %v", err)
+		files, err := harness.SpecFiles(filepath.Join(root, name))
+		if err != nil {
+			say("   %v", err)
 			continue
 		}
-		for _, p := range pods {
-			start := time.Now()
-			pod, err := c.WaitPodRunning(ctx, ns, p, 60*time.Second)
-			if err != nil {
-				say("   %v", err)
-				continue
+		for _, f := range files {
+			for _, o := range f.Objects {
+				say("   apply %s %s (%s)", o.GetKind(), o.GetName(), filepath.Base(f.Path))
 			}
-			say("   pod %s Running on %s after %s", p, pod.Spec.NodeName, time.Since(start).Round(time.Millisecond))
+		}
+		// Applied as written (workloads get their pods from the controller
+		// manager), waited for, and each claiming container's nvidia-smi -L
+		// checked against its allocation; left running for kubectl.
+		start := time.Now()
+		grace := int64(1)
+		run, err := c.RunSpec(ctx, files, harness.SpecOptions{
+			NamespacePrefix: "demo-" + name, Timeout: 2 * time.Minute, DeleteGracePeriod: &grace,
+		})
+		if err != nil {
+			say("   %v", err)
+		}
+		if run == nil {
+			continue
+		}
+		for _, p := range run.Problems {
+			say("   problem: %s", p)
+		}
+		for _, pod := range run.Pods {
+			say("   pod %s/%s %s on %s (%s after apply)", pod.Namespace, pod.Name, pod.Status.Phase, pod.Spec.NodeName, time.Since(start).Round(time.Millisecond))
+			ns := pod.Namespace
 			for _, st := range pod.Status.ResourceClaimStatuses {
 				if st.ResourceClaimName == nil {
 					continue
 				}
 				claim, err := c.Client.ResourceV1().ResourceClaims(ns).Get(ctx, *st.ResourceClaimName, metav1.GetOptions{})
-				if err != nil || claim.Status.Allocation == nil {
+				if err != nil {
+					say("     claim %s: %v", *st.ResourceClaimName, err)
+					continue
+				}
+				if claim.Status.Allocation == nil {
+					say("     claim %s: not allocated", claim.Name)
 					continue
 				}
 				for _, r := range claim.Status.Allocation.Devices.Results {
 					say("     claim %s: request %s -> %s/%s", claim.Name, r.Request, r.Pool, r.Device)
 				}
 			}
-			ids, _ := harness.CDIDevices(pod)
 			node := c.Node(pod.Spec.NodeName)
+			ids, err := node.CDIDevices(ctx, pod)
+			if err != nil {
+				say("     CDI devices: %v", err)
+			}
 			for ctr, list := range ids {
 				for _, id := range list {
 					say("     container %s: CDI %s", ctr, id)
