@@ -38,8 +38,6 @@ import (
 	"strings"
 	"time"
 
-	"google.golang.org/grpc"
-	"google.golang.org/grpc/credentials/insecure"
 	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -48,7 +46,6 @@ import (
 	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/client-go/kubernetes/scheme"
 	"k8s.io/client-go/tools/remotecommand"
-	podresourcesv1 "k8s.io/kubelet/pkg/apis/podresources/v1"
 )
 
 // SpecFile is one YAML file of a spec folder with its objects, in file order.
@@ -827,33 +824,4 @@ func claimSpecFiles(root, uid string) []string {
 		}
 	}
 	return out
-}
-
-// ContainerCDIDevices are the CDI device IDs the kubelet gave each container
-// of a pod on a real node, from its PodResources API (the same IDs it
-// passed to containerd).
-func (n *Node) ContainerCDIDevices(ctx context.Context, pod *v1.Pod) (map[string][]string, error) {
-	if n.real == nil {
-		return CDIDevices(pod)
-	}
-	conn, err := grpc.NewClient("unix://"+n.PodResourcesSocket(), grpc.WithTransportCredentials(insecure.NewCredentials()))
-	if err != nil {
-		return nil, err
-	}
-	defer conn.Close()
-	got, err := podresourcesv1.NewPodResourcesListerClient(conn).Get(ctx, &podresourcesv1.GetPodResourcesRequest{PodName: pod.Name, PodNamespace: pod.Namespace})
-	if err != nil {
-		return nil, fmt.Errorf("PodResources of %s/%s on %s: %w", pod.Namespace, pod.Name, n.Name, err)
-	}
-	out := map[string][]string{}
-	for _, ctr := range got.PodResources.Containers {
-		for _, dr := range ctr.DynamicResources {
-			for _, cr := range dr.ClaimResources {
-				for _, cdi := range cr.CdiDevices {
-					out[ctr.Name] = append(out[ctr.Name], cdi.Name)
-				}
-			}
-		}
-	}
-	return out, nil
 }

@@ -159,7 +159,7 @@ func exampleChecks(ctx context.Context, t *testing.T, run *harness.SpecRun) {
 			continue
 		}
 		node := cluster.Node(pod.Spec.NodeName)
-		cdiIDs, err := node.ContainerCDIDevices(ctx, pod)
+		cdiIDs, err := node.CDIDevices(ctx, pod)
 		if err != nil {
 			t.Fatal(err)
 		}
