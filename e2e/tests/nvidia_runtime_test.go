@@ -106,7 +106,7 @@ func TestNvidiaRuntimeSeesOnlyTheClaim(t *testing.T) {
 	requirePlugins(t)
 	ctx := context.Background()
 	const name = "node-nvidia-runtime"
-	n := addPluginNodeWith(ctx, t, harness.NodeOptions{Name: name, NvidiaRuntime: true}, "dgx-a100-40gb", nil, nil)
+	n := addPluginNodeWith(ctx, t, harness.NodeOptions{Name: name, NvidiaRuntime: true, PodLoop: true}, "dgx-a100-40gb", nil, nil)
 	ns := newNamespace(ctx, t, "nvidia-runtime")
 
 	nodeGPUs, err := filepath.Glob(filepath.Join(n.SimRoot(), "dev", "nvidia[0-9]*"))
