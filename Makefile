@@ -39,7 +39,7 @@ unit: lint ## the quick loop: lint, then every Rust test
 test: unit bench-check chart-check cdi-check e2e ## everything CI checks: lint, Rust tests, benchmarks once, the Helm chart, our CDI specs against the toolkit, the e2e suite
 
 # --- e2e: a real control plane in one Go process (e2e/), simulated GPU nodes ---
-E2E_TIMEOUT ?= 45m
+E2E_TIMEOUT ?= 70m
 # The root filesystem every e2e container runs on (no registry is reachable to pull images).
 TEST_IMAGE := $(TOOLS)/test-image
 E2E_ENV = E2E_REPO_ROOT=$(CURDIR) E2E_BIN_DIR=$(CURDIR)/target/debug E2E_TEST_IMAGE=$(TEST_IMAGE)/rootfs E2E_IMAGE_ROOTFS=$(IMAGE_ROOTFS)
