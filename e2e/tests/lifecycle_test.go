@@ -94,7 +94,9 @@ func TestMIGRelayoutWhilePluginRuns(t *testing.T) {
 	requirePlugins(t)
 	ctx := context.Background()
 	const name = "node-relayout"
-	n := addPluginNode(ctx, t, name, "dgx-a100-40gb", []string{"--rediscover-interval-seconds=3600"}, nil)
+	// On the pod loop: on a real node the kubelet retried the stale claim's
+	// prepare after the relayout and this test's refusal check missed it.
+	n := addPluginNodeWith(ctx, t, harness.NodeOptions{Name: name, PodLoop: true}, "dgx-a100-40gb", []string{"--rediscover-interval-seconds=3600"}, nil)
 	ns := newNamespace(ctx, t, "relayout")
 	before := poolDevices(ctx, t, name)
 	const (

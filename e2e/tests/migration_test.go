@@ -52,7 +52,9 @@ func TestReplaceNvidiaDriver(t *testing.T) {
 	var held []nvidiaClaim
 	var nvCheckpoint []byte
 	var nvCheckpointPath string
-	n := addBootNode(ctx, t, name, "dgx-h100", func(n *harness.Node) {
+	// On the pod loop: on a real node the intruder's prepare error came only
+	// at the kubelet's next retry, after this test's wait (CI run, load < 1).
+	n := addPluginNodeWith(ctx, t, harness.NodeOptions{Name: name, PodLoop: true}, "dgx-h100", nil, func(n *harness.Node) {
 		gpus := simGPUs(t, n)
 		if len(gpus) < 3 {
 			t.Fatalf("profile has %d GPUs, the test needs 3", len(gpus))
