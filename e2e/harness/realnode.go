@@ -869,11 +869,24 @@ func (n *Node) RealNodeLeftovers() []string {
 	r.mu.Unlock()
 	left = append(left, r.hostNamespaceLeft()...)
 	left = append(left, r.apiServiceLeft()...)
-	for _, pid := range r.strayProcesses() {
-		cmd, _ := os.ReadFile(filepath.Join("/proc", strconv.Itoa(pid), "cmdline"))
-		left = append(left, fmt.Sprintf("process %d: %s", pid, strings.ReplaceAll(string(cmd), "\x00", " ")))
+	left = append(left, r.leftovers(r.strayProcesses())...)
+	if r.bridge != "" {
+		if _, err := net.InterfaceByName(r.bridge); err == nil {
+			left = append(left, "network link "+r.bridge)
+		}
 	}
-	for _, m := range mountsUnder(n.Dir) {
+	return left
+}
+
+// leftovers names pids (with their command lines), the mounts under the
+// node's folder and the node's cgroups that still exist.
+func (r *realNode) leftovers(pids []int) []string {
+	var left []string
+	for _, pid := range pids {
+		cmd, _ := os.ReadFile(filepath.Join("/proc", strconv.Itoa(pid), "cmdline"))
+		left = append(left, fmt.Sprintf("process %d: %s", pid, strings.ReplaceAll(strings.TrimRight(string(cmd), "\x00"), "\x00", " ")))
+	}
+	for _, m := range mountsUnder(r.n.Dir) {
 		left = append(left, "mount "+m)
 	}
 	if hs, err := cgroupHierarchies(); err == nil {
@@ -881,11 +894,6 @@ func (n *Node) RealNodeLeftovers() []string {
 			if isDir(filepath.Join(h, r.cgroupRoot)) {
 				left = append(left, "cgroup "+filepath.Join(h, r.cgroupRoot))
 			}
-		}
-	}
-	if r.bridge != "" {
-		if _, err := net.InterfaceByName(r.bridge); err == nil {
-			left = append(left, "network link "+r.bridge)
 		}
 	}
 	return left

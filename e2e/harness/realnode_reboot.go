@@ -44,7 +44,6 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
-	"strconv"
 	"strings"
 	"syscall"
 	"time"
@@ -186,20 +185,7 @@ func (n *Node) PoweredOffLeftovers() []string {
 		return nil
 	}
 	var left []string
-	for _, pid := range r.processes() {
-		cmd, _ := os.ReadFile(filepath.Join("/proc", strconv.Itoa(pid), "cmdline"))
-		left = append(left, fmt.Sprintf("process %d: %s", pid, strings.ReplaceAll(strings.TrimRight(string(cmd), "\x00"), "\x00", " ")))
-	}
-	for _, m := range mountsUnder(n.Dir) {
-		left = append(left, "mount "+m)
-	}
-	if hs, err := cgroupHierarchies(); err == nil {
-		for _, h := range hs {
-			if isDir(filepath.Join(h, r.cgroupRoot)) {
-				left = append(left, "cgroup "+filepath.Join(h, r.cgroupRoot))
-			}
-		}
-	}
+	left = append(left, r.leftovers(r.processes())...)
 	for _, l := range r.bridgePorts() {
 		left = append(left, "pod link "+l+" on bridge "+r.bridge)
 	}

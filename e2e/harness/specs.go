@@ -794,7 +794,10 @@ func (r *SpecRun) Teardown(ctx context.Context) {
 		}
 		var files []string
 		gone := wait.PollUntilContextTimeout(ctx, 200*time.Millisecond, 30*time.Second, true, func(context.Context) (bool, error) {
-			files = claimSpecFiles(node.CDIRoot, use.uid)
+			var err error
+			if files, err = ClaimSpecFiles(node.CDIRoot, use.uid); err != nil {
+				files = []string{err.Error()}
+			}
 			return len(files) == 0, nil
 		}) == nil
 		if !gone {
@@ -803,12 +806,12 @@ func (r *SpecRun) Teardown(ctx context.Context) {
 	}
 }
 
-// claimSpecFiles are the CDI spec files under root that belong to a claim
-// (by file name or device name).
-func claimSpecFiles(root, uid string) []string {
+// ClaimSpecFiles are the CDI spec files under root that belong to a claim
+// (its UID in the file name or a device name).
+func ClaimSpecFiles(root, uid string) ([]string, error) {
 	specs, err := ReadCDISpecs(root)
 	if err != nil {
-		return []string{err.Error()}
+		return nil, err
 	}
 	var out []string
 	for _, s := range specs {
@@ -823,5 +826,5 @@ func claimSpecFiles(root, uid string) []string {
 			}
 		}
 	}
-	return out
+	return out, nil
 }

@@ -211,24 +211,11 @@ func checkGPUEdits(t *testing.T, r harness.ResolvedDevice) {
 // claimSpecFiles lists the CDI spec files of a node that mention a claim UID.
 func claimSpecFiles(t *testing.T, node string, claimUID string) []string {
 	t.Helper()
-	specs, err := harness.ReadCDISpecs(cluster.Node(node).CDIRoot)
+	files, err := harness.ClaimSpecFiles(cluster.Node(node).CDIRoot, claimUID)
 	if err != nil {
 		t.Fatal(err)
 	}
-	var out []string
-	for _, s := range specs {
-		if strings.Contains(s.Path, claimUID) {
-			out = append(out, s.Path)
-			continue
-		}
-		for _, d := range s.Devices {
-			if strings.Contains(d.Name, claimUID) {
-				out = append(out, s.Path)
-				break
-			}
-		}
-	}
-	return out
+	return files
 }
 
 // registerTimeout bounds the wait for a started or restarted plugin to
