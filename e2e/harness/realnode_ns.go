@@ -49,6 +49,7 @@ package harness
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"os"
 	"os/exec"
@@ -189,12 +190,112 @@ func (r *realNode) hostDriverMounts(script *[]string) error {
 		"mount -t tmpfs -o mode=1777,nosuid,nodev shm /dev/shm")
 	// Read-only overlays: this machine's folder over the driver's, so the
 	// machine's files win and the driver's are added.
-	for _, d := range []string{"usr/lib/x86_64-linux-gnu", "usr/bin", "etc"} {
-		tree := filepath.Join(n.HostRoot, d)
-		if err := os.MkdirAll(tree, 0o755); err != nil {
+	for _, d := range append(append([]string{}, driverFileDirs...), "etc") {
+		if err := os.MkdirAll(filepath.Join(n.HostRoot, d), 0o755); err != nil {
 			return err
 		}
-		*script = append(*script, fmt.Sprintf("mount -t overlay overlay -o ro,lowerdir=%s:%s %q", "/"+d, tree, "/"+d))
+		*script = append(*script, r.driverOverlay(d))
+	}
+	return nil
+}
+
+// driverFileDirs are the folders of a host-driver node's tree whose files
+// a driver upgrade changes (libraries and links, tools), mounted anew when
+// they change (followDriverFiles). The tree's etc adds nothing the machine's
+// does not hide (its ld.so.cache) but the mount point of the state folder,
+// which is a mount of its own: that overlay stays.
+var driverFileDirs = []string{"usr/lib/x86_64-linux-gnu", "usr/bin"}
+
+// driverOverlay is the command that mounts the read-only overlay of folder d
+// (relative to "/") in the namespace: this machine's d over the tree's.
+func (r *realNode) driverOverlay(d string) string {
+	return fmt.Sprintf("mount -t overlay overlay -o ro,lowerdir=%s:%s %q", "/"+d, filepath.Join(r.n.HostRoot, d), "/"+d)
+}
+
+// followDriverFiles keeps a host-driver node's view of the driver's files
+// in step with its tree while something changes them there (a driver
+// upgrade, until done delivers its result, which it returns): an overlay
+// does not follow changes made to its lower folders behind its back (it
+// keeps the entries it has looked up, so a replaced libnvidia-ml.so.1 link
+// still names the old, removed library), so whenever the names, inodes or
+// link targets in the tree's driverFileDirs differ from the last look, the
+// overlays of driverFileDirs are mounted anew. The old ones are detached
+// lazily (`umount -l`: the plugin may still have the old library mapped, a
+// container keeps the files it bind-mounted), then the new ones mounted;
+// both propagate to the containers that mount the host's "/" with
+// HostToContainer (the chart's driver root), as a package upgrade's new
+// files reach them on a real host. The tree is looked at every 50 ms, so
+// the node sees a change at most that much later than the tree. On other
+// nodes it only waits for done.
+func (r *realNode) followDriverFiles(ctx context.Context, done <-chan error) error {
+	if r == nil || r.ns == nil || r.n.Layout != LayoutHostDriver {
+		return <-done
+	}
+	seen := r.driverFilesLook()
+	tick := time.NewTicker(50 * time.Millisecond)
+	defer tick.Stop()
+	for {
+		select {
+		case err := <-done:
+			if now := r.driverFilesLook(); now != seen {
+				if rerr := r.remountDriverFiles(ctx); rerr != nil && err == nil {
+					err = rerr
+				}
+			}
+			return err
+		case <-tick.C:
+			if now := r.driverFilesLook(); now != seen {
+				// The look before the remount: a change made while it runs is
+				// seen at the next tick.
+				seen = now
+				if err := r.remountDriverFiles(ctx); err != nil {
+					return errors.Join(err, <-done)
+				}
+			}
+		}
+	}
+}
+
+// driverFilesLook is what the tree's driverFileDirs hold: each entry's
+// name, inode and, for a link, its target.
+func (r *realNode) driverFilesLook() string {
+	var b strings.Builder
+	for _, d := range driverFileDirs {
+		dir := filepath.Join(r.n.HostRoot, d)
+		entries, err := os.ReadDir(dir)
+		if err != nil {
+			fmt.Fprintf(&b, "%s: %v\n", d, err)
+			continue
+		}
+		for _, e := range entries {
+			fmt.Fprintf(&b, "%s/%s", d, e.Name())
+			if info, err := e.Info(); err == nil {
+				if st, ok := info.Sys().(*syscall.Stat_t); ok {
+					fmt.Fprintf(&b, " %d", st.Ino)
+				}
+			}
+			if e.Type()&os.ModeSymlink != 0 {
+				target, _ := os.Readlink(filepath.Join(dir, e.Name()))
+				fmt.Fprintf(&b, " -> %s", target)
+			}
+			b.WriteByte('\n')
+		}
+	}
+	return b.String()
+}
+
+// remountDriverFiles mounts the overlays of driverFileDirs anew in the
+// node's namespace (see followDriverFiles). Between the detach and the
+// mount a folder is this machine's alone: the machine's files stay, only
+// the driver's are absent for that moment.
+func (r *realNode) remountDriverFiles(ctx context.Context) error {
+	var script []string
+	for _, d := range driverFileDirs {
+		script = append(script, fmt.Sprintf("umount -l %q", "/"+d), r.driverOverlay(d))
+	}
+	out, err := r.inNamespace(ctx, "sh", "-ec", strings.Join(script, "\n")).CombinedOutput()
+	if err != nil {
+		return fmt.Errorf("node %s: mounting the driver's files anew: %v: %s", r.n.Name, err, out)
 	}
 	return nil
 }

@@ -8,6 +8,7 @@ package harness
 // node's plugin, kubelet and containers keep running through it.
 
 import (
+	"bytes"
 	"context"
 	"fmt"
 	"os/exec"
@@ -33,7 +34,9 @@ const (
 // UpgradeDriver swaps the driver of the node's simulated host to version, in
 // the given style, with NVML out of reach for window (`gpu-sim
 // upgrade-driver --root <SimRoot>`). It returns once the new module is
-// loaded; whatever runs on the node meanwhile is left running.
+// loaded; whatever runs on the node meanwhile is left running. On a real
+// host-driver node the node's namespace sees the new files at the host
+// paths as the upgrade writes them into the tree (followDriverFiles).
 func (n *Node) UpgradeDriver(ctx context.Context, version string, style UpgradeStyle, window time.Duration) error {
 	sim, err := Binary("gpu-sim")
 	if err != nil {
@@ -41,10 +44,22 @@ func (n *Node) UpgradeDriver(ctx context.Context, version string, style UpgradeS
 	}
 	cmd := exec.CommandContext(ctx, sim, "upgrade-driver", "--root", n.SimRoot(), "--version", version,
 		"--style", string(style), "--window-seconds", strconv.FormatFloat(window.Seconds(), 'f', -1, 64))
-	if out, err := cmd.CombinedOutput(); err != nil {
-		return fmt.Errorf("node %s: gpu-sim upgrade-driver --version %s --style %s: %v: %s", n.Name, version, style, err, out)
+	var out bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, &out
+	if err := cmd.Start(); err != nil {
+		return fmt.Errorf("node %s: gpu-sim upgrade-driver: %w", n.Name, err)
 	}
-	return nil
+	done := make(chan error, 1)
+	go func() {
+		if err := cmd.Wait(); err != nil {
+			done <- fmt.Errorf("node %s: gpu-sim upgrade-driver --version %s --style %s: %v: %s", n.Name, version, style, err, out.String())
+			return
+		}
+		done <- nil
+	}()
+	// A host-driver real node sees the tree's new files as the upgrade
+	// writes them, as a host sees a package's (realnode_ns.go).
+	return n.real.followDriverFiles(ctx, done)
 }
 
 // DriverVersion is the version of the kernel module the node's simulated

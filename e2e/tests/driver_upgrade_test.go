@@ -61,13 +61,6 @@ func TestDriverUpgradeInPlace(t *testing.T) {
 			[]driverSwap{{"580.105.08", harness.UpgradeContainer}, {"590.44.01", harness.UpgradePackage}}},
 	} {
 		t.Run(string(l.layout), func(t *testing.T) {
-			if l.layout == harness.LayoutHostDriver {
-				// Known defect of the real host-driver node (docs/STATUS.md): its driver
-				// files reach the plugin through read-only overlays in which this
-				// machine's files win, and after the package swap the plugin kept
-				// opening the old library (NVML "Driver/library version mismatch").
-				t.Skip("host-driver node on real nodes: the upgraded driver files do not reach the plugin through the node's overlays (docs/STATUS.md)")
-			}
 			upgradeInPlace(t, l.node, l.layout, l.profile, l.swaps)
 		})
 	}
