@@ -32,6 +32,14 @@ package harness
 //     the simulated driver root's stand-in system libraries (another glibc)
 //     cannot replace the libraries the kubelet, containerd and runc load, so
 //     a host-driver node's "/" carries this machine's glibc, not the stand-in.
+//     An overlay does not follow changes made to its lower folders, so a
+//     driver upgrade (upgrade.go) mounts those overlays anew whenever the
+//     tree's driver files change (followDriverFiles): the node, and the
+//     containers that mount its "/" with HostToContainer, see the new files
+//     at the host paths as a host sees a package upgrade's. Rejected: the
+//     driver's folder on top (its stand-in glibc would win), or a writable
+//     overlay that the upgrade writes through (the upgrade writes the
+//     stand-ins too).
 //
 // The simulated kernel: the simulator's state folder (<sim>/etc/gpu-sim,
 // which stands for the kernel driver's state) is a mount of its own in the
