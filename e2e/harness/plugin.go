@@ -29,7 +29,9 @@ type PluginOptions struct {
 	// driver's, see Cluster.Driver).
 	Identity *Identity
 	// ExtraArgs are appended to `gpu-kubelet-plugin run`; one of them may be
-	// an --http-address, which then replaces the default (off).
+	// an --http-address, which then replaces the default (off), or a
+	// --kubelet-pod-resources-socket, which replaces the node's (a real
+	// node's kubelet socket, else none).
 	ExtraArgs []string
 	// BootIDFile is read by the plugin instead of the kernel's boot ID
 	// (--boot-id-file), so a test can simulate a reboot (see Node.Reboot).
