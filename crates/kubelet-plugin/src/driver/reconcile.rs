@@ -137,8 +137,9 @@ impl ClaimCleanup {
         let first = self.passes == 0;
         self.passes += 1;
         let claims = driver.completed_claims();
-        self.next_reads
-            .retain(|uid, _| claims.iter().any(|c| &c.uid == uid));
+        // Claims unprepared since (by the kubelet or this cleanup) are forgotten.
+        let uids: HashSet<&str> = claims.iter().map(|c| c.uid.as_str()).collect();
+        self.next_reads.retain(|uid, _| uids.contains(uid.as_str()));
         let in_use = self.in_use(&claims).await;
         let mut pass = CleanupPass::default();
         for claim in claims {
