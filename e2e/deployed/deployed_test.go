@@ -340,6 +340,11 @@ func TestHostInstalledDriver(t *testing.T) {
 		t.Fatalf("nvidia-smi -L in the pod: %v %+v", err, res)
 	}
 	checkHooksRan(ctx, t, n, pod)
+	// The chart mounts the kubelet's pod-resources folder: the cleanup asks
+	// the kubelet which claims are in use instead of reading them.
+	if log := plugin.Log(); !strings.Contains(log, "PodResources API tells which prepared claims are in use") {
+		t.Errorf("the deployed plugin does not ask the kubelet's PodResources API; log:\n%s", log)
+	}
 
 	if err := cluster.Client.CoreV1().Pods(pod.Namespace).Delete(ctx, pod.Name, metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)

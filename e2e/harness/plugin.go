@@ -29,7 +29,9 @@ type PluginOptions struct {
 	// driver's, see Cluster.Driver).
 	Identity *Identity
 	// ExtraArgs are appended to `gpu-kubelet-plugin run`; one of them may be
-	// an --http-address, which then replaces the default (off).
+	// an --http-address, which then replaces the default (off), or a
+	// --kubelet-pod-resources-socket, which replaces the node's (a real
+	// node's kubelet socket, else none).
 	ExtraArgs []string
 	// BootIDFile is read by the plugin instead of the kernel's boot ID
 	// (--boot-id-file), so a test can simulate a reboot (see Node.Reboot).
@@ -170,6 +172,12 @@ func (n *Node) StartPlugin(ctx context.Context, opts PluginOptions) (*PluginProc
 	}
 	if opts.BootIDFile != "" {
 		p.Args = append(p.Args, "--boot-id-file="+opts.BootIDFile)
+	}
+	// The cleanup asks the kubelet which claims are in use: a real node's
+	// kubelet serves its PodResources API under its root dir; the pod loop
+	// has none, and the default path would be this machine's.
+	if !slices.ContainsFunc(opts.ExtraArgs, func(a string) bool { return strings.HasPrefix(a, "--kubelet-pod-resources-socket") }) {
+		p.Args = append(p.Args, "--kubelet-pod-resources-socket="+n.PodResourcesSocket())
 	}
 	// No HTTP endpoint unless asked for: the plugin's default port would be
 	// one for all the nodes of this machine (and the flag may appear once).

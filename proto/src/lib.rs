@@ -1,4 +1,5 @@
-//! Kubelet gRPC protocols: DRA v1 and v1beta1, plugin registration v1, DRA health v1alpha1.
+//! Kubelet gRPC protocols: DRA v1 and v1beta1, plugin registration v1, DRA health v1alpha1,
+//! PodResources v1.
 //!
 //! The `.proto` files under `proto/` carry the upstream package, service, message and field
 //! names and numbers unchanged, so these bindings are wire compatible with the kubelet. The
@@ -121,6 +122,16 @@ pub mod health {
     #[allow(missing_docs, clippy::all, clippy::pedantic)]
     pub mod v1alpha1 {
         include!("gen/v1alpha1.rs");
+    }
+}
+
+/// The kubelet's PodResources API.
+pub mod podresources {
+    /// `v1` (the package is named `v1` upstream): the `PodResourcesLister` service, which
+    /// the node plugin calls to learn which ResourceClaims the node's containers use.
+    #[allow(missing_docs, clippy::all, clippy::pedantic)]
+    pub mod v1 {
+        include!("gen/v1.rs");
     }
 }
 

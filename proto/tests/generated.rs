@@ -14,6 +14,7 @@ const PROTOS: &[&str] = &[
     "dra/v1beta1/api.proto",
     "pluginregistration/v1/api.proto",
     "dra-health/v1alpha1/api.proto",
+    "podresources/v1/api.proto",
 ];
 
 fn generate(out_dir: &Path) {

@@ -12,7 +12,8 @@
 //!   [`publish`] (ResourceSlice publisher), [`inventory`] (the live GPU inventory),
 //!   [`driver_swap`] (the NVIDIA driver upgraded in place under the plugin).
 //! - Prepare and unprepare: [`driver`] (the state machine), [`claim_locks`] (one operation
-//!   per claim), [`claims`] (where claims come from), [`claim_status`] (device data in the
+//!   per claim), [`claims`] (where claims come from), [`pod_resources`] (which claims the
+//!   node's containers use, from the kubelet), [`claim_status`] (device data in the
 //!   claims' status), [`checkpoint_file`] (checkpoint
 //!   migration and NVIDIA import), [`cdi_io`] (CDI on the host), [`cdi_hook`] (the hook
 //!   binary our specs name), [`sharing`] (time-slicing and MPS), [`mig`] (dynamic MIG's
@@ -46,6 +47,7 @@ pub mod kube_client;
 pub mod metrics;
 pub mod mig;
 pub mod node_layout;
+pub mod pod_resources;
 pub mod publish;
 pub mod sharing;
 #[cfg(any(test, feature = "testing"))]

@@ -461,6 +461,60 @@ fn workloads_run_as_the_users_they_need() {
     assert_eq!(webhook["allowPrivilegeEscalation"], false);
 }
 
+/// The plugin asks the kubelet's PodResources API through the folder of its socket (the
+/// folder, since the kubelet replaces the socket when it restarts), next to the kubelet's
+/// plugins folder or where `directoryPath` says; switched off, it is told no socket and nothing is mounted.
+#[test]
+fn the_plugin_reaches_the_kubelets_pod_resources_socket_unless_switched_off() {
+    let Some(helm) = helm() else { return };
+    let ds_of =
+        |objects: &[Value]| find(objects, "DaemonSet", "rel-gpu-dra-driver-kubelet-plugin").clone();
+    let host_paths = |ds: &Value| -> Vec<String> {
+        ds["spec"]["template"]["spec"]["volumes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(|v| v["hostPath"]["path"].as_str().map(str::to_owned))
+            .collect()
+    };
+    for (sets, folder) in [
+        (&[][..], "/var/lib/kubelet/pod-resources"),
+        (
+            &["kubeletPlugin.kubeletRoot=/var/lib/k0s/kubelet/"][..],
+            "/var/lib/k0s/kubelet/pod-resources",
+        ),
+        (
+            &[
+                "kubeletPlugin.kubeletPluginsDirectoryPath=/var/snap/microk8s/common/var/lib/kubelet/plugins",
+            ][..],
+            "/var/snap/microk8s/common/var/lib/kubelet/pod-resources",
+        ),
+        (
+            &["kubeletPlugin.podResources.directoryPath=/run/kubelet/pod-resources/"][..],
+            "/run/kubelet/pod-resources",
+        ),
+    ] {
+        let ds = ds_of(&render(&helm, sets));
+        assert_eq!(
+            plugin_env(&ds, "KUBELET_POD_RESOURCES_SOCKET"),
+            Some(format!("{folder}/kubelet.sock").as_str()),
+            "{sets:?}"
+        );
+        assert!(host_paths(&ds).iter().any(|p| p == folder), "{sets:?}");
+        assert!(mount_paths(&ds).contains(&folder), "{sets:?}");
+    }
+    let ds = ds_of(&render(
+        &helm,
+        &["kubeletPlugin.podResources.enabled=false"],
+    ));
+    assert_eq!(plugin_env(&ds, "KUBELET_POD_RESOURCES_SOCKET"), Some(""));
+    assert!(
+        !host_paths(&ds).iter().any(|p| p.contains("pod-resources")),
+        "{:?}",
+        host_paths(&ds)
+    );
+}
+
 #[test]
 fn value_combinations() {
     let Some(helm) = helm() else { return };
@@ -1418,7 +1472,13 @@ fn a_values_file_written_for_nvidias_chart_installs() {
         .filter_map(|v| v["hostPath"]["path"].as_str())
         .collect();
     let mounts = mount_paths(ds);
-    for p in [plugin_dir, registrar_dir] {
+    // The kubelet's PodResources folder next to its plugins folder.
+    let pod_resources = "/var/lib/k0s/kubelet/pod-resources";
+    assert_eq!(
+        plugin_env(ds, "KUBELET_POD_RESOURCES_SOCKET"),
+        Some("/var/lib/k0s/kubelet/pod-resources/kubelet.sock")
+    );
+    for p in [plugin_dir, registrar_dir, pod_resources] {
         assert!(host_paths.contains(&p), "{p}: {host_paths:?}");
         assert!(mounts.contains(&p), "{p}: {mounts:?}");
     }

@@ -18,7 +18,7 @@ use tracing::{info, warn};
 
 use crate::cdi_io::CdiHost;
 use crate::claims::{ClaimSource, FileClaims, KubeClaims};
-use crate::driver::{Driver, DriverParts, DriverSettings};
+use crate::driver::{ClaimCleanup, CleanupPolicy, Driver, DriverParts, DriverSettings};
 use crate::failpoint::Failpoints;
 use crate::host::HostArgs;
 use crate::inventory::LiveInventory;
@@ -182,6 +182,17 @@ pub struct RunArgs {
         default_value_t = 60
     )]
     pub cleanup_interval_seconds: u64,
+    /// The kubelet's PodResources socket (`<kubelet root>/pod-resources/kubelet.sock`): the
+    /// cleanup asks it which prepared claims the node's containers use and reads only the
+    /// others from the API server (see `driver::ClaimCleanup`). Empty, missing or not
+    /// answering: every prepared claim is read, each less often while it exists.
+    #[arg(
+        long,
+        env = "KUBELET_POD_RESOURCES_SOCKET",
+        default_value = crate::pod_resources::DEFAULT_SOCKET,
+        value_parser = super::path_or_empty()
+    )]
+    pub kubelet_pod_resources_socket: PathBuf,
     /// Write each prepared device's entry in its ResourceClaim's `status.devices` (UUID,
     /// product, MIG profile and parent, memory share, sharing strategy; condition `Ready`),
     /// removed at unprepare. Needs the chart's RBAC for `resourceclaims/status`; written in
@@ -560,7 +571,10 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         // the GPUs a Node annotation makes dynamic before anything is published.
         apply_node_annotations(client, &args.node_name, &partitioning_flags, &live).await;
     }
-    driver.reconcile().await;
+    let every = Duration::from_secs(args.cleanup_interval_seconds.max(1));
+    let mut claim_cleanup =
+        ClaimCleanup::new(pod_claims(&args), CleanupPolicy::for_interval(every));
+    claim_cleanup.pass(&driver, std::time::Instant::now()).await;
 
     let _ = driver_tx.send(Some(driver.clone()));
     // The periodic reconcile, and one as soon as the GPUs' partitioning changes (the Node's
@@ -569,7 +583,6 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     let cleanup = {
         let driver = driver.clone();
         let mut snapshots = Some(live.subscribe());
-        let every = Duration::from_secs(args.cleanup_interval_seconds.max(1));
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(every);
             tick.tick().await;
@@ -596,7 +609,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
                         tick.tick().await;
                     }
                 }
-                driver.reconcile().await;
+                claim_cleanup.pass(&driver, std::time::Instant::now()).await;
             }
         })
     };
@@ -671,6 +684,18 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     remove_quietly(&dra_path);
     info!("stopped");
     Ok(())
+}
+
+/// The kubelet's PodResources API the cleanup asks, unless `--kubelet-pod-resources-socket` is
+/// empty or claims come from a file (no kubelet either).
+fn pod_claims(args: &RunArgs) -> Option<Arc<dyn crate::pod_resources::PodClaims>> {
+    let socket = &args.kubelet_pod_resources_socket;
+    if socket.as_os_str().is_empty() || args.claim_source_file.is_some() {
+        return None;
+    }
+    Some(Arc::new(crate::pod_resources::KubeletPodResources::new(
+        socket.clone(),
+    )))
 }
 
 /// The usage sampler (see [`crate::usage`]): none when `--usage-interval-seconds` is 0 or

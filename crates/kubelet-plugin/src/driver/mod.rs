@@ -7,7 +7,7 @@
 //!   undoes a claim (unprepare, a failed or stale prepare, the cleanup);
 //! - [`holders`]: which prepared claims hold which device, and who may share one;
 //! - [`journal`]: the checkpoint in memory and its group-committed writes;
-//! - [`reconcile`]: the cleanup at start and periodically;
+//! - [`reconcile`]: the cleanup at start and periodically ([`ClaimCleanup`]);
 //! - [`dynamic`]: the MIG instances of dynamic MIG devices.
 //!
 //! Invariants that span them:
@@ -38,6 +38,8 @@ mod journal;
 mod prepare;
 mod reconcile;
 mod unprepare;
+
+pub use self::reconcile::{ClaimCleanup, CleanupPass, CleanupPolicy};
 
 use std::sync::{Arc, Mutex};
 

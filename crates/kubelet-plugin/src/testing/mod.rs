@@ -17,7 +17,8 @@
 //!   socket;
 //! - [`ExclusiveOnly`]: a [`SharingExecutor`](crate::sharing::SharingExecutor) that refuses
 //!   sharing (no driver tools needed);
-//! - [`FakeMig`]: a [`MigControl`](crate::mig::MigControl) that keeps MIG instances in memory.
+//! - [`FakeMig`]: a [`MigControl`](crate::mig::MigControl) that keeps MIG instances in memory;
+//! - [`FakePodResources`]: the kubelet's PodResources API on a unix socket, from memory.
 //!
 //! Both [`DriverBuilder`] and [`PluginCommand`] lay everything out under one root folder
 //! (`host/` the simulated host, `cdi/`, `plugin/` with the checkpoint and socket), so a test
@@ -28,6 +29,7 @@ mod driver;
 mod host;
 mod mig;
 mod plugin;
+mod pod_resources;
 mod sharing;
 
 pub use claims::{MemoryClaims, allocated_claim};
@@ -35,6 +37,7 @@ pub use driver::{DriverBuilder, dra_service};
 pub use host::simulate_host;
 pub use mig::FakeMig;
 pub use plugin::{ChildGuard, PluginCommand, connect_dra, unix_channel};
+pub use pod_resources::FakePodResources;
 pub use sharing::ExclusiveOnly;
 
 /// DRA driver name the fixtures use.

@@ -107,6 +107,16 @@ folder exactly, kubeletRoot only its parent.
 {{- $p.kubeletRegistrarDirectoryPath | default (printf "%s/plugins_registry" (trimSuffix "/" $p.kubeletRoot)) | trimSuffix "/" -}}
 {{- end -}}
 
+{{/* The host folder of the kubelet's PodResources socket; "" when the plugin does not ask it.
+Next to the plugins folder by default: under kubeletRoot, or under the root of a kubelet whose
+plugins folder is named (k0s: /var/lib/k0s/kubelet/pod-resources). */}}
+{{- define "gpu-dra.podResourcesDir" -}}
+{{- $p := .Values.kubeletPlugin -}}
+{{- if dig "podResources" "enabled" true $p -}}
+{{- dig "podResources" "directoryPath" "" $p | default (printf "%s/pod-resources" (dir (include "gpu-dra.pluginsDir" .))) | trimSuffix "/" -}}
+{{- end -}}
+{{- end -}}
+
 {{- define "gpu-dra.webhookName" -}}
 {{- printf "%s-webhook" (include "gpu-dra.fullname" .) -}}
 {{- end -}}
