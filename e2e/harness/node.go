@@ -67,9 +67,8 @@ type NodeOptions struct {
 	// PodLoop keeps a LayoutProcess node on the harness's pod loop and
 	// runtime (this file, runtime.go) instead of the real kubelet and
 	// containerd: for the test of that runtime's own CDI handling
-	// (TestBrokenCDISpecFailsTheContainer) and NVIDIA's runtime test (see
-	// e2e/README.md). Nodes with NoContainers (the scale benchmark) always
-	// run it.
+	// (TestBrokenCDISpecFailsTheContainer, see e2e/README.md). Nodes with
+	// NoContainers (the scale benchmark) always run it.
 	PodLoop bool
 	// Taints the kubelet registers a real node with (RealKubelet only).
 	Taints []v1.Taint

@@ -672,9 +672,17 @@ func (c *Cluster) ExecInContainer(ctx context.Context, pod *v1.Pod, container st
 	var res ExecResult
 	var last error
 	err := wait.PollUntilContextTimeout(ctx, time.Second, timeout, true, func(ctx context.Context) (bool, error) {
-		res, last = c.execOnce(ctx, pod, container, command)
-		if last == nil {
+		var err error
+		res, err = c.execOnce(ctx, pod, container, command)
+		if err == nil {
 			return true, nil
+		}
+		// An attempt cut short by the wait's own deadline fails in its dial
+		// ("i/o timeout") and says nothing about the container: keep the
+		// error of the attempt before it (say, the container not found while
+		// the kubelet restarts it).
+		if last == nil || ctx.Err() == nil {
+			last = err
 		}
 		p, err := c.Client.CoreV1().Pods(pod.Namespace).Get(ctx, pod.Name, metav1.GetOptions{})
 		if err != nil || p.Status.Phase != v1.PodRunning {

@@ -85,68 +85,102 @@ func draErrorsContaining(n *harness.Node, pod, text string) bool {
 	return false
 }
 
-// TestMIGRelayoutWhilePluginRuns changes a GPU's MIG layout under a running
-// plugin (with its periodic rediscovery off, so only prepare notices): claims
-// the scheduler allocated from the stale slices are refused (a device gone, a
-// device recreated under the same name), the slices are republished at once,
-// and a claim allocated afterwards gets the new instance's nodes.
+// kubeletRetryWait bounds the wait for a prepare error that the node's
+// kubelet reports. A real kubelet retries a pod whose sync failed 10 s later,
+// jittered up to 15 s (its pod workers' backoff), and reports each failed
+// attempt as a FailedPrepareDynamicResources event of the pod; the error a
+// test waits for can come at a later attempt than the first (which may fail
+// for another reason: the pod was bound before its claim was allocated, or
+// the kubelet reported another claim of the pod), so the wait holds several
+// attempts on a loaded machine.
+const kubeletRetryWait = 2 * time.Minute
+
+// waitPrepareErrors waits until the node's kubelet has reported prepare
+// errors of the pod that contain each of texts, and fails the test if the
+// pod runs meanwhile or the errors do not come within kubeletRetryWait.
+func waitPrepareErrors(ctx context.Context, t *testing.T, n *harness.Node, pod *v1.Pod, texts ...string) {
+	t.Helper()
+	key := "prepare " + pod.Namespace + "/" + pod.Name + ":"
+	start := time.Now()
+	var running bool
+	if !eventually(ctx, kubeletRetryWait, func() bool {
+		p, err := cluster.Client.CoreV1().Pods(pod.Namespace).Get(ctx, pod.Name, metav1.GetOptions{})
+		if err == nil && p.Status.Phase == v1.PodRunning {
+			running = true
+			return true
+		}
+		for _, text := range texts {
+			if !draErrorsContaining(n, key, text) {
+				return false
+			}
+		}
+		return true
+	}) || running {
+		t.Fatalf("pod %s/%s: want prepare errors with %q from the kubelet within %v, running=%v; kubelet errors: %v\nplugin log:\n%s",
+			pod.Namespace, pod.Name, texts, kubeletRetryWait, running, n.DRAErrors(), n.Plugin.Log())
+	}
+	t.Logf("pod %s/%s: the kubelet reported %q after %v", pod.Namespace, pod.Name, texts, time.Since(start).Round(time.Second))
+}
+
+// TestMIGRelayoutWhilePluginRuns changes MIG layouts under a running plugin
+// (with its periodic rediscovery off, so only prepare notices): claims the
+// scheduler allocated from the stale slices are refused (a device recreated
+// under the same name, a device gone), the slices are republished at once,
+// and a claim allocated afterwards gets the new instance's nodes. Each stale
+// claim has a pod of its own, prepared in a kubelet call of its own before
+// the plugin republishes: two stale claims in one call are a known gap (the
+// first refusal can republish before the second claim is checked,
+// docs/STATUS.md "One live inventory").
 func TestMIGRelayoutWhilePluginRuns(t *testing.T) {
 	requirePlugins(t)
 	ctx := context.Background()
 	const name = "node-relayout"
-	// On the pod loop: on a real node the kubelet retried the stale claim's
-	// prepare after the relayout and this test's refusal check missed it.
-	n := addPluginNodeWith(ctx, t, harness.NodeOptions{Name: name, PodLoop: true}, "dgx-a100-40gb", []string{"--rediscover-interval-seconds=3600"}, nil)
+	n := addPluginNodeWith(ctx, t, harness.NodeOptions{Name: name, RealKubelet: true}, "dgx-a100-40gb", []string{"--rediscover-interval-seconds=3600"}, nil)
 	ns := newNamespace(ctx, t, "relayout")
 	before := poolDevices(ctx, t, name)
 	const (
 		recreated = "gpu-0-mig-1g5gb-19-0"
 		removed   = "gpu-0-mig-1g5gb-19-1"
+		// Gone in the second re-layout, on GPU 1: GPU instance 12 (the
+		// profile's 1g.5gb at placement 1).
+		gone = "gpu-1-mig-1g5gb-19-1"
 	)
-	oldRecreated, oldRemoved := attrString(before[recreated], "uuid"), attrString(before[removed], "uuid")
-	if oldRecreated == "" || oldRemoved == "" {
-		t.Fatalf("the profile's GPU 0 lacks %s or %s: %v", recreated, removed, keys(before))
+	oldRecreated, oldGone := attrString(before[recreated], "uuid"), attrString(before[gone], "uuid")
+	if oldRecreated == "" || oldGone == "" || attrString(before[removed], "uuid") == "" {
+		t.Fatalf("the profile lacks %s, %s or %s: %v", recreated, removed, gone, keys(before))
+	}
+	smi := filepath.Join(n.SimRoot(), "usr", "bin", "nvidia-smi")
+	relayout := func(steps ...[]string) {
+		t.Helper()
+		for _, args := range steps {
+			if out, err := exec.Command(smi, args...).CombinedOutput(); err != nil {
+				t.Fatalf("nvidia-smi %v: %v: %s", args, err, out)
+			}
+		}
+	}
+	// stalePod creates a claim pinned to a device identity and its pod.
+	stalePod := func(claim, uuid string) *v1.Pod {
+		t.Helper()
+		if _, err := cluster.Client.ResourceV1().ResourceClaims(ns).Create(ctx, pinnedClaim(ns, claim, "mig.nvidia.com", uuid), metav1.CreateOptions{}); err != nil {
+			t.Fatalf("create claim: %v", err)
+		}
+		pod, err := cluster.Client.CoreV1().Pods(ns).Create(ctx, claimPod(ns, "stale-"+claim, name, claim), metav1.CreateOptions{})
+		if err != nil {
+			t.Fatalf("create pod: %v", err)
+		}
+		return pod
 	}
 
 	// The operator re-partitions GPU 0: both 1g.5gb instances destroyed, one
-	// created again at placement 0 (new GPU instance ID, new UUID).
-	smi := filepath.Join(n.SimRoot(), "usr", "bin", "nvidia-smi")
-	for _, args := range [][]string{
-		{"mig", "-i", "0", "-dci", "-gi", "11,12"},
-		{"mig", "-i", "0", "-dgi", "-gi", "11,12"},
-		{"mig", "-i", "0", "-cgi", "19:0", "-C"},
-	} {
-		if out, err := exec.Command(smi, args...).CombinedOutput(); err != nil {
-			t.Fatalf("nvidia-smi %v: %v: %s", args, err, out)
-		}
-	}
-
-	// Claims allocated from the stale slices: both refused, and stay refused.
-	// One pod uses both, so the scheduler allocates them together before the
-	// first refusal republishes the slices (the kubelet reports one claim's
-	// error per attempt, in no fixed order; its retries show both).
-	for _, c := range []*resourceapi.ResourceClaim{
-		pinnedClaim(ns, "gone", "mig.nvidia.com", oldRemoved),
-		pinnedClaim(ns, "changed", "mig.nvidia.com", oldRecreated),
-	} {
-		if _, err := cluster.Client.ResourceV1().ResourceClaims(ns).Create(ctx, c, metav1.CreateOptions{}); err != nil {
-			t.Fatalf("create claim: %v", err)
-		}
-	}
-	stale := claimPod(ns, "stale", name, "gone")
-	changedClaim := "changed"
-	stale.Spec.ResourceClaims = append(stale.Spec.ResourceClaims, v1.PodResourceClaim{Name: "other", ResourceClaimName: &changedClaim})
-	stale.Spec.Containers[0].Resources.Claims = append(stale.Spec.Containers[0].Resources.Claims, v1.ResourceClaim{Name: "other"})
-	stale, err := cluster.Client.CoreV1().Pods(ns).Create(ctx, stale, metav1.CreateOptions{})
-	if err != nil {
-		t.Fatalf("create pod: %v", err)
-	}
-	if !eventually(ctx, 90*time.Second, func() bool {
-		return draErrorsContaining(n, "stale", "is no longer on this node") &&
-			draErrorsContaining(n, "stale", "changed since this node published it")
-	}) {
-		t.Fatalf("stale devices not refused; kubelet errors: %v\nplugin log:\n%s", n.DRAErrors(), n.Plugin.Log())
-	}
+	// created again at placement 0 (new GPU instance ID, new UUID). A claim
+	// allocated from the stale slices onto the recreated device is refused.
+	relayout(
+		[]string{"mig", "-i", "0", "-dci", "-gi", "11,12"},
+		[]string{"mig", "-i", "0", "-dgi", "-gi", "11,12"},
+		[]string{"mig", "-i", "0", "-cgi", "19:0", "-C"},
+	)
+	changed := stalePod("changed", oldRecreated)
+	waitPrepareErrors(ctx, t, n, changed, "changed since this node published it")
 
 	// Republished without waiting for the rediscovery: the new identity, and
 	// no removed device.
@@ -159,15 +193,38 @@ func TestMIGRelayoutWhilePluginRuns(t *testing.T) {
 	}) {
 		t.Fatalf("slices not republished after the re-layout: %v", keys(poolDevices(ctx, t, name)))
 	}
+
+	// Then GPU 1 loses an instance its slices still offer (nothing has made
+	// the plugin look at GPU 1 since): a claim allocated onto it is refused as
+	// gone, and the slices drop it.
+	if _, ok := poolDevices(ctx, t, name)[gone]; !ok {
+		t.Fatalf("%s not published before its instance is destroyed", gone)
+	}
+	relayout(
+		[]string{"mig", "-i", "1", "-dci", "-gi", "12"},
+		[]string{"mig", "-i", "1", "-dgi", "-gi", "12"},
+	)
+	lost := stalePod("gone", oldGone)
+	waitPrepareErrors(ctx, t, n, lost, "is no longer on this node")
+	if !eventually(ctx, 30*time.Second, func() bool {
+		_, stillThere := poolDevices(ctx, t, name)[gone]
+		return !stillThere
+	}) {
+		t.Fatalf("slices still offer %s after its refusal", gone)
+	}
+
+	// Both stay refused at the kubelet's retries.
 	time.Sleep(3 * time.Second)
-	got, err := cluster.Client.CoreV1().Pods(ns).Get(ctx, stale.Name, metav1.GetOptions{})
-	if err != nil {
-		t.Fatal(err)
+	for _, pod := range []*v1.Pod{changed, lost} {
+		got, err := cluster.Client.CoreV1().Pods(ns).Get(ctx, pod.Name, metav1.GetOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got.Status.Phase == v1.PodRunning {
+			t.Errorf("pod %s runs on a device allocated for an identity that no longer exists", pod.Name)
+		}
+		deleteClaimAndPod(ctx, t, pod)
 	}
-	if got.Status.Phase == v1.PodRunning {
-		t.Errorf("pod %s runs on devices allocated for identities that no longer exist", stale.Name)
-	}
-	deleteClaimAndPod(ctx, t, stale)
 
 	// Allocated now: runs, and its container sees exactly the new instance.
 	pod, claim := runClaimPod(ctx, t, pinnedClaim(ns, "fresh", "mig.nvidia.com", newUUID), claimPod(ns, "fresh", name, "fresh"))
@@ -177,9 +234,11 @@ func TestMIGRelayoutWhilePluginRuns(t *testing.T) {
 	for _, ctr := range pod.Spec.Containers {
 		checkContainerSees(ctx, t, pod, ctr)
 	}
-	// The admin view names the claim and its partition.
-	if !strings.Contains(runUsage(t, "--node", name), recreated+"  "+ns+"/fresh  MIG 1g.5gb") {
-		t.Errorf("gpu-dra usage does not show %s/fresh on %s:\n%s", ns, recreated, runUsage(t, "--node", name))
+	// The admin view names the claim and its partition (holders only: the
+	// plugin pod here stands for a plugin that runs as a process, so no
+	// metrics are served at that pod's address).
+	if usage := runUsage(t, "--node", name, "--no-metrics"); !strings.Contains(usage, recreated+"  "+ns+"/fresh  MIG 1g.5gb") {
+		t.Errorf("gpu-dra usage does not show %s/fresh on %s:\n%s", ns, recreated, usage)
 	}
 	deleteClaimAndPod(ctx, t, pod)
 }

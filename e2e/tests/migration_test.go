@@ -52,9 +52,7 @@ func TestReplaceNvidiaDriver(t *testing.T) {
 	var held []nvidiaClaim
 	var nvCheckpoint []byte
 	var nvCheckpointPath string
-	// On the pod loop: on a real node the intruder's prepare error came only
-	// at the kubelet's next retry, after this test's wait (CI run, load < 1).
-	n := addPluginNodeWith(ctx, t, harness.NodeOptions{Name: name, PodLoop: true}, "dgx-h100", nil, func(n *harness.Node) {
+	n := addPluginNodeWith(ctx, t, harness.NodeOptions{Name: name, RealKubelet: true}, "dgx-h100", nil, func(n *harness.Node) {
 		gpus := simGPUs(t, n)
 		if len(gpus) < 3 {
 			t.Fatalf("profile has %d GPUs, the test needs 3", len(gpus))
@@ -142,24 +140,10 @@ func TestReplaceNvidiaDriver(t *testing.T) {
 	checkContainerSees(ctx, t, fresh, fresh.Spec.Containers[0])
 
 	// A claim allocated onto a held GPU without the scheduler: our plugin
-	// refuses to prepare it, naming the imported holder.
+	// refuses to prepare it, naming the imported holder (the kubelet's first
+	// attempt may come before the claim is allocated and fail for that).
 	_, intruder := allocateBehindScheduler(ctx, t, gpuClaim(t, ns, "intruder", 1, nil), name, held[0].device)
-	wantBusy := "already prepared for claim " + ns + "/" + held[0].claim.Name
-	var problem string
-	if !eventually(ctx, 60*time.Second, func() bool {
-		p, err := cluster.Client.CoreV1().Pods(ns).Get(ctx, intruder.Name, metav1.GetOptions{})
-		if err != nil {
-			return false
-		}
-		if p.Status.Phase == v1.PodRunning {
-			problem = "Running"
-			return true
-		}
-		problem = harness.PodProblem(p)
-		return strings.Contains(problem, wantBusy)
-	}) || !strings.Contains(problem, wantBusy) {
-		t.Errorf("pod %s with a claim on %s (held by %s): want a prepare error %q, got %q", intruder.Name, held[0].device, held[0].claim.Name, wantBusy, problem)
-	}
+	waitPrepareErrors(ctx, t, n, intruder, "already prepared for claim "+ns+"/"+held[0].claim.Name)
 	deletePod(ctx, t, intruder)
 	if _, err := os.Stat(n.CDIRoot + "/k8s.gpu.nvidia.com-claim_" + string(held[0].claim.UID) + ".yaml"); err != nil {
 		t.Errorf("NVIDIA's spec of %s after the refused claim's pod went: %v", held[0].claim.Name, err)

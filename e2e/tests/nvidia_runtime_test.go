@@ -23,9 +23,13 @@ import (
 
 // cudaClaimPod is a pod on node whose one container runs NVIDIA's CUDA image
 // (the harness's stand-in) with the pod's env, using claim ("" for none).
+// It sleeps until the pod is deleted: the image's own command is bash, as
+// the real image's, which ends at once without a terminal, so a container
+// left to it exits and the kubelet restarts it over and over.
 func cudaClaimPod(ns, name, node, claim string, env ...v1.EnvVar) *v1.Pod {
 	pod := claimPod(ns, name, node, claim)
 	pod.Spec.Containers[0].Image = harness.CUDAImage
+	pod.Spec.Containers[0].Command = []string{"sleep", "2147483647"}
 	pod.Spec.Containers[0].Env = env
 	if claim == "" {
 		pod.Spec.ResourceClaims = nil
@@ -106,7 +110,7 @@ func TestNvidiaRuntimeSeesOnlyTheClaim(t *testing.T) {
 	requirePlugins(t)
 	ctx := context.Background()
 	const name = "node-nvidia-runtime"
-	n := addPluginNodeWith(ctx, t, harness.NodeOptions{Name: name, NvidiaRuntime: true, PodLoop: true}, "dgx-a100-40gb", nil, nil)
+	n := addPluginNodeWith(ctx, t, harness.NodeOptions{Name: name, NvidiaRuntime: true, RealKubelet: true}, "dgx-a100-40gb", nil, nil)
 	ns := newNamespace(ctx, t, "nvidia-runtime")
 
 	nodeGPUs, err := filepath.Glob(filepath.Join(n.SimRoot(), "dev", "nvidia[0-9]*"))
