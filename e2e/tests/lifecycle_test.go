@@ -126,11 +126,11 @@ func waitPrepareErrors(ctx context.Context, t *testing.T, n *harness.Node, pod *
 // (with its periodic rediscovery off, so only prepare notices): claims the
 // scheduler allocated from the stale slices are refused (a device recreated
 // under the same name, a device gone), the slices are republished at once,
-// and a claim allocated afterwards gets the new instance's nodes. Each stale
-// claim has a pod of its own, prepared in a kubelet call of its own before
-// the plugin republishes: two stale claims in one call are a known gap (the
-// first refusal can republish before the second claim is checked,
-// docs/STATUS.md "One live inventory").
+// and a claim allocated afterwards gets the new instance's nodes. The first
+// stale pod has two claims, so one kubelet call carries both: the first
+// refusal republishes at once, and the second claim must still be judged by
+// what was published when the call arrived (refused as changed, not prepared
+// on the new instance).
 func TestMIGRelayoutWhilePluginRuns(t *testing.T) {
 	requirePlugins(t)
 	ctx := context.Background()
@@ -145,8 +145,8 @@ func TestMIGRelayoutWhilePluginRuns(t *testing.T) {
 		// profile's 1g.5gb at placement 1).
 		gone = "gpu-1-mig-1g5gb-19-1"
 	)
-	oldRecreated, oldGone := attrString(before[recreated], "uuid"), attrString(before[gone], "uuid")
-	if oldRecreated == "" || oldGone == "" || attrString(before[removed], "uuid") == "" {
+	oldRecreated, oldRemoved, oldGone := attrString(before[recreated], "uuid"), attrString(before[removed], "uuid"), attrString(before[gone], "uuid")
+	if oldRecreated == "" || oldGone == "" || oldRemoved == "" {
 		t.Fatalf("the profile lacks %s, %s or %s: %v", recreated, removed, gone, keys(before))
 	}
 	smi := filepath.Join(n.SimRoot(), "usr", "bin", "nvidia-smi")
@@ -158,13 +158,25 @@ func TestMIGRelayoutWhilePluginRuns(t *testing.T) {
 			}
 		}
 	}
-	// stalePod creates a claim pinned to a device identity and its pod.
-	stalePod := func(claim, uuid string) *v1.Pod {
+	// stalePod creates claims pinned to device identities (claim name, UUID,
+	// ...) and one pod that uses them all, named after the first.
+	stalePod := func(claimsAndUUIDs ...string) *v1.Pod {
 		t.Helper()
-		if _, err := cluster.Client.ResourceV1().ResourceClaims(ns).Create(ctx, pinnedClaim(ns, claim, "mig.nvidia.com", uuid), metav1.CreateOptions{}); err != nil {
-			t.Fatalf("create claim: %v", err)
+		var pod *v1.Pod
+		for i := 0; i+1 < len(claimsAndUUIDs); i += 2 {
+			claim, uuid := claimsAndUUIDs[i], claimsAndUUIDs[i+1]
+			if _, err := cluster.Client.ResourceV1().ResourceClaims(ns).Create(ctx, pinnedClaim(ns, claim, "mig.nvidia.com", uuid), metav1.CreateOptions{}); err != nil {
+				t.Fatalf("create claim: %v", err)
+			}
+			if pod == nil {
+				pod = claimPod(ns, "stale-"+claim, name, claim)
+				continue
+			}
+			ref := claim
+			pod.Spec.ResourceClaims = append(pod.Spec.ResourceClaims, v1.PodResourceClaim{Name: claim, ResourceClaimName: &ref})
+			pod.Spec.Containers[0].Resources.Claims = append(pod.Spec.Containers[0].Resources.Claims, v1.ResourceClaim{Name: claim})
 		}
-		pod, err := cluster.Client.CoreV1().Pods(ns).Create(ctx, claimPod(ns, "stale-"+claim, name, claim), metav1.CreateOptions{})
+		pod, err := cluster.Client.CoreV1().Pods(ns).Create(ctx, pod, metav1.CreateOptions{})
 		if err != nil {
 			t.Fatalf("create pod: %v", err)
 		}
@@ -172,15 +184,16 @@ func TestMIGRelayoutWhilePluginRuns(t *testing.T) {
 	}
 
 	// The operator re-partitions GPU 0: both 1g.5gb instances destroyed, one
-	// created again at placement 0 (new GPU instance ID, new UUID). A claim
-	// allocated from the stale slices onto the recreated device is refused.
+	// created again at placement 0 (new GPU instance ID, new UUID). Claims
+	// allocated from the stale slices onto the recreated and the removed
+	// device, in one pod, are both refused.
 	relayout(
 		[]string{"mig", "-i", "0", "-dci", "-gi", "11,12"},
 		[]string{"mig", "-i", "0", "-dgi", "-gi", "11,12"},
 		[]string{"mig", "-i", "0", "-cgi", "19:0", "-C"},
 	)
-	changed := stalePod("changed", oldRecreated)
-	waitPrepareErrors(ctx, t, n, changed, "changed since this node published it")
+	changed := stalePod("changed", oldRecreated, "removed", oldRemoved)
+	waitPrepareErrors(ctx, t, n, changed, "changed since this node published it", "is no longer on this node")
 
 	// Republished without waiting for the rediscovery: the new identity, and
 	// no removed device.

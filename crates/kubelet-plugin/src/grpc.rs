@@ -187,8 +187,12 @@ impl DraService {
         claims: Vec<ClaimRef>,
     ) -> Vec<(String, Result<Vec<v1::Device>, String>)> {
         let driver = self.driver().await;
+        // Taken once for the whole call: a refusal of one of its claims republishes at once,
+        // and the others must still be judged by what their allocation was made from.
+        let published = driver.as_ref().map(|d| d.published()).unwrap_or_default();
         join_all(claims.into_iter().map(|c| {
             let driver = driver.clone();
+            let published = &published;
             async move {
             if let Err(error) = check_claim_uid(&c.uid) {
                 warn!(claim = %format!("{}/{}", c.namespace, c.name), %error, "prepare refused");
@@ -199,7 +203,7 @@ impl DraService {
                 Err(e) => return (c.uid, Err(e)),
             };
             let request = driver.metrics().nvidia.begin(Operation::Prepare);
-            let result = driver.prepare(&c).await;
+            let result = driver.prepare_as_published(&c, published).await;
             request.finish(result.is_ok());
             let result = result.map(|devices| {
                 devices

@@ -155,7 +155,7 @@ pub struct LiveInventory {
     book: Mutex<HealthBook>,
     /// Device name -> UUID as last published (`None` until the first publication, or when no
     /// publisher runs).
-    published: Mutex<Option<BTreeMap<String, String>>>,
+    published: Mutex<Published>,
     /// The last discovery: when it started and what it found.
     last: tokio::sync::Mutex<Option<(Instant, Arc<Inventory>)>>,
     /// Claims refused because a device changed or went away under them: claim UID -> the
@@ -170,6 +170,21 @@ pub struct LiveInventory {
     unreachable: Mutex<Option<(std::time::Instant, String)>>,
     /// Called with the new inventory when a discovery finds another driver version.
     version_listeners: Mutex<Vec<VersionListener>>,
+}
+
+/// What this node had published (device name -> UUID) when a kubelet call arrived: the
+/// identities the claims of that call were allocated from, as far as the node can tell. A call's
+/// claims are checked against the view taken when it arrived, not against a republication that
+/// an earlier claim of the same call started (that claim's refusal republishes at once, and a
+/// later claim of the call would otherwise be judged against the new identities and get the new
+/// instance under the old name). `None` inside: nothing published yet.
+#[derive(Clone, Debug, Default)]
+pub struct Published(Option<Arc<BTreeMap<String, String>>>);
+
+impl Published {
+    fn uuid(&self, device: &str) -> Option<&String> {
+        self.0.as_ref().and_then(|p| p.get(device))
+    }
 }
 
 /// A callback for a changed driver version (see [`LiveInventory::on_driver_version`]).
@@ -228,7 +243,7 @@ impl LiveInventory {
             backend,
             tx,
             book: Mutex::new(book),
-            published: Mutex::new(None),
+            published: Mutex::new(Published::default()),
             last: tokio::sync::Mutex::new(None),
             refused: Mutex::new(BTreeMap::new()),
             health_file: Mutex::new(None),
@@ -457,15 +472,22 @@ impl LiveInventory {
             })
             .map(|d| (d.name(), d.uuid().to_string()))
             .collect();
-        *lock(&self.published) = Some(map);
+        *lock(&self.published) = Published(Some(Arc::new(map)));
+    }
+
+    /// What is published now; a kubelet call takes it when it arrives (see [`Published`]).
+    pub fn published(&self) -> Published {
+        lock(&self.published).clone()
     }
 
     /// The live inventory for preparing `devices` of claim `claim_uid`, after checking that
-    /// each is still the device this node published under its name.
+    /// each is still the device this node had published under its name when the call arrived
+    /// (`published`, from [`LiveInventory::published`]).
     pub async fn resolve(
         &self,
         claim_uid: &str,
         devices: &[&str],
+        published: &Published,
     ) -> Result<Arc<Inventory>, ResolveError> {
         if let Some(refusal) = lock(&self.refused).get(claim_uid).cloned() {
             return Err(refusal.error());
@@ -474,10 +496,9 @@ impl LiveInventory {
             Some(current) => current,
             None => self.rediscover().await?,
         };
-        let published = lock(&self.published).clone();
         let partitioning = self.partitioning();
         for &name in devices {
-            let was = published.as_ref().and_then(|p| p.get(name));
+            let was = published.uuid(name);
             if let Some(d) = live.device(name)
                 && live.lost_gpus.contains(&d.gpu().index)
             {
@@ -597,7 +618,7 @@ mod tests {
             gpu.mig_devices[1].device_name(gpu),
         );
         // Nothing published yet (no publisher): the live device is taken as it is.
-        assert!(live.resolve("c0", &[&n0]).await.is_ok());
+        assert!(live.resolve("c0", &[&n0], &live.published()).await.is_ok());
         live.mark_published(&first);
         let mut changes = live.subscribe();
         changes.borrow_and_update();
@@ -609,7 +630,10 @@ mod tests {
             migs.remove(1);
         });
         fixture.set(second.clone());
-        let err = live.resolve("c1", &[&n0]).await.expect_err("changed");
+        let err = live
+            .resolve("c1", &[&n0], &live.published())
+            .await
+            .expect_err("changed");
         assert!(matches!(err, ResolveError::Changed { .. }), "{err}");
         assert!(
             err.to_string()
@@ -619,27 +643,73 @@ mod tests {
             changes.has_changed().expect("sender alive"),
             "republish wakes"
         );
-        let err = live.resolve("c2", &[&n1]).await.expect_err("gone");
+        let err = live
+            .resolve("c2", &[&n1], &live.published())
+            .await
+            .expect_err("gone");
         assert!(matches!(err, ResolveError::Gone { .. }), "{err}");
 
         // Republished: the claim allocated for the old identity stays refused until it is
         // unprepared; a claim allocated now gets the new identity, with its own GI ID.
         live.mark_published(&second);
         let err = live
-            .resolve("c1", &[&n0])
+            .resolve("c1", &[&n0], &live.published())
             .await
             .expect_err("still the old allocation");
         assert!(matches!(err, ResolveError::Changed { .. }), "{err}");
         live.forget("c1");
-        assert!(live.resolve("c1", &[&n0]).await.is_ok());
-        let err = live.resolve("c2", &[&n1]).await.expect_err("still gone");
+        assert!(live.resolve("c1", &[&n0], &live.published()).await.is_ok());
+        let err = live
+            .resolve("c2", &[&n1], &live.published())
+            .await
+            .expect_err("still gone");
         assert!(matches!(err, ResolveError::Gone { .. }), "{err}");
-        let inv = live.resolve("c3", &[&n0]).await.expect("republished");
+        let inv = live
+            .resolve("c3", &[&n0], &live.published())
+            .await
+            .expect("republished");
         assert_eq!(
             inv.device(&n0).map(|d| d.uuid()),
             second.device(&n0).map(|d| d.uuid())
         );
         assert_eq!(*live.current(), second);
+    }
+
+    #[tokio::test]
+    async fn claims_of_one_call_are_judged_by_what_was_published_when_the_call_arrived() {
+        let first = inventory([a100(0).mig(mig_1g5gb(0)).mig(mig_1g5gb(1)).build()]);
+        let fixture = Arc::new(FixtureInventory::new(first.clone()));
+        let live = LiveInventory::with_inventory(
+            fixture.clone(),
+            first.clone(),
+            HealthPolicy::new("gpu.nvidia.com"),
+        );
+        let gpu = &first.gpus[0];
+        let (n0, n1) = (
+            gpu.mig_devices[0].device_name(gpu),
+            gpu.mig_devices[1].device_name(gpu),
+        );
+        live.mark_published(&first);
+        let second = relayout(first.clone(), |migs| {
+            migs[0].gi_id = 9;
+            migs[0].uuid = "MIG-00000000-0000-5000-8000-000000000099".into();
+            migs.remove(1);
+        });
+        fixture.set(second.clone());
+        // One kubelet call with two claims allocated from the first slices: the first claim's
+        // refusal republishes before the second is checked (the publisher marks the new
+        // identities), but the second is still judged by the call's view.
+        let call = live.published();
+        let err = live.resolve("c1", &[&n1], &call).await.expect_err("gone");
+        assert!(matches!(err, ResolveError::Gone { .. }), "{err}");
+        live.mark_published(&second);
+        let err = live
+            .resolve("c2", &[&n0], &call)
+            .await
+            .expect_err("recreated under the call's old identity");
+        assert!(matches!(err, ResolveError::Changed { .. }), "{err}");
+        // A call that arrives after the republication gets the new identity.
+        assert!(live.resolve("c3", &[&n0], &live.published()).await.is_ok());
     }
 
     #[tokio::test]
@@ -663,11 +733,18 @@ mod tests {
         live.mark_published(&first);
         // Destroyed and created again for the next claim: a new UUID, not a changed device.
         fixture.set(with("MIG-00000000-0000-5000-8000-000000000002"));
-        assert!(live.resolve("c1", &[&name]).await.is_ok());
+        assert!(
+            live.resolve("c1", &[&name], &live.published())
+                .await
+                .is_ok()
+        );
         // The same instance on a static GPU is refused.
         live.set_partitioning(Partitioning::default());
         live.mark_published(&first);
-        let err = live.resolve("c2", &[&name]).await.expect_err("static");
+        let err = live
+            .resolve("c2", &[&name], &live.published())
+            .await
+            .expect_err("static");
         assert!(matches!(err, ResolveError::Changed { .. }), "{err}");
     }
 
@@ -684,12 +761,23 @@ mod tests {
         lost.gpus.remove(1);
         lost.lost_gpus = vec![first.gpus[1].index];
         fixture.set(lost);
-        let err = live.resolve("c", &["gpu-1"]).await.expect_err("lost");
+        let err = live
+            .resolve("c", &["gpu-1"], &live.published())
+            .await
+            .expect_err("lost");
         assert!(matches!(err, ResolveError::Lost { .. }), "{err}");
         assert_eq!(live.current().gpus.len(), 2, "still published");
-        assert!(live.resolve("c", &["gpu-0"]).await.is_ok());
+        assert!(
+            live.resolve("c", &["gpu-0"], &live.published())
+                .await
+                .is_ok()
+        );
         fixture.set(first.clone());
-        assert!(live.resolve("c", &["gpu-1"]).await.is_ok());
+        assert!(
+            live.resolve("c", &["gpu-1"], &live.published())
+                .await
+                .is_ok()
+        );
         assert!(live.current().lost_gpus.is_empty());
     }
 
@@ -734,19 +822,24 @@ mod tests {
         live.mark_published(&first);
         let gpu = &first.gpus[0];
         let n0 = gpu.mig_devices[0].device_name(gpu);
-        live.resolve("c0", &["gpu-1", &n0])
+        live.resolve("c0", &["gpu-1", &n0], &live.published())
             .await
             .expect("unchanged");
         assert_eq!(discoveries(), 0);
         // Another device's change is the periodic rediscovery's, not this claim's.
         let other = relayout(first.clone(), |migs| migs[1].uuid = "MIG-other".into());
         backend.fixture.set(other);
-        live.resolve("c1", &["gpu-1"]).await.expect("unchanged");
+        live.resolve("c1", &["gpu-1"], &live.published())
+            .await
+            .expect("unchanged");
         assert_eq!(discoveries(), 0);
         // The claim's own device changed: discovered, and refused as before.
         let changed = relayout(first.clone(), |migs| migs[0].uuid = "MIG-new".into());
         backend.fixture.set(changed.clone());
-        let err = live.resolve("c2", &[&n0]).await.expect_err("changed");
+        let err = live
+            .resolve("c2", &[&n0], &live.published())
+            .await
+            .expect_err("changed");
         assert!(matches!(err, ResolveError::Changed { .. }), "{err}");
         assert_eq!(discoveries(), 1);
         assert_eq!(*live.current(), changed);
@@ -765,7 +858,7 @@ mod tests {
         assert!(a.is_ok() && b.is_ok());
         fixture.fail("driver unloaded");
         let err = live
-            .resolve("c", &["gpu-0"])
+            .resolve("c", &["gpu-0"], &live.published())
             .await
             .expect_err("discovery fails");
         assert!(err.to_string().contains("driver unloaded"), "{err}");

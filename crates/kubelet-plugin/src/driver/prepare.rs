@@ -34,6 +34,7 @@ use tracing::{info, warn};
 
 use super::unprepare::Keep;
 use super::{ClaimRef, Driver, DriverError, blocking, dynamic, lock};
+use crate::inventory::Published;
 
 /// Refuses a sharing config that reaches a device allocated with admin access (from the
 /// claim or its DeviceClass), with the api crate's message.
@@ -56,11 +57,29 @@ fn refuse_sharing_with_admin_access(plan: &Plan) -> Result<(), PlanError> {
 }
 
 impl Driver {
-    /// Prepares one claim; returns its devices with CDI IDs.
+    /// Prepares one claim; returns its devices with CDI IDs. Its devices are checked against
+    /// what the node publishes now.
     pub async fn prepare(&self, claim: &ClaimRef) -> Result<Vec<PreparedDevice>, DriverError> {
+        self.prepare_as_published(claim, &self.inventory.published())
+            .await
+    }
+
+    /// What the node publishes now: a kubelet call takes it when it arrives and prepares its
+    /// claims against it ([`Driver::prepare_as_published`]).
+    pub fn published(&self) -> Published {
+        self.inventory.published()
+    }
+
+    /// Prepares one claim of a kubelet call; its devices are checked against `published`, what
+    /// the node had published when the call arrived (see [`crate::inventory::Published`]).
+    pub async fn prepare_as_published(
+        &self,
+        claim: &ClaimRef,
+        published: &Published,
+    ) -> Result<Vec<PreparedDevice>, DriverError> {
         let started = Instant::now();
         self.metrics.in_flight.inc();
-        let result = self.prepare_inner(claim).await;
+        let result = self.prepare_inner(claim, published).await;
         self.metrics.in_flight.dec();
         self.metrics
             .observe("prepare", started.elapsed().as_secs_f64(), result.is_ok());
@@ -77,7 +96,11 @@ impl Driver {
         result
     }
 
-    async fn prepare_inner(&self, claim: &ClaimRef) -> Result<Vec<PreparedDevice>, DriverError> {
+    async fn prepare_inner(
+        &self,
+        claim: &ClaimRef,
+        published: &Published,
+    ) -> Result<Vec<PreparedDevice>, DriverError> {
         self.failpoints.hit("prepare.start").await?;
         let user = self.claim_locks.join(&claim.uid);
         let _guard = user.lock().await;
@@ -100,7 +123,7 @@ impl Driver {
             }
             None => Vec::new(),
         };
-        let result = self.prepare_fresh(claim, kept).await;
+        let result = self.prepare_fresh(claim, kept, published).await;
         if result.is_err() && self.journal.entry(&claim.uid).is_some() {
             // Undo whatever was done; the checkpoint says what that may be.
             if let Err(e) = self.unprepare_locked(&claim.uid, Keep::Nothing).await {
@@ -136,6 +159,7 @@ impl Driver {
         &self,
         claim: &ClaimRef,
         kept: Vec<DynamicMigInstance>,
+        published: &Published,
     ) -> Result<Vec<PreparedDevice>, DriverError> {
         let rc = self
             .claims
@@ -166,7 +190,10 @@ impl Driver {
         if !wanted.is_empty() {
             self.ensure_instances(claim, wanted).await?;
         }
-        let inventory = self.inventory.resolve(&claim.uid, &names).await?;
+        let inventory = self
+            .inventory
+            .resolve(&claim.uid, &names, published)
+            .await?;
         let plan = plan::plan(&input, &inventory, self.decoder.as_ref())?;
         refuse_sharing_with_admin_access(&plan)?;
         self.failpoints.hit("prepare.after_plan").await?;
