@@ -581,6 +581,9 @@ async fn fetch(
     Ok((slices, claims, metrics))
 }
 
+/// How long one plugin pod's metrics may take through the API server's pod proxy.
+const PROXY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// The metrics of every running plugin pod, through the API server's pod proxy.
 async fn through_pod_proxy(
     client: &kube::Client,
@@ -624,11 +627,16 @@ async fn through_pod_proxy(
         );
         let url = format!("/api/v1/namespaces/{ns}/pods/{name}:{port}/proxy{path}");
         let req = http::Request::get(&url).body(Vec::new());
+        // The client retries an unavailable answer (503 from the proxy when the pod serves
+        // nothing there) for minutes; one plugin that cannot answer must not stall the report.
         out.push(match req {
-            Ok(req) => client
-                .request_text(req)
-                .await
-                .map_err(|e| format!("{ns}/{name}: {e}")),
+            Ok(req) => match tokio::time::timeout(PROXY_TIMEOUT, client.request_text(req)).await {
+                Ok(answer) => answer.map_err(|e| format!("{ns}/{name}: {e}")),
+                Err(_) => Err(format!(
+                    "{ns}/{name}: no metrics through the API server's pod proxy within {}s (is the pod's {path} served on port {port}?)",
+                    PROXY_TIMEOUT.as_secs()
+                )),
+            },
             Err(e) => Err(format!("{ns}/{name}: {e}")),
         });
     }
