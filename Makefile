@@ -40,6 +40,9 @@ test: unit bench-check chart-check cdi-check e2e ## everything CI checks: lint, 
 
 # --- e2e: a real control plane in one Go process (e2e/), simulated GPU nodes ---
 E2E_TIMEOUT ?= 70m
+# Tests that call t.Parallel (the examples' units) at once per package: they wait on kubelets,
+# containerd and the API far more than they compute, and go test's default is GOMAXPROCS (2 here).
+E2E_PARALLEL ?= 4
 # The root filesystem every e2e container runs on (no registry is reachable to pull images).
 TEST_IMAGE := $(TOOLS)/test-image
 E2E_ENV = E2E_REPO_ROOT=$(CURDIR) E2E_BIN_DIR=$(CURDIR)/target/debug E2E_TEST_IMAGE=$(TEST_IMAGE)/rootfs E2E_IMAGE_ROOTFS=$(IMAGE_ROOTFS)
@@ -102,7 +105,7 @@ e2e-image: e2e-bins e2e-runtime ## the e2e test image: busybox, glibc for the si
 	bash e2e/testimage/build.sh $(TEST_IMAGE) target/debug/cuda-app target/debug/nvidia-smi target/debug/libgpu_dra_sim.so
 
 e2e: e2e-bins e2e-tools e2e-node-tools e2e-image image-rootfs ## end-to-end tests against the in-process control plane
-	cd e2e && $(E2E_ENV) $(GO) test -count=1 -timeout $(E2E_TIMEOUT) ./...
+	cd e2e && $(E2E_ENV) $(GO) test -count=1 -parallel $(E2E_PARALLEL) -timeout $(E2E_TIMEOUT) ./...
 
 # Other people's specs as written: every YAML file of DIR, one at a time, on real nodes
 # (e2e/tests/specs_test.go, e2e/harness/specs.go; e2e/README.md says what is checked).

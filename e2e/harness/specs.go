@@ -34,8 +34,10 @@ import (
 	"os"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"sort"
 	"strings"
+	"sync"
 	"time"
 
 	v1 "k8s.io/api/core/v1"
@@ -43,6 +45,8 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/client-go/kubernetes/scheme"
 	"k8s.io/client-go/tools/remotecommand"
@@ -225,7 +229,7 @@ func (c *Cluster) RunSpec(ctx context.Context, files []SpecFile, opts SpecOption
 	for _, a := range ordered {
 		ns := a.obj.GetNamespace()
 		if a.obj.GetKind() == "Namespace" {
-			if exists, err := c.namespaceExists(ctx, a.obj.GetName()); err != nil {
+			if exists, err := c.namespaceUsable(ctx, a.obj.GetName(), opts.Timeout); err != nil {
 				return r, err
 			} else if !exists {
 				r.created = append(r.created, a.obj.GetName())
@@ -234,7 +238,7 @@ func (c *Cluster) RunSpec(ctx context.Context, files []SpecFile, opts SpecOption
 		} else if ns != "" && !namespaces[ns] && !defined[ns] {
 			// A namespace the spec names but does not define: made for it,
 			// removed after (an existing one is used and left).
-			exists, err := c.namespaceExists(ctx, ns)
+			exists, err := c.namespaceUsable(ctx, ns, opts.Timeout)
 			if err != nil {
 				return r, err
 			}
@@ -274,12 +278,28 @@ func (c *Cluster) RunSpec(ctx context.Context, files []SpecFile, opts SpecOption
 	return r, nil
 }
 
-func (c *Cluster) namespaceExists(ctx context.Context, name string) (bool, error) {
-	_, err := c.Client.CoreV1().Namespaces().Get(ctx, name, metav1.GetOptions{})
-	if apierrors.IsNotFound(err) {
-		return false, nil
+// namespaceUsable says whether a namespace a spec names exists; one still
+// being deleted (an earlier unit's, whose Teardown does not wait for the
+// namespace controller) is waited for until it is gone, up to timeout, as
+// nothing can be created in it.
+func (c *Cluster) namespaceUsable(ctx context.Context, name string, timeout time.Duration) (bool, error) {
+	exists := false
+	err := wait.PollUntilContextTimeout(ctx, 500*time.Millisecond, timeout, true, func(ctx context.Context) (bool, error) {
+		ns, err := c.Client.CoreV1().Namespaces().Get(ctx, name, metav1.GetOptions{})
+		if apierrors.IsNotFound(err) {
+			exists = false
+			return true, nil
+		}
+		if err != nil {
+			return false, err
+		}
+		exists = true
+		return ns.DeletionTimestamp == nil, nil
+	})
+	if err != nil {
+		return false, fmt.Errorf("namespace %s: still being deleted after %s: %w", name, timeout, err)
 	}
-	return err == nil, err
+	return exists, nil
 }
 
 var notDNS = regexp.MustCompile(`[^a-z0-9-]+`)
@@ -718,12 +738,20 @@ func (c *Cluster) execOnce(ctx context.Context, pod *v1.Pod, container string, c
 }
 
 // Teardown deletes what the unit made (its objects, then the namespaces
-// this run created) and checks that every claim its pods used is released
-// (gone from the API) and that its node has no CDI claim spec file of it
-// left. Problems are added to the run.
+// this run created) and checks that every pod of the unit's namespaces is
+// gone (its node's kubelet stopped it), that every claim its pods used is
+// released (gone from the API) and that its node has no CDI claim spec file
+// of it left. Problems are added to the run.
+//
+// The namespaces themselves are left to the namespace controller: once
+// their pods and claims are gone nothing of the unit holds a device or runs
+// on a node, and the controller's finalization (requeued with back-off
+// while content remains) only adds wall time. A later unit that names one
+// of them waits for it to go before making it again (RunSpec). Claims are
+// checked concurrently, each with the run's timeout.
 func (r *SpecRun) Teardown(ctx context.Context) {
 	c := r.cluster
-	background := metav1.DeletePropagationBackground
+	background, orphan := metav1.DeletePropagationBackground, metav1.DeletePropagationOrphan
 	for i := len(r.applied) - 1; i >= 0; i-- {
 		a := r.applied[i]
 		if a.obj.GetKind() == "Namespace" {
@@ -734,11 +762,27 @@ func (r *SpecRun) Teardown(ctx context.Context) {
 			r.problemf("%s: delete %s %s: %v", filepath.Base(a.file), a.obj.GetKind(), a.obj.GetName(), err)
 			continue
 		}
-		if err := ri.Delete(ctx, a.obj.GetName(), metav1.DeleteOptions{PropagationPolicy: &background}); err != nil && !apierrors.IsNotFound(err) {
+		opts := metav1.DeleteOptions{PropagationPolicy: &background}
+		if r.opts.DeleteGracePeriod != nil {
+			// The grace period must go with a pod's first deletion: the
+			// kubelet stops its containers with the period it sees first,
+			// and a shorter one sent after does not cut that stop short.
+			// So pods are deleted here with it, and workloads orphan
+			// theirs (the garbage collector would delete them with their
+			// own period); stopControllers and the loop below finish.
+			switch {
+			case a.obj.GetKind() == "Pod" && a.obj.GetAPIVersion() == "v1":
+				opts.GracePeriodSeconds = r.opts.DeleteGracePeriod
+			case workloadKinds[a.obj.GetKind()] && slices.Contains(r.created, a.obj.GetNamespace()):
+				opts.PropagationPolicy = &orphan
+			}
+		}
+		if err := ri.Delete(ctx, a.obj.GetName(), opts); err != nil && !apierrors.IsNotFound(err) {
 			r.problemf("%s: delete %s %s: %v", filepath.Base(a.file), a.obj.GetKind(), a.obj.GetName(), err)
 		}
 	}
 	if r.opts.DeleteGracePeriod != nil {
+		r.stopControllers(ctx)
 		for _, ns := range r.Namespaces {
 			pods, err := c.Client.CoreV1().Pods(ns).List(ctx, metav1.ListOptions{})
 			if err != nil {
@@ -758,20 +802,34 @@ func (r *SpecRun) Teardown(ctx context.Context) {
 			r.problemf("delete namespace %s: %v", ns, err)
 		}
 	}
+	// Every pod of a namespace the run made is the unit's; in one that was
+	// there before, the pods that ran for it.
+	created := map[string]bool{}
 	for _, ns := range r.created {
+		created[ns] = true
+	}
+	ran := map[types.UID]bool{}
+	for _, p := range r.Pods {
+		ran[p.UID] = true
+	}
+	for _, ns := range r.Namespaces {
+		var left []string
 		err := wait.PollUntilContextTimeout(ctx, 500*time.Millisecond, r.opts.Timeout, true, func(ctx context.Context) (bool, error) {
-			exists, err := c.namespaceExists(ctx, ns)
-			return err == nil && !exists, nil
-		})
-		if err != nil {
-			pods, _ := c.Client.CoreV1().Pods(ns).List(ctx, metav1.ListOptions{})
-			var left []string
-			if pods != nil {
-				for _, p := range pods.Items {
+			pods, err := c.Client.CoreV1().Pods(ns).List(ctx, metav1.ListOptions{})
+			if err != nil {
+				left = []string{err.Error()}
+				return false, nil
+			}
+			left = left[:0]
+			for _, p := range pods.Items {
+				if created[ns] || ran[p.UID] {
 					left = append(left, p.Name+": "+PodProblem(&p))
 				}
 			}
-			r.problemf("namespace %s not gone after %s; pods left: %v", ns, r.opts.Timeout, left)
+			return len(left) == 0, nil
+		})
+		if err != nil {
+			r.problemf("namespace %s: pods not gone after %s: %v", ns, r.opts.Timeout, left)
 		}
 	}
 	names := make([]string, 0, len(r.claims))
@@ -779,39 +837,100 @@ func (r *SpecRun) Teardown(ctx context.Context) {
 		names = append(names, k)
 	}
 	sort.Strings(names)
-	for _, key := range names {
-		use := r.claims[key]
-		ns, name, _ := strings.Cut(key, "/")
-		var state string
-		released := wait.PollUntilContextTimeout(ctx, 200*time.Millisecond, r.opts.Timeout, true, func(ctx context.Context) (bool, error) {
-			claim, err := c.Client.ResourceV1().ResourceClaims(ns).Get(ctx, name, metav1.GetOptions{})
-			if apierrors.IsNotFound(err) || (err == nil && string(claim.UID) != use.uid) {
-				return true, nil
+	problems := make([][]string, len(names))
+	var wg sync.WaitGroup
+	for i, key := range names {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			problems[i] = r.checkClaimGone(ctx, key, r.claims[key])
+		}()
+	}
+	wg.Wait()
+	for _, ps := range problems {
+		r.Problems = append(r.Problems, ps...)
+	}
+}
+
+// podControllers are the resources whose controllers make pods, or make the
+// objects that do (a Deployment's ReplicaSets, a CronJob's Jobs).
+var podControllers = []schema.GroupVersionResource{
+	{Group: "apps", Version: "v1", Resource: "deployments"},
+	{Group: "apps", Version: "v1", Resource: "replicasets"},
+	{Group: "apps", Version: "v1", Resource: "statefulsets"},
+	{Group: "apps", Version: "v1", Resource: "daemonsets"},
+	{Group: "batch", Version: "v1", Resource: "cronjobs"},
+	{Group: "batch", Version: "v1", Resource: "jobs"},
+	{Version: "v1", Resource: "replicationcontrollers"},
+}
+
+// stopControllers deletes, orphaning their dependents, every pod-making
+// object left in the namespaces the run created: what the unit's workloads
+// made (a ReplicaSet orphaned by its Deployment's deletion still keeps its
+// replicas). Once each is marked deleted its controller makes no pod, so
+// the pods can be deleted with the run's grace period and none comes back.
+// Namespaces that were there before are left alone: their objects need
+// not be the unit's.
+func (r *SpecRun) stopControllers(ctx context.Context) {
+	orphan := metav1.DeletePropagationOrphan
+	for _, ns := range r.created {
+		for _, gvr := range podControllers {
+			ri := r.cluster.Dynamic.Resource(gvr).Namespace(ns)
+			list, err := ri.List(ctx, metav1.ListOptions{})
+			if err != nil {
+				r.problemf("list %s of namespace %s: %v", gvr.Resource, ns, err)
+				continue
 			}
-			if err == nil {
-				state = fmt.Sprintf("allocated %t, reserved for %d", claim.Status.Allocation != nil, len(claim.Status.ReservedFor))
+			for _, o := range list.Items {
+				if o.GetDeletionTimestamp() != nil {
+					continue
+				}
+				err := ri.Delete(ctx, o.GetName(), metav1.DeleteOptions{PropagationPolicy: &orphan})
+				if err != nil && !apierrors.IsNotFound(err) {
+					r.problemf("delete %s %s/%s: %v", o.GetKind(), ns, o.GetName(), err)
+				}
 			}
-			return false, nil
-		}) == nil
-		if !released {
-			r.problemf("claim %s (uid %s) not released after deletion: %s", key, use.uid, state)
-		}
-		node := c.Node(use.node)
-		if node == nil {
-			continue
-		}
-		var files []string
-		gone := wait.PollUntilContextTimeout(ctx, 200*time.Millisecond, 30*time.Second, true, func(context.Context) (bool, error) {
-			var err error
-			if files, err = ClaimSpecFiles(node.CDIRoot, use.uid); err != nil {
-				files = []string{err.Error()}
-			}
-			return len(files) == 0, nil
-		}) == nil
-		if !gone {
-			r.problemf("claim %s (uid %s): CDI spec files left on %s after deletion: %v", key, use.uid, use.node, files)
 		}
 	}
+}
+
+// checkClaimGone waits for a claim the unit's pods used to be released
+// (gone from the API, or replaced by one of another UID) and for its
+// node's CDI claim spec files to be removed; it returns the problems.
+func (r *SpecRun) checkClaimGone(ctx context.Context, key string, use claimUse) []string {
+	c := r.cluster
+	var problems []string
+	ns, name, _ := strings.Cut(key, "/")
+	var state string
+	released := wait.PollUntilContextTimeout(ctx, 200*time.Millisecond, r.opts.Timeout, true, func(ctx context.Context) (bool, error) {
+		claim, err := c.Client.ResourceV1().ResourceClaims(ns).Get(ctx, name, metav1.GetOptions{})
+		if apierrors.IsNotFound(err) || (err == nil && string(claim.UID) != use.uid) {
+			return true, nil
+		}
+		if err == nil {
+			state = fmt.Sprintf("allocated %t, reserved for %d", claim.Status.Allocation != nil, len(claim.Status.ReservedFor))
+		}
+		return false, nil
+	}) == nil
+	if !released {
+		problems = append(problems, fmt.Sprintf("claim %s (uid %s) not released after deletion: %s", key, use.uid, state))
+	}
+	node := c.Node(use.node)
+	if node == nil {
+		return problems
+	}
+	var files []string
+	gone := wait.PollUntilContextTimeout(ctx, 200*time.Millisecond, 30*time.Second, true, func(context.Context) (bool, error) {
+		var err error
+		if files, err = ClaimSpecFiles(node.CDIRoot, use.uid); err != nil {
+			files = []string{err.Error()}
+		}
+		return len(files) == 0, nil
+	}) == nil
+	if !gone {
+		problems = append(problems, fmt.Sprintf("claim %s (uid %s): CDI spec files left on %s after deletion: %v", key, use.uid, use.node, files))
+	}
+	return problems
 }
 
 // ClaimSpecFiles are the CDI spec files under root that belong to a claim

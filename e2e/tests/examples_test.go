@@ -54,13 +54,22 @@ func TestExamples(t *testing.T) {
 			continue
 		}
 		ran++
+		var paths []string
+		for _, f := range files {
+			paths = append(paths, f.Path)
+		}
+		memoryShares := needsMemoryShares(t, paths)
 		t.Run(d.Name(), func(t *testing.T) {
-			var paths []string
-			for _, f := range files {
-				paths = append(paths, f.Path)
-			}
-			if needsMemoryShares(t, paths) {
+			if memoryShares {
+				// Its node is there for this unit only: the unit runs
+				// alone, before the others, so that no other unit's pods
+				// land on the node it removes at its end.
 				addMemoryShareNode(t)
+			} else {
+				// Each unit has namespaces of its own and the spec nodes
+				// have the devices of several at once; a unit whose pods
+				// find them taken waits for them within its timeout.
+				t.Parallel()
 			}
 			// The examples' busybox sleep ignores SIGTERM: their pods are
 			// deleted with a 1 s grace period, not the default 30 s.
@@ -313,8 +322,18 @@ func runExample(t *testing.T, name string, files []string) {
 			claimUIDs[string(claim.UID)] = pod.Spec.NodeName
 		}
 	}
+	// All pods deleted at once, with a 1 s grace period (their busybox
+	// sleep ignores SIGTERM and the kubelet would wait the default 30 s for
+	// each), then waited for.
 	for _, pod := range running {
-		deletePod(ctx, t, pod)
+		if err := cluster.Client.CoreV1().Pods(ns).Delete(ctx, pod.Name, metav1.DeleteOptions{GracePeriodSeconds: &testGracePeriod}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, pod := range running {
+		if err := cluster.WaitPodGone(ctx, ns, pod.Name, 60*time.Second); err != nil {
+			t.Fatalf("pod %s/%s not gone: %v", ns, pod.Name, err)
+		}
 	}
 	for uid, node := range claimUIDs {
 		if !eventually(ctx, 10*time.Second, func() bool { return len(claimSpecFiles(t, node, uid)) == 0 }) {

@@ -37,6 +37,8 @@ var specDynamicGPUs = []int{0, 1}
 // node, run on real nodes only.
 func addSpecNodes(ctx context.Context, t *testing.T) {
 	t.Helper()
+	started := time.Now()
+	defer func() { t.Logf("spec nodes up in %s", time.Since(started).Round(time.Millisecond)) }()
 	for _, n := range cluster.Nodes() {
 		if n.IsReal() {
 			continue
