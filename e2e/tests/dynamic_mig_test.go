@@ -389,7 +389,14 @@ func TestCleanupDestroysDynamicMIGInstances(t *testing.T) {
 		t.Fatalf("GPU 0 instances %v, want the claim's 2g.10gb and the admin's 3g.20gb", got)
 	}
 	checkpoint := filepath.Join(n.PluginDir(harness.DefaultDriver), "gpu-dra-checkpoint.json")
-	if data, err := os.ReadFile(checkpoint); err != nil || !strings.Contains(string(data), "dynamicMig") {
+	// The record is in the journal first; the plugin folds it into the file once its
+	// journal has been idle for 0.2 s.
+	var data []byte
+	var err error
+	if !eventually(ctx, 10*time.Second, func() bool {
+		data, err = os.ReadFile(checkpoint)
+		return err == nil && strings.Contains(string(data), "dynamicMig")
+	}) {
 		t.Fatalf("no dynamic MIG record in the checkpoint before the uninstall (%v): %s", err, data)
 	}
 

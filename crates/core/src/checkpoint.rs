@@ -31,7 +31,14 @@
 //!   ([`DynamicMigGpu`]): those are an admin's or a claim's static device and are never
 //!   destroyed; only an instance that appeared later and that no claim uses is a stray.
 //!   Written before any instance of that GPU is destroyed, so a crash cannot turn a kept
-//!   instance into a stray.
+//!   instance into a stray;
+//! - between two full writes the plugin records its changes as [`ChangeRecord`]s in a
+//!   journal beside the file ([`JOURNAL_FILE_NAME`]): each record holds the new state of
+//!   what changed (a claim's whole entry, or its removal; a top-level field whole), not a
+//!   delta, so replaying the records in order over the document they extend gives the
+//!   document as it was after the last one. The document stays the only thing an older
+//!   version reads; the plugin folds the journal into it when idle, at start and at a
+//!   graceful stop.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -43,6 +50,9 @@ pub const CURRENT_VERSION: u32 = 1;
 
 /// The checkpoint's file name in the plugin directory.
 pub const FILE_NAME: &str = "gpu-dra-checkpoint.json";
+
+/// The journal of changes since the checkpoint was last written, in the plugin directory.
+pub const JOURNAL_FILE_NAME: &str = "gpu-dra-checkpoint.journal";
 
 /// The name this plugin used before [`FILE_NAME`], shared with NVIDIA's driver.
 pub const LEGACY_FILE_NAME: &str = "checkpoint.json";
@@ -274,6 +284,90 @@ impl Checkpoint {
     }
 }
 
+/// What changed in a [`Checkpoint`] from one state to a later one, as the new state of each
+/// part that changed: replaying a record over the earlier state gives the later one.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ChangeRecord {
+    /// Claims whose entry changed, with the new entry, or `null` when it was removed.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub claims: BTreeMap<String, Option<ClaimEntry>>,
+    /// The whole new `importedFromNvidia`, when it changed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub imported_from_nvidia: Option<BTreeSet<String>>,
+    /// The whole new `dynamicMigGpus`, when it changed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dynamic_mig_gpus: Option<BTreeMap<String, DynamicMigGpu>>,
+    /// The whole new set of the document's fields of a newer format, when it changed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub extra: Option<Map<String, Value>>,
+}
+
+impl ChangeRecord {
+    /// The changes from `before` to `after` (claims compared entry by entry).
+    pub fn between(before: &Checkpoint, after: &Checkpoint) -> Self {
+        let mut claims: BTreeMap<String, Option<ClaimEntry>> = after
+            .claims
+            .iter()
+            .filter(|(uid, entry)| before.claims.get(*uid) != Some(entry))
+            .map(|(uid, entry)| (uid.clone(), Some(entry.clone())))
+            .collect();
+        claims.extend(
+            before
+                .claims
+                .keys()
+                .filter(|uid| !after.claims.contains_key(*uid))
+                .map(|uid| (uid.clone(), None)),
+        );
+        ChangeRecord {
+            claims,
+            imported_from_nvidia: (before.imported_from_nvidia != after.imported_from_nvidia)
+                .then(|| after.imported_from_nvidia.clone()),
+            dynamic_mig_gpus: (before.dynamic_mig_gpus != after.dynamic_mig_gpus)
+                .then(|| after.dynamic_mig_gpus.clone()),
+            extra: (before.extra != after.extra).then(|| after.extra.clone()),
+        }
+    }
+
+    /// Whether the record changes nothing.
+    pub fn is_empty(&self) -> bool {
+        self.claims.is_empty()
+            && self.imported_from_nvidia.is_none()
+            && self.dynamic_mig_gpus.is_none()
+            && self.extra.is_none()
+    }
+
+    /// Applies the record to `doc`.
+    pub fn apply(self, doc: &mut Checkpoint) {
+        for (uid, entry) in self.claims {
+            match entry {
+                Some(entry) => doc.claims.insert(uid, entry),
+                None => doc.claims.remove(&uid),
+            };
+        }
+        if let Some(imported) = self.imported_from_nvidia {
+            doc.imported_from_nvidia = imported;
+        }
+        if let Some(gpus) = self.dynamic_mig_gpus {
+            doc.dynamic_mig_gpus = gpus;
+        }
+        if let Some(extra) = self.extra {
+            doc.extra = extra;
+        }
+    }
+
+    /// Serializes the record (compact: records are written on every change).
+    pub fn to_json(&self) -> Vec<u8> {
+        // Serializing plain maps, strings and numbers cannot fail.
+        serde_json::to_vec(self).unwrap_or_default()
+    }
+
+    /// Reads a record.
+    pub fn from_json(bytes: &[u8]) -> Result<Self, CheckpointError> {
+        Ok(serde_json::from_slice(bytes)?)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -400,5 +494,46 @@ mod tests {
         let err = Checkpoint::from_json(br#"{"claims": {}}"#).expect_err("no version");
         assert!(err.to_string().contains("`version`"), "{err}");
         assert!(Checkpoint::from_json(b"{").is_err());
+    }
+
+    #[test]
+    fn a_change_record_replayed_over_the_earlier_state_gives_the_later_one() {
+        let before = Checkpoint::from_json(GOLDEN_V1.as_bytes()).expect("v1 reads");
+        let (done, started) = (
+            "6f9d2c1e-0000-4000-8000-000000000001",
+            "6f9d2c1e-0000-4000-8000-000000000002",
+        );
+        let mut after = before.clone();
+        after.claims.remove(done);
+        after.claims.get_mut(started).expect("entry").state = PrepareState::PrepareCompleted;
+        let mut added = before.claims[done].clone();
+        added.name = "new".into();
+        after.claims.insert("uid-new".into(), added);
+        after.imported_from_nvidia.insert("uid-x".into());
+
+        let record = ChangeRecord::between(&before, &after);
+        assert_eq!(record.claims.len(), 3, "{record:?}");
+        assert_eq!(record.claims[done], None, "a removal is a null entry");
+        assert!(record.dynamic_mig_gpus.is_none() && record.extra.is_none());
+        let json: Value = serde_json::from_slice(&record.to_json()).expect("json");
+        assert!(json["claims"][done].is_null());
+        assert_eq!(json["claims"][started]["state"], "PrepareCompleted");
+        assert!(
+            json.get("dynamicMigGpus").is_none(),
+            "unchanged parts are absent"
+        );
+
+        let read = ChangeRecord::from_json(&record.to_json()).expect("reads");
+        assert_eq!(read, record);
+        let mut replayed = before.clone();
+        read.apply(&mut replayed);
+        assert_eq!(replayed, after);
+        assert!(ChangeRecord::between(&after, &after).is_empty());
+        assert!(!record.is_empty());
+
+        // Replaying twice changes nothing more: records hold states, not deltas.
+        ChangeRecord::between(&before, &after).apply(&mut replayed);
+        assert_eq!(replayed, after);
+        assert!(ChangeRecord::from_json(b"{\"claims\": 7}").is_err());
     }
 }

@@ -15,6 +15,10 @@
 //! nothing that is acted on. The directory fsync is a journal commit on most filesystems, as
 //! costly as the file's own, so leaving out the one that is not needed halves such a write.
 //!
+//! [`record_log`] is the cheaper durable commit for a stream of small changes: checksummed
+//! records appended to a preallocated file with one `fdatasync` each, folded into a file
+//! written with [`write_atomic`] from time to time.
+//!
 //! # Temp names
 //!
 //! A temp file is named `.<target>.tmp-<pid>-<seq>-<noise>`: the process id, a process-wide
@@ -49,6 +53,8 @@
 //! Functions return [`std::io::Error`], as `std::fs` does, rather than an error enum of this
 //! crate: every caller already wraps I/O errors with the path and the operation in its own
 //! error type, and a wrapper here would only add a layer without adding information.
+
+pub mod record_log;
 
 use std::collections::hash_map::RandomState;
 use std::ffi::{OsStr, OsString};

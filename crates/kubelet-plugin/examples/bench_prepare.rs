@@ -6,8 +6,11 @@
 //! 1. fixture inventory like a DGX A100 40GB (10 GPUs with MIG, 8 whole), simulated device
 //!    nodes: p50/p99 of a one-GPU claim's prepare and unprepare, the durable-write floor of
 //!    the same run (one crash-safe small-file write: write, fsync, rename, fsync the folder)
-//!    and the ratios against it; the transport alone (a call with no claim) and unprepare's
-//!    p50 split into floor, transport and the rest; 64 claims on disjoint devices, all at
+//!    and the ratios against it, and the checkpoint journal's commit alone (a record appended
+//!    to a preallocated file, one `fdatasync`: what an operation now writes instead); one of
+//!    each disk write follows each prepare/unprepare cycle, so that a load on the shared disk
+//!    weighs on both sides of the ratio alike; the transport alone (a call with no claim) and unprepare's
+//!    p50 split into journal commit, transport and the rest; 64 claims on disjoint devices, all at
 //!    once vs one at a time, with the CPU per prepare of each and the bound the CPU sets on the
 //!    speedup (a burst cannot end before 64 x its CPU per call / cores); resident memory. Targets: prepare p50 <= 2.5x the floor, unprepare p50 <= 1.5x, the
 //!    burst >= 16x faster than one at a time, RSS <= 20 MiB.
@@ -19,7 +22,8 @@
 //!    p50/p99 of a whole-GPU and a MIG claim, and what one whole-node NVML discovery costs
 //!    (what every prepare paid before prepare checked only its claim's devices). Each profile
 //!    runs in a child process: the simulator reads its delay once per process.
-//! 3. syscalls per prepare and per unprepare (fsync family, stat family, readlink), median
+//! 3. syscalls per prepare and per unprepare (fsync family, stat family, readlink, rename:
+//!    a file written through a new temp file), median
 //!    over cycles, and on the fixture those of 64 prepares at once (the group commit's
 //!    fsyncs): children run under `strace -f` and mark each operation's start and end
 //!    with a `statx` of a path under `/bench-mark/`, so only the syscalls between the marks
@@ -278,13 +282,16 @@ impl Node {
         Ok(())
     }
 
-    /// Sorted prepare and unprepare latencies of claim `i` over `iters` cycles.
-    async fn cycles(
+    /// Prepare and unprepare latencies of claim `i` over `iters` cycles, with one durable-write
+    /// floor and one journal commit after each cycle when `disk` is given: the disk's figures
+    /// under the same load as the calls'.
+    async fn cycles_beside(
         &mut self,
         i: usize,
         iters: usize,
-    ) -> anyhow::Result<(Vec<Duration>, Vec<Duration>)> {
-        let (mut prepares, mut unprepares) = (Vec::new(), Vec::new());
+        mut disk: Option<&mut Disk>,
+    ) -> anyhow::Result<Cycles> {
+        let mut c = Cycles::default();
         for n in 0..iters + WARMUP {
             let t = Instant::now();
             self.prepare(vec![claim(i)]).await?;
@@ -292,30 +299,84 @@ impl Node {
             let t = Instant::now();
             self.unprepare(vec![claim(i)]).await?;
             let u = t.elapsed();
+            let samples = match disk.as_deref_mut() {
+                Some(disk) => Some((disk.floor(n)?, disk.commit()?)),
+                None => None,
+            };
             if n >= WARMUP {
-                prepares.push(p);
-                unprepares.push(u);
+                c.prepares.push(p);
+                c.unprepares.push(u);
+                if let Some((floor, journal)) = samples {
+                    c.floor.push(floor);
+                    c.journal.push(journal);
+                }
             }
         }
-        prepares.sort();
-        unprepares.sort();
-        Ok((prepares, unprepares))
+        for v in [
+            &mut c.prepares,
+            &mut c.unprepares,
+            &mut c.floor,
+            &mut c.journal,
+        ] {
+            v.sort();
+        }
+        Ok(c)
+    }
+}
+
+/// Sorted latencies of a cycle run: the calls' and the disk's beside them.
+#[derive(Default)]
+struct Cycles {
+    prepares: Vec<Duration>,
+    unprepares: Vec<Duration>,
+    /// Durable-write floor: one crash-safe small-file write (write, fsync, rename, fsync the
+    /// folder) next to the checkpoint.
+    floor: Vec<Duration>,
+    /// The checkpoint journal's commit alone: a record of a one-GPU claim's size appended to a
+    /// preallocated journal, one `fdatasync` (what a prepare or unprepare writes instead of
+    /// the floor's write).
+    journal: Vec<Duration>,
+}
+
+/// The disk's own figures, next to the checkpoint.
+struct Disk {
+    dir: PathBuf,
+    log: gpu_dra_fsutil::record_log::RecordLog,
+    record: Vec<u8>,
+}
+
+impl Disk {
+    fn new(dir: &Path) -> anyhow::Result<Disk> {
+        let (mut log, _) = gpu_dra_fsutil::record_log::RecordLog::open(
+            &dir.join("bench.journal"),
+            1 << 20,
+            0o600,
+        )?;
+        log.reset(0)?;
+        Ok(Disk {
+            dir: dir.to_owned(),
+            log,
+            record: vec![b'x'; 700],
+        })
     }
 
-    /// Sorted durations of crash-safe small-file writes next to the checkpoint.
-    fn floor(&self, iters: usize) -> anyhow::Result<Vec<Duration>> {
-        let mut floor = Vec::with_capacity(iters);
-        for i in 0..iters {
-            let t = Instant::now();
-            gpu_dra_fsutil::write_atomic(
-                &self.dir.path().join("floor.json"),
-                format!("{i}").as_bytes(),
-                0o600,
-            )?;
-            floor.push(t.elapsed());
+    fn floor(&mut self, i: usize) -> anyhow::Result<Duration> {
+        let t = Instant::now();
+        gpu_dra_fsutil::write_atomic(
+            &self.dir.join("floor.json"),
+            format!("{i}").as_bytes(),
+            0o600,
+        )?;
+        Ok(t.elapsed())
+    }
+
+    fn commit(&mut self) -> anyhow::Result<Duration> {
+        if !self.log.fits(self.record.len()) {
+            self.log.reset(0)?;
         }
-        floor.sort();
-        Ok(floor)
+        let t = Instant::now();
+        self.log.append(&self.record)?;
+        Ok(t.elapsed())
     }
 }
 
@@ -334,7 +395,15 @@ async fn fixture_part() -> anyhow::Result<()> {
     let one = CONCURRENT;
     node.allocate(one, &whole.context("no whole GPU")?);
 
-    let (prepares, unprepares) = node.cycles(one, scaled(LATENCY_ITERS)).await?;
+    let mut disk = Disk::new(node.dir.path())?;
+    let Cycles {
+        prepares,
+        unprepares,
+        floor,
+        journal,
+    } = node
+        .cycles_beside(one, scaled(LATENCY_ITERS), Some(&mut disk))
+        .await?;
     let rss_warm = rss_kib();
     // What a call costs that has nothing to do (an unknown claim's unprepare): the socket,
     // gRPC and the engine's bookkeeping, without a durable write.
@@ -353,7 +422,6 @@ async fn fixture_part() -> anyhow::Result<()> {
         empty.push(t.elapsed());
     }
     empty.sort();
-    let floor = node.floor(scaled(100))?;
 
     // 64 claims on disjoint devices: one at a time vs all at once.
     let rounds = scaled(ROUNDS);
@@ -402,9 +470,15 @@ async fn fixture_part() -> anyhow::Result<()> {
         "bench_prepare: fixture inventory (18 GPUs, 78 devices), one-GPU claim over the DRA socket, real CDI + checkpoint writes with fsync"
     );
     println!(
-        "  durable-write floor (write, fsync, rename, fsync folder): p50 {:.3} ms, p99 {:.3} ms",
+        "  durable-write floor (write, fsync, rename, fsync folder; one after each prepare/unprepare cycle): p50 {:.3} ms, p99 {:.3} ms",
         ms(floor_p50),
         ms(percentile(&floor, 0.99))
+    );
+    println!(
+        "  checkpoint journal commit alone (700-byte record into a preallocated file, fdatasync; one after each cycle): p50 {:.3} ms, p99 {:.3} ms = {:.2}x the floor",
+        ms(percentile(&journal, 0.5)),
+        ms(percentile(&journal, 0.99)),
+        ratio(&journal)
     );
     println!(
         "  prepare:   p50 {:.3} ms, p99 {:.3} ms over {} calls: {:.2}x the floor (target <= 2.5x: {})",
@@ -435,10 +509,10 @@ async fn fixture_part() -> anyhow::Result<()> {
         ms(empty_p50) / ms(floor_p50)
     );
     println!(
-        "  unprepare p50 split: floor {:.3} + transport {:.3} + the rest {:.3} ms (engine, CDI spec removal, what the write costs beyond the floor's)",
-        ms(floor_p50),
+        "  unprepare p50 split: journal commit {:.3} + transport {:.3} + the rest {:.3} ms (engine, CDI spec removal, the hop to the blocking pool)",
+        ms(percentile(&journal, 0.5)),
         ms(empty_p50),
-        ms(unprepare_p50) - ms(floor_p50) - ms(empty_p50)
+        ms(unprepare_p50) - ms(percentile(&journal, 0.5)) - ms(empty_p50)
     );
     let speedup = seq.as_secs_f64() / conc.as_secs_f64();
     println!(
@@ -469,29 +543,29 @@ async fn nvml_part(profile: &str) -> anyhow::Result<()> {
     let mut node = Node::nvml(profile).await?;
     let (whole, mig) = node.one_gpu_and_one_mig();
     let iters = scaled(NVML_ITERS);
-    let floor = node.floor(scaled(100))?;
-    let floor_p50 = percentile(&floor, 0.5);
     let gpus = node.inventory.gpus.len();
     let count = node.inventory.devices().count();
-    println!(
-        "  {profile} ({gpus} GPUs, {count} devices); durable-write floor p50 {:.3} ms",
-        ms(floor_p50)
-    );
+    println!("  {profile} ({gpus} GPUs, {count} devices)");
+    let mut disk = Disk::new(node.dir.path())?;
     for (i, (kind, device)) in [("whole GPU", whole), ("MIG device", mig)]
         .into_iter()
         .enumerate()
     {
         let Some(device) = device else { continue };
         node.allocate(i, &device);
-        let (p, u) = node.cycles(i, iters).await?;
+        let c = node.cycles_beside(i, iters, Some(&mut disk)).await?;
+        let floor_p50 = percentile(&c.floor, 0.5);
+        let (p, u) = (&c.prepares, &c.unprepares);
         println!(
-            "    {kind:<10} prepare p50 {:.3} ms ({:.2}x floor), p99 {:.3} ms; unprepare p50 {:.3} ms ({:.2}x floor), p99 {:.3} ms",
-            ms(percentile(&p, 0.5)),
-            ms(percentile(&p, 0.5)) / ms(floor_p50),
-            ms(percentile(&p, 0.99)),
-            ms(percentile(&u, 0.5)),
-            ms(percentile(&u, 0.5)) / ms(floor_p50),
-            ms(percentile(&u, 0.99)),
+            "    {kind:<10} prepare p50 {:.3} ms ({:.2}x floor), p99 {:.3} ms; unprepare p50 {:.3} ms ({:.2}x floor), p99 {:.3} ms; floor p50 {:.3} ms, journal commit p50 {:.3} ms (one each after every cycle)",
+            ms(percentile(p, 0.5)),
+            ms(percentile(p, 0.5)) / ms(floor_p50),
+            ms(percentile(p, 0.99)),
+            ms(percentile(u, 0.5)),
+            ms(percentile(u, 0.5)) / ms(floor_p50),
+            ms(percentile(u, 0.99)),
+            ms(floor_p50),
+            ms(percentile(&c.journal, 0.5)),
         );
     }
     if let Some((_, backend, _)) = &node.nvml {
@@ -512,7 +586,7 @@ async fn nvml_part(profile: &str) -> anyhow::Result<()> {
 }
 
 /// Syscall families counted per operation.
-const FAMILIES: [(&str, &[&str]); 3] = [
+const FAMILIES: [(&str, &[&str]); 4] = [
     (
         "fsync",
         &["fsync", "fdatasync", "syncfs", "sync_file_range", "sync"],
@@ -532,6 +606,8 @@ const FAMILIES: [(&str, &[&str]); 3] = [
         ],
     ),
     ("readlink", &["readlink", "readlinkat"]),
+    // A rename is a file written through a new temp file: a new inode.
+    ("rename", &["rename", "renameat", "renameat2"]),
 ];
 
 /// Part 3 in the traced child: marked cycles of one-GPU claims on `backend`.
@@ -673,7 +749,7 @@ fn syscalls_part(exe: &Path) -> anyhow::Result<()> {
             .arg(&log)
             .args([
                 "-e",
-                "trace=%stat,%lstat,%fstat,fsync,fdatasync,syncfs,sync_file_range,readlink,readlinkat",
+                "trace=%stat,%lstat,%fstat,fsync,fdatasync,syncfs,sync_file_range,readlink,readlinkat,rename,renameat,renameat2",
             ])
             .arg(exe)
             .env(PHASE, format!("syscalls:{backend}"))
@@ -696,10 +772,11 @@ fn syscalls_part(exe: &Path) -> anyhow::Result<()> {
                     .map_or_else(|| "?".to_owned(), usize::to_string)
             };
             println!(
-                "  {backend:<14} {op_label:<9}: fsync {}, stat {}, readlink {}",
+                "  {backend:<14} {op_label:<9}: fsync {}, stat {}, readlink {}, rename (new files) {}",
                 of("fsync"),
                 of("stat"),
-                of("readlink")
+                of("readlink"),
+                of("rename")
             );
         }
     }

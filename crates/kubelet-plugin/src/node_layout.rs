@@ -10,6 +10,8 @@
 //! Ours, in the plugin folder (`--plugin-dir`):
 //! - `dra.sock` (or `dra-<pod UID>.sock` during rolling updates): the DRA service;
 //! - `gpu-dra-checkpoint.json` ([`gpu_dra_core::checkpoint::FILE_NAME`]): prepared claims;
+//! - `gpu-dra-checkpoint.journal` ([`gpu_dra_core::checkpoint::JOURNAL_FILE_NAME`]): the
+//!   checkpoint's changes since it was last written (the driver's `journal`);
 //! - `sharing.json`: time-slices and MPS daemons applied, so that they can be undone;
 //! - `device-health.json`: device health conditions kept across restarts;
 //! - `instance.lock`: held by the plugin instance that serves the node;
@@ -79,6 +81,11 @@ pub fn checkpoint_in(plugin_dir: &Path) -> PathBuf {
     plugin_dir.join(checkpoint::FILE_NAME)
 }
 
+/// The checkpoint's journal in `plugin_dir`.
+pub fn checkpoint_journal_in(plugin_dir: &Path) -> PathBuf {
+    plugin_dir.join(checkpoint::JOURNAL_FILE_NAME)
+}
+
 /// The sharing state file in `plugin_dir`.
 pub fn sharing_state_in(plugin_dir: &Path) -> PathBuf {
     plugin_dir.join(SHARING_STATE)
@@ -128,6 +135,11 @@ impl NodeFolders {
     /// The checkpoint.
     pub fn checkpoint(&self) -> PathBuf {
         checkpoint_in(&self.plugin_dir)
+    }
+
+    /// The checkpoint's journal.
+    pub fn checkpoint_journal(&self) -> PathBuf {
+        checkpoint_journal_in(&self.plugin_dir)
     }
 
     /// This plugin's former checkpoint name, which NVIDIA's driver uses too (see
@@ -199,7 +211,11 @@ impl NodeFolders {
                 self.instance_lock(),
                 self.health_state(),
             ],
-            records: vec![self.sharing_state(), self.checkpoint()],
+            records: vec![
+                self.sharing_state(),
+                self.checkpoint(),
+                self.checkpoint_journal(),
+            ],
             legacy_checkpoint: self.legacy_checkpoint(),
             families: vec![
                 Family {
@@ -428,7 +444,7 @@ mod tests {
         assert!(covered(&hook));
         let spec = f.cdi_root.join(cdi::spec_file_name(UID));
         assert!(covered(&spec));
-        for record in [f.sharing_state(), f.checkpoint()] {
+        for record in [f.sharing_state(), f.checkpoint(), f.checkpoint_journal()] {
             assert!(owned.records.contains(&record) && !covered(&record));
         }
     }

@@ -4,6 +4,11 @@
 //!
 //! Each failpoint is set to `pause`, so the process stops exactly at that step; the test then
 //! kills it with SIGKILL (`Child::kill`). Prints steps x runs and the inconsistencies found.
+//!
+//! The checkpoint's durable state is the file with its journal's records replayed over it
+//! (the driver's `journal`): the checks read both. Two more cases aim at the journal: a kill
+//! between a commit's journal record and its compaction into the file, and a kill that tore
+//! the last record.
 
 use std::collections::BTreeSet;
 use std::path::Path;
@@ -73,9 +78,30 @@ fn specs_on_disk(cmd: &PluginCommand) -> BTreeSet<String> {
 }
 
 fn checkpoint(cmd: &PluginCommand) -> Checkpoint {
-    std::fs::read(cmd.plugin_dir().join(gpu_dra_core::checkpoint::FILE_NAME))
+    gpu_dra_kubelet_plugin::driver::durable_checkpoint(&checkpoint_path(cmd))
+        .expect("checkpoint and journal parse")
+}
+
+fn checkpoint_path(cmd: &PluginCommand) -> std::path::PathBuf {
+    cmd.plugin_dir().join(gpu_dra_core::checkpoint::FILE_NAME)
+}
+
+fn journal_path(cmd: &PluginCommand) -> std::path::PathBuf {
+    cmd.plugin_dir()
+        .join(gpu_dra_core::checkpoint::JOURNAL_FILE_NAME)
+}
+
+/// The checkpoint file alone, as an older version reads it.
+fn file_alone(cmd: &PluginCommand) -> Checkpoint {
+    std::fs::read(checkpoint_path(cmd))
         .map(|b| Checkpoint::from_json(&b).expect("checkpoint parses"))
         .unwrap_or_else(|_| Checkpoint::new())
+}
+
+fn journal_records(cmd: &PluginCommand) -> Vec<Vec<u8>> {
+    gpu_dra_fsutil::record_log::read(&journal_path(cmd))
+        .expect("journal reads")
+        .records
 }
 
 /// After a successful prepare answer: both claims completed, a spec per claim whose devices
@@ -160,10 +186,9 @@ fn check_unprepared(
     problems
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sigkill_at_every_step_leaves_cdi_and_checkpoint_consistent() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let cmd = plugin_on(dir.path());
+/// A node with the inventory and the two claims of [`claims`].
+fn node(dir: &Path) -> PluginCommand {
+    let cmd = plugin_on(dir);
     let inventory = a100_inventory(4, 1);
     simulate_host(&cmd.root().join("host"), &inventory).expect("host");
     std::fs::write(
@@ -191,6 +216,13 @@ async fn sigkill_at_every_step_leaves_cdi_and_checkpoint_consistent() {
         serde_json::to_vec(&claim_objs).expect("json"),
     )
     .expect("claims");
+    cmd
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigkill_at_every_step_leaves_cdi_and_checkpoint_consistent() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cmd = node(dir.path());
 
     let mut inconsistencies = Vec::new();
     let mut runs = 0;
@@ -271,4 +303,124 @@ async fn sigkill_at_every_step_leaves_cdi_and_checkpoint_consistent() {
         println!("  {i}");
     }
     assert!(inconsistencies.is_empty(), "{inconsistencies:#?}");
+}
+
+/// How many times a case retries to kill the plugin before its journal is compacted (it is
+/// compacted after 0.2 s without commits; a kill right after the answer is far sooner,
+/// unless the machine stalls).
+const WINDOW_TRIES: usize = 5;
+
+/// Prepares both claims and SIGKILLs the plugin at once, while the commits are journal
+/// records only; false when the journal was compacted before the kill (a stalled machine).
+async fn prepare_and_kill_before_compaction(cmd: &PluginCommand) -> bool {
+    let mut plugin = cmd.respawn("").expect("plugin starts");
+    cmd.wait_for(&cmd.socket(), "socket");
+    let answer = prepare(cmd).await.expect("prepare");
+    plugin.kill().expect("SIGKILL");
+    plugin.wait().expect("reaped");
+    let problems = check_prepared(cmd, &answer);
+    assert!(problems.is_empty(), "{problems:#?}");
+    !journal_records(cmd).is_empty()
+}
+
+/// Restarts the plugin after a kill and unprepares both claims, checking each step.
+async fn restart_and_unprepare(cmd: &PluginCommand) {
+    let mut plugin = cmd.respawn("").expect("plugin starts");
+    cmd.wait_for(&cmd.socket(), "socket after restart");
+    let answer = unprepare(cmd).await.expect("unprepare");
+    let problems = check_unprepared(cmd, &answer);
+    assert!(problems.is_empty(), "{problems:#?}");
+    plugin.kill().expect("kill");
+    plugin.wait().expect("wait");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigkill_between_a_journal_record_and_its_compaction_loses_nothing() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cmd = node(dir.path());
+    let mut hit = false;
+    for _ in 0..WINDOW_TRIES {
+        if prepare_and_kill_before_compaction(&cmd).await {
+            hit = true;
+            break;
+        }
+        restart_and_unprepare(&cmd).await;
+    }
+    assert!(
+        hit,
+        "the plugin was never killed before its journal was compacted"
+    );
+    let durable = checkpoint(&cmd);
+    assert_ne!(
+        file_alone(&cmd),
+        durable,
+        "the completed claims are in the journal only"
+    );
+
+    // The restart folds the journal into the file and answers the repeated prepare from it.
+    let mut plugin = cmd.respawn("").expect("plugin starts");
+    cmd.wait_for(&cmd.socket(), "socket after restart");
+    let answer = prepare(&cmd).await.expect("repeated prepare");
+    let problems = check_prepared(&cmd, &answer);
+    assert!(problems.is_empty(), "{problems:#?}");
+    // Answered once the plugin took over the node, which loads the checkpoint.
+    assert_eq!(
+        file_alone(&cmd),
+        durable,
+        "the file alone is exact after the start"
+    );
+    assert!(journal_records(&cmd).is_empty());
+    plugin.kill().expect("kill");
+    plugin.wait().expect("wait");
+    restart_and_unprepare(&cmd).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigkill_that_tore_the_last_journal_record_is_repaired_by_the_repeated_call() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cmd = node(dir.path());
+    let mut hit = false;
+    for _ in 0..WINDOW_TRIES {
+        if prepare_and_kill_before_compaction(&cmd).await {
+            hit = true;
+            break;
+        }
+        restart_and_unprepare(&cmd).await;
+    }
+    assert!(
+        hit,
+        "the plugin was never killed before its journal was compacted"
+    );
+    // The kill hit while the last record was written: its end never reached the disk, so
+    // the kubelet was never told that commit succeeded and repeats its call.
+    let records = journal_records(&cmd);
+    let path = journal_path(&cmd);
+    let mut bytes = std::fs::read(&path).expect("journal");
+    let end = bytes.iter().rposition(|&b| b != 0).expect("records");
+    bytes[end - 3..=end].fill(0);
+    std::fs::write(&path, bytes).expect("tear");
+    assert_eq!(
+        journal_records(&cmd).len(),
+        records.len() - 1,
+        "the torn record does not read"
+    );
+    let before = checkpoint(&cmd);
+    assert_ne!(
+        before
+            .claims
+            .values()
+            .filter(|e| e.state == PrepareState::PrepareCompleted)
+            .count(),
+        2,
+        "a completion was in the torn record"
+    );
+
+    let mut plugin = cmd.respawn("").expect("plugin starts");
+    cmd.wait_for(&cmd.socket(), "socket after restart");
+    let answer = prepare(&cmd).await.expect("repeated prepare");
+    let problems = check_prepared(&cmd, &answer);
+    assert!(problems.is_empty(), "{problems:#?}");
+    plugin.kill().expect("kill");
+    plugin.wait().expect("wait");
+    restart_and_unprepare(&cmd).await;
 }

@@ -306,15 +306,16 @@ async fn restore_sharing(
 
 /// Our checkpoint, read only (no migration or import is written here). A missing checkpoint
 /// is an empty one.
+/// The checkpoint as a plugin would start from it: the file with its journal's records (a
+/// plugin that crashed left its last changes there).
 fn read_checkpoint(path: &Path) -> Result<checkpoint::Checkpoint, String> {
-    let bytes = match std::fs::read(path) {
-        Ok(b) => b,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            return Ok(checkpoint::Checkpoint::new());
-        }
-        Err(e) => return Err(e.to_string()),
-    };
-    checkpoint::Checkpoint::from_json(&bytes).map_err(|e| e.to_string())
+    use crate::checkpoint_file::CheckpointFileError;
+    crate::driver::durable_checkpoint(path).map_err(|e| match e {
+        // The path is in the caller's message; the journal's is named.
+        CheckpointFileError::Read { path: at, reason } if Path::new(&at) == path => reason,
+        CheckpointFileError::Read { path: at, reason } => format!("{at}: {reason}"),
+        other => other.to_string(),
+    })
 }
 
 /// MPS daemon IDs of claims imported from NVIDIA's driver.

@@ -609,9 +609,7 @@ mod tests {
                 .path()
                 .join("plugin")
                 .join(gpu_dra_core::checkpoint::FILE_NAME);
-            std::fs::read(path)
-                .map(|b| Checkpoint::from_json(&b).expect("valid"))
-                .unwrap_or_default()
+            super::super::durable_checkpoint(&path).expect("valid")
         }
 
         fn placements(&self) -> Vec<(u32, u32)> {

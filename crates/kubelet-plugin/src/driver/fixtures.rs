@@ -112,12 +112,10 @@ pub(super) fn spec_path(env: &Env, uid: &str) -> PathBuf {
         .join(gpu_dra_core::cdi::spec_file_name(uid))
 }
 
-/// The checkpoint as it is on disk.
+/// The checkpoint as it is durable on disk (the file and its journal).
 pub(super) fn on_disk(env: &Env) -> Checkpoint {
-    Checkpoint::from_json(
-        &std::fs::read(env.dir.path().join(gpu_dra_core::checkpoint::FILE_NAME)).expect("file"),
-    )
-    .expect("valid")
+    super::durable_checkpoint(&env.dir.path().join(gpu_dra_core::checkpoint::FILE_NAME))
+        .expect("valid")
 }
 
 /// A sharing executor that applies nothing and records every call.

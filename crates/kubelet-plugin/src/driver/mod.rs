@@ -6,7 +6,9 @@
 //! - [`unprepare`]: the kubelet's unprepare call and `unprepare_locked`, the one path that
 //!   undoes a claim (unprepare, a failed or stale prepare, the cleanup);
 //! - [`holders`]: which prepared claims hold which device, and who may share one;
-//! - [`journal`]: the checkpoint in memory and its group-committed writes;
+//! - [`journal`]: the checkpoint in memory and its group-committed writes: a record appended
+//!   to the checkpoint's journal per commit, folded into the checkpoint when idle, at start
+//!   and at a graceful stop ([`Driver::compact_checkpoint`]);
 //! - [`reconcile`]: the cleanup at start and periodically ([`ClaimCleanup`]);
 //! - [`dynamic`]: the MIG instances of dynamic MIG devices.
 //!
@@ -48,6 +50,7 @@ use gpu_dra_core::plan::{ConfigDecoder, PlanError};
 
 use self::holders::Holders;
 use self::journal::Journal;
+pub use self::journal::durable_checkpoint;
 use crate::cdi_io::{CdiError, CdiHost};
 use crate::checkpoint_file::CheckpointFileError;
 use crate::claim_locks::ClaimLocks;
@@ -199,11 +202,12 @@ async fn blocking<T: Send + 'static>(
 }
 
 impl Driver {
-    /// Loads the checkpoint (a missing file is an empty checkpoint; see
-    /// [`crate::checkpoint_file`] for the migration and the import of NVIDIA's) and builds the
-    /// driver.
+    /// Loads the checkpoint (a missing file is an empty checkpoint; its journal's records are
+    /// replayed over it and folded into it; see [`crate::checkpoint_file`] for the migration
+    /// and the import of NVIDIA's) and builds the driver.
     pub fn new(parts: DriverParts) -> Result<Self, DriverError> {
-        let doc = crate::checkpoint_file::open(&parts.settings.checkpoint_path)?;
+        let journal = Journal::open(parts.settings.checkpoint_path.clone())?;
+        let doc = journal.read(Checkpoint::clone);
         let holders = Holders::from_checkpoint(&doc);
         let prepared: usize = doc
             .claims
@@ -217,8 +221,7 @@ impl Driver {
             .nvidia
             .identify(&parts.settings.driver_name, &parts.settings.node_name);
         let driver = Driver {
-            journal: Journal::new(parts.settings.checkpoint_path.clone(), doc)
-                .counted_in(parts.metrics.clone()),
+            journal: journal.counted_in(parts.metrics.clone()),
             settings: parts.settings,
             inventory: parts.inventory,
             claims: parts.claims,
@@ -247,6 +250,13 @@ impl Driver {
     /// The driver name.
     pub fn driver_name(&self) -> &str {
         &self.settings.driver_name
+    }
+
+    /// Folds the checkpoint's journal into the checkpoint file, so that the file alone is
+    /// exact (for an older version after a downgrade): at a graceful stop, once no call is
+    /// served any more.
+    pub async fn compact_checkpoint(&self) -> Result<(), DriverError> {
+        self.journal.compact().await
     }
 
     /// A copy of the checkpoint as it is in memory.
