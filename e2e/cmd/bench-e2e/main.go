@@ -11,6 +11,11 @@
 // The node and pod counts come from flags or BENCH_NODES / BENCH_PODS (flags
 // win); BENCH_REST_SECONDS is the window at rest. `make bench-e2e` runs the
 // default, 100 nodes; `BENCH_NODES=1000 make bench-e2e` the large one.
+// BENCH_PROFILE (debug or release) names the cargo profile whose binaries
+// E2E_BIN_DIR holds (the Makefile builds that profile and points there), and
+// is printed with the figures, which depend on it. BENCH_PLUGIN_ARGS are
+// extra flags of every plugin, split at spaces (e.g. one periodic task
+// switched off, to measure what it costs at rest).
 package main
 
 import (
@@ -79,6 +84,16 @@ func run(ctx context.Context, nodeCount, podCount, parallel int, rest time.Durat
 	if driver == "reference" {
 		profile = fmt.Sprintf("reference driver, %d GPUs", gpus)
 	}
+	bin, err := harness.Binary("gpu-kubelet-plugin")
+	if err != nil {
+		return err
+	}
+	buildProfile := os.Getenv("BENCH_PROFILE")
+	if buildProfile == "" {
+		buildProfile = "debug"
+	}
+	pluginArgs := strings.Fields(os.Getenv("BENCH_PLUGIN_ARGS"))
+	fmt.Printf("plugin: %s build, %s %s\n", buildProfile, bin, strings.Join(pluginArgs, " "))
 	c, err := harness.Start(ctx, harness.Options{Logf: func(f string, a ...any) { fmt.Printf(f+"\n", a...) }})
 	if err != nil {
 		return err
@@ -118,7 +133,7 @@ func run(ctx context.Context, nodeCount, podCount, parallel int, rest time.Durat
 			defer func() { <-sem }()
 			n, err := c.AddNode(ctx, harness.NodeOptions{Name: fmt.Sprintf("node-%03d", i), NoContainers: true})
 			if err == nil && driver == "plugin" {
-				_, err = n.StartPlugin(ctx, harness.PluginOptions{Profile: profile})
+				_, err = n.StartPlugin(ctx, harness.PluginOptions{Profile: profile, ExtraArgs: pluginArgs})
 			} else if err == nil {
 				var ref *harness.RefDriver
 				ref, err = n.StartRefDriver(ctx, harness.DefaultDriver, gpus)
@@ -172,6 +187,11 @@ func run(ctx context.Context, nodeCount, podCount, parallel int, rest time.Durat
 	}
 	fmt.Printf("all %d plugins registered and published (%d devices) %s after start\n", nodeCount, devices, time.Since(start).Round(time.Millisecond))
 	reportSlices(ctx, c)
+	// At rest before any claim: what a plugin costs with nothing prepared
+	// (its periodic work alone), after a settle for the start's last writes.
+	if err := restWindow(ctx, c, nodes, rest, "at rest, no claim prepared"); err != nil {
+		return err
+	}
 
 	ns := "bench"
 	if err := c.CreateNamespace(ctx, ns); err != nil {
@@ -274,7 +294,7 @@ func run(ctx context.Context, nodeCount, podCount, parallel int, rest time.Durat
 	rmu.Unlock()
 	sort.Slice(lat, func(i, j int) bool { return lat[i] < lat[j] })
 	pct := func(p float64) time.Duration { return lat[min(len(lat)-1, int(p*float64(len(lat))))] }
-	fmt.Printf("\n== %d one-GPU pods on %d nodes x %s\n", podCount, nodeCount, profile)
+	fmt.Printf("\n== %d one-GPU pods on %d nodes x %s (%s plugins)\n", podCount, nodeCount, profile, buildProfile)
 	fmt.Printf("created in %s; %d Running after %s: %.1f pods/s\n", createdIn.Round(time.Millisecond), len(lat), total.Round(time.Millisecond), float64(len(lat))/total.Seconds())
 	fmt.Printf("create -> Running: p50 %s  p90 %s  p99 %s  max %s\n",
 		pct(0.50).Round(time.Millisecond), pct(0.90).Round(time.Millisecond), pct(0.99).Round(time.Millisecond), lat[len(lat)-1].Round(time.Millisecond))
@@ -301,16 +321,9 @@ func run(ctx context.Context, nodeCount, podCount, parallel int, rest time.Durat
 	case <-ctx.Done():
 		return ctx.Err()
 	}
-	restStart, cpuStart := c.APIRequests(), pluginCPU(nodes)
-	select {
-	case <-time.After(rest):
-	case <-ctx.Done():
-		return ctx.Err()
+	if err := restWindow(ctx, c, nodes, rest, fmt.Sprintf("at rest, %d pods Running", podCount)); err != nil {
+		return err
 	}
-	reportRequests(fmt.Sprintf("at rest, %d pods Running", podCount), restStart, c.APIRequests(), rest, 0)
-	cpu := pluginCPU(nodes) - cpuStart
-	fmt.Printf("  our plugins' CPU at rest: %.3f cores together, %.2f ms/s per plugin\n", cpu.Seconds()/rest.Seconds(), 1e3*cpu.Seconds()/rest.Seconds()/float64(max(len(nodes), 1)))
-	reportPlugins(nodes)
 
 	// Churn, the other half: every pod deleted, until the generated claims
 	// are gone (each unprepared by its node and deleted by the controller).
@@ -351,6 +364,23 @@ func run(ctx context.Context, nodeCount, podCount, parallel int, rest time.Durat
 	deleted := time.Since(t1)
 	fmt.Printf("\n%d pods deleted and their claims gone in %s: %.1f pods/s\n", podCount, deleted.Round(time.Millisecond), float64(podCount)/deleted.Seconds())
 	reportRequests("pods deleted until their claims are gone (unprepare)", beforeDelete, c.APIRequests(), deleted, podCount)
+	return nil
+}
+
+// restWindow counts our plugins' API requests and CPU over a window of
+// length rest in which nothing changes, and prints them with the plugins'
+// memory and threads.
+func restWindow(ctx context.Context, c *harness.Cluster, nodes []*harness.Node, rest time.Duration, what string) error {
+	restStart, cpuStart := c.APIRequests(), pluginCPU(nodes)
+	select {
+	case <-time.After(rest):
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+	reportRequests(what, restStart, c.APIRequests(), rest, 0)
+	cpu := pluginCPU(nodes) - cpuStart
+	fmt.Printf("  our plugins' CPU at rest: %.3f cores together, %.2f ms/s per plugin\n", cpu.Seconds()/rest.Seconds(), 1e3*cpu.Seconds()/rest.Seconds()/float64(max(len(nodes), 1)))
+	reportPlugins(nodes)
 	return nil
 }
 
@@ -464,9 +494,9 @@ func pluginCPU(nodes []*harness.Node) time.Duration {
 	return time.Duration(ticks) * 10 * time.Millisecond
 }
 
-// reportPlugins prints the node plugins' resident memory.
+// reportPlugins prints the node plugins' resident memory and threads.
 func reportPlugins(nodes []*harness.Node) {
-	var rss []int
+	var rss, threads []int
 	for _, n := range nodes {
 		if n.Plugin == nil || !n.Plugin.Running() {
 			continue
@@ -476,10 +506,13 @@ func reportPlugins(nodes []*harness.Node) {
 			continue
 		}
 		for _, line := range strings.Split(string(data), "\n") {
-			if strings.HasPrefix(line, "VmRSS:") {
-				var kb int
-				fmt.Sscanf(strings.TrimSpace(strings.TrimPrefix(line, "VmRSS:")), "%d", &kb)
-				rss = append(rss, kb)
+			for field, into := range map[string]*[]int{"VmRSS:": &rss, "Threads:": &threads} {
+				if v, ok := strings.CutPrefix(line, field); ok {
+					var n int
+					if _, err := fmt.Sscanf(strings.TrimSpace(v), "%d", &n); err == nil {
+						*into = append(*into, n)
+					}
+				}
 			}
 		}
 	}
@@ -487,10 +520,14 @@ func reportPlugins(nodes []*harness.Node) {
 		return
 	}
 	sort.Ints(rss)
+	sort.Ints(threads)
 	sum := 0
 	for _, kb := range rss {
 		sum += kb
 	}
 	fmt.Printf("node plugin RSS: sum %.1f MiB over %d processes; per plugin median %d KiB, min %d KiB, max %d KiB\n",
 		float64(sum)/1024, len(rss), rss[len(rss)/2], rss[0], rss[len(rss)-1])
+	if len(threads) > 0 {
+		fmt.Printf("node plugin threads: median %d, min %d, max %d\n", threads[len(threads)/2], threads[0], threads[len(threads)-1])
+	}
 }
