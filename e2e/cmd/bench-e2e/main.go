@@ -534,7 +534,7 @@ func pluginCPU(nodes []*harness.Node) time.Duration {
 
 // reportPlugins prints the node plugins' resident memory and threads.
 func reportPlugins(nodes []*harness.Node) {
-	var rss, threads []int
+	var rss, anon, threads []int
 	for _, n := range nodes {
 		if n.Plugin == nil || !n.Plugin.Running() {
 			continue
@@ -544,7 +544,7 @@ func reportPlugins(nodes []*harness.Node) {
 			continue
 		}
 		for _, line := range strings.Split(string(data), "\n") {
-			for field, into := range map[string]*[]int{"VmRSS:": &rss, "Threads:": &threads} {
+			for field, into := range map[string]*[]int{"VmRSS:": &rss, "RssAnon:": &anon, "Threads:": &threads} {
 				if v, ok := strings.CutPrefix(line, field); ok {
 					var n int
 					if _, err := fmt.Sscanf(strings.TrimSpace(v), "%d", &n); err == nil {
@@ -559,12 +559,22 @@ func reportPlugins(nodes []*harness.Node) {
 	}
 	sort.Ints(rss)
 	sort.Ints(threads)
-	sum := 0
+	sort.Ints(anon)
+	sum, anonSum := 0, 0
 	for _, kb := range rss {
 		sum += kb
 	}
+	for _, kb := range anon {
+		anonSum += kb
+	}
 	fmt.Printf("node plugin RSS: sum %.1f MiB over %d processes; per plugin median %d KiB, min %d KiB, max %d KiB\n",
 		float64(sum)/1024, len(rss), rss[len(rss)/2], rss[0], rss[len(rss)-1])
+	// RSS counts the pages of the binary and libraries every plugin maps from the same
+	// files, once per process; RssAnon is what each plugin adds on its own.
+	if len(anon) > 0 {
+		fmt.Printf("node plugin private memory (RssAnon): sum %.1f MiB; per plugin median %d KiB, max %d KiB\n",
+			float64(anonSum)/1024, anon[len(anon)/2], anon[len(anon)-1])
+	}
 	if len(threads) > 0 {
 		fmt.Printf("node plugin threads: median %d, min %d, max %d\n", threads[len(threads)/2], threads[0], threads[len(threads)-1])
 	}
