@@ -116,8 +116,13 @@ e2e-specs: e2e-bins e2e-tools e2e-node-tools e2e-image image-rootfs ## run every
 demo: e2e-bins e2e-tools e2e-node-tools e2e-image toolkit ## local cluster with real A100 (static and dynamic MIG) and T4 nodes, a short tour, then up for kubectl until Ctrl-C
 	cd e2e && $(E2E_ENV) $(GO) run ./cmd/demo
 
-bench-e2e: e2e-bins toolkit ## scale benchmark: 100 nodes x 8 GPUs, 800 one-GPU pods (not in CI)
-	cd e2e && $(E2E_ENV) $(GO) run ./cmd/bench-e2e
+# BENCH_PROFILE: the cargo profile of the plugins and the simulator the benchmark runs
+# (debug or release); the figures depend on it and the output names it.
+BENCH_PROFILE ?= debug
+bench-e2e: toolkit ## scale benchmark: 100 nodes x 8 GPUs, 800 one-GPU pods, BENCH_PROFILE=debug|release plugins (not in CI)
+	@case "$(BENCH_PROFILE)" in debug|release) ;; *) echo "make bench-e2e: BENCH_PROFILE=$(BENCH_PROFILE): want debug or release" >&2; exit 2;; esac
+	$(CARGO) build --locked $(if $(filter release,$(BENCH_PROFILE)),--release) -p gpu-dra-kubelet-plugin -p gpu-dra-sim -p gpu-dra-webhook
+	cd e2e && $(E2E_ENV) E2E_BIN_DIR=$(CURDIR)/target/$(BENCH_PROFILE) BENCH_PROFILE=$(BENCH_PROFILE) $(GO) run ./cmd/bench-e2e
 
 bench-mps: e2e-bins e2e-tools e2e-image toolkit ## MPS claim created -> pod Running, p50/p99 over 24 claims, against whole-GPU claims (root: runs containers)
 	cd e2e && $(E2E_ENV) $(GO) run ./cmd/bench-mps

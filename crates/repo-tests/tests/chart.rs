@@ -793,13 +793,15 @@ fn env_twins(sub: &str) -> BTreeSet<String> {
 /// config is right), `CDI_HOOK_SOURCE` (the image's `nvidia-cdi-hook` is where the default
 /// says), `HEALTH_PROBE_INTERVAL_SECONDS` (no chart value: the default suits every node),
 /// `DRIVER_CHECK_INTERVAL_SECONDS` and `NVML_UNREACHABLE_GRACE_SECONDS` (a driver upgraded
-/// in place: the defaults go with the chart's liveness probe).
-const RUN_FLAGS_NOT_SET: [&str; 5] = [
+/// in place: the defaults go with the chart's liveness probe), `WORKER_THREADS` (the default
+/// suits every node: the plugin's work waits on I/O).
+const RUN_FLAGS_NOT_SET: [&str; 6] = [
     "KUBECONFIG",
     "CDI_HOOK_SOURCE",
     "HEALTH_PROBE_INTERVAL_SECONDS",
     "DRIVER_CHECK_INTERVAL_SECONDS",
     "NVML_UNREACHABLE_GRACE_SECONDS",
+    "WORKER_THREADS",
 ];
 
 /// The chart configures the plugin through the env twins of its flags, as the plugin defines

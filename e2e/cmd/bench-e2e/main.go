@@ -11,6 +11,11 @@
 // The node and pod counts come from flags or BENCH_NODES / BENCH_PODS (flags
 // win); BENCH_REST_SECONDS is the window at rest. `make bench-e2e` runs the
 // default, 100 nodes; `BENCH_NODES=1000 make bench-e2e` the large one.
+// BENCH_PROFILE (debug or release) names the cargo profile whose binaries
+// E2E_BIN_DIR holds (the Makefile builds that profile and points there), and
+// is printed with the figures, which depend on it. BENCH_PLUGIN_ARGS are
+// extra flags of every plugin, split at spaces (e.g. one periodic task
+// switched off, to measure what it costs at rest).
 package main
 
 import (
@@ -79,6 +84,16 @@ func run(ctx context.Context, nodeCount, podCount, parallel int, rest time.Durat
 	if driver == "reference" {
 		profile = fmt.Sprintf("reference driver, %d GPUs", gpus)
 	}
+	bin, err := harness.Binary("gpu-kubelet-plugin")
+	if err != nil {
+		return err
+	}
+	buildProfile := os.Getenv("BENCH_PROFILE")
+	if buildProfile == "" {
+		buildProfile = "debug"
+	}
+	pluginArgs := strings.Fields(os.Getenv("BENCH_PLUGIN_ARGS"))
+	fmt.Printf("plugin: %s build, %s %s\n", buildProfile, bin, strings.Join(pluginArgs, " "))
 	c, err := harness.Start(ctx, harness.Options{Logf: func(f string, a ...any) { fmt.Printf(f+"\n", a...) }})
 	if err != nil {
 		return err
@@ -118,7 +133,7 @@ func run(ctx context.Context, nodeCount, podCount, parallel int, rest time.Durat
 			defer func() { <-sem }()
 			n, err := c.AddNode(ctx, harness.NodeOptions{Name: fmt.Sprintf("node-%03d", i), NoContainers: true})
 			if err == nil && driver == "plugin" {
-				_, err = n.StartPlugin(ctx, harness.PluginOptions{Profile: profile})
+				_, err = n.StartPlugin(ctx, harness.PluginOptions{Profile: profile, ExtraArgs: pluginArgs})
 			} else if err == nil {
 				var ref *harness.RefDriver
 				ref, err = n.StartRefDriver(ctx, harness.DefaultDriver, gpus)
@@ -172,6 +187,17 @@ func run(ctx context.Context, nodeCount, podCount, parallel int, rest time.Durat
 	}
 	fmt.Printf("all %d plugins registered and published (%d devices) %s after start\n", nodeCount, devices, time.Since(start).Round(time.Millisecond))
 	reportSlices(ctx, c)
+	// At rest before any claim: what a plugin costs with nothing prepared
+	// (its periodic work alone), once the plugins' start is over: they still
+	// read their Node and slices for a while after every pool has a slice.
+	settled, err := settle(ctx, c)
+	if err != nil {
+		return err
+	}
+	fmt.Printf("plugins quiet (no request but watches for 5 s) %s after start\n", settled.Sub(start).Round(time.Second))
+	if err := restWindow(ctx, c, nodes, rest, "at rest, no claim prepared"); err != nil {
+		return err
+	}
 
 	ns := "bench"
 	if err := c.CreateNamespace(ctx, ns); err != nil {
@@ -274,7 +300,7 @@ func run(ctx context.Context, nodeCount, podCount, parallel int, rest time.Durat
 	rmu.Unlock()
 	sort.Slice(lat, func(i, j int) bool { return lat[i] < lat[j] })
 	pct := func(p float64) time.Duration { return lat[min(len(lat)-1, int(p*float64(len(lat))))] }
-	fmt.Printf("\n== %d one-GPU pods on %d nodes x %s\n", podCount, nodeCount, profile)
+	fmt.Printf("\n== %d one-GPU pods on %d nodes x %s (%s plugins)\n", podCount, nodeCount, profile, buildProfile)
 	fmt.Printf("created in %s; %d Running after %s: %.1f pods/s\n", createdIn.Round(time.Millisecond), len(lat), total.Round(time.Millisecond), float64(len(lat))/total.Seconds())
 	fmt.Printf("create -> Running: p50 %s  p90 %s  p99 %s  max %s\n",
 		pct(0.50).Round(time.Millisecond), pct(0.90).Round(time.Millisecond), pct(0.99).Round(time.Millisecond), lat[len(lat)-1].Round(time.Millisecond))
@@ -301,16 +327,9 @@ func run(ctx context.Context, nodeCount, podCount, parallel int, rest time.Durat
 	case <-ctx.Done():
 		return ctx.Err()
 	}
-	restStart, cpuStart := c.APIRequests(), pluginCPU(nodes)
-	select {
-	case <-time.After(rest):
-	case <-ctx.Done():
-		return ctx.Err()
+	if err := restWindow(ctx, c, nodes, rest, fmt.Sprintf("at rest, %d pods Running", podCount)); err != nil {
+		return err
 	}
-	reportRequests(fmt.Sprintf("at rest, %d pods Running", podCount), restStart, c.APIRequests(), rest, 0)
-	cpu := pluginCPU(nodes) - cpuStart
-	fmt.Printf("  our plugins' CPU at rest: %.3f cores together, %.2f ms/s per plugin\n", cpu.Seconds()/rest.Seconds(), 1e3*cpu.Seconds()/rest.Seconds()/float64(max(len(nodes), 1)))
-	reportPlugins(nodes)
 
 	// Churn, the other half: every pod deleted, until the generated claims
 	// are gone (each unprepared by its node and deleted by the controller).
@@ -351,6 +370,55 @@ func run(ctx context.Context, nodeCount, podCount, parallel int, rest time.Durat
 	deleted := time.Since(t1)
 	fmt.Printf("\n%d pods deleted and their claims gone in %s: %.1f pods/s\n", podCount, deleted.Round(time.Millisecond), float64(podCount)/deleted.Seconds())
 	reportRequests("pods deleted until their claims are gone (unprepare)", beforeDelete, c.APIRequests(), deleted, podCount)
+	return nil
+}
+
+// settle waits until our plugins sent no request but watches for 5 s, at most
+// 2 minutes (then it goes on, saying so), and returns when.
+func settle(ctx context.Context, c *harness.Cluster) (time.Time, error) {
+	deadline := time.Now().Add(2 * time.Minute)
+	last := ourRequests(c.APIRequests())
+	for time.Now().Before(deadline) {
+		select {
+		case <-time.After(5 * time.Second):
+		case <-ctx.Done():
+			return time.Time{}, ctx.Err()
+		}
+		now := ourRequests(c.APIRequests())
+		if now == last {
+			return time.Now(), nil
+		}
+		last = now
+	}
+	fmt.Println("WARNING: our plugins still sending requests 2 minutes after start; measuring at rest anyway")
+	return time.Now(), nil
+}
+
+// ourRequests is how many requests but watches our plugins sent so far.
+func ourRequests(counts map[harness.APIRequestKind]int) int {
+	n := 0
+	for k, v := range counts {
+		if strings.HasPrefix(k.UserAgent, pluginAgent) && k.Verb != "watch" {
+			n += v
+		}
+	}
+	return n
+}
+
+// restWindow counts our plugins' API requests and CPU over a window of
+// length rest in which nothing changes, and prints them with the plugins'
+// memory and threads.
+func restWindow(ctx context.Context, c *harness.Cluster, nodes []*harness.Node, rest time.Duration, what string) error {
+	restStart, cpuStart := c.APIRequests(), pluginCPU(nodes)
+	select {
+	case <-time.After(rest):
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+	reportRequests(what, restStart, c.APIRequests(), rest, 0)
+	cpu := pluginCPU(nodes) - cpuStart
+	fmt.Printf("  our plugins' CPU at rest: %.3f cores together, %.2f ms/s per plugin\n", cpu.Seconds()/rest.Seconds(), 1e3*cpu.Seconds()/rest.Seconds()/float64(max(len(nodes), 1)))
+	reportPlugins(nodes)
 	return nil
 }
 
@@ -464,9 +532,9 @@ func pluginCPU(nodes []*harness.Node) time.Duration {
 	return time.Duration(ticks) * 10 * time.Millisecond
 }
 
-// reportPlugins prints the node plugins' resident memory.
+// reportPlugins prints the node plugins' resident memory and threads.
 func reportPlugins(nodes []*harness.Node) {
-	var rss []int
+	var rss, anon, threads []int
 	for _, n := range nodes {
 		if n.Plugin == nil || !n.Plugin.Running() {
 			continue
@@ -476,10 +544,13 @@ func reportPlugins(nodes []*harness.Node) {
 			continue
 		}
 		for _, line := range strings.Split(string(data), "\n") {
-			if strings.HasPrefix(line, "VmRSS:") {
-				var kb int
-				fmt.Sscanf(strings.TrimSpace(strings.TrimPrefix(line, "VmRSS:")), "%d", &kb)
-				rss = append(rss, kb)
+			for field, into := range map[string]*[]int{"VmRSS:": &rss, "RssAnon:": &anon, "Threads:": &threads} {
+				if v, ok := strings.CutPrefix(line, field); ok {
+					var n int
+					if _, err := fmt.Sscanf(strings.TrimSpace(v), "%d", &n); err == nil {
+						*into = append(*into, n)
+					}
+				}
 			}
 		}
 	}
@@ -487,10 +558,24 @@ func reportPlugins(nodes []*harness.Node) {
 		return
 	}
 	sort.Ints(rss)
-	sum := 0
+	sort.Ints(threads)
+	sort.Ints(anon)
+	sum, anonSum := 0, 0
 	for _, kb := range rss {
 		sum += kb
 	}
+	for _, kb := range anon {
+		anonSum += kb
+	}
 	fmt.Printf("node plugin RSS: sum %.1f MiB over %d processes; per plugin median %d KiB, min %d KiB, max %d KiB\n",
 		float64(sum)/1024, len(rss), rss[len(rss)/2], rss[0], rss[len(rss)-1])
+	// RSS counts the pages of the binary and libraries every plugin maps from the same
+	// files, once per process; RssAnon is what each plugin adds on its own.
+	if len(anon) > 0 {
+		fmt.Printf("node plugin private memory (RssAnon): sum %.1f MiB; per plugin median %d KiB, max %d KiB\n",
+			float64(anonSum)/1024, anon[len(anon)/2], anon[len(anon)-1])
+	}
+	if len(threads) > 0 {
+		fmt.Printf("node plugin threads: median %d, min %d, max %d\n", threads[len(threads)/2], threads[0], threads[len(threads)-1])
+	}
 }

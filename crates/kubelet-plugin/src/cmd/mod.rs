@@ -114,10 +114,26 @@ pub fn path_or_empty() -> impl TypedValueParser<Value = PathBuf> {
     clap::builder::OsStringValueParser::new().map(PathBuf::from)
 }
 
-fn runtime() -> std::io::Result<tokio::runtime::Runtime> {
+/// Worker threads of `cleanup` and `uninstall`: each runs once per node or cluster and waits
+/// on one thing at a time.
+const ONE_SHOT_WORKERS: usize = 2;
+
+/// The async runtime with `workers` worker threads, at most one per CPU this process may use
+/// (tokio's own default is one per CPU, however many: see `run --worker-threads`).
+fn runtime(workers: usize) -> std::io::Result<tokio::runtime::Runtime> {
     tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(worker_threads(
+            workers,
+            std::thread::available_parallelism().ok(),
+        ))
         .enable_all()
         .build()
+}
+
+/// `asked` capped at the CPUs this process may use (`cpus`, from the affinity mask and the
+/// cgroup's quota; unknown: `asked`), at least one.
+fn worker_threads(asked: usize, cpus: Option<std::num::NonZeroUsize>) -> usize {
+    cpus.map_or(asked, |c| asked.min(c.get())).max(1)
 }
 
 /// Runs a parsed command line: sets up logging (JSON or text as the flags say for the
@@ -130,15 +146,15 @@ pub fn execute(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Run(args) => {
             gpu_dra_telemetry::init(&args.log)?;
-            runtime()?.block_on(run::run(*args))
+            runtime(usize::from(args.worker_threads))?.block_on(run::run(*args))
         }
         Command::Cleanup(args) => {
             gpu_dra_telemetry::init(&args.log)?;
-            runtime()?.block_on(cleanup::run(*args))
+            runtime(ONE_SHOT_WORKERS)?.block_on(cleanup::run(*args))
         }
         Command::Uninstall(args) => {
             gpu_dra_telemetry::init(&args.log)?;
-            runtime()?.block_on(uninstall::run(*args))
+            runtime(ONE_SHOT_WORKERS)?.block_on(uninstall::run(*args))
         }
         Command::Health(args) => {
             gpu_dra_telemetry::init(&by_hand("info"))?;
@@ -212,6 +228,37 @@ mod tests {
             .and_then(|s| s.get_arguments().find(|a| a.get_id() == id))
             .and_then(|a| a.get_env())
             .map(|e| e.to_string_lossy().into_owned())
+    }
+
+    #[test]
+    fn worker_threads_are_the_flag_capped_at_the_cpus() {
+        let cpus = |n| std::num::NonZeroUsize::new(n);
+        assert_eq!(worker_threads(4, cpus(128)), 4);
+        assert_eq!(worker_threads(4, cpus(2)), 2);
+        assert_eq!(worker_threads(4, None), 4);
+        assert_eq!(worker_threads(0, cpus(8)), 1);
+        assert_eq!(run_args(&[]).worker_threads, 4);
+        assert_eq!(run_args(&["--worker-threads=16"]).worker_threads, 16);
+        for bad in ["0", "-1", "many", "1025"] {
+            let line = ["gpu-kubelet-plugin", "run", "--node-name", "n"];
+            let flag = format!("--worker-threads={bad}");
+            let err = try_parse_from(line.iter().copied().chain([flag.as_str()]))
+                .expect_err(bad)
+                .to_string();
+            assert!(err.contains("--worker-threads"), "{bad}: {err}");
+        }
+    }
+
+    /// The runtime `run` builds has the capped number of workers.
+    #[test]
+    fn the_runtime_has_the_workers_asked_for() {
+        let rt = runtime(1).expect("runtime");
+        assert_eq!(rt.metrics().num_workers(), 1);
+        let cpus = std::thread::available_parallelism().map_or(1, |c| c.get());
+        assert_eq!(
+            runtime(1024).expect("runtime").metrics().num_workers(),
+            cpus
+        );
     }
 
     #[test]

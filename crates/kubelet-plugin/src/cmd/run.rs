@@ -208,6 +208,14 @@ pub struct RunArgs {
     /// is `/proc` in a pod with `hostPID`.
     #[arg(long, env = "PROC_ROOT", default_value = "/proc")]
     pub proc_root: PathBuf,
+    /// Threads that run the plugin's tasks (the async runtime's workers), at most the CPUs
+    /// this process may use. Its work is mostly waiting on the API server, the kubelet, NVML
+    /// and the disk (file and NVML calls run on a separate pool that grows on demand and
+    /// shrinks when idle), so a few serve a node of any size; without a cap the runtime would
+    /// start one per CPU, 128 on a 128-CPU host, each a thread with its own stack and
+    /// allocator arena at rest.
+    #[arg(long, env = "WORKER_THREADS", default_value_t = 4, value_parser = clap::value_parser!(u16).range(1..=1024))]
+    pub worker_threads: u16,
     /// Test only: read claims from this JSON file (array of ResourceClaims), not the API server.
     #[arg(long, env = "CLAIM_SOURCE_FILE", hide = true)]
     pub claim_source_file: Option<PathBuf>,
