@@ -603,8 +603,17 @@ mod tests {
         inv
     }
 
-    #[tokio::test]
-    async fn prepare_sees_the_layout_of_now_and_refuses_changed_or_gone_devices() {
+    /// A GPU with two 1g.5gb instances, its live inventory over a fixture, and the two
+    /// instances' device names.
+    struct TwoMig {
+        first: Inventory,
+        fixture: Arc<FixtureInventory>,
+        live: Arc<LiveInventory>,
+        n0: String,
+        n1: String,
+    }
+
+    fn two_mig() -> TwoMig {
         let first = inventory([a100(0).mig(mig_1g5gb(0)).mig(mig_1g5gb(1)).build()]);
         let fixture = Arc::new(FixtureInventory::new(first.clone()));
         let live = LiveInventory::with_inventory(
@@ -617,6 +626,34 @@ mod tests {
             gpu.mig_devices[0].device_name(gpu),
             gpu.mig_devices[1].device_name(gpu),
         );
+        TwoMig {
+            first,
+            fixture,
+            live,
+            n0,
+            n1,
+        }
+    }
+
+    /// `first` re-partitioned: placement 0 recreated (new GI ID and UUID), placement 1
+    /// destroyed.
+    fn recreate_0_remove_1(first: &Inventory) -> Inventory {
+        relayout(first.clone(), |migs| {
+            migs[0].gi_id = 9;
+            migs[0].uuid = "MIG-00000000-0000-5000-8000-000000000099".into();
+            migs.remove(1);
+        })
+    }
+
+    #[tokio::test]
+    async fn prepare_sees_the_layout_of_now_and_refuses_changed_or_gone_devices() {
+        let TwoMig {
+            first,
+            fixture,
+            live,
+            n0,
+            n1,
+        } = two_mig();
         // Nothing published yet (no publisher): the live device is taken as it is.
         assert!(live.resolve("c0", &[&n0], &live.published()).await.is_ok());
         live.mark_published(&first);
@@ -624,11 +661,7 @@ mod tests {
         changes.borrow_and_update();
 
         // Placement 0 recreated (new GI ID and UUID), placement 1 destroyed.
-        let second = relayout(first.clone(), |migs| {
-            migs[0].gi_id = 9;
-            migs[0].uuid = "MIG-00000000-0000-5000-8000-000000000099".into();
-            migs.remove(1);
-        });
+        let second = recreate_0_remove_1(&first);
         fixture.set(second.clone());
         let err = live
             .resolve("c1", &[&n0], &live.published())
@@ -677,24 +710,15 @@ mod tests {
 
     #[tokio::test]
     async fn claims_of_one_call_are_judged_by_what_was_published_when_the_call_arrived() {
-        let first = inventory([a100(0).mig(mig_1g5gb(0)).mig(mig_1g5gb(1)).build()]);
-        let fixture = Arc::new(FixtureInventory::new(first.clone()));
-        let live = LiveInventory::with_inventory(
-            fixture.clone(),
-            first.clone(),
-            HealthPolicy::new("gpu.nvidia.com"),
-        );
-        let gpu = &first.gpus[0];
-        let (n0, n1) = (
-            gpu.mig_devices[0].device_name(gpu),
-            gpu.mig_devices[1].device_name(gpu),
-        );
+        let TwoMig {
+            first,
+            fixture,
+            live,
+            n0,
+            n1,
+        } = two_mig();
         live.mark_published(&first);
-        let second = relayout(first.clone(), |migs| {
-            migs[0].gi_id = 9;
-            migs[0].uuid = "MIG-00000000-0000-5000-8000-000000000099".into();
-            migs.remove(1);
-        });
+        let second = recreate_0_remove_1(&first);
         fixture.set(second.clone());
         // One kubelet call with two claims allocated from the first slices: the first claim's
         // refusal republishes before the second is checked (the publisher marks the new

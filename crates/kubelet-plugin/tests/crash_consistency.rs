@@ -334,22 +334,23 @@ async fn restart_and_unprepare(cmd: &PluginCommand) {
     plugin.wait().expect("wait");
 }
 
+/// Prepares both claims and SIGKILLs the plugin before its journal is compacted, trying
+/// again (after undoing the try) up to [`WINDOW_TRIES`] times.
+async fn kill_before_compaction(cmd: &PluginCommand) {
+    for _ in 0..WINDOW_TRIES {
+        if prepare_and_kill_before_compaction(cmd).await {
+            return;
+        }
+        restart_and_unprepare(cmd).await;
+    }
+    panic!("the plugin was never killed before its journal was compacted");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigkill_between_a_journal_record_and_its_compaction_loses_nothing() {
     let dir = tempfile::tempdir().expect("tempdir");
     let cmd = node(dir.path());
-    let mut hit = false;
-    for _ in 0..WINDOW_TRIES {
-        if prepare_and_kill_before_compaction(&cmd).await {
-            hit = true;
-            break;
-        }
-        restart_and_unprepare(&cmd).await;
-    }
-    assert!(
-        hit,
-        "the plugin was never killed before its journal was compacted"
-    );
+    kill_before_compaction(&cmd).await;
     let durable = checkpoint(&cmd);
     assert_ne!(
         file_alone(&cmd),
@@ -379,18 +380,7 @@ async fn sigkill_between_a_journal_record_and_its_compaction_loses_nothing() {
 async fn sigkill_that_tore_the_last_journal_record_is_repaired_by_the_repeated_call() {
     let dir = tempfile::tempdir().expect("tempdir");
     let cmd = node(dir.path());
-    let mut hit = false;
-    for _ in 0..WINDOW_TRIES {
-        if prepare_and_kill_before_compaction(&cmd).await {
-            hit = true;
-            break;
-        }
-        restart_and_unprepare(&cmd).await;
-    }
-    assert!(
-        hit,
-        "the plugin was never killed before its journal was compacted"
-    );
+    kill_before_compaction(&cmd).await;
     // The kill hit while the last record was written: its end never reached the disk, so
     // the kubelet was never told that commit succeeded and repeats its call.
     let records = journal_records(&cmd);

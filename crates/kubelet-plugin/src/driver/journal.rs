@@ -115,34 +115,35 @@ fn journal_path(checkpoint: &Path) -> PathBuf {
     crate::node_layout::checkpoint_journal_in(checkpoint.parent().unwrap_or(Path::new(".")))
 }
 
-/// Our checkpoint at `path` (a missing file is an empty one) and the tag of its bytes.
-fn read_own(path: &Path) -> Result<(Checkpoint, u64), CheckpointFileError> {
-    let read_error = |reason: String| CheckpointFileError::Read {
-        path: path.display().to_string(),
-        reason,
-    };
+/// The bytes of the file at `path`; `None` when there is none.
+fn read_bytes(path: &Path) -> Result<Option<Vec<u8>>, CheckpointFileError> {
     match std::fs::read(path) {
-        Ok(bytes) => Ok((
-            Checkpoint::from_json(&bytes).map_err(|e| read_error(e.to_string()))?,
-            file_tag(&bytes),
-        )),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            Ok((Checkpoint::new(), file_tag(&[])))
-        }
-        Err(e) => Err(read_error(e.to_string())),
-    }
-}
-
-/// The tag of the file at `path` (a missing file has the tag of no bytes).
-fn read_tag(path: &Path) -> Result<u64, CheckpointFileError> {
-    match std::fs::read(path) {
-        Ok(bytes) => Ok(file_tag(&bytes)),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(file_tag(&[])),
+        Ok(bytes) => Ok(Some(bytes)),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
         Err(e) => Err(CheckpointFileError::Read {
             path: path.display().to_string(),
             reason: e.to_string(),
         }),
     }
+}
+
+/// Our checkpoint at `path` (a missing file is an empty one) and the tag of its bytes.
+fn read_own(path: &Path) -> Result<(Checkpoint, u64), CheckpointFileError> {
+    match read_bytes(path)? {
+        Some(bytes) => Ok((
+            Checkpoint::from_json(&bytes).map_err(|e| CheckpointFileError::Read {
+                path: path.display().to_string(),
+                reason: e.to_string(),
+            })?,
+            file_tag(&bytes),
+        )),
+        None => Ok((Checkpoint::new(), file_tag(&[]))),
+    }
+}
+
+/// The tag of the file at `path` (a missing file has the tag of no bytes).
+fn read_tag(path: &Path) -> Result<u64, CheckpointFileError> {
+    Ok(read_bytes(path)?.map_or_else(|| file_tag(&[]), |bytes| file_tag(&bytes)))
 }
 
 /// The records of `replay` that extend the checkpoint whose tag is `tag`, replayed over
@@ -421,6 +422,11 @@ mod tests {
 
     use super::*;
 
+    /// The durable state: the file with the journal replayed over it.
+    fn durable(path: &Path) -> Checkpoint {
+        durable_checkpoint(path).expect("reads")
+    }
+
     /// The checkpoint file alone, as an older version reads it.
     fn file_alone(path: &Path) -> Checkpoint {
         Checkpoint::from_json(&std::fs::read(path).expect("file")).expect("valid")
@@ -475,10 +481,7 @@ mod tests {
                     let uid = format!("uid-{i}");
                     add(&journal, &uid).await;
                     assert!(
-                        durable_checkpoint(&path)
-                            .expect("reads")
-                            .imported_from_nvidia
-                            .contains(&uid),
+                        durable(&path).imported_from_nvidia.contains(&uid),
                         "{uid} is durable once persist returns"
                     );
                 })
@@ -487,7 +490,7 @@ mod tests {
         for t in tasks {
             t.await.expect("joins");
         }
-        let cp = durable_checkpoint(&path).expect("reads");
+        let cp = durable(&path);
         assert_eq!(cp.imported_from_nvidia.len(), 32);
         assert_eq!(cp, journal.read(Checkpoint::clone), "disk and memory agree");
         let records = journal_records(&path);
@@ -539,7 +542,7 @@ mod tests {
         );
         assert!(journal.read(|cp| cp.imported_from_nvidia.contains("staged")));
         add(&journal, "durable").await;
-        let cp = durable_checkpoint(&path).expect("reads");
+        let cp = durable(&path);
         assert!(cp.imported_from_nvidia.contains("staged"));
         assert!(cp.imported_from_nvidia.contains("durable"));
         assert_eq!(journal_records(&path), 1, "one commit carries both");
@@ -569,13 +572,7 @@ mod tests {
         assert_eq!(file_alone(&path), cp);
         // Commits go on after it.
         add(&journal, "uid-c").await;
-        assert_eq!(
-            durable_checkpoint(&path)
-                .expect("reads")
-                .imported_from_nvidia
-                .len(),
-            2
-        );
+        assert_eq!(durable(&path).imported_from_nvidia.len(), 2);
     }
 
     #[tokio::test]
@@ -596,7 +593,7 @@ mod tests {
         // Compaction's first write is done, the journal not yet emptied.
         crate::checkpoint_file::write_bytes(&path, &expected.to_json()).expect("write");
         assert_eq!(journal_records(&path), 2);
-        assert_eq!(durable_checkpoint(&path).expect("reads"), expected);
+        assert_eq!(durable(&path), expected);
         let journal = open(&path);
         assert_eq!(journal.read(Checkpoint::clone), expected);
         assert_eq!(journal_records(&path), 0);
@@ -614,7 +611,7 @@ mod tests {
         let mut older = Checkpoint::new();
         older.imported_from_nvidia.insert("uid-old".into());
         crate::checkpoint_file::write_bytes(&path, &older.to_json()).expect("write");
-        assert_eq!(durable_checkpoint(&path).expect("reads"), older);
+        assert_eq!(durable(&path), older);
         let journal = open(&path);
         assert_eq!(
             journal.read(Checkpoint::clone),
@@ -651,7 +648,7 @@ mod tests {
                 .await
                 .expect("persists");
         }
-        assert_eq!(durable_checkpoint(&path).expect("reads").claims.len(), 200);
+        assert_eq!(durable(&path).claims.len(), 200);
         let alone = file_alone(&path).claims.len();
         assert!(alone > 0, "compacted on the way: {alone}");
 
@@ -687,13 +684,7 @@ mod tests {
         // Once the file can be written, the next commit carries the change.
         std::fs::remove_dir(&path).expect("rm");
         add(&journal, "uid-next").await;
-        assert_eq!(
-            durable_checkpoint(&path)
-                .expect("reads")
-                .imported_from_nvidia
-                .len(),
-            21
-        );
+        assert_eq!(durable(&path).imported_from_nvidia.len(), 21);
     }
 
     #[tokio::test]
