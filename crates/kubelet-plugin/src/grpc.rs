@@ -250,6 +250,25 @@ impl DraService {
     }
 }
 
+/// A gRPC channel over the unix socket `socket` (the kubelet's PodResources API; the
+/// kubelet's side of ours in tests), with `endpoint`'s settings (timeouts). Connects now.
+pub async fn unix_channel(
+    endpoint: tonic::transport::Endpoint,
+    socket: PathBuf,
+) -> Result<tonic::transport::Channel, tonic::transport::Error> {
+    // The endpoint's URI is required by the API but unused: the connector dials the socket.
+    endpoint
+        .connect_with_connector(tower::service_fn(move |_: http::Uri| {
+            let socket = socket.clone();
+            async move {
+                Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(
+                    tokio::net::UnixStream::connect(socket).await?,
+                ))
+            }
+        }))
+        .await
+}
+
 /// Checks that a claim UID from the kubelet is a UUID as the API server writes it: 8-4-4-4-12
 /// lowercase hex digits (RFC 4122's textual form). The plugin names files after claim UIDs
 /// (CDI specs, MPS folders), so anything else (a path, an empty or overlong string) is

@@ -29,8 +29,6 @@ use std::time::Duration;
 use futures::future::BoxFuture;
 use gpu_dra_proto::podresources::v1::pod_resources_lister_client::PodResourcesListerClient;
 use gpu_dra_proto::podresources::v1::{ListPodResourcesRequest, ListPodResourcesResponse};
-use hyper_util::rt::TokioIo;
-use tokio::net::UnixStream;
 use tonic::transport::Endpoint;
 
 /// The kubelet's socket on a node with the default root dir.
@@ -98,23 +96,15 @@ impl KubeletPodResources {
     }
 
     async fn list(&self) -> Result<ListPodResourcesResponse, PodResourcesError> {
-        let socket = self.socket.clone();
-        // The URI is required by the API but unused: the connector dials the socket.
-        let channel =
-            Endpoint::from_static("http://localhost")
-                .connect_timeout(CALL_TIMEOUT)
-                .timeout(CALL_TIMEOUT)
-                .connect_with_connector(tower::service_fn(move |_: http::Uri| {
-                    let socket = socket.clone();
-                    async move {
-                        Ok::<_, std::io::Error>(TokioIo::new(UnixStream::connect(socket).await?))
-                    }
-                }))
-                .await
-                .map_err(|source| PodResourcesError::Connect {
-                    socket: self.socket.clone(),
-                    source,
-                })?;
+        let endpoint = Endpoint::from_static("http://localhost")
+            .connect_timeout(CALL_TIMEOUT)
+            .timeout(CALL_TIMEOUT);
+        let channel = crate::grpc::unix_channel(endpoint, self.socket.clone())
+            .await
+            .map_err(|source| PodResourcesError::Connect {
+                socket: self.socket.clone(),
+                source,
+            })?;
         let mut client =
             PodResourcesListerClient::new(channel).max_decoding_message_size(MAX_ANSWER);
         client

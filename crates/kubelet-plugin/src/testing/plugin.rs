@@ -6,8 +6,6 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 use gpu_dra_proto::dra::v1::dra_plugin_client::DraPluginClient;
-use hyper_util::rt::TokioIo;
-use tokio::net::UnixStream;
 use tonic::transport::{Channel, Endpoint};
 
 use super::NODE_NAME;
@@ -257,13 +255,7 @@ const LOG_TAIL: usize = 40;
 
 /// A gRPC channel to the unix socket `socket`, for a client of any service or version.
 pub async fn unix_channel(socket: PathBuf) -> Result<Channel, tonic::transport::Error> {
-    // The URI is required by the API but unused: the connector dials the socket.
-    Endpoint::from_static("http://localhost")
-        .connect_with_connector(tower::service_fn(move |_: http::Uri| {
-            let socket = socket.clone();
-            async move { Ok::<_, std::io::Error>(TokioIo::new(UnixStream::connect(socket).await?)) }
-        }))
-        .await
+    crate::grpc::unix_channel(Endpoint::from_static("http://localhost"), socket).await
 }
 
 /// Connects to the DRA service (v1) at `socket`, as the kubelet does.
