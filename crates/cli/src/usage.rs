@@ -684,6 +684,41 @@ mod tests {
     use super::*;
     use serde_json::json;
 
+    #[tokio::test(start_paused = true)]
+    async fn a_plugin_pod_the_proxy_never_answers_for_is_given_up_after_the_timeout() {
+        // The API server lists one running plugin pod; its proxied metrics never come.
+        let service = tower::service_fn(|req: http::Request<kube::client::Body>| async move {
+            if req.uri().path().contains("/proxy") {
+                std::future::pending::<()>().await;
+            }
+            let pods = json!({"apiVersion": "v1", "kind": "PodList", "metadata": {}, "items": [{
+                "metadata": {"name": "plugin-x", "namespace": "gpu-dra"},
+                "spec": {"nodeName": "node-a", "containers": [{"name": "plugin"}]},
+                "status": {"phase": "Running"}
+            }]});
+            Ok::<_, std::convert::Infallible>(http::Response::new(kube::client::Body::from(
+                serde_json::to_vec(&pods).expect("json"),
+            )))
+        });
+        let client = kube::Client::new(service, "default");
+        let started = tokio::time::Instant::now();
+        let answers = tokio::time::timeout(
+            std::time::Duration::from_secs(60),
+            through_pod_proxy(&client, "app=plugin", None),
+        )
+        .await
+        .expect("the report goes on without the pod that does not answer");
+        assert_eq!(started.elapsed(), PROXY_TIMEOUT);
+        assert_eq!(answers.len(), 1);
+        let err = answers[0].as_ref().expect_err("no answer");
+        assert!(
+            err.starts_with(
+                "gpu-dra/plugin-x: no metrics through the API server's pod proxy within 10s"
+            ),
+            "{err}"
+        );
+    }
+
     fn slice() -> ResourceSlice {
         serde_json::from_value(json!({
             "metadata": {"name": "node-a-gpu-nvidia-com-0"},
