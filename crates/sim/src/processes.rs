@@ -117,14 +117,22 @@ pub fn running(proc_root: &Path, state_dir: &Path) -> Vec<RunningProcess> {
 /// [`running`] with the text of `/proc/locks` already read: a caller that asks often keeps
 /// the answer while that text is unchanged (the same holders of the same files; records do
 /// not change while their lock is held).
+///
+/// What it costs grows with the machine's locks, not with its files: `/proc/locks` lists
+/// every `flock` of the machine (on a machine with many simulated nodes, every plugin's own
+/// locks too), so a lock is first matched by its file's device against the holder's
+/// `/dev/shm` (one `stat`), and only a lock held on a file there leads to reading that folder,
+/// once per folder and call however many holders share it (every process of the host shares
+/// the host's).
 pub fn running_with_locks(locks: &str, proc_root: &Path, state_dir: &Path) -> Vec<RunningProcess> {
     let Ok(ours) = std::fs::metadata(state_dir) else {
         return Vec::new();
     };
+    let mut folders = ShmFolders::default();
     let mut out = Vec::new();
-    for (pid, inode) in locks.lines().filter_map(parse_lock) {
-        let root = proc_root.join(pid.to_string()).join("root");
-        let Some(record) = record_with_inode(&root.join("dev/shm"), inode) else {
+    for lock in locks.lines().filter_map(parse_lock) {
+        let root = proc_root.join(lock.pid.to_string()).join("root");
+        let Some(record) = folders.record(&root.join("dev/shm"), &lock) else {
             continue;
         };
         let theirs = root.join(
@@ -136,7 +144,10 @@ pub fn running_with_locks(locks: &str, proc_root: &Path, state_dir: &Path) -> Ve
         let same = std::fs::metadata(&theirs)
             .is_ok_and(|m| m.dev() == ours.dev() && m.ino() == ours.ino());
         if same {
-            out.push(RunningProcess { pid, record });
+            out.push(RunningProcess {
+                pid: lock.pid,
+                record,
+            });
         }
     }
     out.sort_by_key(|p| p.pid);
@@ -144,10 +155,22 @@ pub fn running_with_locks(locks: &str, proc_root: &Path, state_dir: &Path) -> Ve
     out
 }
 
-/// The holder's PID and the file's inode of a held `flock` line of `/proc/locks`
-/// (`1: FLOCK  ADVISORY  WRITE 26577 00:1b:2 0 EOF`); waiters (`-> FLOCK ...`) and other
-/// lock kinds give `None`.
-fn parse_lock(line: &str) -> Option<(u32, u64)> {
+/// A held `flock` of `/proc/locks`.
+#[derive(Debug, PartialEq, Eq)]
+struct HeldLock {
+    /// The holder's PID in the reader's PID namespace.
+    pid: u32,
+    /// The locked file's device, as the kernel prints it (major and minor numbers).
+    major: u32,
+    minor: u32,
+    /// The locked file's inode.
+    inode: u64,
+}
+
+/// The held `flock` of a line of `/proc/locks` (`1: FLOCK  ADVISORY  WRITE 26577 00:1b:2 0 EOF`:
+/// holder, then `major:minor:inode` with the device numbers in hex); waiters
+/// (`-> FLOCK ...`) and other lock kinds give `None`.
+fn parse_lock(line: &str) -> Option<HeldLock> {
     let mut fields = line.split_whitespace();
     let _id = fields.next()?;
     if fields.next()? != "FLOCK" {
@@ -158,19 +181,57 @@ fn parse_lock(line: &str) -> Option<(u32, u64)> {
         return None;
     }
     let pid = fields.next()?.parse().ok()?;
-    let inode = fields.next()?.rsplit(':').next()?.parse().ok()?;
-    Some((pid, inode))
+    let mut file = fields.next()?.split(':');
+    let major = u32::from_str_radix(file.next()?, 16).ok()?;
+    let minor = u32::from_str_radix(file.next()?, 16).ok()?;
+    let inode = file.next()?.parse().ok()?;
+    Some(HeldLock {
+        pid,
+        major,
+        minor,
+        inode,
+    })
 }
 
-/// The record in `dir` whose file has inode `inode`.
-fn record_with_inode(dir: &Path, inode: u64) -> Option<ProcessRecord> {
-    std::fs::read_dir(dir)
-        .ok()?
+/// The record files of each `/dev/shm` folder one reading has looked into, by inode, so a
+/// folder that several holders share is listed once.
+#[derive(Default)]
+struct ShmFolders {
+    /// By the folder's device and inode: its record files' inodes and paths.
+    listed: std::collections::HashMap<(u64, u64), Vec<(u64, PathBuf)>>,
+}
+
+impl ShmFolders {
+    /// The record of the file `lock` holds, if that file is a record in `dir`.
+    fn record(&mut self, dir: &Path, lock: &HeldLock) -> Option<ProcessRecord> {
+        let folder = std::fs::metadata(dir).ok()?;
+        // A file of this folder lives on the folder's file system (`/dev/shm` is a tmpfs
+        // mount, or a folder of the container's root): a lock on another device is not a
+        // record, and costs no listing.
+        let dev = folder.dev();
+        if (libc::major(dev), libc::minor(dev)) != (lock.major, lock.minor) {
+            return None;
+        }
+        let files = self
+            .listed
+            .entry((dev, folder.ino()))
+            .or_insert_with(|| record_files(dir));
+        let (_, path) = files.iter().find(|(inode, _)| *inode == lock.inode)?;
+        let bytes = std::fs::read(path).ok()?;
+        serde_json::from_slice(&bytes).ok()
+    }
+}
+
+/// The record files of `dir`, with their inodes.
+fn record_files(dir: &Path) -> Vec<(u64, PathBuf)> {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    entries
         .flatten()
         .filter(|e| e.file_name().to_string_lossy().starts_with(RECORD_PREFIX))
-        .find(|e| e.metadata().is_ok_and(|m| m.ino() == inode))
-        .and_then(|e| std::fs::read(e.path()).ok())
-        .and_then(|bytes| serde_json::from_slice(&bytes).ok())
+        .filter_map(|e| Some((e.metadata().ok()?.ino(), e.path())))
+        .collect()
 }
 
 /// A memory amount as `cuda-app --hold-memory` takes it: bytes, or a number with a
@@ -203,8 +264,23 @@ mod tests {
     fn lock_lines_give_holder_and_inode() {
         assert_eq!(
             parse_lock("1: FLOCK  ADVISORY  WRITE 26577 00:1b:2 0 EOF"),
-            Some((26577, 2))
+            Some(HeldLock {
+                pid: 26577,
+                major: 0,
+                minor: 0x1b,
+                inode: 2
+            })
         );
+        assert_eq!(
+            parse_lock("4: FLOCK  ADVISORY  WRITE 7 fe:01:10051587 0 EOF"),
+            Some(HeldLock {
+                pid: 7,
+                major: 0xfe,
+                minor: 1,
+                inode: 10051587
+            })
+        );
+        assert_eq!(parse_lock("5: FLOCK  ADVISORY  WRITE 7 fe:01 0 EOF"), None);
         assert_eq!(
             parse_lock("2: FLOCK  ADVISORY  READ 26338 fe:00:10051587 0 EOF"),
             None
@@ -217,6 +293,38 @@ mod tests {
             parse_lock("1: -> FLOCK  ADVISORY  WRITE 9 00:1b:2 0 EOF"),
             None
         );
+    }
+
+    #[test]
+    fn a_lock_on_another_file_system_is_no_record_and_lists_nothing() {
+        // A folder of its own on the machine's /dev/shm: the other test registers this
+        // process in /dev/shm itself, under the same name.
+        let folder = tempfile::tempdir_in("/dev/shm").expect("tmp");
+        let shm = folder.path();
+        let node = tempfile::tempdir().expect("tmp");
+        let record = ProcessRecord {
+            state_dir: node.path().to_path_buf(),
+            uuid: "GPU-test".into(),
+            used_bytes: 1 << 30,
+            sm_percent: 10,
+            mps: false,
+        };
+        let reg = register(&record, shm).expect("register");
+        let inode = std::fs::metadata(reg.path()).expect("stat").ino();
+        let dev = std::fs::metadata(shm).expect("stat").dev();
+        let (major, minor) = (libc::major(dev), libc::minor(dev));
+        let mut folders = ShmFolders::default();
+        let elsewhere = HeldLock {
+            pid: std::process::id(),
+            major,
+            minor: minor.wrapping_add(1),
+            inode,
+        };
+        assert_eq!(folders.record(shm, &elsewhere), None);
+        assert!(folders.listed.is_empty(), "no folder was listed");
+        let here = HeldLock { minor, ..elsewhere };
+        assert_eq!(folders.record(shm, &here), Some(record));
+        assert_eq!(folders.listed.len(), 1);
     }
 
     #[test]
