@@ -35,6 +35,7 @@
 //!   `src/ffi/processes.rs`,
 //!   `src/ffi/library.rs` (`dladdr`), `src/ffi/pointers.rs`;
 //! - the `NOT_SUPPORTED` exports (`no_mangle`), the whole module: `src/unsupported.rs`;
+//! - the state's change counter (`mmap`, `futex`), the whole module: `src/state/notify.rs`;
 //! - one function, `make_fifo` (`mkfifo`), in `src/mps/daemon.rs`;
 //! - one statement, the `mknod` of `device_node`, in `src/setup.rs`.
 //!

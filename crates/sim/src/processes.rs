@@ -111,53 +111,105 @@ pub fn running(proc_root: &Path, state_dir: &Path) -> Vec<RunningProcess> {
     let Ok(locks) = std::fs::read_to_string(proc_root.join("locks")) else {
         return Vec::new();
     };
-    running_with_locks(&locks, proc_root, state_dir)
+    running_with_locks(&locks, proc_root, state_dir, &mut Verdicts::default())
 }
 
-/// [`running`] with the text of `/proc/locks` already read: a caller that asks often keeps
-/// the answer while that text is unchanged (the same holders of the same files; records do
-/// not change while their lock is held).
+/// What earlier readings found of each lock still held: whether its file is a record of this
+/// node, and which. A held lock's holder, file and record do not change while it is held (a
+/// record is written before its process uses a GPU and stays as it is), so a reading looks
+/// only at locks it has not seen before. Kept by a caller that reads often, for one
+/// `state_dir`.
+#[derive(Default)]
+pub struct Verdicts {
+    by_lock: std::collections::HashMap<HeldLock, Option<RunningProcess>>,
+}
+
+/// [`running`] with the text of `/proc/locks` already read, and what earlier readings found.
 ///
-/// What it costs grows with the machine's locks, not with its files: `/proc/locks` lists
-/// every `flock` of the machine (on a machine with many simulated nodes, every plugin's own
-/// locks too), so a lock is first matched by its file's device against the holder's
-/// `/dev/shm` (one `stat`), and only a lock held on a file there leads to reading that folder,
-/// once per folder and call however many holders share it (every process of the host shares
-/// the host's).
-pub fn running_with_locks(locks: &str, proc_root: &Path, state_dir: &Path) -> Vec<RunningProcess> {
+/// What it costs grows with the machine's new locks, not with its files or its old locks:
+/// `/proc/locks` lists every `flock` of the machine (on a machine with many simulated nodes,
+/// every plugin's own locks too, and the locks a state update takes for a moment); a lock
+/// seen before costs a lookup in `verdicts`; a new one is matched by its file's device
+/// against the holder's `/dev/shm` (one `stat`), and only a lock held on a file there leads
+/// to reading that folder, once per folder and reading however many holders share it (every
+/// process of the host shares the host's).
+pub fn running_with_locks(
+    locks: &str,
+    proc_root: &Path,
+    state_dir: &Path,
+    verdicts: &mut Verdicts,
+) -> Vec<RunningProcess> {
     let Ok(ours) = std::fs::metadata(state_dir) else {
         return Vec::new();
     };
+    let held: Vec<HeldLock> = locks.lines().filter_map(parse_lock).collect();
+    let still: std::collections::HashSet<&HeldLock> = held.iter().collect();
+    verdicts.by_lock.retain(|lock, _| still.contains(lock));
     let mut folders = ShmFolders::default();
     let mut out = Vec::new();
-    for lock in locks.lines().filter_map(parse_lock) {
-        let root = proc_root.join(lock.pid.to_string()).join("root");
-        let Some(record) = folders.record(&root.join("dev/shm"), &lock) else {
-            continue;
+    for lock in &held {
+        let verdict = match verdicts.by_lock.get(lock) {
+            Some(known) => known.clone(),
+            None => match judge(lock, proc_root, &ours, &mut folders) {
+                Some(verdict) => {
+                    verdicts.by_lock.insert(lock.clone(), verdict.clone());
+                    verdict
+                }
+                // Read again next time: a record being written, a process exiting.
+                None => None,
+            },
         };
-        let theirs = root.join(
-            record
-                .state_dir
-                .strip_prefix("/")
-                .unwrap_or(&record.state_dir),
-        );
-        let same = std::fs::metadata(&theirs)
-            .is_ok_and(|m| m.dev() == ours.dev() && m.ino() == ours.ino());
-        if same {
-            out.push(RunningProcess {
-                pid: lock.pid,
-                record,
-            });
-        }
+        out.extend(verdict);
     }
     out.sort_by_key(|p| p.pid);
     out.dedup_by_key(|p| p.pid);
     out
 }
 
-/// A held `flock` of `/proc/locks`.
+/// What a lock is, for as long as it is held: `Some(Some(process))` when the locked file is a
+/// process's record naming the state folder `ours`, `Some(None)` when it is not (another
+/// file, another node's record), `None` when that cannot be told yet (a record still being
+/// written, a process exiting).
+fn judge(
+    lock: &HeldLock,
+    proc_root: &Path,
+    ours: &std::fs::Metadata,
+    folders: &mut ShmFolders,
+) -> Option<Option<RunningProcess>> {
+    let root = proc_root.join(lock.pid.to_string()).join("root");
+    let record = match folders.record(&root.join("dev/shm"), lock) {
+        Found::Record(record) => record,
+        Found::NotARecord => return Some(None),
+        Found::Unreadable => return None,
+    };
+    let theirs = root.join(
+        record
+            .state_dir
+            .strip_prefix("/")
+            .unwrap_or(&record.state_dir),
+    );
+    let theirs = std::fs::metadata(&theirs).ok()?;
+    let same = theirs.dev() == ours.dev() && theirs.ino() == ours.ino();
+    Some(same.then_some(RunningProcess {
+        pid: lock.pid,
+        record,
+    }))
+}
+
+/// What the file behind a lock is.
 #[derive(Debug, PartialEq, Eq)]
-struct HeldLock {
+enum Found {
+    /// A process's record.
+    Record(ProcessRecord),
+    /// Not a record: a file elsewhere, or one of the folder that is no record.
+    NotARecord,
+    /// A record file that does not read (yet), or a folder that cannot be looked at.
+    Unreadable,
+}
+
+/// A held `flock` of `/proc/locks`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct HeldLock {
     /// The holder's PID in the reader's PID namespace.
     pid: u32,
     /// The locked file's device, as the kernel prints it (major and minor numbers).
@@ -202,23 +254,31 @@ struct ShmFolders {
 }
 
 impl ShmFolders {
-    /// The record of the file `lock` holds, if that file is a record in `dir`.
-    fn record(&mut self, dir: &Path, lock: &HeldLock) -> Option<ProcessRecord> {
-        let folder = std::fs::metadata(dir).ok()?;
+    /// What the file `lock` holds is, looked for in `dir`.
+    fn record(&mut self, dir: &Path, lock: &HeldLock) -> Found {
+        let Ok(folder) = std::fs::metadata(dir) else {
+            return Found::Unreadable;
+        };
         // A file of this folder lives on the folder's file system (`/dev/shm` is a tmpfs
         // mount, or a folder of the container's root): a lock on another device is not a
         // record, and costs no listing.
         let dev = folder.dev();
         if (libc::major(dev), libc::minor(dev)) != (lock.major, lock.minor) {
-            return None;
+            return Found::NotARecord;
         }
         let files = self
             .listed
             .entry((dev, folder.ino()))
             .or_insert_with(|| record_files(dir));
-        let (_, path) = files.iter().find(|(inode, _)| *inode == lock.inode)?;
-        let bytes = std::fs::read(path).ok()?;
-        serde_json::from_slice(&bytes).ok()
+        // A record's file exists before its process locks it, so a locked file missing
+        // from the listing is none.
+        let Some((_, path)) = files.iter().find(|(inode, _)| *inode == lock.inode) else {
+            return Found::NotARecord;
+        };
+        std::fs::read(path)
+            .ok()
+            .and_then(|bytes| serde_json::from_slice(&bytes).ok())
+            .map_or(Found::Unreadable, Found::Record)
     }
 }
 
@@ -320,11 +380,46 @@ mod tests {
             minor: minor.wrapping_add(1),
             inode,
         };
-        assert_eq!(folders.record(shm, &elsewhere), None);
+        assert_eq!(folders.record(shm, &elsewhere), Found::NotARecord);
         assert!(folders.listed.is_empty(), "no folder was listed");
         let here = HeldLock { minor, ..elsewhere };
-        assert_eq!(folders.record(shm, &here), Some(record));
+        assert_eq!(folders.record(shm, &here), Found::Record(record));
         assert_eq!(folders.listed.len(), 1);
+    }
+
+    #[test]
+    fn a_record_still_being_written_is_read_again_at_the_next_reading() {
+        let node = tempfile::tempdir().expect("tmp");
+        let path = Path::new("/dev/shm").join(format!(
+            "{RECORD_PREFIX}{}-partial.json",
+            std::process::id()
+        ));
+        let mut file = File::create(&path).expect("create");
+        file.lock().expect("lock");
+        file.write_all(b"{\"stateDir\":").expect("write");
+        let proc_root = Path::new("/proc");
+        let locks = || std::fs::read_to_string("/proc/locks").expect("/proc/locks");
+        let mut verdicts = Verdicts::default();
+        let before = running_with_locks(&locks(), proc_root, node.path(), &mut verdicts);
+        let record = ProcessRecord {
+            state_dir: node.path().to_path_buf(),
+            uuid: "GPU-partial".into(),
+            used_bytes: 1 << 20,
+            sm_percent: 5,
+            mps: false,
+        };
+        std::fs::write(&path, serde_json::to_vec(&record).expect("json")).expect("complete");
+        let after = running_with_locks(&locks(), proc_root, node.path(), &mut verdicts);
+        drop(file);
+        std::fs::remove_file(&path).expect("remove");
+        assert!(before.is_empty(), "{before:?}");
+        assert_eq!(
+            after,
+            vec![RunningProcess {
+                pid: std::process::id(),
+                record
+            }]
+        );
     }
 
     #[test]

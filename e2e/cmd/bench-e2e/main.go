@@ -24,6 +24,7 @@ import (
 	"fmt"
 	"os"
 	"os/signal"
+	"path/filepath"
 	"sort"
 	"strconv"
 	"strings"
@@ -104,6 +105,10 @@ func run(ctx context.Context, nodeCount, podCount, parallel int, rest time.Durat
 		return err
 	}
 
+	if err := ensureInotifyInstances(nodeCount); err != nil {
+		return err
+	}
+
 	start := time.Now()
 	var mu sync.Mutex
 	var nodes []*harness.Node
@@ -163,11 +168,16 @@ func run(ctx context.Context, nodeCount, podCount, parallel int, rest time.Durat
 		fmt.Printf("pods: %d, what the nodes that fit hold\n", podCount)
 	}
 
-	var devices int
-	err = wait.PollUntilContextTimeout(ctx, 500*time.Millisecond, 5*time.Minute, true, func(ctx context.Context) (bool, error) {
+	// Registration and publishing take longer the more plugins start at once on
+	// this machine: 5 minutes, and a further minute per 100 nodes above 100.
+	registerWait := 5*time.Minute + time.Duration(max(nodeCount-100, 0))*600*time.Millisecond
+	var devices, registered, published int
+	lastReport := time.Now()
+	err = wait.PollUntilContextTimeout(ctx, 500*time.Millisecond, registerWait, true, func(ctx context.Context) (bool, error) {
+		registered = 0
 		for _, n := range nodes {
-			if !n.DriverRegistered(harness.DefaultDriver) {
-				return false, nil
+			if n.DriverRegistered(harness.DefaultDriver) {
+				registered++
 			}
 		}
 		list, err := c.Client.ResourceV1().ResourceSlices().List(ctx, metav1.ListOptions{FieldSelector: "spec.driver=" + harness.DefaultDriver})
@@ -180,10 +190,15 @@ func run(ctx context.Context, nodeCount, podCount, parallel int, rest time.Durat
 			devices += len(s.Spec.Devices)
 			pools[s.Spec.Pool.Name] = true
 		}
-		return len(pools) >= nodeCount, nil
+		published = len(pools)
+		if time.Since(lastReport) >= 30*time.Second {
+			lastReport = time.Now()
+			fmt.Printf("  %s after start: %d of %d plugins registered, %d pools published\n", time.Since(start).Round(time.Second), registered, nodeCount, published)
+		}
+		return registered == nodeCount && published >= nodeCount, nil
 	})
 	if err != nil {
-		return fmt.Errorf("plugins not all registered with slices: %w", err)
+		return fmt.Errorf("plugins not all registered with slices after %s: %d of %d registered with their node's kubelet side, %d pools published: %w", registerWait, registered, nodeCount, published, err)
 	}
 	fmt.Printf("all %d plugins registered and published (%d devices) %s after start\n", nodeCount, devices, time.Since(start).Round(time.Millisecond))
 	reportSlices(ctx, c)
@@ -484,6 +499,49 @@ func reportSlices(ctx context.Context, c *harness.Cluster) {
 	}
 	fmt.Printf("apiserver: %d ResourceSlices, %d pools, %d devices, %d KiB protobuf; LIST took %s\n",
 		len(list.Items), len(pools), devices, bytes/1024, listTook.Round(time.Millisecond))
+}
+
+// ensureInotifyInstances makes room for the inotify instances the nodes take:
+// every simulated node's kubelet side watches its registration folder (the
+// kubelet's plugin watcher, fsnotify), one instance each, and all run in this
+// process, under one user, whose instances the kernel caps at
+// fs.inotify.max_user_instances (often 128 or 512; a real node has a kernel of
+// its own). A node past the cap never sees its plugin register. The cap is
+// raised when this process may write it; otherwise the error says what to run.
+func ensureInotifyInstances(nodes int) error {
+	const knob = "/proc/sys/fs/inotify/max_user_instances"
+	data, err := os.ReadFile(knob)
+	if err != nil {
+		return nil // not Linux's procfs: nothing to check
+	}
+	limit, err := strconv.Atoi(strings.TrimSpace(string(data)))
+	if err != nil {
+		return fmt.Errorf("%s: %q is not a number", knob, strings.TrimSpace(string(data)))
+	}
+	// What the machine's processes hold now, and some room for what starts
+	// meanwhile (the test binaries' own watchers, other tools).
+	need := inotifyInstancesInUse() + nodes + 128
+	if limit >= need {
+		return nil
+	}
+	if err := os.WriteFile(knob, []byte(strconv.Itoa(need)), 0o644); err != nil {
+		return fmt.Errorf("%d nodes need %d inotify instances (one per node's plugin watcher, plus those in use) and fs.inotify.max_user_instances is %d: run `sysctl -w fs.inotify.max_user_instances=%d` as root, or ask for fewer nodes (%v)", nodes, need, limit, need, err)
+	}
+	fmt.Printf("raised fs.inotify.max_user_instances from %d to %d: every simulated node's plugin watcher holds one instance\n", limit, need)
+	return nil
+}
+
+// inotifyInstancesInUse counts the inotify instances open in the processes
+// this one can see, all users together (an upper bound of this user's).
+func inotifyInstancesInUse() int {
+	links, _ := filepath.Glob("/proc/[0-9]*/fd/*")
+	n := 0
+	for _, l := range links {
+		if target, err := os.Readlink(l); err == nil && target == "anon_inode:inotify" {
+			n++
+		}
+	}
+	return n
 }
 
 // minFreeMiB is the memory (MemAvailable) below which no further node is

@@ -10,10 +10,15 @@
 //! so earlier events are never delivered; delivering (or skipping, when the mask does not
 //! match) an event moves the cursor past it, so each event reaches each set once, in order.
 //!
-//! `nvmlEventSetWait` polls the state file about every 10 ms. Each poll is the library's
-//! usual cheap path: a few `stat` calls, and a parse only when another process wrote the file.
-//! Polling rather than a notification mechanism keeps the state file the only channel between
-//! processes (a container sees the node's `etc/gpu-sim` through a bind mount and nothing else).
+//! `nvmlEventSetWait` sleeps in the kernel, as a real driver's wait does: on the state's
+//! change counter ([`crate::state::ChangeCounter`], a futex in the state's lock file, which
+//! every writer of the state counts and wakes), and reads the state again when woken, through
+//! the library's usual cheap path (a few `stat` calls, a parse only when the file changed).
+//! It also reads the state once a second without a wake-up, for writers that do not count (a
+//! test editing the file), and polls every 100 ms when the lock file has no counter. The lock
+//! file sits beside the state file, so the state folder stays the only channel between
+//! processes (a container sees the node's `etc/gpu-sim` through a bind mount and nothing
+//! else).
 
 // Exports of the C ABI: caller-owned memory behind raw pointers (see the parent module).
 #![allow(unsafe_code)]
@@ -25,7 +30,7 @@ use std::sync::{Arc, LazyLock, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use super::handles::{Key, handle, lock};
-use super::library::{guard, state};
+use super::library::{guard, state, state_file};
 use super::pointers::put;
 use super::resolve::{Dev, dev, full_gpu};
 use super::{Handle, NvmlReturn, ret};
@@ -92,10 +97,14 @@ pub const FI_DEV_GET_GPU_RECOVERY_ACTION: c_uint = 230;
 /// `NVML_VALUE_TYPE_UNSIGNED_INT`.
 pub const VALUE_TYPE_UNSIGNED_INT: c_uint = 1;
 
-/// How often a waiting set reads the state file: each read parses the whole node state, and
-/// every plugin of a test cluster waits all the time; a tenth of a second is quick enough for
-/// health events.
+/// How often a waiting set reads the state file when the state has no change counter: each
+/// read parses the whole node state, and every plugin of a test cluster waits all the time; a
+/// tenth of a second is quick enough for health events.
 const POLL: Duration = Duration::from_millis(100);
+
+/// How long a waiter on the change counter sleeps at most before it reads the state anyway:
+/// a writer that does not count the change is noticed this late.
+const RECHECK: Duration = Duration::from_secs(1);
 
 /// One GPU's registration in a set.
 struct Registration {
@@ -260,7 +269,11 @@ pub unsafe extern "C" fn nvmlEventSetWait_v2(
         }
         let set = event_set(set)?;
         let deadline = Instant::now() + Duration::from_millis(u64::from(timeout_ms));
+        let counter = state_file()?.change_counter();
         loop {
+            // Read before the state: a change after this read makes the wait below return
+            // at once.
+            let seen = counter.as_ref().map(|c| c.value());
             let st = state()?;
             if let Some(e) = lock(&set).next(&st) {
                 // SAFETY: caller contract (out-parameter), non-null.
@@ -270,7 +283,12 @@ pub unsafe extern "C" fn nvmlEventSetWait_v2(
             if now >= deadline {
                 return Err(ret::TIMEOUT);
             }
-            std::thread::sleep(POLL.min(deadline - now));
+            match (&counter, seen) {
+                (Some(counter), Some(seen)) => {
+                    counter.wait(seen, RECHECK.min(deadline - now));
+                }
+                _ => std::thread::sleep(POLL.min(deadline - now)),
+            }
         }
     })
 }

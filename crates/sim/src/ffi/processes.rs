@@ -21,7 +21,7 @@ use super::library::{guard, state, state_dir};
 use super::pointers::put;
 use super::resolve::{Dev, dev};
 use super::{Handle, NvmlReturn, ret};
-use crate::processes::RunningProcess;
+use crate::processes::{RunningProcess, Verdicts};
 use crate::state::State;
 
 /// `NVML_VALUE_NOT_AVAILABLE` as an instance ID: not in MIG.
@@ -86,24 +86,36 @@ struct OnDevice {
     mps: bool,
 }
 
-/// The last answer of [`registered`] and the `/proc/locks` text it was read under.
-static LAST: std::sync::Mutex<Option<(String, Vec<RunningProcess>)>> = std::sync::Mutex::new(None);
+/// What [`registered`] keeps between calls: the last answer, the `/proc/locks` text it was
+/// read under, and what was found of each lock then held.
+struct Last {
+    locks: String,
+    procs: Vec<RunningProcess>,
+    verdicts: Verdicts,
+}
 
-/// The registered processes of this node, read again only when `/proc/locks` changed (a
-/// process started or ended): one NVML query after another asks this many times.
+static LAST: std::sync::Mutex<Option<Last>> = std::sync::Mutex::new(None);
+
+/// The registered processes of this node: the last answer while `/proc/locks` is unchanged
+/// (one NVML query after another asks this many times), else a reading that looks only at
+/// the locks taken since (on a machine with many nodes the text changes all the time, with
+/// every state update of every node).
 fn registered() -> Result<Vec<RunningProcess>, NvmlReturn> {
     let dir = state_dir()?;
     let proc_root = std::path::Path::new("/proc");
     let locks = std::fs::read_to_string(proc_root.join("locks")).unwrap_or_default();
     let mut last = LAST.lock().unwrap_or_else(|e| e.into_inner());
-    if let Some((text, procs)) = last.as_ref()
-        && *text == locks
-    {
-        return Ok(procs.clone());
+    let last = last.get_or_insert_with(|| Last {
+        locks: String::new(),
+        procs: Vec::new(),
+        verdicts: Verdicts::default(),
+    });
+    if last.locks != locks || last.locks.is_empty() {
+        last.procs =
+            crate::processes::running_with_locks(&locks, proc_root, &dir, &mut last.verdicts);
+        last.locks = locks;
     }
-    let procs = crate::processes::running_with_locks(&locks, proc_root, &dir);
-    *last = Some((locks, procs.clone()));
-    Ok(procs)
+    Ok(last.procs.clone())
 }
 
 /// The processes on device `d`: see the module documentation.

@@ -8,7 +8,7 @@
 use std::fs::{File, OpenOptions};
 use std::path::{Path, PathBuf};
 
-use super::{ENV_PROFILE, ENV_STATE, STATE_RELATIVE, State};
+use super::{ChangeCounter, ENV_PROFILE, ENV_STATE, STATE_RELATIVE, State};
 use crate::SimError;
 use crate::profile::Profile;
 
@@ -45,11 +45,14 @@ impl StateFile {
         move |source| SimError::Io { path, source }
     }
 
+    /// Opens the lock file for an exclusive lock and for counting changes (which maps it
+    /// shared, for reading and writing).
     fn open_lock(&self) -> Result<File, SimError> {
         let lock = self.lock_path();
         OpenOptions::new()
             .create(true)
             .truncate(false)
+            .read(true)
             .write(true)
             .open(&lock)
             .map_err(self.io(&lock))
@@ -121,7 +124,15 @@ impl StateFile {
         }
         let lock = self.open_lock()?;
         lock.lock().map_err(self.io(&self.lock_path()))?;
-        self.write_atomic(state)
+        self.write_atomic(state)?;
+        count_change(&lock);
+        Ok(())
+    }
+
+    /// The change counter of this state, for a process that waits for the state to change,
+    /// or `None` when there is none to wait on (see [`ChangeCounter::for_waiter`]).
+    pub fn change_counter(&self) -> Option<ChangeCounter> {
+        ChangeCounter::for_waiter(&File::open(self.lock_path()).ok()?)
     }
 
     /// Applies `f` to the state under the exclusive lock and writes the result back if `f`
@@ -146,6 +157,7 @@ impl StateFile {
         let out = f(&mut state);
         if out.is_ok() && state != before {
             self.write_atomic(&state)?;
+            count_change(&lock);
         }
         Ok(out)
     }
@@ -165,6 +177,15 @@ impl StateFile {
         }
         // 0o666 less the umask: the mode `File::create` gave the file before.
         gpu_dra_fsutil::write_atomic(&self.path, &text, 0o666).map_err(self.io(&self.path))
+    }
+}
+
+/// Counts a change of the state in its lock file `lock` (held exclusively), waking the
+/// processes waiting for one. The state is written whatever happens here: a counter that
+/// cannot be mapped leaves waiters to notice the change at their next re-read.
+fn count_change(lock: &File) {
+    if let Ok(counter) = ChangeCounter::for_writer(lock) {
+        counter.count();
     }
 }
 

@@ -24,8 +24,9 @@
 //! Split by role: this module holds the state's types and its read-only lookups;
 //! `layout` the MIG layout changes (one implementation of the driver's placement rules for
 //! NVML and `nvidia-smi`), `faults` the injection of GPU faults (XID, ECC, fall off the
-//! bus, reset) into the health records of [`crate::health`], and `file` the state file and
-//! how a process finds it.
+//! bus, reset) into the health records of [`crate::health`], `file` the state file and
+//! how a process finds it, and `notify` the change counter that wakes NVML's event waiters
+//! when a writer replaced the state.
 
 use serde::{Deserialize, Serialize};
 
@@ -36,9 +37,11 @@ use crate::profile::{GpuSpec, PciAddress, Profile};
 mod faults;
 mod file;
 mod layout;
+mod notify;
 
 pub use file::{StateFile, locate};
 pub use layout::{MigError, mig_uuid};
+pub use notify::{ChangeCounter, Waited};
 
 /// Path of the state file relative to a simulated root.
 pub const STATE_RELATIVE: &str = "etc/gpu-sim/state.json";
