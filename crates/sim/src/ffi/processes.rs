@@ -16,6 +16,7 @@
 #![allow(unsafe_code)]
 
 use std::ffi::{c_uint, c_ulonglong};
+use std::time::{Duration, Instant};
 
 use super::library::{guard, state, state_dir};
 use super::pointers::put;
@@ -86,9 +87,10 @@ struct OnDevice {
     mps: bool,
 }
 
-/// What [`registered`] keeps between calls: the last answer, the `/proc/locks` text it was
-/// read under, and what was found of each lock then held.
+/// What [`registered`] keeps between calls: the last answer, when and under which
+/// `/proc/locks` text it was read, and what was found of each lock then held.
 struct Last {
+    at: Instant,
     locks: String,
     procs: Vec<RunningProcess>,
     verdicts: Verdicts,
@@ -96,16 +98,31 @@ struct Last {
 
 static LAST: std::sync::Mutex<Option<Last>> = std::sync::Mutex::new(None);
 
-/// The registered processes of this node: the last answer while `/proc/locks` is unchanged
-/// (one NVML query after another asks this many times), else a reading that looks only at
-/// the locks taken since (on a machine with many nodes the text changes all the time, with
-/// every state update of every node).
+/// How long an answer is given again without reading `/proc/locks`, as long as every
+/// process in it is still alive: a sample of a device's use is a burst of NVML queries
+/// (processes, their utilisation, memory, the device's utilisation), each of which asks, and
+/// `/proc/locks` lists every lock of the machine (thousands with many simulated nodes, the
+/// kernel formatting each line on every read). A process that starts, or drops its record
+/// while it runs on, is seen this much later at most; one that exits, at once.
+const FRESH: Duration = Duration::from_millis(20);
+
+/// The registered processes of this node: the last answer while it is [`FRESH`] and all its
+/// processes live, or while `/proc/locks` is unchanged; else a reading that looks only at the
+/// locks taken since (on a machine with many nodes the text changes all the time, with every
+/// state update of every node).
 fn registered() -> Result<Vec<RunningProcess>, NvmlReturn> {
     let dir = state_dir()?;
     let proc_root = std::path::Path::new("/proc");
-    let locks = std::fs::read_to_string(proc_root.join("locks")).unwrap_or_default();
     let mut last = LAST.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(last) = last.as_ref()
+        && last.at.elapsed() < FRESH
+        && last.procs.iter().all(|p| alive(proc_root, p.pid))
+    {
+        return Ok(last.procs.clone());
+    }
+    let locks = std::fs::read_to_string(proc_root.join("locks")).unwrap_or_default();
     let last = last.get_or_insert_with(|| Last {
+        at: Instant::now(),
         locks: String::new(),
         procs: Vec::new(),
         verdicts: Verdicts::default(),
@@ -115,7 +132,14 @@ fn registered() -> Result<Vec<RunningProcess>, NvmlReturn> {
             crate::processes::running_with_locks(&locks, proc_root, &dir, &mut last.verdicts);
         last.locks = locks;
     }
+    last.at = Instant::now();
     Ok(last.procs.clone())
+}
+
+/// Whether process `pid` still runs: its root can be looked at (an exited process's cannot,
+/// from the moment it exits, before its parent reaps it).
+fn alive(proc_root: &std::path::Path, pid: u32) -> bool {
+    std::fs::metadata(proc_root.join(pid.to_string()).join("root")).is_ok()
 }
 
 /// The processes on device `d`: see the module documentation.
