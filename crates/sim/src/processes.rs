@@ -320,6 +320,17 @@ pub fn parse_bytes(s: &str) -> Option<u64> {
 mod tests {
     use super::*;
 
+    /// A record of a process on `uuid` using the state folder `state_dir`.
+    fn record_of(state_dir: &Path, uuid: &str, used_bytes: u64, sm_percent: u32) -> ProcessRecord {
+        ProcessRecord {
+            state_dir: state_dir.to_path_buf(),
+            uuid: uuid.into(),
+            used_bytes,
+            sm_percent,
+            mps: false,
+        }
+    }
+
     #[test]
     fn lock_lines_give_holder_and_inode() {
         assert_eq!(
@@ -362,13 +373,7 @@ mod tests {
         let folder = tempfile::tempdir_in("/dev/shm").expect("tmp");
         let shm = folder.path();
         let node = tempfile::tempdir().expect("tmp");
-        let record = ProcessRecord {
-            state_dir: node.path().to_path_buf(),
-            uuid: "GPU-test".into(),
-            used_bytes: 1 << 30,
-            sm_percent: 10,
-            mps: false,
-        };
+        let record = record_of(node.path(), "GPU-test", 1 << 30, 10);
         let reg = register(&record, shm).expect("register");
         let inode = std::fs::metadata(reg.path()).expect("stat").ino();
         let dev = std::fs::metadata(shm).expect("stat").dev();
@@ -401,13 +406,7 @@ mod tests {
         let locks = || std::fs::read_to_string("/proc/locks").expect("/proc/locks");
         let mut verdicts = Verdicts::default();
         let before = running_with_locks(&locks(), proc_root, node.path(), &mut verdicts);
-        let record = ProcessRecord {
-            state_dir: node.path().to_path_buf(),
-            uuid: "GPU-partial".into(),
-            used_bytes: 1 << 20,
-            sm_percent: 5,
-            mps: false,
-        };
+        let record = record_of(node.path(), "GPU-partial", 1 << 20, 5);
         std::fs::write(&path, serde_json::to_vec(&record).expect("json")).expect("complete");
         let after = running_with_locks(&locks(), proc_root, node.path(), &mut verdicts);
         drop(file);
@@ -439,13 +438,7 @@ mod tests {
         // Records live in the process's /dev/shm, which the reader finds through
         // /proc/<pid>/root: this process's is the machine's.
         let shm = Path::new("/dev/shm");
-        let record = ProcessRecord {
-            state_dir: node.path().to_path_buf(),
-            uuid: "GPU-test".into(),
-            used_bytes: 3 << 30,
-            sm_percent: 40,
-            mps: false,
-        };
+        let record = record_of(node.path(), "GPU-test", 3 << 30, 40);
         let reg = register(&record, shm).expect("register");
         let seen = running(Path::new("/proc"), node.path());
         assert_eq!(
