@@ -17,8 +17,9 @@
 //! between the two returns at once, so no wake-up is lost. A waiter maps the file read-only
 //! (containers mount the folder read-only; the kernel allows `FUTEX_WAIT` there).
 //!
-//! Invariants: the counter only grows (wrapping at 2^32, which a waiter cannot miss: it
-//! compares for inequality); a file shorter than the counter (a lock file of an older version,
+//! Invariants: the lock file is never truncated or replaced (writers only lengthen it to hold
+//! the counter; a mapping past a shortened file's end would fault); the counter only grows
+//! (wrapping at 2^32, which a waiter cannot miss: it compares for inequality); a file shorter than the counter (a lock file of an older version,
 //! or one no writer has touched yet) gives waiters no counter, and they fall back to sleeping
 //! for their poll interval; so does a writer that does not count (the harness's own edits of
 //! the file), which is why waiters still re-read the state every second or so.
