@@ -73,7 +73,8 @@ impl CheckpointFileError {
     }
 }
 
-fn read(path: &Path) -> Result<Option<Vec<u8>>, CheckpointFileError> {
+/// The bytes of the file at `path`; `None` when there is none.
+pub(crate) fn read(path: &Path) -> Result<Option<Vec<u8>>, CheckpointFileError> {
     match std::fs::read(path) {
         Ok(bytes) => Ok(Some(bytes)),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
@@ -84,7 +85,8 @@ fn read(path: &Path) -> Result<Option<Vec<u8>>, CheckpointFileError> {
     }
 }
 
-fn parse_ours(path: &Path, bytes: &[u8]) -> Result<Checkpoint, CheckpointFileError> {
+/// `bytes`, read from `path`, as a checkpoint of our format.
+pub(crate) fn parse_ours(path: &Path, bytes: &[u8]) -> Result<Checkpoint, CheckpointFileError> {
     Checkpoint::from_json(bytes).map_err(|e| CheckpointFileError::Read {
         path: path.display().to_string(),
         reason: e.to_string(),

@@ -58,7 +58,7 @@ use gpu_dra_fsutil::record_log::{self, RecordLog};
 use tracing::{info, warn};
 
 use super::{DriverError, blocking, lock};
-use crate::checkpoint_file::CheckpointFileError;
+use crate::checkpoint_file::{self, CheckpointFileError};
 use crate::metrics::Metrics;
 
 /// How long the journal stays unchanged before it is folded into the checkpoint.
@@ -115,35 +115,17 @@ fn journal_path(checkpoint: &Path) -> PathBuf {
     crate::node_layout::checkpoint_journal_in(checkpoint.parent().unwrap_or(Path::new(".")))
 }
 
-/// The bytes of the file at `path`; `None` when there is none.
-fn read_bytes(path: &Path) -> Result<Option<Vec<u8>>, CheckpointFileError> {
-    match std::fs::read(path) {
-        Ok(bytes) => Ok(Some(bytes)),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-        Err(e) => Err(CheckpointFileError::Read {
-            path: path.display().to_string(),
-            reason: e.to_string(),
-        }),
-    }
-}
-
 /// Our checkpoint at `path` (a missing file is an empty one) and the tag of its bytes.
 fn read_own(path: &Path) -> Result<(Checkpoint, u64), CheckpointFileError> {
-    match read_bytes(path)? {
-        Some(bytes) => Ok((
-            Checkpoint::from_json(&bytes).map_err(|e| CheckpointFileError::Read {
-                path: path.display().to_string(),
-                reason: e.to_string(),
-            })?,
-            file_tag(&bytes),
-        )),
+    match checkpoint_file::read(path)? {
+        Some(bytes) => Ok((checkpoint_file::parse_ours(path, &bytes)?, file_tag(&bytes))),
         None => Ok((Checkpoint::new(), file_tag(&[]))),
     }
 }
 
 /// The tag of the file at `path` (a missing file has the tag of no bytes).
 fn read_tag(path: &Path) -> Result<u64, CheckpointFileError> {
-    Ok(read_bytes(path)?.map_or_else(|| file_tag(&[]), |bytes| file_tag(&bytes)))
+    Ok(checkpoint_file::read(path)?.map_or_else(|| file_tag(&[]), |bytes| file_tag(&bytes)))
 }
 
 /// The records of `replay` that extend the checkpoint whose tag is `tag`, replayed over
