@@ -8,7 +8,7 @@ TOOLS := $(CURDIR)/.tools
 HELM_VERSION ?= v3.22.0
 HELM := $(TOOLS)/bin/helm
 
-.PHONY: help build release unit test lint fmt fuzz bench bench-check generate chart-check cdi-check e2e e2e-build e2e-bins e2e-tools e2e-runtime e2e-node-tools e2e-image e2e-kubectl e2e-specs demo bench-e2e bench-mps toolkit image-rootfs kubectl-plugin
+.PHONY: help build release unit test lint fmt fuzz bench bench-check generate chart-check cdi-check e2e e2e-build e2e-bins e2e-tools e2e-runtime e2e-node-tools e2e-image e2e-kubectl e2e-specs demo bench-e2e bench-mps toolkit image-rootfs kubectl-plugin selftest-bundle selftest-check
 
 help: ## list targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | sort
@@ -36,7 +36,7 @@ fmt: ## format the code
 unit: lint ## the quick loop: lint, then every Rust test
 	$(CARGO) test --workspace --locked
 
-test: unit bench-check chart-check cdi-check e2e ## everything CI checks: lint, Rust tests, benchmarks once, the Helm chart, our CDI specs against the toolkit, the e2e suite
+test: unit bench-check chart-check cdi-check selftest-check e2e ## everything CI checks: lint, Rust tests, benchmarks once, the Helm chart, our CDI specs against the toolkit, the e2e suite
 
 # --- e2e: a real control plane in one Go process (e2e/), simulated GPU nodes ---
 E2E_TIMEOUT ?= 70m
@@ -196,6 +196,38 @@ IMAGE_ROOTFS := $(CURDIR)/target/image-rootfs
 image-rootfs: $(TOOLKIT) ## the image's root filesystem (IMAGE_PROFILE=debug|release) into target/image-rootfs
 	$(CARGO) build --workspace --locked $(if $(filter release,$(IMAGE_PROFILE)),--release)
 	bash deploy/image/build-rootfs.sh $(IMAGE_ROOTFS) target/$(IMAGE_PROFILE) $(TOOLS)/bin/nvidia-cdi-hook
+
+# The node self-test (docs/STATUS.md, "The node self-test"). Its bundle carries a static runc: a
+# GPU host may have no container runtime, or one of another libc. runc from its Go module, built
+# as its own Makefile's `static` target does, without the seccomp tag (the self-test's
+# containers ask for no seccomp profile, so libseccomp is not needed). v1.2.5: the module
+# archives of later releases replace go-selinux with a folder they do not carry, so the Go
+# module proxy cannot build them.
+RUNC_VERSION ?= v1.2.5
+RUNC_STATIC := $(TOOLS)/bin/runc-static
+SELFTEST_BUNDLE := $(CURDIR)/target/selftest-bundle
+SELFTEST_SIM_BUNDLE := $(CURDIR)/target/selftest-bundle-sim
+
+$(RUNC_STATIC):
+	mkdir -p $(TOOLS)/runc-build
+	cd $(TOOLS)/runc-build && CGO_ENABLED=1 GOBIN=$(TOOLS)/runc-build $(GO) install -trimpath -tags "netgo osusergo" \
+		-ldflags "-extldflags -static -s -w -X main.version=$(RUNC_VERSION:v%=%)" github.com/opencontainers/runc@$(RUNC_VERSION)
+	mv $(TOOLS)/runc-build/runc $@
+
+selftest-bundle: $(TOOLS)/bin/nvidia-cdi-hook $(RUNC_STATIC) ## the node self-test bundle into target/selftest-bundle (release, under 60 MiB): bring it to a GPU host, run selftest.sh
+	$(CARGO) build --locked --release -p gpu-dra-kubelet-plugin --bin gpu-kubelet-plugin -p gpu-dra-cuda-probe
+	bash deploy/selftest/build-bundle.sh $(SELFTEST_BUNDLE) target/release/gpu-kubelet-plugin target/release/gpu-cuda-probe \
+		$(RUNC_STATIC) $(TOOLS)/bin/nvidia-cdi-hook
+	@size=$$(du -sm $(SELFTEST_BUNDLE) | cut -f1); echo "self-test bundle: $$size MiB (limit 60)"; \
+		test "$$size" -lt 60 || { echo "make selftest-bundle: the bundle is $$size MiB, over 60" >&2; exit 1; }
+
+# The same bundle from the debug build, with the libraries the simulator's tools load in a
+# container, run against every simulated profile (root: it starts containers).
+selftest-check: $(TOOLS)/bin/nvidia-cdi-hook $(RUNC_STATIC) ## the node self-test on every simulated profile, and broken hosts failing it by name (root)
+	$(CARGO) build --locked -p gpu-dra-kubelet-plugin --bin gpu-kubelet-plugin -p gpu-dra-cuda-probe -p gpu-dra-sim -p gpu-dra-sim-cuda
+	bash deploy/selftest/build-bundle.sh $(SELFTEST_SIM_BUNDLE) target/debug/gpu-kubelet-plugin target/debug/gpu-cuda-probe \
+		$(RUNC_STATIC) $(TOOLS)/bin/nvidia-cdi-hook target/debug/nvidia-smi target/debug/libgpu_dra_sim.so
+	SELFTEST_BUNDLE=$(SELFTEST_SIM_BUNDLE) $(CARGO) test --locked -p gpu-dra-kubelet-plugin --test selftest
 
 # As root: the toolkit runs in a private mount namespace (see the test's module doc).
 cdi-check: $(TOOLKIT) ## our CDI specs against NVIDIA's nvidia-ctk on every simulated profile and a real H100 host's spec; the hook runs without the host's libc

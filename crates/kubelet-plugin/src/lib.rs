@@ -3,7 +3,8 @@
 //!
 //! Modules by role:
 //! - Entry points: [`cmd`], one module per subcommand (`run`, `discover`, `health`,
-//!   `cleanup`, `uninstall`) and the one command line `main` parses.
+//!   `cleanup`, `uninstall`, `selftest`) and the one command line `main` parses; [`selftest`]
+//!   (the node path end to end on a host without Kubernetes).
 //! - Where things are: [`node_layout`] (every file the plugin keeps on a node, and the list
 //!   cleanup removes), [`host`] (the host's driver, device nodes, sysfs and NVML library),
 //!   [`kube_client`] (the API server client).
@@ -20,7 +21,7 @@
 //!   hardware seam).
 //! - Operations and tests: [`metrics`] and [`http`], [`usage`] (per-claim GPU usage), [`failpoint`] (fault injection),
 //!   [`digest`], `testing` (behind the `testing` feature, never in the shipping binary: the
-//!   test doubles `MemoryClaims`, `ExclusiveOnly` and `FakeMig`, a DRA client as the kubelet
+//!   test doubles `ExclusiveOnly` and `FakeMig`, a DRA client as the kubelet
 //!   uses it, the driver builder, the plugin launcher and simulated host folders).
 //!
 //! Crash-safe writes come from `gpu-dra-fsutil`. Pure planning, CDI and checkpoint models
@@ -49,6 +50,7 @@ pub mod mig;
 pub mod node_layout;
 pub mod pod_resources;
 pub mod publish;
+pub mod selftest;
 pub mod sharing;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;

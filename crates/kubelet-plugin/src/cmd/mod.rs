@@ -1,5 +1,5 @@
 //! The subcommands of `gpu-kubelet-plugin`, one module each: [`run`] (the node plugin),
-//! [`discover`], [`health`], [`cleanup`] and [`uninstall`]; and their one command line
+//! [`discover`], [`health`], [`cleanup`], [`uninstall`] and [`selftest`]; and their one command line
 //! ([`Cli`]), which `main` parses and the chart's test reads the env twins from.
 //!
 //! Invariants: every flag of `run`, `discover`, `cleanup` and `uninstall` has an env twin (the
@@ -17,6 +17,7 @@ pub mod cleanup;
 pub mod discover;
 pub mod health;
 pub mod run;
+pub mod selftest;
 pub mod uninstall;
 
 use std::ffi::OsString;
@@ -54,6 +55,11 @@ pub enum Command {
     Health(health::HealthArgs),
     /// The chart's pre-delete hook: stop the node plugins, then run `cleanup` on every node.
     Uninstall(Box<uninstall::UninstallArgs>),
+    /// Prove the node path on this host without Kubernetes: discovery, then a claim of each
+    /// kind the host offers prepared by the plugin, a container started from its CDI spec
+    /// that checks what it sees (nvidia-smi, a CUDA kernel, MPS limits), unprepared; the host
+    /// left as it was. One line per check; exit status 1 when one failed.
+    Selftest(Box<selftest::SelftestArgs>),
 }
 
 /// Env names of flags renamed to say their unit: `(new, former)`. The former name is read
@@ -163,6 +169,14 @@ pub fn execute(cli: Cli) -> anyhow::Result<()> {
         Command::Discover(args) => {
             gpu_dra_telemetry::init(&by_hand("warn"))?;
             discover::run(args)
+        }
+        Command::Selftest(args) => {
+            gpu_dra_telemetry::init(&by_hand(&args.log_level))?;
+            let failed = runtime(ONE_SHOT_WORKERS)?.block_on(selftest::run(*args))?;
+            if failed {
+                std::process::exit(1);
+            }
+            Ok(())
         }
     }
 }

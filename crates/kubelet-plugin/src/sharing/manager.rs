@@ -71,6 +71,12 @@ pub struct SharingOptions {
     pub liveness_interval: Duration,
     /// The node's current boot ID (`None`: unknown; reboots are then not detected here).
     pub boot_id: Option<String>,
+    /// MPS daemons run on GPUs left in the compute mode they are in, instead of being set to
+    /// `EXCLUSIVE_PROCESS` (and back to `DEFAULT` after). NVIDIA's MPS documentation
+    /// recommends exclusive mode but does not require it: clients of one daemon share the GPU
+    /// in `DEFAULT` mode too, only processes outside MPS are not kept off it. For hosts whose
+    /// settings must not change (`selftest --leave-settings`); the plugin itself never sets it.
+    pub leave_compute_mode: bool,
 }
 
 impl SharingOptions {
@@ -86,6 +92,7 @@ impl SharingOptions {
             restart_backoff_max: Duration::from_secs(30),
             liveness_interval: Duration::from_millis(250),
             boot_id: None,
+            leave_compute_mode: false,
         }
     }
 

@@ -195,7 +195,12 @@ impl Inner {
         fresh: bool,
     ) -> Result<Proc, SharingError> {
         let root = &self.opts.driver_root;
-        for gpu in &record.whole_gpus {
+        let gpus: &[String] = if self.opts.leave_compute_mode {
+            &[]
+        } else {
+            &record.whole_gpus
+        };
+        for gpu in gpus {
             smi::set_compute_mode(
                 root,
                 gpu,
@@ -339,7 +344,12 @@ impl Inner {
         }
         self.stop_daemon(&record).await;
         let mut first_error = None;
-        for gpu in &record.whole_gpus {
+        let gpus: &[String] = if self.opts.leave_compute_mode {
+            &[]
+        } else {
+            &record.whole_gpus
+        };
+        for gpu in gpus {
             if let Err(e) = smi::set_compute_mode(
                 &self.opts.driver_root,
                 gpu,
