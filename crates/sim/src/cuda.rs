@@ -1,4 +1,7 @@
-//! `cuda-app`: the stand-in for a CUDA program, for checks inside containers.
+//! `cuda-app`: the stand-in for a CUDA program, for checks inside containers; and the
+//! simulator's model of what CUDA sees, which the simulated CUDA driver library
+//! (`gpu-dra-sim-cuda`, installed as `libcuda.so.1`) shares: the devices of a process
+//! ([`devices`]), joining MPS ([`attach`]) and the terms an MPS server gives ([`mps_terms`]).
 //!
 //! It does what matters to the driver of a CUDA program's start: it sees the GPUs whose
 //! device nodes its `/dev` has (as the real driver does, through [`StateFile::load_visible`](crate::state::StateFile::load_visible)),
@@ -99,10 +102,31 @@ impl Load {
 
 const MIB: u64 = 1024 * 1024;
 
-/// The device a program runs on without MPS: the first visible GPU not in MIG mode, or the
-/// first visible MIG device of one in MIG mode, among those `CUDA_VISIBLE_DEVICES` names
-/// (`visible`); its UUID and memory in bytes.
-fn first_device(state: &State, visible: Option<&str>) -> Option<(String, u64)> {
+/// A device as CUDA enumerates it for a process: a whole GPU, or a MIG device of a GPU in
+/// MIG mode.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Device {
+    /// `GPU-...` or `MIG-...`.
+    pub uuid: String,
+    /// The name CUDA reports (`NVIDIA H100 80GB HBM3`; a MIG device's is
+    /// `<GPU name> MIG <profile>`).
+    pub name: String,
+    /// Device memory in bytes.
+    pub memory_bytes: u64,
+    /// Streaming multiprocessors.
+    pub multiprocessors: u32,
+    /// Index of the GPU (or the MIG device's parent) in the state.
+    pub gpu: usize,
+    /// A MIG device.
+    pub mig: bool,
+}
+
+/// The devices a program sees in `state` (a process's visible state, see
+/// [`StateFile::load_visible`](crate::state::StateFile::load_visible)), in CUDA's order: each
+/// GPU not in MIG mode, and the MIG devices of each GPU in MIG mode, among those
+/// `CUDA_VISIBLE_DEVICES` names (`visible`: GPU indices, GPU UUIDs or MIG UUIDs; naming a GPU
+/// names its MIG devices).
+pub fn devices(state: &State, visible: Option<&str>) -> Vec<Device> {
     let allowed = |index: usize, uuid: &str| {
         visible.is_none_or(|list| {
             list.split(',')
@@ -110,27 +134,52 @@ fn first_device(state: &State, visible: Option<&str>) -> Option<(String, u64)> {
                 .any(|v| v == uuid || v.parse::<usize>().ok() == Some(index))
         })
     };
-    state.profile.gpus.iter().enumerate().find_map(|(i, spec)| {
+    let mut out = Vec::new();
+    for (i, spec) in state.profile.gpus.iter().enumerate() {
         if state.gpus[i].mig_current {
-            let m = state
-                .mig_devices(i)
-                .into_iter()
-                .find(|m| allowed(usize::MAX, &m.ci.uuid) || allowed(i, &spec.uuid))?;
-            Some((m.ci.uuid.clone(), m.profile.memory_mib * MIB))
-        } else {
-            allowed(i, &spec.uuid).then(|| (spec.uuid.clone(), spec.memory_mib * MIB))
+            for m in state.mig_devices(i) {
+                if allowed(usize::MAX, &m.ci.uuid) || allowed(i, &spec.uuid) {
+                    out.push(Device {
+                        uuid: m.ci.uuid.clone(),
+                        name: format!("{} MIG {}", spec.name, m.name()),
+                        memory_bytes: m.profile.memory_mib * MIB,
+                        multiprocessors: m.multiprocessors(),
+                        gpu: i,
+                        mig: true,
+                    });
+                }
+            }
+        } else if allowed(i, &spec.uuid) {
+            out.push(Device {
+                uuid: spec.uuid.clone(),
+                name: spec.name.clone(),
+                memory_bytes: spec.memory_mib * MIB,
+                multiprocessors: spec.multiprocessors(),
+                gpu: i,
+                mig: false,
+            });
         }
-    })
+    }
+    out
+}
+
+/// The device a program runs on without MPS: the first of [`devices`]; its UUID and memory
+/// in bytes.
+fn first_device(state: &State, visible: Option<&str>) -> Option<(String, u64)> {
+    devices(state, visible)
+        .into_iter()
+        .next()
+        .map(|d| (d.uuid, d.memory_bytes))
 }
 
 /// The device of an MPS client from its server's reply (`device 0 <uuid> pinned memory limit
 /// <limit>`) and that limit in bytes; the active thread percentage.
-fn mps_terms(reply: &str) -> (Option<(String, Option<u64>)>, Option<u32>) {
+pub fn mps_terms(reply: &str) -> (Option<(String, Option<u64>)>, Option<f64>) {
     let mut device = None;
     let mut pct = None;
     for line in reply.lines() {
         if let Some(p) = line.strip_prefix("active thread percentage ") {
-            pct = p.trim().parse::<f64>().ok().map(|p| p.ceil() as u32);
+            pct = p.trim().parse::<f64>().ok();
         }
         let words: Vec<&str> = line.split_whitespace().collect();
         if device.is_none()
@@ -170,7 +219,7 @@ fn start_load(
             }
         }
         if let Some(pct) = pct {
-            sm = sm.min(pct);
+            sm = sm.min(pct.ceil() as u32);
         }
     }
     if load.memory_bytes > room {
@@ -292,7 +341,7 @@ pub fn join_mps(state: &State, env: &ClientEnv) -> Result<Option<UnixStream>, St
 /// Joins the daemon's server through `<pipe dir>/control`, sending the client's own limits;
 /// `None` when no daemon answers.
 /// The connection is returned with the reply: the client stays attached while it is open.
-fn attach(env: &ClientEnv) -> Option<(String, UnixStream)> {
+pub fn attach(env: &ClientEnv) -> Option<(String, UnixStream)> {
     let pipe_dir = env
         .pipe_dir
         .clone()

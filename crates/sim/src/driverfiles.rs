@@ -289,6 +289,94 @@ fn glibc_versions() -> Vec<String> {
         .collect()
 }
 
+/// Replaces the `DT_SONAME` of a 64-bit little-endian ELF shared object in place, writing
+/// `soname` over the old name in its string table (NUL-padded). The new name must not be
+/// longer than the old one, and no other dynamic entry may point into the old name (a string
+/// table can share a name's tail). Used for the simulated CUDA library, whose link gives it
+/// gpu-dra-sim's soname (see the build script of `gpu-dra-sim-cuda`).
+pub fn set_soname(elf: &mut [u8], soname: &str) -> Result<(), String> {
+    let u16_at = |b: &[u8], at: usize| -> Option<u64> {
+        Some(u64::from(u16::from_le_bytes(
+            b.get(at..at + 2)?.try_into().ok()?,
+        )))
+    };
+    let u32_at = |b: &[u8], at: usize| -> Option<u64> {
+        Some(u64::from(u32::from_le_bytes(
+            b.get(at..at + 4)?.try_into().ok()?,
+        )))
+    };
+    let u64_at = |b: &[u8], at: usize| -> Option<u64> {
+        Some(u64::from_le_bytes(b.get(at..at + 8)?.try_into().ok()?))
+    };
+    if !elf.starts_with(&[0x7f, b'E', b'L', b'F', 2, 1]) {
+        return Err("not a 64-bit little-endian ELF file".into());
+    }
+    let bad = || "truncated ELF file".to_string();
+    let phoff = u64_at(elf, 0x20).ok_or_else(bad)? as usize;
+    let phentsize = u16_at(elf, 0x36).ok_or_else(bad)? as usize;
+    let phnum = u16_at(elf, 0x38).ok_or_else(bad)? as usize;
+    // (type, offset, vaddr, filesz) of each program header.
+    let mut segments = Vec::new();
+    for i in 0..phnum {
+        let at = phoff + i * phentsize;
+        segments.push((
+            u32_at(elf, at).ok_or_else(bad)?,
+            u64_at(elf, at + 8).ok_or_else(bad)?,
+            u64_at(elf, at + 16).ok_or_else(bad)?,
+            u64_at(elf, at + 32).ok_or_else(bad)?,
+        ));
+    }
+    let &(_, dyn_off, _, dyn_size) = segments
+        .iter()
+        .find(|s| s.0 == 2)
+        .ok_or("no PT_DYNAMIC segment")?;
+    let mut strtab = None;
+    let mut name_at = None;
+    let mut others = Vec::new();
+    for i in 0..(dyn_size / 16) as usize {
+        let at = dyn_off as usize + i * 16;
+        let (tag, val) = (
+            u64_at(elf, at).ok_or_else(bad)?,
+            u64_at(elf, at + 8).ok_or_else(bad)?,
+        );
+        match tag {
+            0 => break,
+            5 => strtab = Some(val),
+            14 => name_at = Some(val),
+            // DT_NEEDED, DT_RPATH, DT_RUNPATH: other names in the string table.
+            1 | 15 | 29 => others.push(val),
+            _ => {}
+        }
+    }
+    let strtab = strtab.ok_or("no DT_STRTAB")?;
+    let name_at = name_at.ok_or("no DT_SONAME")?;
+    // The string table's file offset, through the loadable segment holding its address.
+    let &(_, off, vaddr, _) = segments
+        .iter()
+        .find(|s| s.0 == 1 && s.2 <= strtab && strtab < s.2 + s.3)
+        .ok_or("DT_STRTAB outside every PT_LOAD segment")?;
+    let start = (strtab - vaddr + off + name_at) as usize;
+    let old_len = elf
+        .get(start..)
+        .and_then(|rest| rest.iter().position(|b| *b == 0))
+        .ok_or_else(bad)?;
+    if soname.len() > old_len {
+        return Err(format!(
+            "soname {soname:?} is longer than the one in the file ({old_len} bytes)"
+        ));
+    }
+    if others
+        .iter()
+        .any(|o| *o > name_at && *o <= name_at + old_len as u64)
+    {
+        return Err("another name shares the soname's bytes".into());
+    }
+    let field = &mut elf[start..start + old_len];
+    field.fill(0);
+    field[..soname.len()].copy_from_slice(soname.as_bytes());
+    Ok(())
+}
+
 /// A driver library stand-in: an ELF shared object carrying only its `SONAME`, loadable
 /// (a tool may preload it) but exporting nothing.
 pub fn elf_with_soname(soname: &str) -> Vec<u8> {
@@ -355,6 +443,16 @@ pub fn ld_so_cache(entries: &[(String, String)]) -> Vec<u8> {
 mod tests {
     use super::*;
 
+    #[test]
+    fn set_soname_rewrites_a_longer_name_and_refuses_a_longer_one() {
+        let mut elf = elf_with_soname("libnvidia-ml.so.1");
+        set_soname(&mut elf, "libcuda.so.1").expect("shorter name");
+        assert_eq!(soname_of(&elf).as_deref(), Some("libcuda.so.1"));
+        let err = set_soname(&mut elf, "libnvidia-ml.so.1").expect_err("longer");
+        assert!(err.contains("longer"), "{err}");
+        assert!(set_soname(&mut b"not elf".to_vec(), "x").is_err());
+    }
+
     fn u32_at(f: &[u8], at: usize) -> u32 {
         u32::from_le_bytes(f[at..at + 4].try_into().expect("4 bytes"))
     }
@@ -378,6 +476,19 @@ mod tests {
                 )
             })
             .collect()
+    }
+
+    /// The soname, read through the section headers as `readelf -d` does.
+    fn soname_of(f: &[u8]) -> Option<String> {
+        let sections = sections(f);
+        let (_, dyn_off, dyn_len, link) = *sections.iter().find(|s| s.0 == 6)?;
+        let (_, str_off, _, _) = sections[link as usize];
+        let at = (dyn_off..dyn_off + dyn_len)
+            .step_by(16)
+            .find(|&e| u64_at(f, e) == 14)
+            .map(|e| str_off + u64_at(f, e + 8) as usize)?;
+        let end = at + f[at..].iter().position(|b| *b == 0)?;
+        String::from_utf8(f[at..end].to_vec()).ok()
     }
 
     #[test]

@@ -9,7 +9,9 @@
 //! - `cuda-app`, the stand-in for a CUDA program in a container ([`cuda`]), which can hold
 //!   device memory and keep a share of the SMs busy, registered with the node as the kernel
 //!   driver would know it ([`processes`]) so that NVML reports it, and which plays NVIDIA's
-//!   nbody CUDA sample when given its flags ([`nbody`]);
+//!   nbody CUDA sample when given its flags ([`nbody`]); the same model of CUDA's view
+//!   backs the simulated `libcuda.so.1` of the `gpu-dra-sim-cuda` package, which `setup`
+//!   installs beside the NVML library;
 //! - `gpu-sim`, which lays out a self-contained simulated host (libraries, tools, `/dev`,
 //!   `/proc` and `/sys` files, state file) under a directory ([`setup`], with the driver's
 //!   other user-space files from [`driverfiles`]) and injects GPU faults (XID, ECC, fallen off

@@ -250,6 +250,20 @@ impl GpuSpec {
         self.mig_table.as_deref().and_then(mig::table)
     }
 
+    /// Streaming multiprocessors of the whole GPU, as CUDA's
+    /// `CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT` reports them: the product's count for the
+    /// boards of the built-in profiles (by PCI device ID), else the largest MIG profile's,
+    /// else [`DEFAULT_MULTIPROCESSORS`].
+    pub fn multiprocessors(&self) -> u32 {
+        let id = pci_id(&self.pci_device_id);
+        if let Some((_, sms)) = MULTIPROCESSORS.iter().find(|(pci, _)| *pci == id) {
+            return *sms;
+        }
+        self.mig_profiles()
+            .and_then(|t| t.iter().map(|p| p.multiprocessors).max())
+            .unwrap_or(DEFAULT_MULTIPROCESSORS)
+    }
+
     /// NVML brand enum value (`nvmlBrandType_t`).
     pub fn brand_value(&self) -> u32 {
         brand_value(&self.brand).unwrap_or(0)
@@ -260,6 +274,22 @@ impl GpuSpec {
         architecture_value(&self.architecture).unwrap_or(0xffff_ffff)
     }
 }
+
+/// SM counts of whole GPUs by combined PCI device ID: Tesla P4 (20), T4 (40), A100 SXM4
+/// (108; 98 usable in MIG mode), H100 SXM5 (132), H200 (132), GeForce RTX 4090 (128).
+const MULTIPROCESSORS: &[(u32, u32)] = &[
+    (0x1BB3_10DE, 20),
+    (0x1EB8_10DE, 40),
+    (0x20B0_10DE, 108),
+    (0x20B2_10DE, 108),
+    (0x20F1_10DE, 108),
+    (0x2330_10DE, 132),
+    (0x2335_10DE, 132),
+    (0x2684_10DE, 128),
+];
+
+/// SMs of a GPU in a profile file whose board is in neither table.
+pub const DEFAULT_MULTIPROCESSORS: u32 = 80;
 
 fn parse_cc(s: &str) -> Option<(i32, i32)> {
     let (a, b) = s.split_once('.')?;

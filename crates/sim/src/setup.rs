@@ -3,7 +3,8 @@
 //! The tree mirrors what the driver finds on a real node (paths relative to the root):
 //! - `usr/lib/x86_64-linux-gnu/libnvidia-ml.so.<ver>` (the simulator library) with the
 //!   `libnvidia-ml.so.1` and `libnvidia-ml.so` links, as the driver installs it (runtimes
-//!   mount the versioned file); `libcuda.so.<ver>` (+ `libcuda.so.1`),
+//!   mount the versioned file); `libcuda.so.<ver>` (+ `libcuda.so.1`), the simulated CUDA
+//!   driver library (package `gpu-dra-sim-cuda`, whose ELF soname is `libcuda.so.1`),
 //!   `libnvidia-ptxjitcompiler.so.<ver>` (+ `.so.1`), `lib/firmware/nvidia/<ver>/gsp_ga10x.bin`;
 //! - beside `libnvidia-ml.so.1`, in every layout, the host distribution's system libraries
 //!   ([`HOST_SYSTEM_LIBRARIES`]: `libc.so.6`, ...) as stand-ins no loader can use (see
@@ -40,6 +41,9 @@ pub const NVML_LIB: &str = "usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1";
 pub const BIN_DIR: &str = "usr/bin";
 /// File name of the cdylib as cargo builds it.
 pub const CDYLIB_NAME: &str = "libgpu_dra_sim.so";
+/// File name of the simulated CUDA driver library (package `gpu-dra-sim-cuda`) as cargo
+/// builds it; installed as `libcuda.so.<ver>`.
+pub const CUDA_CDYLIB_NAME: &str = "libgpu_dra_sim_cuda.so";
 /// The host distribution's system libraries that setup puts beside the NVML library (the
 /// ones a driver tool links against).
 pub const HOST_SYSTEM_LIBRARIES: &[&str] = &[
@@ -57,27 +61,33 @@ pub const TOOLS: &[&str] = &["nvidia-smi", "nvidia-cuda-mps-control"];
 pub struct Artefacts {
     /// The cdylib (`libgpu_dra_sim.so`).
     pub cdylib: PathBuf,
+    /// The simulated CUDA driver library (`libgpu_dra_sim_cuda.so`).
+    pub libcuda: PathBuf,
     /// Directory holding the `nvidia-smi` and `nvidia-cuda-mps-control` executables.
     pub bin_dir: PathBuf,
 }
 
 impl Artefacts {
     /// Finds the artefacts next to `dir` (a cargo profile directory such as
-    /// `target/debug`): the cdylib in `dir` or `dir/deps`, the tools in `dir`.
+    /// `target/debug`): the cdylibs in `dir` or `dir/deps`, the tools in `dir`.
     pub fn beside(dir: &Path) -> Result<Artefacts, SimError> {
-        let candidates = [dir.join(CDYLIB_NAME), dir.join("deps").join(CDYLIB_NAME)];
-        let cdylib = candidates
-            .iter()
-            .find(|p| p.is_file())
-            .cloned()
-            .ok_or_else(|| SimError::MissingArtefact {
-                what: CDYLIB_NAME.to_string(),
-                searched: format!(
-                    "{} and {}",
-                    candidates[0].display(),
-                    candidates[1].display()
-                ),
-            })?;
+        let find = |name: &str| {
+            let candidates = [dir.join(name), dir.join("deps").join(name)];
+            candidates
+                .iter()
+                .find(|p| p.is_file())
+                .cloned()
+                .ok_or_else(|| SimError::MissingArtefact {
+                    what: name.to_string(),
+                    searched: format!(
+                        "{} and {}",
+                        candidates[0].display(),
+                        candidates[1].display()
+                    ),
+                })
+        };
+        let cdylib = find(CDYLIB_NAME)?;
+        let libcuda = find(CUDA_CDYLIB_NAME)?;
         for tool in TOOLS {
             let p = dir.join(tool);
             if !p.is_file() {
@@ -89,6 +99,7 @@ impl Artefacts {
         }
         Ok(Artefacts {
             cdylib,
+            libcuda,
             bin_dir: dir.to_path_buf(),
         })
     }
@@ -324,8 +335,8 @@ pub(crate) fn remove_driver_files(
 
 /// Installs the driver libraries with their soname and `.so` links, as the driver's
 /// installer does, and the root's `etc/ld.so.cache` listing them by soname (as `ldconfig`
-/// would). The NVML library is the simulator itself; the others are ELF stubs carrying only
-/// their soname.
+/// would). The NVML library is the simulator itself, the CUDA library the simulated CUDA
+/// driver; the others are ELF stubs carrying only their soname.
 pub(crate) fn install_libraries(
     root: &Path,
     layout: DriverLayout,
@@ -338,6 +349,23 @@ pub(crate) fn install_libraries(
         let file = format!("{stem}.so.{ver}");
         if *stem == "libnvidia-ml" {
             copy(&artefacts.cdylib, &lib.join(&file))?;
+        } else if *stem == "libcuda" {
+            // The soname the toolkit reads, which the link could not give it (see
+            // `driverfiles::set_soname`).
+            let mut bytes = fs::read(&artefacts.libcuda).map_err(io(&artefacts.libcuda))?;
+            if bytes.starts_with(b"\x7fELF") {
+                crate::driverfiles::set_soname(&mut bytes, "libcuda.so.1").map_err(|message| {
+                    SimError::InvalidArgument {
+                        field: artefacts.libcuda.display().to_string(),
+                        message,
+                    }
+                })?;
+            }
+            let to = lib.join(&file);
+            // Removed first, as `copy` does: a process may have the old file mapped.
+            let _ = fs::remove_file(&to);
+            write(&to, &bytes)?;
+            set_mode(&to, 0o755)?;
         } else {
             let so = soname.map_or(file.clone(), str::to_owned);
             write(&lib.join(&file), &crate::driverfiles::elf_with_soname(&so))?;
@@ -555,6 +583,7 @@ mod tests {
         let bin = dir.join("bin");
         fs::create_dir_all(bin.join("deps")).expect("mkdir");
         fs::write(bin.join("deps").join(CDYLIB_NAME), b"lib").expect("lib");
+        fs::write(bin.join(CUDA_CDYLIB_NAME), b"cuda").expect("libcuda");
         for t in TOOLS {
             fs::write(bin.join(t), b"tool").expect("tool");
         }
@@ -617,7 +646,10 @@ mod tests {
             Path::new("libnvidia-ml.so.580.95.05")
         );
         assert!(root.join(LIB_DIR).join("libnvidia-ml.so").exists());
-        assert!(root.join(LIB_DIR).join("libcuda.so.1").exists());
+        assert_eq!(
+            fs::read(root.join(LIB_DIR).join("libcuda.so.1")).expect("libcuda"),
+            b"cuda"
+        );
         assert!(
             root.join("usr/lib/x86_64-linux-gnu/libcuda.so.580.95.05")
                 .is_file()
@@ -758,5 +790,8 @@ mod tests {
         let tmp = tempfile::tempdir().expect("tmp");
         let err = Artefacts::beside(tmp.path()).expect_err("missing");
         assert!(err.to_string().contains(CDYLIB_NAME), "{err}");
+        fs::write(tmp.path().join(CDYLIB_NAME), b"lib").expect("lib");
+        let err = Artefacts::beside(tmp.path()).expect_err("missing");
+        assert!(err.to_string().contains(CUDA_CDYLIB_NAME), "{err}");
     }
 }

@@ -3,8 +3,9 @@
 //! Behind the `testing` feature, which crates enable from `[dev-dependencies]` only, so the
 //! simulator's library and tools carry no test harness.
 //!
-//! `SimHost::new("dgx-a100-40gb")` makes sure the simulator library and tools are built
-//! (once per process: `$CARGO build -p gpu-dra-sim`, env `CARGO` being set by `cargo test`),
+//! `SimHost::new("dgx-a100-40gb")` makes sure the simulator libraries and tools are built
+//! (once per process: `$CARGO build -p gpu-dra-sim -p gpu-dra-sim-cuda`, env `CARGO` being
+//! set by `cargo test`),
 //! then runs the same setup as `gpu-sim setup` into a fresh temp dir. The directory is
 //! removed when the `SimHost` is dropped.
 //!
@@ -56,7 +57,16 @@ pub fn ensure_built() -> Result<PathBuf, SimError> {
             let dir = profile_dir()?;
             let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
             let mut cmd = Command::new(cargo);
-            cmd.args(["build", "--quiet", "-p", "gpu-dra-sim", "--lib", "--bins"]);
+            cmd.args([
+                "build",
+                "--quiet",
+                "-p",
+                "gpu-dra-sim",
+                "-p",
+                "gpu-dra-sim-cuda",
+                "--lib",
+                "--bins",
+            ]);
             match dir.file_name().and_then(|n| n.to_str()) {
                 Some("debug") | None => {}
                 Some("release") => {
@@ -72,7 +82,7 @@ pub fn ensure_built() -> Result<PathBuf, SimError> {
             let out = cmd.output().map_err(|e| format!("running cargo: {e}"))?;
             if !out.status.success() {
                 return Err(format!(
-                    "cargo build -p gpu-dra-sim failed: {}",
+                    "cargo build -p gpu-dra-sim -p gpu-dra-sim-cuda failed: {}",
                     String::from_utf8_lossy(&out.stderr)
                 ));
             }
@@ -117,6 +127,13 @@ impl SimHost {
             })?;
         setup::setup(tmp.path(), &profile, &artefacts)?;
         Ok(SimHost { dir: tmp, profile })
+    }
+
+    /// `<root>/<library folder>/libcuda.so.1`, the simulated CUDA driver library.
+    pub fn libcuda_path(&self) -> PathBuf {
+        self.root()
+            .join(self.profile().driver_layout.lib_dir())
+            .join("libcuda.so.1")
     }
 
     /// The simulated root (driver root, dev root and sysfs parent).

@@ -67,9 +67,15 @@ pub struct Upgrade {
 /// its resolved name's suffix, when that is a dotted version; `None` for any other name (the
 /// simulator's own `libgpu_dra_sim.so` in its tests).
 pub fn nvml_library_version(path: &Path) -> Option<String> {
+    library_version(path, NVML_VERSIONED_PREFIX)
+}
+
+/// The driver version of a driver library file named `<prefix><version>` (`libcuda.so.` for
+/// `libcuda.so.580.95.05`) or a link to one, as [`nvml_library_version`] reads NVML's.
+pub fn library_version(path: &Path, prefix: &str) -> Option<String> {
     let file = std::fs::canonicalize(path).ok()?;
     let name = file.file_name()?.to_str()?;
-    let ver = name.strip_prefix(NVML_VERSIONED_PREFIX)?;
+    let ver = name.strip_prefix(prefix)?;
     is_version(ver).then(|| ver.to_owned())
 }
 
@@ -224,6 +230,7 @@ mod tests {
         let bin = dir.join("bin");
         fs::create_dir_all(bin.join("deps")).expect("mkdir");
         fs::write(bin.join("deps").join(setup::CDYLIB_NAME), b"lib").expect("lib");
+        fs::write(bin.join(setup::CUDA_CDYLIB_NAME), b"cuda").expect("libcuda");
         for t in setup::TOOLS {
             fs::write(bin.join(t), b"tool").expect("tool");
         }

@@ -33,8 +33,8 @@ enum Cmd {
         /// Directory to create the host in.
         #[arg(long, env = "GPU_SIM_ROOT")]
         root: PathBuf,
-        /// Directory holding libgpu_dra_sim.so (or deps/libgpu_dra_sim.so) and the tools;
-        /// default: the directory of this executable.
+        /// Directory holding libgpu_dra_sim.so and libgpu_dra_sim_cuda.so (or deps/ holding
+        /// them) and the tools; default: the directory of this executable.
         #[arg(long, env = "GPU_SIM_ARTEFACTS")]
         artefacts: Option<PathBuf>,
     },
@@ -104,8 +104,8 @@ enum Cmd {
         /// Seconds NVML cannot be reached.
         #[arg(long, default_value_t = 2.0, env = "GPU_SIM_UPGRADE_WINDOW")]
         window_seconds: f64,
-        /// Directory holding libgpu_dra_sim.so and the tools to install; default: the
-        /// directory of this executable.
+        /// Directory holding libgpu_dra_sim.so, libgpu_dra_sim_cuda.so and the tools to
+        /// install; default: the directory of this executable.
         #[arg(long, env = "GPU_SIM_ARTEFACTS")]
         artefacts: Option<PathBuf>,
     },

@@ -70,8 +70,9 @@ static LIB: Mutex<Lib> = Mutex::new(Lib {
     cache: None,
 });
 
-/// The path of the object this code lives in (the `.so` when loaded as a library).
-fn own_path() -> Option<PathBuf> {
+/// The path of the object this code lives in (the `.so` when loaded as a library: the NVML
+/// library, or the CUDA library that links this crate).
+pub fn own_path() -> Option<PathBuf> {
     let mut info = std::mem::MaybeUninit::<libc::Dl_info>::zeroed();
     let addr = own_path as *const c_void;
     // SAFETY: `dladdr` only reads the loader's tables for an address inside this object and

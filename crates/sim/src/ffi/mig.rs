@@ -207,14 +207,8 @@ pub unsafe extern "C" fn nvmlDeviceGetAttributes_v2(
         let st = state()?;
         let m = mig_device(&st, device)?;
         let p = m.profile;
-        // A compute instance smaller than its GPU instance gets its share of the SMs.
-        let sms = if m.ci.slice_count == p.slice_count {
-            p.multiprocessors
-        } else {
-            p.multiprocessors / p.slice_count * m.ci.slice_count
-        };
         let a = DeviceAttributes {
-            multiprocessor_count: sms,
+            multiprocessor_count: m.multiprocessors(),
             shared_copy_engine_count: p.copy_engines,
             shared_decoder_count: p.decoders,
             shared_encoder_count: p.encoders,

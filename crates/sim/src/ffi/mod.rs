@@ -45,6 +45,7 @@ mod resolve;
 pub use device::*;
 pub use init::*;
 pub use instances::*;
+pub use library::own_path;
 pub use mig::*;
 pub use processes::*;
 

@@ -209,6 +209,17 @@ impl MigDeviceRef<'_> {
             format!("{}c.{}", self.ci.slice_count, self.profile.name)
         }
     }
+
+    /// Its SMs: the GPU instance's, or for a compute instance smaller than its GPU instance
+    /// its share of them.
+    pub fn multiprocessors(&self) -> u32 {
+        let p = self.profile;
+        if self.ci.slice_count == p.slice_count {
+            p.multiprocessors
+        } else {
+            p.multiprocessors / p.slice_count * self.ci.slice_count
+        }
+    }
 }
 
 impl State {
