@@ -121,7 +121,7 @@ demo: e2e-bins e2e-tools e2e-node-tools e2e-image toolkit ## local cluster with 
 BENCH_PROFILE ?= debug
 bench-e2e: toolkit ## scale benchmark: 100 nodes x 8 GPUs, 800 one-GPU pods, BENCH_PROFILE=debug|release plugins (not in CI)
 	@case "$(BENCH_PROFILE)" in debug|release) ;; *) echo "make bench-e2e: BENCH_PROFILE=$(BENCH_PROFILE): want debug or release" >&2; exit 2;; esac
-	$(CARGO) build --locked $(if $(filter release,$(BENCH_PROFILE)),--release) -p gpu-dra-kubelet-plugin -p gpu-dra-sim -p gpu-dra-webhook
+	$(CARGO) build --locked $(if $(filter release,$(BENCH_PROFILE)),--release) -p gpu-dra-kubelet-plugin -p gpu-dra-sim -p gpu-dra-sim-cuda -p gpu-dra-webhook
 	cd e2e && $(E2E_ENV) E2E_BIN_DIR=$(CURDIR)/target/$(BENCH_PROFILE) BENCH_PROFILE=$(BENCH_PROFILE) $(GO) run ./cmd/bench-e2e
 
 bench-mps: e2e-bins e2e-tools e2e-image toolkit ## MPS claim created -> pod Running, p50/p99 over 24 claims, against whole-GPU claims (root: runs containers)
@@ -148,7 +148,7 @@ BENCHES := gpu-dra-api:bench_validate gpu-dra-sim:bench_sim gpu-dra-core:bench_d
 # $(1): cargo profile flag, $(2): environment of each run. The simulator's library and tools
 # and the webhook binary are what bench_mps and bench_admission start.
 define run-benches
-	$(CARGO) build --locked $(1) -p gpu-dra-sim --lib --bins
+	$(CARGO) build --locked $(1) -p gpu-dra-sim -p gpu-dra-sim-cuda --lib --bins
 	$(CARGO) build --locked $(1) -p gpu-dra-webhook --bin gpu-dra-webhook
 	set -e; for b in $(BENCHES); do \
 		echo "== $$b"; $(2) $(CARGO) run --locked $(1) -p $${b%%:*} --example $${b#*:}; \
@@ -226,7 +226,7 @@ selftest-bundle: $(TOOLS)/bin/nvidia-cdi-hook $(RUNC_STATIC) ## the node self-te
 selftest-check: $(TOOLS)/bin/nvidia-cdi-hook $(RUNC_STATIC) ## the node self-test on every simulated profile, and broken hosts failing it by name (root)
 	$(CARGO) build --locked -p gpu-dra-kubelet-plugin --bin gpu-kubelet-plugin -p gpu-dra-cuda-probe -p gpu-dra-sim -p gpu-dra-sim-cuda
 	bash deploy/selftest/build-bundle.sh $(SELFTEST_SIM_BUNDLE) target/debug/gpu-kubelet-plugin target/debug/gpu-cuda-probe \
-		$(RUNC_STATIC) $(TOOLS)/bin/nvidia-cdi-hook target/debug/nvidia-smi target/debug/libgpu_dra_sim.so
+		$(RUNC_STATIC) $(TOOLS)/bin/nvidia-cdi-hook target/debug/nvidia-smi target/debug/libgpu_dra_sim.so target/debug/libgpu_dra_sim_cuda.so
 	SELFTEST_BUNDLE=$(SELFTEST_SIM_BUNDLE) $(CARGO) test --locked -p gpu-dra-kubelet-plugin --test selftest
 
 # As root: the toolkit runs in a private mount namespace (see the test's module doc).

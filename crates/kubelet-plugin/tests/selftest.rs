@@ -10,6 +10,8 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+use gpu_dra_sim::profile::DriverLayout;
+use gpu_dra_sim::state::ComputeMode;
 use gpu_dra_sim::testing::SimHost;
 use serde_json::Value;
 
@@ -21,9 +23,17 @@ fn bundle() -> Option<PathBuf> {
 /// Runs the bundle's self-test against `host` with `extra` flags; the JSON report and the log.
 fn selftest(bundle: &Path, host: &SimHost, extra: &[&str]) -> (Value, String) {
     let root = host.root().display().to_string();
+    // Where the profile installs the driver: the host's root, or `/usr/local/nvidia` under it
+    // (the real H100 host's layout), as an admin sets `nvidiaDriverRoot`.
+    let driver_root = match host.profile().driver_layout {
+        DriverLayout::Distro => host.root().to_path_buf(),
+        DriverLayout::UsrLocalNvidia => host.root().join("usr/local/nvidia"),
+    };
     let out = Command::new(bundle.join("bin/gpu-kubelet-plugin"))
         .arg("selftest")
-        .args(["--nvidia-driver-root", &root, "--dev-root", &root])
+        .arg("--nvidia-driver-root")
+        .arg(&driver_root)
+        .args(["--dev-root", &root])
         .arg("--sysfs-root")
         .arg(host.sysfs_root())
         .arg("--rootfs")
@@ -103,16 +113,34 @@ fn selftest_passes_on_every_simulated_profile() {
         for name in [
             "discovery",
             "discovery/nvidia-smi",
+            "whole-gpu/nvidia-smi",
             "whole-gpu/cuda",
+            "whole-gpu/unprepare",
+            "mps/nvidia-smi",
+            "mps/cuda",
             "mps/memory-limit",
             "mps/thread-percentage",
-            "time-slicing/cuda",
+            "time-slicing/unprepare",
             "host/restored",
         ] {
             assert_eq!(
                 status_of(&report, name).0,
                 "pass",
                 "{profile}: {name} in {all:#?}"
+            );
+        }
+        // GPUs before Volta have no time-slice setting: the claim is refused with advice.
+        let (status, detail) = status_of(&report, "time-slicing/prepare");
+        if status == "skip" {
+            assert!(
+                detail.contains("does not support time-slicing"),
+                "{profile}: {detail}"
+            );
+        } else {
+            assert_eq!(
+                status_of(&report, "time-slicing/cuda").0,
+                "pass",
+                "{profile}: {all:#?}"
             );
         }
         if has_mig_devices(&host) {
@@ -129,29 +157,56 @@ fn selftest_passes_on_every_simulated_profile() {
 }
 
 #[test]
-fn leave_settings_skips_time_slicing_and_keeps_compute_modes() {
+fn leave_settings_skips_time_slicing_and_leaves_compute_modes_alone() {
     let Some(bundle) = bundle() else {
         eprintln!("SELFTEST_BUNDLE not set: skipped (make selftest-check runs it)");
         return;
     };
     let host = SimHost::new("dgx-h100");
-    let modes = |h: &SimHost| -> Vec<String> {
-        h.state()
-            .gpus
-            .iter()
-            .map(|g| format!("{:?}", g.compute_mode))
-            .collect()
-    };
-    let before = modes(&host);
     let (report, log) = selftest(&bundle, &host, &["--leave-settings"]);
     assert_eq!(report["failed"], 0, "{report:#}\n{log}");
     let (status, why) = status_of(&report, "time-slicing");
     assert_eq!(status, "skip");
     assert!(why.contains("--leave-settings"), "{why}");
+    for name in [
+        "whole-gpu/cuda",
+        "mps/memory-limit",
+        "mps/thread-percentage",
+        "host/restored",
+    ] {
+        assert_eq!(status_of(&report, name).0, "pass", "{name}: {report:#}");
+    }
+
+    // GPUs an admin keeps in EXCLUSIVE_PROCESS: the plugin's MPS path sets the mode and puts
+    // DEFAULT back after, so only a run that never touches the mode leaves it so.
+    let exclusive = |h: &SimHost| {
+        h.update_state(|s| {
+            for g in &mut s.gpus {
+                g.compute_mode = ComputeMode::ExclusiveProcess;
+            }
+        });
+    };
+    let modes = |h: &SimHost| -> Vec<ComputeMode> {
+        h.state().gpus.iter().map(|g| g.compute_mode).collect()
+    };
+    let host = SimHost::new("dgx-h100");
+    exclusive(&host);
+    let (report, log) = selftest(&bundle, &host, &["--leave-settings", "--kinds", "mps"]);
+    assert_eq!(report["failed"], 0, "{report:#}\n{log}");
     assert_eq!(status_of(&report, "mps/memory-limit").0, "pass");
-    assert_eq!(modes(&host), before);
-    // The compute mode was never set: the simulated nvidia-smi logs no change.
-    assert!(!log.contains("EXCLUSIVE_PROCESS"), "{log}");
+    assert!(
+        modes(&host)
+            .iter()
+            .all(|m| *m == ComputeMode::ExclusiveProcess)
+    );
+    // Without it, the same host is not left as it was, and the report says so.
+    let (report, _) = selftest(&bundle, &host, &["--kinds", "mps"]);
+    let (status, detail) = status_of(&report, "host/restored");
+    assert_eq!(status, "fail", "{report:#}");
+    assert!(
+        detail.contains("compute mode Default (was Exclusive_Process)"),
+        "{detail}"
+    );
 }
 
 #[test]

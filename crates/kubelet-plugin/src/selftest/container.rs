@@ -451,8 +451,8 @@ mod tests {
         assert_eq!(dev_numbers((195 << 8) | 255), (195, 255));
         assert_eq!(dev_numbers((508 << 8) | 1), (508, 1));
         assert_eq!(
-            dev_numbers((0x1000 << 32) | (1 << 8) | (0x12345 << 12 & !0xfff_ff) | 0x45),
-            (4097, 0x123_45)
+            dev_numbers((0x1000 << 32) | (1 << 8) | ((0x0001_2345 << 12) & !0x000f_ffff) | 0x45),
+            (4097, 0x0001_2345)
         );
     }
 }

@@ -327,24 +327,6 @@ fn compare_with_smi(inventory: &Inventory, smi: &[SmiGpu]) -> Result<String, Str
     }
 }
 
-/// The MPS control daemons running on the host (by process name; the kernel keeps 15
-/// characters of it).
-fn mps_daemons() -> Vec<u32> {
-    let Ok(dir) = std::fs::read_dir("/proc") else {
-        return Vec::new();
-    };
-    let mut pids: Vec<u32> = dir
-        .flatten()
-        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
-        .filter(|pid| {
-            std::fs::read_to_string(format!("/proc/{pid}/comm"))
-                .is_ok_and(|c| c.trim() == "nvidia-cuda-mps")
-        })
-        .collect();
-    pids.sort_unstable();
-    pids
-}
-
 /// A fresh claim UID (the kernel's random UUID).
 fn new_uid(n: usize) -> String {
     std::fs::read_to_string("/proc/sys/kernel/random/uuid")
@@ -480,7 +462,6 @@ pub async fn run(opts: &Options) -> Report {
         ),
         Err(e) => report.add("discovery/nvidia-smi", Status::Fail, e.clone()),
     }
-    let daemons_before = mps_daemons();
     let plugin = match build_plugin(opts, &live) {
         Ok(p) => p,
         Err(e) => {
@@ -521,16 +502,14 @@ pub async fn run(opts: &Options) -> Report {
     if !state.mps.is_empty() {
         problems.push(format!("{} MPS daemons recorded", state.mps.len()));
     }
-    let daemons_after = mps_daemons();
-    let new: Vec<String> = daemons_after
+    let left: Vec<String> = crate::sharing::mps::find_daemons_under(&opts.work_dir)
         .iter()
-        .filter(|p| !daemons_before.contains(p))
         .map(ToString::to_string)
         .collect();
-    if !new.is_empty() {
+    if !left.is_empty() {
         problems.push(format!(
             "MPS control daemons still running: pids {}",
-            new.join(", ")
+            left.join(", ")
         ));
     }
     report.judge(
@@ -576,22 +555,41 @@ async fn run_case(
         uid: uid.clone(),
     };
     let prepared = plugin.driver.prepare(&claim).await;
-    let ok = report.judge(
-        format!("{kind}/prepare"),
-        match &prepared {
-            Ok(devices) => Ok(format!(
-                "{} ({}) -> {}",
-                case.device,
-                case.uuid,
-                devices
-                    .iter()
-                    .flat_map(|d| d.cdi_device_ids.iter().cloned())
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            )),
-            Err(e) => Err(e.to_string()),
-        },
+    if let Err(crate::driver::DriverError::Sharing(
+        e @ crate::sharing::SharingError::TimeSliceNotSupported { .. },
+    )) = &prepared
+    {
+        // Pre-Volta GPUs have no time-slice setting: the plugin refuses such claims with its
+        // advice, which is all there is to check on them.
+        report.add(
+            format!("{kind}/prepare"),
+            Status::Skip,
+            format!("refused as on any such GPU: {e}"),
+        );
+    }
+    let unsupported = matches!(
+        &prepared,
+        Err(crate::driver::DriverError::Sharing(
+            crate::sharing::SharingError::TimeSliceNotSupported { .. }
+        ))
     );
+    let ok = !unsupported
+        && report.judge(
+            format!("{kind}/prepare"),
+            match &prepared {
+                Ok(devices) => Ok(format!(
+                    "{} ({}) -> {}",
+                    case.device,
+                    case.uuid,
+                    devices
+                        .iter()
+                        .flat_map(|d| d.cdi_device_ids.iter().cloned())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                )),
+                Err(e) => Err(e.to_string()),
+            },
+        );
     if let (true, Ok(devices)) = (ok, &prepared) {
         let ids: Vec<String> = devices
             .iter()

@@ -292,39 +292,52 @@ pub fn pid_alive(pid: u32) -> bool {
     }
 }
 
+/// The pipe folder `pid` serves, when it is a live MPS control daemon (see the module doc).
+fn daemon_pipe_dir(pid: u32) -> Option<PathBuf> {
+    if !pid_alive(pid) {
+        return None;
+    }
+    let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+    let mut args = cmdline.split(|b| *b == 0).filter(|a| !a.is_empty());
+    let arg0 = Path::new(std::ffi::OsStr::from_bytes(args.next()?));
+    if !file_name_is(arg0, MPS_CONTROL) || !args.any(|a| a == b"-f") {
+        return None;
+    }
+    let environ = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
+    let prefix = format!("{PIPE_DIR_ENV}=");
+    environ
+        .split(|b| *b == 0)
+        .find_map(|kv| kv.strip_prefix(prefix.as_bytes()))
+        .map(|dir| PathBuf::from(std::ffi::OsStr::from_bytes(dir)))
+}
+
 /// Whether `pid` is the MPS control daemon serving `pipe_dir` (see the module doc).
 pub fn is_daemon_for(pid: u32, pipe_dir: &Path) -> bool {
-    if !pid_alive(pid) {
-        return false;
-    }
-    let Ok(cmdline) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
-        return false;
+    daemon_pipe_dir(pid).is_some_and(|dir| dir == pipe_dir)
+}
+
+/// The live MPS control daemons whose pipe folder passes `serves`.
+fn daemons_where(serves: impl Fn(&Path) -> bool) -> Vec<u32> {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
     };
-    let mut args = cmdline.split(|b| *b == 0).filter(|a| !a.is_empty());
-    let Some(arg0) = args.next() else {
-        return false;
-    };
-    let arg0 = Path::new(std::ffi::OsStr::from_bytes(arg0));
-    if !file_name_is(arg0, MPS_CONTROL) || !args.any(|a| a == b"-f") {
-        return false;
-    }
-    let Ok(environ) = std::fs::read(format!("/proc/{pid}/environ")) else {
-        return false;
-    };
-    let want = format!("{PIPE_DIR_ENV}={}", pipe_dir.display());
-    environ.split(|b| *b == 0).any(|kv| kv == want.as_bytes())
+    let mut pids: Vec<u32> = entries
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| daemon_pipe_dir(*pid).is_some_and(|dir| serves(&dir)))
+        .collect();
+    pids.sort_unstable();
+    pids
 }
 
 /// Every live MPS control daemon serving `pipe_dir` (for a daemon whose pid was never
 /// recorded because the plugin crashed right after starting it).
 pub fn find_daemons(pipe_dir: &Path) -> Vec<u32> {
-    let Ok(entries) = std::fs::read_dir("/proc") else {
-        return Vec::new();
-    };
-    entries
-        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
-        .filter(|pid| is_daemon_for(*pid, pipe_dir))
-        .collect()
+    daemons_where(|dir| dir == pipe_dir)
+}
+
+/// Every live MPS control daemon whose pipe folder lies under `root` (a plugin folder's).
+pub fn find_daemons_under(root: &Path) -> Vec<u32> {
+    daemons_where(|dir| dir.starts_with(root))
 }
 
 /// SIGKILLs the daemon and its process group (its MPS servers).
