@@ -261,10 +261,19 @@ fn plan_cases(inventory: &Inventory, opts: &Options) -> Vec<Result<Case, (Kind, 
         .collect()
 }
 
-/// `nvidia-smi --query-gpu` of the driver root: `Ok(None)` when it has no `nvidia-smi`.
+/// What the driver root's `nvidia-smi` reports of the GPUs: its XML report (`-q -x`), or where
+/// the tool has none (the simulator's stand-in), `--query-gpu` of the same facts. `Ok(None)`
+/// when the driver root has no `nvidia-smi`.
 async fn smi_gpus(root: &DriverRoot, timeout: Duration) -> Result<Option<Vec<SmiGpu>>, String> {
     if root.find_tool("nvidia-smi").is_err() {
         return Ok(None);
+    }
+    let xml = root
+        .run("nvidia-smi", &["-q", "-x"], &[], None, timeout)
+        .await
+        .map_err(|e| e.to_string())?;
+    if xml.success() && xml.stdout.contains("<nvidia_smi_log>") {
+        return observe::parse_q_xml(&xml.stdout).map(Some);
     }
     let query = format!("--query-gpu={}", observe::QUERY_FIELDS);
     let out = root
@@ -321,7 +330,10 @@ fn compare_with_smi(inventory: &Inventory, smi: &[SmiGpu]) -> Result<String, Str
         }
     }
     if problems.is_empty() {
-        Ok(format!("nvidia-smi lists the same {} GPUs", smi.len()))
+        Ok(format!(
+            "nvidia-smi lists the same {} GPUs, names, driver and MIG modes",
+            smi.len()
+        ))
     } else {
         Err(problems.join("; "))
     }

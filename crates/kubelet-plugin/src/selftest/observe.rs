@@ -118,6 +118,76 @@ pub fn parse_query(out: &str) -> Result<Vec<SmiGpu>, String> {
         .collect()
 }
 
+/// Parses `nvidia-smi -q -x` (the XML report, `nvsmi_device_v*.dtd`) into the same facts as
+/// [`parse_query`]: per `<gpu>`, its `<product_name>`, `<uuid>`, `<compute_mode>` and
+/// `<mig_mode><current_mig>`, with the report's `<driver_version>`. Only elements directly at
+/// those paths count (a MIG device's own `<uuid>` deeper down does not). Enough XML for the
+/// tool's output: tags, text, `<?...?>` and `<!...>`; no entities beyond the five predefined.
+pub fn parse_q_xml(xml: &str) -> Result<Vec<SmiGpu>, String> {
+    let mut path: Vec<&str> = Vec::new();
+    let mut driver = String::new();
+    let mut gpus: Vec<SmiGpu> = Vec::new();
+    let mut rest = xml;
+    while let Some(open) = rest.find('<') {
+        let text = &rest[..open];
+        let after = &rest[open + 1..];
+        let close = after
+            .find('>')
+            .ok_or_else(|| "unterminated tag in nvidia-smi's XML".to_string())?;
+        let tag = &after[..close];
+        rest = &after[close + 1..];
+        let value = || {
+            text.trim()
+                .replace("&lt;", "<")
+                .replace("&gt;", ">")
+                .replace("&quot;", "\"")
+                .replace("&apos;", "'")
+                .replace("&amp;", "&")
+        };
+        if let Some(name) = tag.strip_prefix('/') {
+            if path.last() != Some(&name.trim()) {
+                return Err(format!("nvidia-smi's XML closes <{name}> out of order"));
+            }
+            let here = path.join("/");
+            let gpu = gpus.last_mut();
+            match (here.as_str(), gpu) {
+                ("nvidia_smi_log/driver_version", _) => driver = value(),
+                ("nvidia_smi_log/gpu/product_name", Some(g)) => g.name = value(),
+                ("nvidia_smi_log/gpu/uuid", Some(g)) => g.uuid = value(),
+                ("nvidia_smi_log/gpu/compute_mode", Some(g)) => g.compute_mode = value(),
+                ("nvidia_smi_log/gpu/mig_mode/current_mig", Some(g)) => g.mig_mode = value(),
+                _ => {}
+            }
+            path.pop();
+        } else if tag.starts_with('?') || tag.starts_with('!') || tag.ends_with('/') {
+            // Declarations, comments and empty elements carry nothing read here.
+        } else {
+            let name = tag.split_whitespace().next().unwrap_or_default();
+            path.push(name);
+            if path == ["nvidia_smi_log", "gpu"] {
+                gpus.push(SmiGpu {
+                    index: u32::try_from(gpus.len()).unwrap_or(u32::MAX),
+                    uuid: String::new(),
+                    name: String::new(),
+                    driver_version: String::new(),
+                    compute_mode: String::new(),
+                    mig_mode: String::new(),
+                });
+            }
+        }
+    }
+    if !path.is_empty() {
+        return Err(format!("nvidia-smi's XML ends inside <{}>", path.join("/")));
+    }
+    for g in &mut gpus {
+        g.driver_version.clone_from(&driver);
+        if g.uuid.is_empty() {
+            return Err("a <gpu> of nvidia-smi's XML has no <uuid>".into());
+        }
+    }
+    Ok(gpus)
+}
+
 /// One device as the CUDA probe saw it.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 pub struct ProbeDevice {
@@ -285,6 +355,34 @@ mod tests {
                 .expect_err("short")
                 .contains("GPU-a")
         );
+    }
+
+    #[test]
+    fn q_xml_of_a_real_host_parses_to_the_query_facts() {
+        let gpus = parse_q_xml(include_str!(
+            "../../tests/testdata/h100-580-nvidia-smi-q.xml"
+        ))
+        .expect("the real report parses");
+        assert_eq!(
+            gpus,
+            [SmiGpu {
+                index: 0,
+                uuid: "GPU-bd649d6e-5694-b281-b88a-cbeae76206e5".into(),
+                name: "NVIDIA H100 80GB HBM3".into(),
+                driver_version: "580.159.04".into(),
+                compute_mode: "Default".into(),
+                mig_mode: "Disabled".into(),
+            }]
+        );
+        // A MIG device's UUID deeper in the GPU is not the GPU's.
+        let nested = "<nvidia_smi_log><driver_version>1</driver_version><gpu id=\"a\"><uuid>GPU-a</uuid><mig_devices><mig_device><uuid>MIG-b</uuid></mig_device></mig_devices><mig_mode><current_mig>Enabled</current_mig></mig_mode></gpu></nvidia_smi_log>";
+        let gpus = parse_q_xml(nested).expect("parses");
+        assert_eq!(
+            (gpus[0].uuid.as_str(), gpus[0].mig_mode.as_str()),
+            ("GPU-a", "Enabled")
+        );
+        assert!(parse_q_xml("<nvidia_smi_log><gpu>").is_err());
+        assert!(parse_q_xml("<a></b>").is_err());
     }
 
     #[test]
