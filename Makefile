@@ -215,7 +215,7 @@ $(RUNC_STATIC):
 	mv $(TOOLS)/runc-build/runc $@
 
 selftest-bundle: $(TOOLS)/bin/nvidia-cdi-hook $(RUNC_STATIC) ## the node self-test bundle into target/selftest-bundle (release, under 60 MiB): bring it to a GPU host, run selftest.sh
-	$(CARGO) build --locked --release -p gpu-dra-kubelet-plugin --bin gpu-kubelet-plugin -p gpu-dra-cuda-probe
+	$(CARGO) build --locked --release -p gpu-dra-kubelet-plugin --bin gpu-kubelet-plugin -p gpu-dra-cuda-probe --bin gpu-cuda-probe
 	bash deploy/selftest/build-bundle.sh $(SELFTEST_BUNDLE) target/release/gpu-kubelet-plugin target/release/gpu-cuda-probe \
 		$(RUNC_STATIC) $(TOOLS)/bin/nvidia-cdi-hook
 	@size=$$(du -sm $(SELFTEST_BUNDLE) | cut -f1); echo "self-test bundle: $$size MiB (limit 60)"; \
@@ -224,7 +224,7 @@ selftest-bundle: $(TOOLS)/bin/nvidia-cdi-hook $(RUNC_STATIC) ## the node self-te
 # The same bundle from the debug build, with the libraries the simulator's tools load in a
 # container, run against every simulated profile (root: it starts containers).
 selftest-check: $(TOOLS)/bin/nvidia-cdi-hook $(RUNC_STATIC) ## the node self-test on every simulated profile, and broken hosts failing it by name (root)
-	$(CARGO) build --locked -p gpu-dra-kubelet-plugin --bin gpu-kubelet-plugin -p gpu-dra-cuda-probe -p gpu-dra-sim -p gpu-dra-sim-cuda
+	$(CARGO) build --locked -p gpu-dra-kubelet-plugin -p gpu-dra-cuda-probe -p gpu-dra-sim -p gpu-dra-sim-cuda
 	bash deploy/selftest/build-bundle.sh $(SELFTEST_SIM_BUNDLE) target/debug/gpu-kubelet-plugin target/debug/gpu-cuda-probe \
 		$(RUNC_STATIC) $(TOOLS)/bin/nvidia-cdi-hook target/debug/nvidia-smi target/debug/libgpu_dra_sim.so target/debug/libgpu_dra_sim_cuda.so
 	SELFTEST_BUNDLE=$(SELFTEST_SIM_BUNDLE) $(CARGO) test --locked -p gpu-dra-kubelet-plugin --test selftest
