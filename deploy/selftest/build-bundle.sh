@@ -15,7 +15,8 @@
 #                            naming the multiarch and lib64 folders (the hook's update-ldcache
 #                            runs it), the rest of glibc's libraries the driver's own nvidia-smi
 #                            needs when the spec mounts it in, mount points
-#   selftest.sh              runs the self-test with --leave-settings and writes the report
+#   selftest.sh              runs the self-test with --leave-settings and writes the report; the
+#                            plugin runs under rootfs/'s loader and glibc (any host glibc will do)
 # EXTRA_ELF: more programs whose libraries the root needs (a simulated host's tools).
 # The build is written to OUT_DIR.tmp and renamed into place.
 set -euo pipefail
@@ -84,14 +85,18 @@ cat >"$tmp/selftest.sh" <<'EOF'
 #!/usr/bin/env bash
 # Runs the node self-test on this host with --leave-settings (no GPU setting is changed) and
 # writes the report as text and JSON to REPORT_DIR (default: this folder). Exit status: the
-# self-test's (0 all passed, 1 a check failed, 2 it could not run). Needs root (containers).
+# self-test's (0 all passed, 1 a check failed or it could not run). Needs root (containers).
 # Extra flags are passed on, e.g. --nvidia-driver-root /run/nvidia/driver.
 set -u
 set -o pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 out=${REPORT_DIR:-$here}
 mkdir -p "$out"
-"$here/bin/gpu-kubelet-plugin" selftest --leave-settings \
+# The plugin runs under the bundle's own loader and C library, so that a host with an older glibc
+# than the build machine's (RHEL 8, Ubuntu 20.04) runs it too; the tools it starts (the driver's
+# nvidia-smi and MPS control daemon) run under the host's, as on a node.
+"$here/rootfs/lib64/ld-linux-x86-64.so.2" --library-path "$here/rootfs/lib/x86_64-linux-gnu" \
+  "$here/bin/gpu-kubelet-plugin" selftest --leave-settings \
   --rootfs "$here/rootfs" --runtime "$here/bin/runc" \
   --nvidia-cdi-hook-path "$here/bin/nvidia-cdi-hook" \
   --json-report "$out/selftest-report.json" "$@" 2>"$out/selftest.log" | tee "$out/selftest-report.txt"

@@ -254,3 +254,43 @@ fn a_device_node_that_is_not_one_fails_by_path() {
     );
     assert_eq!(status_of(&report, "whole-gpu/nvidia-smi").0, "fail");
 }
+
+#[test]
+fn the_bundle_script_runs_under_its_own_loader_and_writes_both_reports() {
+    let Some(bundle) = bundle() else {
+        eprintln!("SELFTEST_BUNDLE not set: skipped (make selftest-check runs it)");
+        return;
+    };
+    let host = SimHost::new("dgx-a100-40gb");
+    let reports = tempfile::tempdir().expect("tempdir");
+    let root = host.root();
+    let out = Command::new(bundle.join("selftest.sh"))
+        .arg("--nvidia-driver-root")
+        .arg(root)
+        .arg("--dev-root")
+        .arg(root)
+        .arg("--sysfs-root")
+        .arg(host.sysfs_root())
+        .arg("--container-mount")
+        .arg(format!(
+            "{}:/etc/gpu-sim",
+            root.join("etc/gpu-sim").display()
+        ))
+        .env("REPORT_DIR", reports.path())
+        .output()
+        .expect("selftest.sh runs");
+    let text = std::fs::read_to_string(reports.path().join("selftest-report.txt")).expect("text");
+    assert!(
+        out.status.success(),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(text.ends_with("0 failed, 1 skipped\n"), "{text}");
+    assert!(text.contains("PASS  mig/cuda"), "{text}");
+    let json: Value = serde_json::from_str(
+        &std::fs::read_to_string(reports.path().join("selftest-report.json")).expect("json"),
+    )
+    .expect("parses");
+    assert_eq!(json["failed"], 0);
+    assert_eq!(status_of(&json, "time-slicing").0, "skip");
+}
