@@ -10,7 +10,8 @@
 //!   to the checkpoint's journal per commit, folded into the checkpoint when idle, at start
 //!   and at a graceful stop ([`Driver::compact_checkpoint`]);
 //! - [`reconcile`]: the cleanup at start and periodically ([`ClaimCleanup`]);
-//! - [`dynamic`]: the MIG instances of dynamic MIG devices.
+//! - [`dynamic`]: the MIG instances of dynamic MIG devices;
+//! - [`respec`]: specs rewritten for a driver upgraded in place.
 //!
 //! Invariants that span them:
 //! - per claim UID one operation at a time (a per-UID async lock, kept only while an
@@ -39,6 +40,7 @@ mod holders;
 mod journal;
 mod prepare;
 mod reconcile;
+mod respec;
 mod unprepare;
 
 pub use self::reconcile::{ClaimCleanup, CleanupPass, CleanupPolicy};

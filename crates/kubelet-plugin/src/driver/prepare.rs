@@ -21,7 +21,9 @@
 //! the node (its recorded boot ID differs) or its CDI spec file is missing (e.g. `/var/run/cdi`
 //! is a tmpfs a reboot emptied). The answer is the same, because CDI IDs are a function of
 //! claim UID and device name, and both halves are the usual crash-safe steps, so a crash in
-//! between leaves a state the next prepare finishes.
+//! between leaves a state the next prepare finishes. A completed claim whose spec names the
+//! files of another driver version (upgraded in place since) keeps its entry and gets its
+//! spec rewritten ([`super::respec`]).
 
 use std::time::Instant;
 
@@ -109,6 +111,8 @@ impl Driver {
         let kept = match self.journal.entry(&claim.uid) {
             Some(e) if e.state == PrepareState::PrepareCompleted => {
                 let Some(reason) = self.stale_reason(&claim.uid, &e) else {
+                    // The same CDI IDs, with a spec that names the driver of now.
+                    self.rewrite_stale_spec(&claim.uid, &e).await?;
                     return Ok(e.devices);
                 };
                 info!(claim.uid = %claim.uid, %reason, "preparing the claim again");
@@ -241,6 +245,7 @@ impl Driver {
             devices: devices.clone(),
             sharing: None,
             boot_id: self.settings.boot_id.clone(),
+            driver_version: None,
             imported: None,
             dynamic_mig: self
                 .journal
@@ -292,7 +297,7 @@ impl Driver {
                 node_paths: self.cdi.device_nodes(&d.nodes)?,
             });
         }
-        let mut spec = self.cdi.spec(&claim.uid, &spec_devices);
+        let (mut spec, driver_version) = self.cdi.versioned_spec(&claim.uid, &spec_devices);
         // A share (its memory, its `shares`) is told to the containers that get its device,
         // whatever the sharing strategy (only MPS enforces memory).
         for (d, dev) in plan.devices.iter().zip(spec.devices.iter_mut()) {
@@ -327,6 +332,7 @@ impl Driver {
                 if let Some(e) = cp.claims.get_mut(&claim.uid) {
                     e.state = PrepareState::PrepareCompleted;
                     e.sharing = sharing;
+                    e.driver_version = Some(driver_version);
                 }
             })
         );
