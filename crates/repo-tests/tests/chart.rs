@@ -1564,6 +1564,10 @@ fn a_values_file_written_for_nvidias_chart_installs() {
         np["spec"]["egress"],
         serde_json::json!([{"ports": [{"protocol": "TCP", "port": 443}, {"protocol": "TCP", "port": 6443}]}])
     );
+    assert!(
+        np["spec"].get("ingress").is_none(),
+        "no ingress rule unless asked"
+    );
 
     // The webhook, with NVIDIA's port 443 (bindable without privileges), priority class,
     // strategy, pod security context (merged over ours), resources, and cert-manager issuer.
@@ -2571,4 +2575,40 @@ fn consumable_shares_take_nvidias_values() {
         assert!(!out.status.success(), "{bad} accepted");
         assert!(err.contains("consumableShares"), "{bad}: {err}");
     }
+}
+
+#[test]
+fn the_plugins_network_policy_can_restrict_who_reads_its_metrics() {
+    let Some(helm) = helm() else { return };
+    let policy = |sets: &[&str]| -> Value {
+        let objects = render(&helm, sets);
+        find(
+            &objects,
+            "NetworkPolicy",
+            "rel-gpu-dra-driver-kubelet-plugin",
+        )
+        .clone()
+    };
+    let np = policy(&[
+        "kubeletPlugin.networkPolicy.enabled=true",
+        "kubeletPlugin.networkPolicy.restrictMetrics=true",
+    ]);
+    assert_eq!(strs(&np["spec"]["policyTypes"]), ["Egress", "Ingress"]);
+    assert_eq!(
+        np["spec"]["ingress"],
+        serde_json::json!([]),
+        "no peer but the node (always admitted)"
+    );
+    let np = policy(&[
+        "kubeletPlugin.networkPolicy.enabled=true",
+        "kubeletPlugin.networkPolicy.restrictMetrics=true",
+        "kubeletPlugin.networkPolicy.metricsFrom[0].namespaceSelector.matchLabels.team=monitoring",
+    ]);
+    assert_eq!(
+        np["spec"]["ingress"],
+        serde_json::json!([{
+            "ports": [{"protocol": "TCP", "port": "http"}],
+            "from": [{"namespaceSelector": {"matchLabels": {"team": "monitoring"}}}]
+        }])
+    );
 }
