@@ -190,6 +190,23 @@ pub struct DriverParts {
     pub claim_status: Option<Arc<dyn ClaimStatusSink>>,
 }
 
+/// Counts an operation in `gpu_dra_requests_in_flight` until dropped: also when the kubelet
+/// cancels its call and the operation's future is dropped where it waits.
+struct InFlight<'a>(&'a Metrics);
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.0.in_flight.dec();
+    }
+}
+
+impl Driver {
+    fn in_flight(&self) -> InFlight<'_> {
+        self.metrics.in_flight.inc();
+        InFlight(&self.metrics)
+    }
+}
+
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     // A panic while holding one of these short locks leaves plain data behind; keep going.
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)

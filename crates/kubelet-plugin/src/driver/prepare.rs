@@ -80,9 +80,9 @@ impl Driver {
         published: &Published,
     ) -> Result<Vec<PreparedDevice>, DriverError> {
         let started = Instant::now();
-        self.metrics.in_flight.inc();
+        let in_flight = self.in_flight();
         let result = self.prepare_inner(claim, published).await;
-        self.metrics.in_flight.dec();
+        drop(in_flight);
         self.metrics
             .observe("prepare", started.elapsed().as_secs_f64(), result.is_ok());
         match &result {
@@ -723,6 +723,54 @@ mod tests {
                 self.inner.get(namespace, name).await
             })
         }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_prepare_the_kubelet_cancels_is_no_longer_counted_in_flight() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        simulate_host(&dir.path().join("host"), &a100_inventory(4, 1)).expect("host");
+        let memory = Arc::new(MemoryClaims::default());
+        memory.insert(allocated_claim(
+            "ns",
+            "a",
+            "uid-a",
+            DRIVER,
+            NODE,
+            &[("gpu", "gpu-1")],
+            &[],
+        ));
+        let (entered, mut entries) = tokio::sync::mpsc::unbounded_channel();
+        let gated = Arc::new(GatedClaims {
+            inner: memory,
+            permits: tokio::sync::Semaphore::new(0),
+            entered,
+            now: Default::default(),
+            most: Default::default(),
+        });
+        let driver = Arc::new(
+            DriverBuilder::new(dir.path(), a100_inventory(4, 1))
+                .node_name(NODE)
+                .claims(gated)
+                .checkpoint_path(dir.path().join(gpu_dra_core::checkpoint::FILE_NAME))
+                .build()
+                .expect("driver"),
+        );
+        let a = ClaimRef {
+            namespace: "ns".into(),
+            name: "a".into(),
+            uid: "uid-a".into(),
+        };
+        // The kubelet's call ends (its deadline, a cancel) while the claim is being read: tonic
+        // drops the call's future.
+        let call = {
+            let driver = driver.clone();
+            tokio::spawn(async move { driver.prepare(&a).await.map(drop) })
+        };
+        entries.recv().await.expect("the prepare reads the claim");
+        assert_eq!(driver.metrics().in_flight.get(), 1);
+        call.abort();
+        assert!(call.await.expect_err("aborted").is_cancelled());
+        assert_eq!(driver.metrics().in_flight.get(), 0, "the gauge leaked");
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
