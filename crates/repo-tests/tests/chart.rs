@@ -2762,3 +2762,20 @@ fn the_plugins_network_policy_can_restrict_who_reads_its_metrics() {
         }])
     );
 }
+
+#[test]
+fn the_plugin_sees_the_hosts_processes_only_while_per_claim_usage_is_on() {
+    let Some(helm) = helm() else { return };
+    let host_pid = |sets: &[&str]| -> Value {
+        let objects = render(&helm, sets);
+        find(&objects, "DaemonSet", "rel-gpu-dra-driver-kubelet-plugin")["spec"]["template"]["spec"]
+            ["hostPID"]
+            .clone()
+    };
+    assert_eq!(host_pid(&[]), Value::Bool(true), "usage is on by default");
+    assert_eq!(
+        host_pid(&["kubeletPlugin.usage.intervalSeconds=0"]),
+        Value::Null,
+        "usage off: no hostPID"
+    );
+}
