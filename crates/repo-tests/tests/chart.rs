@@ -2253,6 +2253,18 @@ fn node_restriction_policy_admits_only_daemon_pods_as_the_plugin_makes_them() {
             "{what}: want a refusal with {want:?}, got {failed:?}"
         );
     }
+    // The driver's libraries preloaded by soname link or by versioned file are the daemon's.
+    for preload in [
+        "/driver-root/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1:/driver-root/usr/lib/x86_64-linux-gnu/libcuda.so.1",
+        "/driver-root/usr/lib64/libnvidia-ml.so.580.95.05:/driver-root/usr/lib64/libcuda.so.580.95.05",
+    ] {
+        let mut pod = daemon.clone();
+        pod["spec"]["containers"][0]["env"]
+            .as_array_mut()
+            .expect("env")
+            .push(serde_json::json!({"name": "LD_PRELOAD", "value": preload}));
+        assert_eq!(decide(vap, pod), Vec::<String>::new(), "{preload}");
+    }
     // A second daemon folder is fine: a group's daemon mounts its own folder only, but the
     // rule is "a folder in <plugin dir>/mps/".
     let mut pod = daemon.clone();
