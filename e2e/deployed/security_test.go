@@ -37,9 +37,10 @@ const (
 // daemon pod (with the chart's daemon account, no token, and the plugin
 // pod's image pull secrets and pull policy); with the plugin's token a copy
 // of that pod and its own node's slices are admitted, while a daemon pod
-// with another service account, a Secret volume, a mounted token or another
-// image, and a slice of another pool or driver, are each refused by the
-// policy. Every request of the token is a dry run, so an admitted one
+// with another service account, a Secret volume, a mounted token, another
+// image, or any other change to the shape the plugin gives it (pull secrets,
+// host namespaces, priority class, command, ports, mounts, environment), and
+// a slice of another pool or driver, are each refused by the policy. Every request of the token is a dry run, so an admitted one
 // changes nothing (and the test fails cleanly against a looser policy).
 func TestNodePluginCredentialsStayOnTheirNode(t *testing.T) {
 	ctx := context.Background()
