@@ -37,9 +37,10 @@ const (
 // daemon pod (with the chart's daemon account, no token, and the plugin
 // pod's image pull secrets and pull policy); with the plugin's token a copy
 // of that pod and its own node's slices are admitted, while a daemon pod
-// with another service account, a Secret volume, a mounted token or another
-// image, and a slice of another pool or driver, are each refused by the
-// policy. Every request of the token is a dry run, so an admitted one
+// with another service account, a Secret volume, a mounted token, another
+// image, or any other change to the shape the plugin gives it (pull secrets,
+// host namespaces, priority class, command, ports, mounts, environment), and
+// a slice of another pool or driver, are each refused by the policy. Every request of the token is a dry run, so an admitted one
 // changes nothing (and the test fails cleanly against a looser policy).
 func TestNodePluginCredentialsStayOnTheirNode(t *testing.T) {
 	ctx := context.Background()
@@ -127,6 +128,42 @@ func TestNodePluginCredentialsStayOnTheirNode(t *testing.T) {
 		{"a mounted service account token", func(p *v1.Pod) { p.Spec.AutomountServiceAccountToken = new(true) },
 			"automountServiceAccountToken: false"},
 		{"another image", otherImage, "whose containers run "},
+		// The rest of the shape the plugin makes (sharing/pods.rs): each change refused.
+		{"a pull secret the chart does not name (the webhook's TLS key)", func(p *v1.Pod) {
+			p.Spec.ImagePullSecrets = append(p.Spec.ImagePullSecrets, v1.LocalObjectReference{Name: webhookSecret})
+		}, "image pull secrets are the chart's imagePullSecrets"},
+		{"the host's network", func(p *v1.Pod) { p.Spec.HostNetwork = true }, "without hostNetwork, hostPID or hostIPC"},
+		{"the host's PIDs", func(p *v1.Pod) { p.Spec.HostPID = true }, "without hostNetwork, hostPID or hostIPC"},
+		{"the host's IPC", func(p *v1.Pod) { p.Spec.HostIPC = true }, "without hostNetwork, hostPID or hostIPC"},
+		{"another priority class", func(p *v1.Pod) { p.Spec.PriorityClassName = "system-cluster-critical"; p.Spec.Priority = nil },
+			"of priority class"},
+		{"a shell of the driver root", func(p *v1.Pod) { p.Spec.Containers[0].Command = []string{"/driver-root/bin/sh", "-c", "id"} },
+			"runs nvidia-cuda-mps-control -f [-M]"},
+		{"arguments", func(p *v1.Pod) { p.Spec.Containers[0].Args = []string{"-d"} }, "nvidia-cuda-mps-control -f [-M]"},
+		{"a port", func(p *v1.Pod) { p.Spec.Containers[0].Ports = []v1.ContainerPort{{ContainerPort: 22}} }, "no ports"},
+		{"the driver root read-write", func(p *v1.Pod) {
+			for i := range p.Spec.Containers[0].VolumeMounts {
+				if p.Spec.Containers[0].VolumeMounts[i].Name == "driver-root" {
+					p.Spec.Containers[0].VolumeMounts[i].ReadOnly = false
+				}
+			}
+		}, "mount the driver root read-only"},
+		{"the driver root as the MPS folder", func(p *v1.Pod) {
+			for i := range p.Spec.Volumes {
+				if p.Spec.Volumes[i].Name == "mps" && p.Spec.Volumes[i].HostPath != nil {
+					p.Spec.Volumes[i].HostPath.Path = harness.ContainerDriverRoot
+				}
+			}
+		}, "their MPS folder at its own path"},
+		{"LD_PRELOAD of another library", func(p *v1.Pod) {
+			p.Spec.Containers[0].Env = append(p.Spec.Containers[0].Env, v1.EnvVar{Name: "LD_PRELOAD", Value: "/tmp/evil.so"})
+		}, "LD_PRELOAD of the driver's libcuda"},
+		{"another variable name", func(p *v1.Pod) {
+			p.Spec.Containers[0].Env = append(p.Spec.Containers[0].Env, v1.EnvVar{Name: "LD_LIBRARY_PATH", Value: "/tmp"})
+		}, "of the MPS daemon's names"},
+		{"a value of 5000 bytes", func(p *v1.Pod) {
+			p.Spec.Containers[0].Env = append(p.Spec.Containers[0].Env, v1.EnvVar{Name: "PATH", Value: strings.Repeat("x", 5000)})
+		}, "each value at most 4096 bytes"},
 	} {
 		_, err := pods.Create(ctx, variant(c.edit), dryRun)
 		checkRefused(t, "daemon pod with "+c.what, err, c.want)

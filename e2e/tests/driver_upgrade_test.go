@@ -2,6 +2,7 @@ package tests
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -30,8 +31,12 @@ const upgradeWindow = 3 * time.Second
 // (`gpu-sim upgrade-driver --style container|package`).
 //
 // Before the first swap a pod with a one-GPU claim runs. After each swap:
-//   - every pod started before it is still Running, its container still has
-//     the NVML library it mounted, and its claim's CDI spec is unchanged;
+//   - every pod started before it is still Running and its container still
+//     has the NVML library it mounted; its claim's CDI spec now names the new
+//     version's files only, with the same CDI devices; its container, made to
+//     exit, is started again by the kubelet from that spec and nvidia-smi in it
+//     reports the new version (a spec naming the removed files failed this
+//     with CreateContainerError);
 //   - every device of the node's ResourceSlices has the new driverVersion
 //     (within a bounded wait: the plugin checks the library every 5 s);
 //   - a new claim's pod starts; its claim's CDI spec names no file of an
@@ -107,8 +112,8 @@ func upgradeInPlace(t *testing.T, name string, layout harness.Layout, profile st
 			t.Fatalf("after gpu-sim upgrade-driver: the node's driver is %q (%v), want %s", got, err, s.version)
 		}
 		swapped := time.Since(start)
-		for _, w := range running {
-			checkKeepsRunning(ctx, t, n, w, s)
+		for i, w := range running {
+			running[i] = checkKeepsRunning(ctx, t, n, w, s)
 		}
 		waitSlicesDriverVersion(ctx, t, n, s.version, 60*time.Second)
 		t.Logf("%s: %s -> %s (%s upgrade, NVML out of reach for %s): swap took %s, slices republished %s after it began",
@@ -132,7 +137,11 @@ func upgradeInPlace(t *testing.T, name string, layout harness.Layout, profile st
 func startGPUWorkload(ctx context.Context, t *testing.T, n *harness.Node, ns, version string, older []string) gpuWorkload {
 	t.Helper()
 	name := "at-" + strings.ReplaceAll(version, ".", "-")
-	pod, claim := runClaimPod(ctx, t, gpuClaim(t, ns, name, 1, nil), claimPod(ns, name, n.Name, name))
+	pod := claimPod(ns, name, n.Name, name)
+	// Runs until told to exit (a file in the container's own filesystem,
+	// which a restarted container does not have).
+	pod.Spec.Containers[0].Command = []string{"sh", "-c", "until [ -e /tmp/exit ]; do sleep 0.2; done; exit 7"}
+	pod, claim := runClaimPod(ctx, t, gpuClaim(t, ns, name, 1, nil), pod)
 	specs := claimSpecs(t, n, claim)
 	if len(specs) == 0 {
 		t.Fatalf("claim %s: no CDI spec file in %s", claim.Name, n.CDIRoot)
@@ -179,26 +188,105 @@ func startGPUWorkload(ctx context.Context, t *testing.T, n *harness.Node, ns, ve
 }
 
 // checkKeepsRunning asserts a pod started before the swap still runs, its
-// container still has the library it mounted, and its claim's spec is as
-// the plugin wrote it.
-func checkKeepsRunning(ctx context.Context, t *testing.T, n *harness.Node, w gpuWorkload, s driverSwap) {
+// container still has the library it mounted, and its claim's spec follows
+// the new driver: a restarted container starts on it. It returns the
+// workload as its restarted container runs.
+func checkKeepsRunning(ctx context.Context, t *testing.T, n *harness.Node, w gpuWorkload, s driverSwap) gpuWorkload {
 	t.Helper()
 	got := getPod(ctx, t, w.pod)
 	if got.Status.Phase != v1.PodRunning || !allRunning(n.Containers(w.pod), 1) {
 		t.Errorf("pod %s (driver %s) no longer running after the %s upgrade to %s: %s", w.pod.Name, w.version, s.style, s.version, harness.PodProblem(got))
-		return
+		return w
 	}
 	if res, err := n.Exec(ctx, w.pod, "ctr", "test", "-s", w.lib); err != nil || res.ExitCode != 0 {
 		t.Errorf("pod %s: %s, mounted under driver %s, gone from its container after the upgrade to %s (%v, exit %d)",
 			w.pod.Name, w.lib, w.version, s.version, err, res.ExitCode)
 	}
-	if now := claimSpecs(t, n, w.claim); !reflect.DeepEqual(now, w.specs) {
-		t.Errorf("claim %s (driver %s): its CDI spec changed with the upgrade to %s:\nbefore: %v\nafter: %v", w.claim.Name, w.version, s.version, w.specs, now)
-	}
 	// A real host answers the same: the container's NVML library is the old
 	// version, the loaded module the new one.
 	if res, err := n.Exec(ctx, w.pod, "ctr", "nvidia-smi", "-L"); err == nil {
 		t.Logf("pod %s (driver %s) after the upgrade to %s: nvidia-smi -L exits %d: %s", w.pod.Name, w.version, s.version, res.ExitCode, strings.TrimSpace(res.Stdout+res.Stderr))
+	}
+	// The spec follows the driver: the new version's files, the same devices.
+	var now map[string]string
+	if !eventually(ctx, 20*time.Second, func() bool {
+		now = claimSpecs(t, n, w.claim)
+		return specsNameOnly(now, s.version, w.version)
+	}) {
+		t.Errorf("claim %s (driver %s): its CDI spec does not name driver %s's files only, 20 s after the upgrade:\n%v\nplugin log:\n%s",
+			w.claim.Name, w.version, s.version, now, deployedPluginLog(n))
+	}
+	if got, want := specDevices(t, now), specDevices(t, w.specs); !reflect.DeepEqual(got, want) {
+		t.Errorf("claim %s: its CDI devices changed with the upgrade to %s:\nbefore: %v\nafter: %v", w.claim.Name, s.version, want, got)
+	}
+	restartContainer(ctx, t, n, w, s)
+	// The restarted container runs on the new driver's files.
+	w.version, w.specs = s.version, now
+	w.lib = filepath.Join(filepath.Dir(w.lib), "libnvidia-ml.so."+s.version)
+	return w
+}
+
+// specsNameOnly tells whether specs name files of version and none of old.
+func specsNameOnly(specs map[string]string, version, old string) bool {
+	if len(specs) == 0 {
+		return false
+	}
+	for _, text := range specs {
+		if !strings.Contains(text, ".so."+version) || strings.Contains(text, ".so."+old) {
+			return false
+		}
+	}
+	return true
+}
+
+// specDevices are the CDI devices of a claim's specs (path -> the spec's
+// devices as JSON).
+func specDevices(t *testing.T, specs map[string]string) map[string]string {
+	t.Helper()
+	out := map[string]string{}
+	for path, text := range specs {
+		var spec struct {
+			Devices json.RawMessage `json:"devices"`
+		}
+		if err := json.Unmarshal([]byte(text), &spec); err != nil {
+			t.Fatalf("%s: %v", path, err)
+		}
+		out[path] = string(spec.Devices)
+	}
+	return out
+}
+
+// restartContainer makes the workload's container exit and waits until the
+// kubelet started it again, from the claim's spec as it is now: the container
+// must start and nvidia-smi in it report the new driver.
+func restartContainer(ctx context.Context, t *testing.T, n *harness.Node, w gpuWorkload, s driverSwap) {
+	t.Helper()
+	before := getPod(ctx, t, w.pod)
+	restarts := int32(0)
+	if len(before.Status.ContainerStatuses) == 1 {
+		restarts = before.Status.ContainerStatuses[0].RestartCount
+	}
+	if res, err := n.Exec(ctx, w.pod, "ctr", "touch", "/tmp/exit"); err != nil || res.ExitCode != 0 {
+		t.Fatalf("pod %s: cannot tell its container to exit (%v, exit %d)", w.pod.Name, err, res.ExitCode)
+	}
+	var got *v1.Pod
+	if !eventually(ctx, 60*time.Second, func() bool {
+		got = getPod(ctx, t, w.pod)
+		if len(got.Status.ContainerStatuses) != 1 {
+			return false
+		}
+		st := got.Status.ContainerStatuses[0]
+		return st.RestartCount > restarts && st.State.Running != nil && st.Ready
+	}) {
+		t.Fatalf("pod %s (driver %s): its container did not start again after the upgrade to %s: %s", w.pod.Name, w.version, s.version, harness.PodProblem(got))
+	}
+	res, err := n.Exec(ctx, w.pod, "ctr", "nvidia-smi")
+	if err != nil {
+		t.Fatalf("pod %s: exec nvidia-smi: %v", w.pod.Name, err)
+	}
+	if res.ExitCode != 0 || !strings.Contains(res.Stdout, "Driver Version: "+s.version+" ") {
+		t.Errorf("pod %s: nvidia-smi in its restarted container (exit %d) does not report driver %s:\n%s%s",
+			w.pod.Name, res.ExitCode, s.version, res.Stdout, res.Stderr)
 	}
 }
 

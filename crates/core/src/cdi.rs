@@ -201,12 +201,8 @@ pub fn claim_spec(
     claim_uid: &str,
     devices: &[SpecDevice],
     dev_root: &str,
-    mut common: ContainerEdits,
+    common: ContainerEdits,
 ) -> Spec {
-    common
-        .env
-        .retain(|e| !e.starts_with("NVIDIA_VISIBLE_DEVICES="));
-    common.env.push(VISIBLE_DEVICES_VOID.to_owned());
     Spec {
         cdi_version: CDI_VERSION.to_owned(),
         kind: cdi_kind(),
@@ -227,8 +223,32 @@ pub fn claim_spec(
                 },
             })
             .collect(),
-        container_edits: common,
+        container_edits: claim_common_edits(common),
     }
+}
+
+/// The edits every device of a claim spec shares: the driver's files (`common`, as the host
+/// scan found them) and `NVIDIA_VISIBLE_DEVICES=void`.
+pub fn claim_common_edits(mut common: ContainerEdits) -> ContainerEdits {
+    common
+        .env
+        .retain(|e| !e.starts_with("NVIDIA_VISIBLE_DEVICES="));
+    common.env.push(VISIBLE_DEVICES_VOID.to_owned());
+    common
+}
+
+/// The driver version whose files a spec mounts, told by the version in the name of its
+/// `libcuda.so.<version>` or `libnvidia-ml.so.<version>` (`None`: it mounts neither). For
+/// specs whose claim's record does not say (written by older versions).
+pub fn driver_version_named(spec: &Spec) -> Option<String> {
+    spec.container_edits.mounts.iter().find_map(|m| {
+        let file = m.host_path.rsplit('/').next()?;
+        ["libcuda.so.", "libnvidia-ml.so."]
+            .iter()
+            .find_map(|p| file.strip_prefix(p))
+            .filter(|v| v.contains('.'))
+            .map(str::to_owned)
+    })
 }
 
 /// Arguments `nvidia-cdi-hook` is started with: the environment the toolkit gives it.
@@ -339,6 +359,26 @@ pub fn library_links(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_driver_version_a_spec_names_comes_from_its_versioned_libraries() {
+        let mount = |p: &str| Mount::read_only(p.to_owned(), p.to_owned());
+        let mut common = ContainerEdits::default();
+        common
+            .mounts
+            .push(mount("/usr/lib/x86_64-linux-gnu/libcuda.so.1"));
+        let spec = claim_spec("u1", &[], "/", common.clone());
+        assert_eq!(driver_version_named(&spec), None, "an unversioned name");
+        common
+            .mounts
+            .push(mount("/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.580.95.05"));
+        let spec = claim_spec("u1", &[], "/", common);
+        assert_eq!(driver_version_named(&spec).as_deref(), Some("580.95.05"));
+        assert_eq!(
+            spec.container_edits.env.last().map(String::as_str),
+            Some(VISIBLE_DEVICES_VOID)
+        );
+    }
 
     #[test]
     fn names_and_ids_follow_the_nvidia_driver() {

@@ -129,6 +129,11 @@ pub struct ClaimEntry {
     /// older version or imported).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub boot_id: Option<String>,
+    /// Version of the NVIDIA driver whose files the claim's CDI spec names (`None`: written
+    /// by an older version or imported; the spec's own library names then tell). A driver
+    /// upgraded in place removes those files, so a spec of another version is stale.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub driver_version: Option<String>,
     /// Set when NVIDIA's driver prepared the claim and this plugin imported it: its side
     /// effects (CDI spec, sharing) are NVIDIA's and are cleaned up their way.
     #[serde(default, skip_serializing_if = "Option::is_none")]

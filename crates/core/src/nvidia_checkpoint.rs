@@ -350,6 +350,7 @@ fn claim_entry(format: NvidiaFormat, path: &str, claim: &Value) -> Result<ClaimE
         devices,
         sharing: None,
         boot_id: None,
+        driver_version: None,
         imported: Some(imported),
         dynamic_mig: Vec::new(),
         extra: Map::new(),

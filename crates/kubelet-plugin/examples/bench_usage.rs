@@ -112,6 +112,7 @@ fn main() -> anyhow::Result<()> {
             }],
             sharing: None,
             boot_id: None,
+            driver_version: None,
             imported: None,
             dynamic_mig: Vec::new(),
             extra: Default::default(),

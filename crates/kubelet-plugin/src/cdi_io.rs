@@ -267,7 +267,8 @@ impl CdiHost {
 
     /// Scans the driver root again when `driver_version` is not the version scanned last
     /// (blocking I/O): specs written afterwards name that version's files. Specs written
-    /// before are left as they are: their containers run on the files they mounted.
+    /// before are rewritten by the driver ([`Self::rewrite_for_current_driver`]); their
+    /// running containers keep the files they mounted.
     pub fn refresh(&self, driver_version: &str) {
         if self.driver_version() == driver_version {
             return;
@@ -296,14 +297,6 @@ impl CdiHost {
             .read()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .0
-            .clone()
-    }
-
-    fn common(&self) -> ContainerEdits {
-        self.common
-            .read()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .1
             .clone()
     }
 
@@ -359,7 +352,46 @@ impl CdiHost {
 
     /// Builds the claim's spec.
     pub fn spec(&self, claim_uid: &str, devices: &[SpecDevice]) -> cdi::Spec {
-        cdi::claim_spec(claim_uid, devices, &self.dev_root, self.common())
+        self.versioned_spec(claim_uid, devices).0
+    }
+
+    /// Builds the claim's spec, with the driver version whose files it names.
+    pub fn versioned_spec(&self, claim_uid: &str, devices: &[SpecDevice]) -> (cdi::Spec, String) {
+        let (version, common) = self.versioned_common();
+        (
+            cdi::claim_spec(claim_uid, devices, &self.dev_root, common),
+            version,
+        )
+    }
+
+    fn versioned_common(&self) -> (String, ContainerEdits) {
+        self.common
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
+
+    /// Reads a claim's spec back (blocking I/O); `None` when it is missing or not a spec.
+    pub fn read(&self, claim_uid: &str) -> Option<cdi::Spec> {
+        let bytes = std::fs::read(self.spec_path(claim_uid)).ok()?;
+        serde_json::from_slice(&bytes).ok()
+    }
+
+    /// Rewrites a claim's spec so that its shared edits name the current driver's files
+    /// (blocking I/O): its devices, their nodes and sharing edits, and so its CDI IDs, stay as
+    /// they are. Returns the version it names now, or `None` when the claim has no spec.
+    pub fn rewrite_for_current_driver(
+        &self,
+        claim_uid: &str,
+        sync_content: bool,
+    ) -> Result<Option<String>, CdiError> {
+        let Some(mut spec) = self.read(claim_uid) else {
+            return Ok(None);
+        };
+        let (version, common) = self.versioned_common();
+        spec.container_edits = cdi::claim_common_edits(common);
+        self.write(claim_uid, &spec, sync_content)?;
+        Ok(Some(version))
     }
 
     /// Writes a claim's spec atomically (blocking I/O); its content is fsynced only with

@@ -19,7 +19,10 @@
 //!   publisher, which republishes the slices with the new `driverVersion`;
 //! - the health watch ends its session when NVML goes away and opens a new one when the
 //!   driver answers again ([`crate::health::watch`]);
-//! - claims prepared before keep their specs: their containers run on the files they mounted;
+//! - claims prepared before get their specs rewritten for the new files (same devices, same
+//!   CDI IDs) by the cleanup pass a new version triggers, and by any prepare answered from the
+//!   checkpoint ([`crate::driver`]'s `respec`): running containers keep the files they
+//!   mounted, containers created afterwards (a restart, a new pod of a shared claim) start;
 //! - [`NvmlLiveness`] makes `/healthz` fail while NVML has been out of reach for longer than a
 //!   grace, so the kubelet's liveness probe restarts the container when the plugin cannot
 //!   recover by itself (a driver root mount that went stale in its container, a swap that

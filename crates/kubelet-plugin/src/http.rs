@@ -8,7 +8,15 @@
 //! - every request head must arrive within [`Limits::header_read_timeout`], counted from when
 //!   the server starts waiting for it (also before the first byte and between keep-alive
 //!   requests); a connection that sends nothing, or a head byte by byte, is closed then;
-//! - at most [`Limits::max_connections`] connections are open; more are closed at accept;
+//! - at most [`Limits::max_connections`] connections are open, and at most
+//!   [`Limits::max_connections_per_peer`] from one source address; a connection over the
+//!   per-peer cap is closed at accept; one over the total cap takes the place of the oldest
+//!   connection of the peer holding the most, when that peer holds more than the newcomer's
+//!   peer, and is closed otherwise. So whoever fills the slots with idle keep-alive
+//!   connections (from one pod or from many) cannot starve another peer: the kubelet's
+//!   probes, which come from the node's address, still get a slot, and `/healthz` answers
+//!   (before, 32 idle connections from any pod made the liveness probe fail until the
+//!   kubelet restarted the plugin, again and again);
 //! - a failing `accept` (EMFILE when the process is out of descriptors, ENOBUFS) is retried
 //!   after a pause that doubles from [`ACCEPT_BACKOFF_MIN`] to [`ACCEPT_BACKOFF_MAX`] and
 //!   resets on the next success, instead of being retried at once forever.
@@ -16,10 +24,12 @@
 //! Connections come from a [`Listener`], a TCP listener in the plugin, a failing stand-in in
 //! tests.
 
+use std::collections::{HashMap, VecDeque};
 use std::convert::Infallible;
 use std::future::Future;
-use std::sync::Arc;
+use std::net::IpAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use http_body_util::Full;
@@ -28,7 +38,7 @@ use hyper::{Request, Response, StatusCode};
 use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpListener;
-use tokio::sync::Semaphore;
+use tokio::task::AbortHandle;
 use tracing::{debug, warn};
 
 use crate::metrics::Metrics;
@@ -45,6 +55,8 @@ pub struct Limits {
     pub header_read_timeout: Duration,
     /// Open connections at most.
     pub max_connections: usize,
+    /// Open connections from one source address at most.
+    pub max_connections_per_peer: usize,
 }
 
 impl Default for Limits {
@@ -54,6 +66,8 @@ impl Default for Limits {
             header_read_timeout: Duration::from_secs(10),
             // The kubelet's two probes and a scraper or two; the rest is headroom.
             max_connections: 32,
+            // The kubelet's startup, liveness and readiness probes share the node's address.
+            max_connections_per_peer: 4,
         }
     }
 }
@@ -79,16 +93,103 @@ impl Liveness for Serving {
 pub trait Listener: Send + 'static {
     /// One accepted connection.
     type Conn: AsyncRead + AsyncWrite + Unpin + Send + 'static;
-    /// The next connection, or why none could be accepted.
-    fn accept(&mut self) -> impl Future<Output = std::io::Result<Self::Conn>> + Send;
+    /// The next connection and its peer's address (`None`: unknown, counted as one peer), or
+    /// why none could be accepted.
+    fn accept(
+        &mut self,
+    ) -> impl Future<Output = std::io::Result<(Self::Conn, Option<IpAddr>)>> + Send;
 }
 
 impl Listener for TcpListener {
     type Conn = tokio::net::TcpStream;
 
-    async fn accept(&mut self) -> std::io::Result<Self::Conn> {
-        TcpListener::accept(self).await.map(|(stream, _)| stream)
+    async fn accept(&mut self) -> std::io::Result<(Self::Conn, Option<IpAddr>)> {
+        TcpListener::accept(self)
+            .await
+            .map(|(stream, peer)| (stream, Some(peer.ip())))
     }
+}
+
+/// The open connections by peer, oldest first, with what closes each.
+#[derive(Default)]
+struct Open {
+    by_peer: HashMap<Option<IpAddr>, VecDeque<(u64, AbortHandle)>>,
+    total: usize,
+    next_id: u64,
+}
+
+/// What to do with a new connection.
+#[derive(Debug, PartialEq, Eq)]
+enum Admit {
+    /// A free slot.
+    Yes,
+    /// The slot of the oldest connection of this peer, which is closed.
+    InPlaceOf(Option<IpAddr>),
+    /// None: the connection is closed.
+    No,
+}
+
+impl Open {
+    fn count(&self, peer: &Option<IpAddr>) -> usize {
+        self.by_peer.get(peer).map_or(0, VecDeque::len)
+    }
+
+    /// The rule of the module doc.
+    fn admit(&self, peer: &Option<IpAddr>, limits: &Limits) -> Admit {
+        let mine = self.count(peer);
+        if mine >= limits.max_connections_per_peer {
+            return Admit::No;
+        }
+        if self.total < limits.max_connections {
+            return Admit::Yes;
+        }
+        match self.by_peer.iter().max_by_key(|(_, c)| c.len()) {
+            // The newcomer's own peer is never busier than itself.
+            Some((busiest, conns)) if conns.len() > mine => Admit::InPlaceOf(*busiest),
+            _ => Admit::No,
+        }
+    }
+
+    fn evict_oldest(&mut self, peer: &Option<IpAddr>) {
+        if let Some(conns) = self.by_peer.get_mut(peer)
+            && let Some((_, handle)) = conns.pop_front()
+        {
+            handle.abort();
+            self.total -= 1;
+            if conns.is_empty() {
+                self.by_peer.remove(peer);
+            }
+        }
+    }
+
+    fn remove(&mut self, peer: &Option<IpAddr>, id: u64) {
+        if let Some(conns) = self.by_peer.get_mut(peer)
+            && let Some(i) = conns.iter().position(|(c, _)| *c == id)
+        {
+            conns.remove(i);
+            self.total -= 1;
+            if conns.is_empty() {
+                self.by_peer.remove(peer);
+            }
+        }
+    }
+}
+
+/// Takes a connection out of [`Open`] when its task ends (or is aborted).
+struct Slot {
+    open: Arc<Mutex<Open>>,
+    peer: Option<IpAddr>,
+    id: u64,
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        lock(&self.open).remove(&self.peer, self.id);
+    }
+}
+
+fn lock(m: &Mutex<Open>) -> std::sync::MutexGuard<'_, Open> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// Serves the endpoints on `listener` forever with the default [`Limits`].
@@ -109,13 +210,13 @@ pub async fn serve_with<L: Listener>(
     liveness: Arc<dyn Liveness>,
     limits: Limits,
 ) {
-    let open = Arc::new(Semaphore::new(limits.max_connections));
+    let open = Arc::new(Mutex::new(Open::default()));
     let mut backoff = ACCEPT_BACKOFF_MIN;
     loop {
-        let stream = match listener.accept().await {
-            Ok(stream) => {
+        let (stream, peer) = match listener.accept().await {
+            Ok(accepted) => {
                 backoff = ACCEPT_BACKOFF_MIN;
-                stream
+                accepted
             }
             Err(error) => {
                 warn!(%error, retry_in_ms = backoff.as_millis() as u64, "accept failed");
@@ -124,18 +225,37 @@ pub async fn serve_with<L: Listener>(
                 continue;
             }
         };
-        let Ok(slot) = open.clone().try_acquire_owned() else {
-            debug!(
-                max = limits.max_connections,
-                "too many open connections; closing a new one"
-            );
-            continue;
+        // Held while the task is spawned and registered, so that its `Slot` cannot remove it
+        // before it is there.
+        let mut state = lock(&open);
+        match state.admit(&peer, &limits) {
+            Admit::Yes => {}
+            Admit::InPlaceOf(busiest) => {
+                debug!(peer = ?peer, busiest = ?busiest, "all connections open; closing the oldest of the peer holding the most");
+                state.evict_oldest(&busiest);
+            }
+            Admit::No => {
+                debug!(
+                    peer = ?peer,
+                    max = limits.max_connections,
+                    per_peer = limits.max_connections_per_peer,
+                    "too many open connections; closing a new one"
+                );
+                continue;
+            }
+        }
+        let id = state.next_id;
+        state.next_id += 1;
+        let slot = Slot {
+            open: open.clone(),
+            peer,
+            id,
         };
         let metrics = metrics.clone();
         let ready = ready.clone();
         let liveness = liveness.clone();
         let timeout = limits.header_read_timeout;
-        tokio::spawn(async move {
+        let task = tokio::spawn(async move {
             let _slot = slot;
             let service = hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
                 let resp = answer(req.uri().path(), &metrics, &ready, liveness.as_ref());
@@ -147,6 +267,12 @@ pub async fn serve_with<L: Listener>(
                 .serve_connection(TokioIo::new(stream), service)
                 .await;
         });
+        state
+            .by_peer
+            .entry(peer)
+            .or_default()
+            .push_back((id, task.abort_handle()));
+        state.total += 1;
     }
 }
 
@@ -270,6 +396,7 @@ mod tests {
         let addr = start(Limits {
             header_read_timeout: Duration::from_secs(60),
             max_connections: 2,
+            ..Limits::default()
         })
         .await;
         let first = TcpStream::connect(addr).await.expect("connect");
@@ -302,13 +429,124 @@ mod tests {
         }
     }
 
+    /// A keep-alive client from `source` that made one request and keeps its connection open.
+    async fn idle_client(source: &str, addr: std::net::SocketAddr) -> Option<TcpStream> {
+        let socket = tokio::net::TcpSocket::new_v4().ok()?;
+        socket.bind(format!("{source}:0").parse().ok()?).ok()?;
+        let mut conn = socket.connect(addr).await.ok()?;
+        conn.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            .await
+            .ok()?;
+        let mut buf = [0u8; 256];
+        // Its answer, if it got a slot; the connection stays open either way.
+        let _ = tokio::time::timeout(Duration::from_millis(200), conn.read(&mut buf)).await;
+        Some(conn)
+    }
+
+    /// `/healthz` from `source` within the kubelet's default probe timeout (1 s).
+    async fn probe_from(source: &str, addr: std::net::SocketAddr) -> Result<String, String> {
+        let socket = tokio::net::TcpSocket::new_v4().map_err(|e| e.to_string())?;
+        socket
+            .bind(format!("{source}:0").parse().map_err(|e| format!("{e}"))?)
+            .map_err(|e| e.to_string())?;
+        let mut conn = socket.connect(addr).await.map_err(|e| e.to_string())?;
+        conn.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            .await
+            .map_err(|e| e.to_string())?;
+        let got = until_closed(&mut conn, Duration::from_secs(1))
+            .await
+            .ok_or("no answer within 1 s")?;
+        let text = String::from_utf8_lossy(&got).into_owned();
+        if text.starts_with("HTTP/1.1 200") {
+            Ok(text)
+        } else {
+            Err(format!("answered {text:?}"))
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn idle_keep_alive_clients_cannot_starve_the_probes() {
+        let addr = start(Limits {
+            header_read_timeout: Duration::from_secs(60),
+            ..Limits::default()
+        })
+        .await;
+        // 40 idle keep-alive connections from one pod, then 40 from 40 pods (each address of
+        // 127.0.0.0/8 is a peer of its own on loopback).
+        let mut held = Vec::new();
+        for _ in 0..40 {
+            held.extend(idle_client("127.0.0.2", addr).await);
+        }
+        for _ in 0..3 {
+            probe_from("127.0.0.1", addr)
+                .await
+                .expect("the kubelet's probe answered next to one pod's idle connections");
+        }
+        for i in 0..40 {
+            held.extend(idle_client(&format!("127.0.1.{}", i + 1), addr).await);
+        }
+        for _ in 0..3 {
+            probe_from("127.0.0.1", addr)
+                .await
+                .expect("the kubelet's probe answered next to many pods' idle connections");
+        }
+        assert!(held.len() >= 40, "clients connected: {}", held.len());
+    }
+
+    #[test]
+    fn a_new_connection_takes_the_place_of_the_busiest_peers_oldest() {
+        let limits = Limits {
+            max_connections: 3,
+            max_connections_per_peer: 2,
+            ..Limits::default()
+        };
+        let a: Option<IpAddr> = Some([10, 0, 0, 1].into());
+        let b: Option<IpAddr> = Some([10, 0, 0, 2].into());
+        let c: Option<IpAddr> = Some([10, 0, 0, 3].into());
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .expect("runtime");
+        let handle = || rt.spawn(async {}).abort_handle();
+        let mut open = Open::default();
+        let add = |open: &mut Open, peer: Option<IpAddr>| {
+            open.by_peer
+                .entry(peer)
+                .or_default()
+                .push_back((open.next_id, handle()));
+            open.next_id += 1;
+            open.total += 1;
+        };
+        assert_eq!(open.admit(&a, &limits), Admit::Yes);
+        add(&mut open, a);
+        add(&mut open, a);
+        assert_eq!(open.admit(&a, &limits), Admit::No, "per-peer cap");
+        add(&mut open, b);
+        assert_eq!(
+            open.admit(&c, &limits),
+            Admit::InPlaceOf(a),
+            "full: the busiest gives way"
+        );
+        assert_eq!(open.admit(&b, &limits), Admit::InPlaceOf(a));
+        open.evict_oldest(&a);
+        assert_eq!(open.total, 2);
+        add(&mut open, c);
+        assert_eq!(
+            open.admit(&b, &limits),
+            Admit::No,
+            "no peer holds more than b"
+        );
+        open.remove(&c, 3);
+        assert_eq!(open.total, 2);
+        assert_eq!(open.admit(&c, &limits), Admit::Yes);
+    }
+
     /// A listener whose every accept fails as with no descriptors left.
     struct OutOfDescriptors(Arc<AtomicUsize>);
 
     impl Listener for OutOfDescriptors {
         type Conn = TcpStream;
 
-        async fn accept(&mut self) -> std::io::Result<TcpStream> {
+        async fn accept(&mut self) -> std::io::Result<(TcpStream, Option<IpAddr>)> {
             self.0.fetch_add(1, Ordering::SeqCst);
             // Give the runtime a turn, as a real accept would: without it a loop that retries
             // at once would hang this test instead of failing it.

@@ -471,6 +471,7 @@ mod tests {
             devices,
             sharing: None,
             boot_id: None,
+            driver_version: None,
             imported: None,
             dynamic_mig: Vec::new(),
             extra: Default::default(),

@@ -1,7 +1,8 @@
 //! A driver upgraded in place under a running plugin (`gpu-sim upgrade-driver`): the plugin
 //! notices, loads NVML again from a fresh lookup, names the new files in the specs of new
-//! claims, republishes its slices with the new `driverVersion`, keeps the claims it prepared
-//! before, and fails `/healthz` while NVML cannot be reached for longer than its grace.
+//! claims and of the claims it prepared before (same devices and CDI names), republishes its
+//! slices with the new `driverVersion`, and fails `/healthz` while NVML cannot be reached for
+//! longer than its grace.
 
 // Test helpers outside #[test] functions: a failed unwrap is a failed test.
 #![allow(clippy::unwrap_used)]
@@ -83,14 +84,12 @@ async fn prepare(cmd: &PluginCommand, uid: &str, name: &str) -> Result<(), Strin
 
 /// The host paths a claim's spec mounts.
 fn mounts(cmd: &PluginCommand, uid: &str) -> Vec<String> {
-    let spec: serde_json::Value = serde_json::from_slice(
-        &std::fs::read(
-            cmd.cdi_dir()
-                .join(format!("k8s.gpu.nvidia.com-claim_{uid}.json")),
-        )
-        .unwrap(),
-    )
-    .unwrap();
+    mounts_of(&spec_bytes(cmd, uid))
+}
+
+/// The host paths a spec mounts.
+fn mounts_of(spec: &[u8]) -> Vec<String> {
+    let spec: serde_json::Value = serde_json::from_slice(spec).unwrap();
     spec["containerEdits"]["mounts"]
         .as_array()
         .into_iter()
@@ -108,7 +107,7 @@ fn spec_bytes(cmd: &PluginCommand, uid: &str) -> Vec<u8> {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_running_plugin_follows_the_upgrade_and_keeps_its_prepared_claims() {
+async fn a_running_plugin_follows_the_upgrade_and_its_prepared_claims_specs_follow_it() {
     for style in [UpgradeStyle::Container, UpgradeStyle::Package] {
         let host = Arc::new(SimHost::new("dgx-h100"));
         let old = host.profile().driver_version.clone();
@@ -185,11 +184,44 @@ async fn a_running_plugin_follows_the_upgrade_and_keeps_its_prepared_claims() {
                 "{style:?}: {m} does not exist on the host"
             );
         }
-        // The claim prepared before keeps its spec as written.
+        // The claim prepared before: its spec follows the new driver (a container restarted
+        // in its pod starts from it), with the same devices and CDI names, also when the
+        // kubelet prepares it again. Rewritten without a call, as soon as the plugin saw the
+        // new version.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while mounts(&cmd, UID_OLD).iter().any(|m| m.contains(&old)) {
+            assert!(
+                Instant::now() < deadline,
+                "{style:?}: the old claim's spec still names files of {old} 10 s after the swap: {:#?}\n{}",
+                mounts(&cmd, UID_OLD),
+                cmd.log()
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        prepare(&cmd, UID_OLD, "old").await.unwrap();
+        let then = mounts_of(&before);
+        let now = mounts(&cmd, UID_OLD);
+        assert!(
+            !now.iter().any(|m| m.contains(&old)),
+            "{style:?}: the old claim's spec still names files of {old}: {now:#?}"
+        );
         assert_eq!(
-            spec_bytes(&cmd, UID_OLD),
-            before,
-            "{style:?}: spec rewritten"
+            now.iter().filter(|m| m.contains(NEW)).count(),
+            then.iter().filter(|m| m.contains(&old)).count(),
+            "{style:?}: every versioned file has its new one: {now:#?}"
+        );
+        for m in &now {
+            assert!(
+                Path::new(m).exists(),
+                "{style:?}: {m} does not exist on the host"
+            );
+        }
+        let devices =
+            |b: &[u8]| serde_json::from_slice::<serde_json::Value>(b).unwrap()["devices"].clone();
+        assert_eq!(
+            devices(&spec_bytes(&cmd, UID_OLD)),
+            devices(&before),
+            "{style:?}: the old claim's devices changed"
         );
         assert!(
             !cmd.log().contains("reachable: false"),

@@ -1564,6 +1564,10 @@ fn a_values_file_written_for_nvidias_chart_installs() {
         np["spec"]["egress"],
         serde_json::json!([{"ports": [{"protocol": "TCP", "port": 443}, {"protocol": "TCP", "port": 6443}]}])
     );
+    assert!(
+        np["spec"].get("ingress").is_none(),
+        "no ingress rule unless asked"
+    );
 
     // The webhook, with NVIDIA's port 443 (bindable without privileges), priority class,
     // strategy, pod security context (merged over ours), resources, and cert-manager issuer.
@@ -2089,15 +2093,177 @@ fn node_restriction_policy_admits_only_daemon_pods_as_the_plugin_makes_them() {
             }),
             "environment is plain values",
         ),
+        (
+            "a pull secret the chart does not name (the node could then read it)",
+            Box::new(|p| {
+                p["spec"]["imagePullSecrets"] =
+                    serde_json::json!([{"name": "rel-gpu-dra-driver-webhook-tls"}])
+            }),
+            "image pull secrets are the chart's imagePullSecrets []",
+        ),
+        (
+            "the host's network",
+            Box::new(|p| p["spec"]["hostNetwork"] = true.into()),
+            "without hostNetwork, hostPID or hostIPC",
+        ),
+        (
+            "the host's PIDs",
+            Box::new(|p| p["spec"]["hostPID"] = true.into()),
+            "without hostNetwork, hostPID or hostIPC",
+        ),
+        (
+            "the host's IPC",
+            Box::new(|p| p["spec"]["hostIPC"] = true.into()),
+            "without hostNetwork, hostPID or hostIPC",
+        ),
+        (
+            "another priority class",
+            Box::new(|p| p["spec"]["priorityClassName"] = "system-cluster-critical".into()),
+            "of priority class \"system-node-critical\"",
+        ),
+        (
+            "a shell of the driver root",
+            Box::new(|p| {
+                p["spec"]["containers"][0]["command"] =
+                    serde_json::json!(["/driver-root/bin/sh", "-c", "id"])
+            }),
+            "runs nvidia-cuda-mps-control -f [-M]",
+        ),
+        (
+            "arguments",
+            Box::new(|p| p["spec"]["containers"][0]["args"] = serde_json::json!(["-d"])),
+            "nvidia-cuda-mps-control -f [-M]",
+        ),
+        (
+            "another daemon argument",
+            Box::new(|p| {
+                p["spec"]["containers"][0]["command"]
+                    .as_array_mut()
+                    .expect("command")
+                    .push("-x".into())
+            }),
+            "nvidia-cuda-mps-control -f [-M]",
+        ),
+        (
+            "a port",
+            Box::new(|p| {
+                p["spec"]["containers"][0]["ports"] = serde_json::json!([{"containerPort": 22}])
+            }),
+            "no ports",
+        ),
+        (
+            "a second container of the chart's image",
+            Box::new(|p| {
+                let c = p["spec"]["containers"][0].clone();
+                p["spec"]["containers"]
+                    .as_array_mut()
+                    .expect("containers")
+                    .push(c);
+            }),
+            "pods of one container",
+        ),
+        (
+            "the driver root (the host's /) read-write",
+            Box::new(|p| {
+                for m in p["spec"]["containers"][0]["volumeMounts"]
+                    .as_array_mut()
+                    .expect("mounts")
+                {
+                    if m["name"] == "driver-root" {
+                        m["readOnly"] = false.into();
+                    }
+                }
+            }),
+            "mount the driver root read-only",
+        ),
+        (
+            "the driver root as the MPS folder",
+            Box::new(|p| {
+                for v in p["spec"]["volumes"].as_array_mut().expect("volumes") {
+                    if v["name"] == "mps" {
+                        v["hostPath"]["path"] = "/".into();
+                    }
+                }
+            }),
+            "their MPS folder at its own path",
+        ),
+        (
+            "a subPath",
+            Box::new(|p| {
+                for m in p["spec"]["containers"][0]["volumeMounts"]
+                    .as_array_mut()
+                    .expect("mounts")
+                {
+                    m["subPath"] = "etc".into();
+                }
+            }),
+            "no subPath",
+        ),
+        (
+            "LD_PRELOAD of another library",
+            Box::new(|p| {
+                p["spec"]["containers"][0]["env"]
+                    .as_array_mut()
+                    .expect("env")
+                    .push(serde_json::json!({"name": "LD_PRELOAD", "value": "/var/lib/kubelet/plugins/gpu.nvidia.com/mps/x/evil.so"}))
+            }),
+            "LD_PRELOAD of the driver's libcuda and libnvidia-ml",
+        ),
+        (
+            "another variable name",
+            Box::new(|p| {
+                p["spec"]["containers"][0]["env"]
+                    .as_array_mut()
+                    .expect("env")
+                    .push(serde_json::json!({"name": "LD_LIBRARY_PATH", "value": "/tmp"}))
+            }),
+            "of the MPS daemon's names",
+        ),
+        (
+            "a value of 5000 bytes (etcd filled by one node)",
+            Box::new(|p| {
+                p["spec"]["containers"][0]["env"]
+                    .as_array_mut()
+                    .expect("env")
+                    .push(serde_json::json!({"name": "PATH", "value": "x".repeat(5000)}))
+            }),
+            "each value at most 4096 bytes",
+        ),
+        (
+            "17 variables",
+            Box::new(|p| {
+                let env = p["spec"]["containers"][0]["env"]
+                    .as_array_mut()
+                    .expect("env");
+                while env.len() < 17 {
+                    env.push(serde_json::json!({"name": "PATH", "value": "/bin"}));
+                }
+            }),
+            "at most 16 variables",
+        ),
     ];
     for (what, edit, want) in refused {
         let mut pod = daemon.clone();
         edit(&mut pod);
         let failed = decide(vap, pod);
+        // A change may break more than one rule (a Secret volume is also a mount the daemon
+        // does not have); the one named must be among them.
         assert!(
-            failed.len() == 1 && failed[0].contains(want),
-            "{what}: want one refusal with {want:?}, got {failed:?}"
+            failed.iter().any(|f| f.contains(want)),
+            "{what}: want a refusal with {want:?}, got {failed:?}"
         );
+    }
+    // The driver's libraries preloaded by soname link or by versioned file are the daemon's.
+    for preload in [
+        "/driver-root/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1:/driver-root/usr/lib/x86_64-linux-gnu/libcuda.so.1",
+        "/driver-root/usr/lib64/libnvidia-ml.so.580.95.05:/driver-root/usr/lib64/libcuda.so.580.95.05",
+    ] {
+        let mut pod = daemon.clone();
+        pod["spec"]["containers"][0]["env"]
+            .as_array_mut()
+            .expect("env")
+            .push(serde_json::json!({"name": "LD_PRELOAD", "value": preload}));
+        assert_eq!(decide(vap, pod), Vec::<String>::new(), "{preload}");
     }
     // A second daemon folder is fine: a group's daemon mounts its own folder only, but the
     // rule is "a folder in <plugin dir>/mps/".
@@ -2571,4 +2737,57 @@ fn consumable_shares_take_nvidias_values() {
         assert!(!out.status.success(), "{bad} accepted");
         assert!(err.contains("consumableShares"), "{bad}: {err}");
     }
+}
+
+#[test]
+fn the_plugins_network_policy_can_restrict_who_reads_its_metrics() {
+    let Some(helm) = helm() else { return };
+    let policy = |sets: &[&str]| -> Value {
+        let objects = render(&helm, sets);
+        find(
+            &objects,
+            "NetworkPolicy",
+            "rel-gpu-dra-driver-kubelet-plugin",
+        )
+        .clone()
+    };
+    let np = policy(&[
+        "kubeletPlugin.networkPolicy.enabled=true",
+        "kubeletPlugin.networkPolicy.restrictMetrics=true",
+    ]);
+    assert_eq!(strs(&np["spec"]["policyTypes"]), ["Egress", "Ingress"]);
+    assert_eq!(
+        np["spec"]["ingress"],
+        serde_json::json!([]),
+        "no peer but the node (always admitted)"
+    );
+    let np = policy(&[
+        "kubeletPlugin.networkPolicy.enabled=true",
+        "kubeletPlugin.networkPolicy.restrictMetrics=true",
+        "kubeletPlugin.networkPolicy.metricsFrom[0].namespaceSelector.matchLabels.team=monitoring",
+    ]);
+    assert_eq!(
+        np["spec"]["ingress"],
+        serde_json::json!([{
+            "ports": [{"protocol": "TCP", "port": "http"}],
+            "from": [{"namespaceSelector": {"matchLabels": {"team": "monitoring"}}}]
+        }])
+    );
+}
+
+#[test]
+fn the_plugin_sees_the_hosts_processes_only_while_per_claim_usage_is_on() {
+    let Some(helm) = helm() else { return };
+    let host_pid = |sets: &[&str]| -> Value {
+        let objects = render(&helm, sets);
+        find(&objects, "DaemonSet", "rel-gpu-dra-driver-kubelet-plugin")["spec"]["template"]["spec"]
+            ["hostPID"]
+            .clone()
+    };
+    assert_eq!(host_pid(&[]), Value::Bool(true), "usage is on by default");
+    assert_eq!(
+        host_pid(&["kubeletPlugin.usage.intervalSeconds=0"]),
+        Value::Null,
+        "usage off: no hostPID"
+    );
 }

@@ -819,6 +819,7 @@ mod tests {
             devices: Vec::new(),
             sharing: None,
             boot_id: Some(BOOT.into()),
+            driver_version: None,
             imported: None,
             dynamic_mig: instances
                 .iter()

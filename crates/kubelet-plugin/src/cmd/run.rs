@@ -587,16 +587,21 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     let _ = driver_tx.send(Some(driver.clone()));
     // The periodic reconcile, and one as soon as the GPUs' partitioning changes (the Node's
     // annotations are watched): a GPU that became dynamic MIG gets its instances recorded as
-    // kept (or swept) within seconds rather than at the next tick.
+    // kept (or swept) within seconds rather than at the next tick. Likewise for a new driver
+    // version: prepared claims' specs name its files before their containers restart.
     let cleanup = {
         let driver = driver.clone();
         let mut snapshots = Some(live.subscribe());
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(every);
             tick.tick().await;
-            let mut partitioning = snapshots
-                .as_mut()
-                .map(|s| s.borrow_and_update().partitioning.clone());
+            let mut partitioning = snapshots.as_mut().map(|s| {
+                let snap = s.borrow_and_update();
+                (
+                    snap.partitioning.clone(),
+                    snap.inventory.driver_version.clone(),
+                )
+            });
             loop {
                 match snapshots.as_mut() {
                     Some(rx) => tokio::select! {
@@ -606,7 +611,13 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
                                 snapshots = None;
                                 continue;
                             }
-                            let now = Some(rx.borrow_and_update().partitioning.clone());
+                            let now = Some({
+                                let snap = rx.borrow_and_update();
+                                (
+                                    snap.partitioning.clone(),
+                                    snap.inventory.driver_version.clone(),
+                                )
+                            });
                             if now == partitioning {
                                 continue;
                             }

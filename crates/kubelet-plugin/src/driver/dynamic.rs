@@ -287,6 +287,7 @@ impl Driver {
             devices: Vec::new(),
             sharing: None,
             boot_id: self.settings.boot_id.clone(),
+            driver_version: None,
             imported: None,
             dynamic_mig: Vec::new(),
             extra: Default::default(),
@@ -769,6 +770,7 @@ mod tests {
                 devices: Vec::new(),
                 sharing: None,
                 boot_id: None,
+                driver_version: None,
                 imported: None,
                 dynamic_mig: vec![DynamicMigInstance {
                     device: D2G.into(),

@@ -435,6 +435,7 @@ mod tests {
             devices: Vec::new(),
             sharing: None,
             boot_id: None,
+            driver_version: None,
             imported: None,
             dynamic_mig: Vec::new(),
             extra: Default::default(),

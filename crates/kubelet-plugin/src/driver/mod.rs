@@ -10,7 +10,8 @@
 //!   to the checkpoint's journal per commit, folded into the checkpoint when idle, at start
 //!   and at a graceful stop ([`Driver::compact_checkpoint`]);
 //! - [`reconcile`]: the cleanup at start and periodically ([`ClaimCleanup`]);
-//! - [`dynamic`]: the MIG instances of dynamic MIG devices.
+//! - [`dynamic`]: the MIG instances of dynamic MIG devices;
+//! - [`respec`]: specs rewritten for a driver upgraded in place.
 //!
 //! Invariants that span them:
 //! - per claim UID one operation at a time (a per-UID async lock, kept only while an
@@ -39,6 +40,7 @@ mod holders;
 mod journal;
 mod prepare;
 mod reconcile;
+mod respec;
 mod unprepare;
 
 pub use self::reconcile::{ClaimCleanup, CleanupPass, CleanupPolicy};
@@ -186,6 +188,23 @@ pub struct DriverParts {
     /// Told of every prepared and unprepared claim, for the claims' `status.devices`
     /// ([`crate::claim_status`]); `None`: no status is written.
     pub claim_status: Option<Arc<dyn ClaimStatusSink>>,
+}
+
+/// Counts an operation in `gpu_dra_requests_in_flight` until dropped: also when the kubelet
+/// cancels its call and the operation's future is dropped where it waits.
+struct InFlight<'a>(&'a Metrics);
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.0.in_flight.dec();
+    }
+}
+
+impl Driver {
+    fn in_flight(&self) -> InFlight<'_> {
+        self.metrics.in_flight.inc();
+        InFlight(&self.metrics)
+    }
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {

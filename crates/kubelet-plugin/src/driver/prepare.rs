@@ -21,7 +21,9 @@
 //! the node (its recorded boot ID differs) or its CDI spec file is missing (e.g. `/var/run/cdi`
 //! is a tmpfs a reboot emptied). The answer is the same, because CDI IDs are a function of
 //! claim UID and device name, and both halves are the usual crash-safe steps, so a crash in
-//! between leaves a state the next prepare finishes.
+//! between leaves a state the next prepare finishes. A completed claim whose spec names the
+//! files of another driver version (upgraded in place since) keeps its entry and gets its
+//! spec rewritten ([`super::respec`]).
 
 use std::time::Instant;
 
@@ -78,9 +80,9 @@ impl Driver {
         published: &Published,
     ) -> Result<Vec<PreparedDevice>, DriverError> {
         let started = Instant::now();
-        self.metrics.in_flight.inc();
+        let in_flight = self.in_flight();
         let result = self.prepare_inner(claim, published).await;
-        self.metrics.in_flight.dec();
+        drop(in_flight);
         self.metrics
             .observe("prepare", started.elapsed().as_secs_f64(), result.is_ok());
         match &result {
@@ -109,6 +111,8 @@ impl Driver {
         let kept = match self.journal.entry(&claim.uid) {
             Some(e) if e.state == PrepareState::PrepareCompleted => {
                 let Some(reason) = self.stale_reason(&claim.uid, &e) else {
+                    // The same CDI IDs, with a spec that names the driver of now.
+                    self.rewrite_stale_spec(&claim.uid, &e).await?;
                     return Ok(e.devices);
                 };
                 info!(claim.uid = %claim.uid, %reason, "preparing the claim again");
@@ -241,6 +245,7 @@ impl Driver {
             devices: devices.clone(),
             sharing: None,
             boot_id: self.settings.boot_id.clone(),
+            driver_version: None,
             imported: None,
             dynamic_mig: self
                 .journal
@@ -292,7 +297,7 @@ impl Driver {
                 node_paths: self.cdi.device_nodes(&d.nodes)?,
             });
         }
-        let mut spec = self.cdi.spec(&claim.uid, &spec_devices);
+        let (mut spec, driver_version) = self.cdi.versioned_spec(&claim.uid, &spec_devices);
         // A share (its memory, its `shares`) is told to the containers that get its device,
         // whatever the sharing strategy (only MPS enforces memory).
         for (d, dev) in plan.devices.iter().zip(spec.devices.iter_mut()) {
@@ -327,6 +332,7 @@ impl Driver {
                 if let Some(e) = cp.claims.get_mut(&claim.uid) {
                     e.state = PrepareState::PrepareCompleted;
                     e.sharing = sharing;
+                    e.driver_version = Some(driver_version);
                 }
             })
         );
@@ -717,6 +723,54 @@ mod tests {
                 self.inner.get(namespace, name).await
             })
         }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_prepare_the_kubelet_cancels_is_no_longer_counted_in_flight() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        simulate_host(&dir.path().join("host"), &a100_inventory(4, 1)).expect("host");
+        let memory = Arc::new(MemoryClaims::default());
+        memory.insert(allocated_claim(
+            "ns",
+            "a",
+            "uid-a",
+            DRIVER,
+            NODE,
+            &[("gpu", "gpu-1")],
+            &[],
+        ));
+        let (entered, mut entries) = tokio::sync::mpsc::unbounded_channel();
+        let gated = Arc::new(GatedClaims {
+            inner: memory,
+            permits: tokio::sync::Semaphore::new(0),
+            entered,
+            now: Default::default(),
+            most: Default::default(),
+        });
+        let driver = Arc::new(
+            DriverBuilder::new(dir.path(), a100_inventory(4, 1))
+                .node_name(NODE)
+                .claims(gated)
+                .checkpoint_path(dir.path().join(gpu_dra_core::checkpoint::FILE_NAME))
+                .build()
+                .expect("driver"),
+        );
+        let a = ClaimRef {
+            namespace: "ns".into(),
+            name: "a".into(),
+            uid: "uid-a".into(),
+        };
+        // The kubelet's call ends (its deadline, a cancel) while the claim is being read: tonic
+        // drops the call's future.
+        let call = {
+            let driver = driver.clone();
+            tokio::spawn(async move { driver.prepare(&a).await.map(drop) })
+        };
+        entries.recv().await.expect("the prepare reads the claim");
+        assert_eq!(driver.metrics().in_flight.get(), 1);
+        call.abort();
+        assert!(call.await.expect_err("aborted").is_cancelled());
+        assert_eq!(driver.metrics().in_flight.get(), 0, "the gauge leaked");
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,8 +1,8 @@
 //! The cleanup that brings the checkpoint, the CDI folder, the MIG instances and the API server
 //! in line: run once at start, before the kubelet's calls are served, and then periodically.
 //!
-//! Its local part (half-prepared claims, temp files, MIG instances, stray specs) costs no
-//! request. Its API part finds prepared claims deleted behind the kubelet's back (a pod
+//! Its local part (half-prepared claims, temp files, MIG instances, specs naming the files of
+//! a driver upgraded since ([`super::respec`]), stray specs) costs no request. Its API part finds prepared claims deleted behind the kubelet's back (a pod
 //! force-deleted while the plugin was down, a kubelet that lost its own checkpoint): reading
 //! every prepared claim every interval cost one request per claim per interval at rest (800
 //! claims, 60 s: 13 requests a second from one node, 130 a second from 1,000 nodes busy like
@@ -280,6 +280,7 @@ impl Driver {
             info!(files = temps, "removed temp files of interrupted writes");
         }
         self.sweep_instances().await;
+        self.follow_driver_version().await;
         for uid in self.cdi.list() {
             if self.journal.entry(&uid).is_none() {
                 let user = self.claim_locks.join(&uid);

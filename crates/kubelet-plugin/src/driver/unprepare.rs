@@ -38,7 +38,7 @@ impl Driver {
     /// Unprepares one claim; an unknown claim succeeds.
     pub async fn unprepare(&self, claim: &ClaimRef) -> Result<(), DriverError> {
         let started = Instant::now();
-        self.metrics.in_flight.inc();
+        let in_flight = self.in_flight();
         let result = async {
             self.failpoints.hit("unprepare.start").await?;
             let user = self.claim_locks.join(&claim.uid);
@@ -46,7 +46,7 @@ impl Driver {
             self.unprepare_locked(&claim.uid, Keep::Nothing).await
         }
         .await;
-        self.metrics.in_flight.dec();
+        drop(in_flight);
         self.metrics
             .observe("unprepare", started.elapsed().as_secs_f64(), result.is_ok());
         match &result {

@@ -204,6 +204,7 @@ fn entry(devices: Vec<PreparedDevice>) -> ClaimEntry {
         devices,
         sharing: None,
         boot_id: None,
+        driver_version: None,
         imported: None,
         dynamic_mig: Vec::new(),
         extra: Default::default(),
