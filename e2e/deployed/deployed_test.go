@@ -49,6 +49,11 @@ func install(t *testing.T, set ...string) {
 			_ = cluster.HelmUninstall(context.Background())
 		}
 	})
+	// The plugin's pods run the image `make image` built (pushed to the
+	// cluster's registry); without it they could not start.
+	if _, err := cluster.DriverImage(context.Background()); err != nil {
+		t.Fatal(err)
+	}
 	if err := cluster.HelmInstall(context.Background(), set...); err != nil {
 		t.Fatal(err)
 	}
