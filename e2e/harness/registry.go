@@ -49,6 +49,10 @@ type imageRegistry struct {
 	small map[string][]byte // digest -> content, for configs and manifests
 }
 
+// RegistryAddress is the cluster's registry (host:port, plain HTTP): the
+// nodes pull from it, and anyone may push to it as to their own registry.
+func (c *Cluster) RegistryAddress() (string, error) { return c.registry() }
+
 // registry starts the cluster's registry on first use and returns its
 // address (host:port).
 func (c *Cluster) registry() (string, error) {
