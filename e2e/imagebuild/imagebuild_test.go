@@ -208,3 +208,25 @@ func (a authTransport) RoundTrip(r *http.Request) (*http.Response, error) {
 	r.Header.Set("Authorization", a.header)
 	return http.DefaultTransport.RoundTrip(r)
 }
+
+// The Dockerfile (for those who build with Docker) and DriverImage state
+// the same entrypoint and user.
+func TestDockerfileAgreesWithDriverImage(t *testing.T) {
+	data, err := os.ReadFile(filepath.Join("..", "..", "Dockerfile"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	o := DriverImage(nil, time.Time{}, "", "", "")
+	var user, entrypoint string
+	for _, line := range strings.Split(string(data), "\n") {
+		if v, ok := strings.CutPrefix(line, "USER "); ok {
+			user = strings.TrimSpace(v)
+		}
+		if v, ok := strings.CutPrefix(line, "ENTRYPOINT "); ok {
+			entrypoint = strings.TrimSpace(v)
+		}
+	}
+	if user != o.User || entrypoint != `["`+strings.Join(o.Entrypoint, `", "`)+`"]` {
+		t.Fatalf("Dockerfile: USER %q, ENTRYPOINT %s; DriverImage: user %q, entrypoint %q", user, entrypoint, o.User, o.Entrypoint)
+	}
+}
