@@ -8,7 +8,7 @@ TOOLS := $(CURDIR)/.tools
 HELM_VERSION ?= v3.22.0
 HELM := $(TOOLS)/bin/helm
 
-.PHONY: help build release unit test lint fmt fuzz bench bench-check generate chart-package chart-check cdi-check e2e e2e-build e2e-bins e2e-tools e2e-runtime e2e-node-tools e2e-image e2e-kubectl e2e-specs demo bench-e2e bench-mps toolkit image-rootfs image-rootfs-arm64 image image-push image-digest image-tool image-cross-deps kubectl-plugin selftest-bundle selftest-check
+.PHONY: help build release unit test lint fmt fuzz bench bench-check generate chart-package chart-check cdi-check e2e e2e-build e2e-bins e2e-tools e2e-runtime e2e-node-tools e2e-image e2e-kubectl e2e-specs demo bench-e2e bench-mps toolkit image-rootfs image-rootfs-arm64 image image-push image-digest image-tool image-arm64-run image-cross-deps kubectl-plugin selftest-bundle selftest-check
 
 help: ## list targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | sort
@@ -36,7 +36,7 @@ fmt: ## format the code
 unit: lint ## the quick loop: lint, then every Rust test
 	$(CARGO) test --workspace --locked
 
-test: unit bench-check chart-check cdi-check selftest-check e2e ## everything CI checks: lint, Rust tests, benchmarks once, the Helm chart, our CDI specs against the toolkit, the e2e suite
+test: unit bench-check chart-check cdi-check selftest-check image-arm64-run e2e ## everything CI checks: lint, Rust tests, benchmarks once, the Helm chart, our CDI specs against the toolkit, the e2e suite
 
 # --- e2e: a real control plane in one Go process (e2e/), simulated GPU nodes ---
 E2E_TIMEOUT ?= 70m
@@ -241,6 +241,17 @@ image-rootfs-arm64: image-cross-deps ## the image's arm64 root filesystem (IMAGE
 	$(MAKE) $(ARM64_HOOK)
 	$(ARM64_ENV) $(CARGO) build --locked --target $(ARM64_TARGET) $(if $(filter release,$(IMAGE_PROFILE)),--release,$(ARM64_DEBUG_FLAGS)) $(IMAGE_BINS)
 	bash deploy/image/build-rootfs.sh $(IMAGE_ROOTFS_ARM64) target/$(ARM64_TARGET)/$(IMAGE_PROFILE) $(ARM64_HOOK) arm64
+
+# The arm64 tree's binaries run under Debian's qemu-user (installed when missing), with the tree
+# as their root for the loader and libraries: each starts (--version) and the CLI validates an
+# example and refuses an invalid one, as on an arm64 node. CI runs it; `make image` does not.
+QEMU_ARM64 = qemu-aarch64 -L $(IMAGE_ROOTFS_ARM64)
+image-arm64-run: image-rootfs-arm64 ## run the arm64 image tree's binaries under qemu-user (--version; gpu-dra validate on examples)
+	@command -v qemu-aarch64 >/dev/null || { apt-get update && apt-get install -y --no-install-recommends qemu-user; }
+	set -e; for b in gpu-kubelet-plugin gpu-dra-webhook gpu-dra nvidia-cdi-hook; do \
+		$(QEMU_ARM64) $(IMAGE_ROOTFS_ARM64)/usr/local/bin/$$b --version; done
+	$(QEMU_ARM64) $(IMAGE_ROOTFS_ARM64)/usr/local/bin/gpu-dra validate examples/whole-gpu/whole-gpu.yaml
+	! $(QEMU_ARM64) $(IMAGE_ROOTFS_ARM64)/usr/local/bin/gpu-dra validate examples/invalid/misspelled-field.yaml
 
 image: $(if $(filter amd64,$(IMAGE_ARCHS)),image-rootfs) $(if $(filter arm64,$(IMAGE_ARCHS)),image-rootfs-arm64) image-tool ## the driver's image, amd64 and arm64 (IMAGE_ARCHS), as an OCI layout in target/image/oci; prints its digest
 	$(IMAGE_TOOL) build --out $(IMAGE_LAYOUT) $(foreach a,$(IMAGE_ARCHS),--rootfs $(a)=$(if $(filter arm64,$(a)),$(IMAGE_ROOTFS_ARM64),$(IMAGE_ROOTFS))) \
