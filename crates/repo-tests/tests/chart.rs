@@ -787,7 +787,11 @@ fn a_digest_pins_every_pod_to_one_image() {
             }
         }
         let ds = find(objects, "DaemonSet", "rel-gpu-dra-driver-kubelet-plugin");
-        out.insert(plugin_env(ds, "MPS_DAEMON_IMAGE").expect("daemon image").to_owned());
+        out.insert(
+            plugin_env(ds, "MPS_DAEMON_IMAGE")
+                .expect("daemon image")
+                .to_owned(),
+        );
         out
     };
     let tagged = images(&render(&helm, &[]));
@@ -806,7 +810,10 @@ fn a_digest_pins_every_pod_to_one_image() {
     );
     let own = images(&render(
         &helm,
-        &[&set, "image.repository=registry.example:5000/gpu-dra-driver"],
+        &[
+            &set,
+            "image.repository=registry.example:5000/gpu-dra-driver",
+        ],
     ));
     assert_eq!(
         own,
