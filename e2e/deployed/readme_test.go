@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/gpu-dra/e2e/harness"
+	"github.com/gpu-dra/e2e/imagebuild"
 )
 
 // TestReadmeInstall follows the README's "Install on your cluster" as
@@ -20,9 +21,11 @@ import (
 // only the values the README says to set are this cluster's: REGISTRY is
 // the cluster's registry (no credentials: an empty DOCKER_CONFIG) and
 // IMAGE_PROFILE=debug (the build e2e already has). `make image` and `make
-// image-push` run as written; the node's kubelet pulls the pushed image by
-// the digest the README keeps, and the first claim's pod must list the
-// node's GPU. Last the README's removal block runs.
+// image-push` run as written (from a clean tree at the same revision, the
+// digest must be the one e2e already had: the build is reproducible); the
+// node's kubelet pulls the pushed image by the digest the README keeps, and
+// the first claim's pod must list the node's GPU. Last the README's removal
+// block runs.
 func TestReadmeInstall(t *testing.T) {
 	ctx := context.Background()
 	root, err := harness.RepoRoot()
@@ -37,12 +40,14 @@ func TestReadmeInstall(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	// What the harness pushed for the other tests: the same sources, so
-	// `make image` must give the same digest.
-	harnessRef, err := cluster.DriverImage(ctx)
+	// The layout e2e runs (`make image`'s, which the harness pushed): the
+	// README's `make image` rebuilds it, from the same sources when the
+	// tree is clean and its revision unchanged, so with the same digest.
+	layout, err := harness.ImageLayout()
 	if err != nil {
 		t.Fatal(err)
 	}
+	digestBefore, revisionBefore := layoutDigest(t, layout)
 	n := addNode(t, "readme-t4", harness.LayoutHostDriver, "t4")
 	addr, err := cluster.RegistryAddress()
 	if err != nil {
@@ -92,11 +97,17 @@ func TestReadmeInstall(t *testing.T) {
 	// types them (the exports carry over).
 	out := run("build, push, install, first claim", strings.Join(append([]string{settings}, blocks[1:len(blocks)-1]...), "\n"))
 
-	// The pushed image is the harness's (same sources, same digest), and
-	// the node's plugin pod runs it, pulled by digest from the registry.
-	_, digest, _ := strings.Cut(harnessRef, "@")
-	if !strings.Contains(out, addr+"/gpu-dra/gpu-dra-driver@"+digest) {
-		t.Errorf("make image-push did not print %s@%s (the digest e2e pushed from the same sources)", addr+"/gpu-dra/gpu-dra-driver", digest)
+	// make image-push printed the pushed reference; the node's plugin pod
+	// runs exactly that, pulled by its digest from the registry.
+	pushed := regexp.MustCompile(`(?m)^` + regexp.QuoteMeta(addr+"/gpu-dra/gpu-dra-driver@") + `(sha256:[0-9a-f]{64})$`).FindStringSubmatch(out)
+	if pushed == nil {
+		t.Fatalf("make image-push printed no %s/gpu-dra/gpu-dra-driver@sha256:... line", addr)
+	}
+	digest := pushed[1]
+	if after, revision := layoutDigest(t, layout); digest != after {
+		t.Errorf("pushed %s, the layout has %s", digest, after)
+	} else if revision == revisionBefore && !strings.HasSuffix(revision, "-dirty") && digest != digestBefore {
+		t.Errorf("make image is not reproducible: revision %s gave %s before and %s now", revision, digestBefore, digest)
 	}
 	pods := n.DaemonPods()
 	if len(pods) == 0 {
@@ -104,7 +115,7 @@ func TestReadmeInstall(t *testing.T) {
 	}
 	st := pods[0].Pod.Status.ContainerStatuses
 	if len(st) == 0 || !strings.HasSuffix(st[0].ImageID, "@"+digest) || pods[0].Pod.Spec.Containers[0].Image != addr+"/gpu-dra/gpu-dra-driver@"+digest {
-		t.Errorf("plugin pod runs %s (image ID %v), want %s/gpu-dra/gpu-dra-driver@%s", pods[0].Pod.Spec.Containers[0].Image, st, addr, digest)
+		t.Errorf("plugin pod runs %s (status %v), want %s/gpu-dra/gpu-dra-driver@%s", pods[0].Pod.Spec.Containers[0].Image, st, addr, digest)
 	}
 	// The claim's pod listed the node's one GPU.
 	if !regexp.MustCompile(`(?m)^GPU 0: .* \(UUID: GPU-[0-9a-f-]+\)$`).MatchString(out) {
@@ -112,6 +123,25 @@ func TestReadmeInstall(t *testing.T) {
 	}
 	run("removal", blocks[len(blocks)-1])
 	removed = true
+}
+
+// layoutDigest is the digest of the OCI layout's index and its source
+// revision label.
+func layoutDigest(t *testing.T, dir string) (digest, revision string) {
+	t.Helper()
+	idx, err := imagebuild.LayoutIndex(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	d, err := idx.Digest()
+	if err != nil {
+		t.Fatal(err)
+	}
+	m, err := idx.IndexManifest()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return d.String(), m.Annotations["org.opencontainers.image.revision"]
 }
 
 // readmeInstallBlocks are the ```sh blocks of the README's "Install on your
