@@ -1,5 +1,8 @@
 # Image of the driver: the node plugin, the admission webhook and the CLI in one small image.
 #   docker build -t gpu-dra-driver .
+# Without Docker, for amd64 and arm64 at once: `make image` and `make image-push` (README,
+# "Install on your cluster"); their image config (e2e/imagebuild DriverImage) has this file's
+# entrypoint and user, which a test checks.
 # The build stage runs the same recipe as `make image-rootfs` (deploy/image/build-rootfs.sh),
 # which the e2e suite runs the node plugin on: what e2e runs is what users run.
 FROM golang:1.26-bookworm AS go

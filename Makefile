@@ -8,7 +8,7 @@ TOOLS := $(CURDIR)/.tools
 HELM_VERSION ?= v3.22.0
 HELM := $(TOOLS)/bin/helm
 
-.PHONY: help build release unit test lint fmt fuzz bench bench-check generate chart-check cdi-check e2e e2e-build e2e-bins e2e-tools e2e-runtime e2e-node-tools e2e-image e2e-kubectl e2e-specs demo bench-e2e bench-mps toolkit image-rootfs kubectl-plugin selftest-bundle selftest-check
+.PHONY: help build release unit test lint fmt fuzz bench bench-check generate chart-package chart-check cdi-check e2e e2e-build e2e-bins e2e-tools e2e-runtime e2e-node-tools e2e-image e2e-kubectl e2e-specs demo bench-e2e bench-mps toolkit image-rootfs image-rootfs-arm64 image image-push image-digest image-tool image-arm64-run image-cross-deps kubectl-plugin selftest-bundle selftest-check
 
 help: ## list targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | sort
@@ -36,7 +36,7 @@ fmt: ## format the code
 unit: lint ## the quick loop: lint, then every Rust test
 	$(CARGO) test --workspace --locked
 
-test: unit bench-check chart-check cdi-check selftest-check e2e ## everything CI checks: lint, Rust tests, benchmarks once, the Helm chart, our CDI specs against the toolkit, the e2e suite
+test: unit bench-check chart-check cdi-check selftest-check image-arm64-run e2e ## everything CI checks: lint, Rust tests, benchmarks once, the Helm chart and its package, our CDI specs against the toolkit, the image for amd64 and arm64 (arm64 run under qemu-user), the e2e suite on that image
 
 # --- e2e: a real control plane in one Go process (e2e/), simulated GPU nodes ---
 E2E_TIMEOUT ?= 70m
@@ -45,11 +45,11 @@ E2E_TIMEOUT ?= 70m
 E2E_PARALLEL ?= 4
 # The root filesystem every e2e container runs on (no registry is reachable to pull images).
 TEST_IMAGE := $(TOOLS)/test-image
-E2E_ENV = E2E_REPO_ROOT=$(CURDIR) E2E_BIN_DIR=$(CURDIR)/target/debug E2E_TEST_IMAGE=$(TEST_IMAGE)/rootfs E2E_IMAGE_ROOTFS=$(IMAGE_ROOTFS)
+E2E_ENV = E2E_REPO_ROOT=$(CURDIR) E2E_BIN_DIR=$(CURDIR)/target/debug E2E_TEST_IMAGE=$(TEST_IMAGE)/rootfs E2E_IMAGE_LAYOUT=$(IMAGE_LAYOUT)
 
 e2e-tools: $(HELM) ## helm from the Go module proxy into .tools/bin (e2e and demo install the chart with it)
 
-e2e-kubectl: ## optional: kubectl of the pinned Kubernetes release into .tools/bin
+e2e-kubectl: ## kubectl of the pinned Kubernetes release into .tools/bin (e2e runs the README's kubectl commands with it)
 	cd e2e && v=$$($(GO) list -m -f '{{.Version}}' k8s.io/kubernetes) && $(K8S_VERSION_FLAGS) && \
 		GOBIN=$(TOOLS)/bin $(GO) install -ldflags "$$flags" k8s.io/kubernetes/cmd/kubectl
 
@@ -104,12 +104,12 @@ $(TOOLS)/bin/containerd:
 e2e-image: e2e-bins e2e-runtime ## the e2e test image: busybox, glibc for the simulator's tools, an ld cache
 	bash e2e/testimage/build.sh $(TEST_IMAGE) target/debug/cuda-app target/debug/nvidia-smi target/debug/libgpu_dra_sim.so
 
-e2e: e2e-bins e2e-tools e2e-node-tools e2e-image image-rootfs ## end-to-end tests against the in-process control plane
+e2e: e2e-bins e2e-tools e2e-kubectl e2e-node-tools e2e-image image ## end-to-end tests against the in-process control plane
 	cd e2e && $(E2E_ENV) $(GO) test -count=1 -parallel $(E2E_PARALLEL) -timeout $(E2E_TIMEOUT) ./...
 
 # Other people's specs as written: every YAML file of DIR, one at a time, on real nodes
 # (e2e/tests/specs_test.go, e2e/harness/specs.go; e2e/README.md says what is checked).
-e2e-specs: e2e-bins e2e-tools e2e-node-tools e2e-image image-rootfs ## run every YAML file of a spec folder (DIR=<folder>) on real nodes and check what holds for any spec
+e2e-specs: e2e-bins e2e-tools e2e-node-tools e2e-image image ## run every YAML file of a spec folder (DIR=<folder>) on real nodes and check what holds for any spec
 	@test -n "$(DIR)" || { echo "make e2e-specs: name the spec folder: DIR=<folder>" >&2; exit 2; }
 	cd e2e && E2E_SPECS_DIR=$(abspath $(DIR)) $(E2E_ENV) $(GO) test -count=1 -timeout $(E2E_TIMEOUT) -run '^TestSpecFolder$$' -v ./tests
 
@@ -197,6 +197,73 @@ image-rootfs: $(TOOLKIT) ## the image's root filesystem (IMAGE_PROFILE=debug|rel
 	$(CARGO) build --workspace --locked $(if $(filter release,$(IMAGE_PROFILE)),--release)
 	bash deploy/image/build-rootfs.sh $(IMAGE_ROOTFS) target/$(IMAGE_PROFILE) $(TOOLS)/bin/nvidia-cdi-hook
 
+# --- The driver's image: an OCI image layout, amd64 and arm64, with no container engine ---
+# The image is made of image-rootfs's trees (the one recipe e2e runs and the Dockerfile copies)
+# by gpu-dra-image (e2e/cmd/gpu-dra-image, package e2e/imagebuild: go-containerregistry), which
+# checks each tree first (every binary's ELF machine, loader and libraries, the hook static, the
+# entrypoint and user) and is reproducible: same trees, version, revision and time, same digest.
+# The arm64 tree holds only the three shipped binaries, cross-compiled with Debian's aarch64 gcc.
+IMAGE_ARCHS ?= amd64 arm64
+IMAGE_LAYOUT := $(CURDIR)/target/image/oci
+IMAGE_ROOTFS_ARM64 := $(CURDIR)/target/image-rootfs-arm64
+IMAGE_VERSION ?= $(shell sed -n 's/^appVersion: *"*\([^"]*\)"*$$/\1/p' deploy/helm/gpu-dra-driver/Chart.yaml)
+IMAGE_REVISION ?= $(shell git rev-parse HEAD 2>/dev/null || echo unknown)$(shell git diff --quiet HEAD 2>/dev/null || echo -dirty)
+# The images' creation time: the last commit's, unless given (reproducible builds' convention).
+SOURCE_DATE_EPOCH ?= $(shell git log -1 --format=%ct 2>/dev/null || echo 0)
+IMAGE_SOURCE ?=
+IMAGE_TOOL := $(TOOLS)/bin/gpu-dra-image
+ARM64_TARGET := aarch64-unknown-linux-gnu
+ARM64_ENV := CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER=aarch64-linux-gnu-gcc CC_aarch64_unknown_linux_gnu=aarch64-linux-gnu-gcc
+# The debug arm64 build (CI's) keeps debug assertions but no debug info: nothing here runs it,
+# and the binaries link faster and weigh less.
+ARM64_DEBUG_FLAGS := --config profile.dev.debug=0
+IMAGE_BINS := -p gpu-dra-kubelet-plugin --bin gpu-kubelet-plugin -p gpu-dra-webhook --bin gpu-dra-webhook -p gpu-dra-cli --bin gpu-dra
+ARM64_HOOK := $(TOOLS)/bin/linux_arm64/nvidia-cdi-hook
+
+image-tool: ## gpu-dra-image (builds, checks and pushes the image) into .tools/bin
+	cd e2e && $(GO) build -o $(IMAGE_TOOL) ./cmd/gpu-dra-image
+
+image-cross-deps: ## the arm64 cross toolchain when missing: Rust's aarch64-unknown-linux-gnu target, Debian's gcc-aarch64-linux-gnu and libc6-dev-arm64-cross
+	@rustup target list --installed | grep -qx $(ARM64_TARGET) || rustup target add $(ARM64_TARGET)
+	@if ! command -v aarch64-linux-gnu-gcc >/dev/null || ! test -f /usr/aarch64-linux-gnu/lib/libc.so.6; then \
+		apt-get update && apt-get install -y --no-install-recommends gcc-aarch64-linux-gnu libc6-dev-arm64-cross; \
+	fi
+
+# The static hook for arm64: `go install` puts a cross-compiled binary under GOPATH/bin/linux_arm64
+# (it refuses GOBIN), so GOPATH is a folder of ours and the module cache stays where it is.
+$(ARM64_HOOK):
+	GOMODCACHE=$$($(GO) env GOMODCACHE) GOPATH=$(TOOLS)/go-arm64 GOBIN= GOOS=linux GOARCH=arm64 CGO_ENABLED=1 CC=aarch64-linux-gnu-gcc \
+		$(GO) install -tags netgo,osusergo -ldflags '-linkmode external -extldflags "-static"' \
+		github.com/NVIDIA/nvidia-container-toolkit/cmd/nvidia-cdi-hook@$(TOOLKIT_VERSION)
+	install -D -m 0755 $(TOOLS)/go-arm64/bin/linux_arm64/nvidia-cdi-hook $@
+
+image-rootfs-arm64: image-cross-deps ## the image's arm64 root filesystem (IMAGE_PROFILE=debug|release) into target/image-rootfs-arm64
+	$(MAKE) $(ARM64_HOOK)
+	$(ARM64_ENV) $(CARGO) build --locked --target $(ARM64_TARGET) $(if $(filter release,$(IMAGE_PROFILE)),--release,$(ARM64_DEBUG_FLAGS)) $(IMAGE_BINS)
+	bash deploy/image/build-rootfs.sh $(IMAGE_ROOTFS_ARM64) target/$(ARM64_TARGET)/$(IMAGE_PROFILE) $(ARM64_HOOK) arm64
+
+# The arm64 tree's binaries run under Debian's qemu-user (installed when missing), with the tree
+# as their root for the loader and libraries: each starts (--version) and the CLI validates an
+# example and refuses an invalid one, as on an arm64 node. CI runs it; `make image` does not.
+QEMU_ARM64 = qemu-aarch64 -L $(IMAGE_ROOTFS_ARM64)
+image-arm64-run: image-rootfs-arm64 ## run the arm64 image tree's binaries under qemu-user (--version; gpu-dra validate on examples)
+	@command -v qemu-aarch64 >/dev/null || { apt-get update && apt-get install -y --no-install-recommends qemu-user; }
+	set -e; for b in gpu-kubelet-plugin gpu-dra-webhook gpu-dra nvidia-cdi-hook; do \
+		$(QEMU_ARM64) $(IMAGE_ROOTFS_ARM64)/usr/local/bin/$$b --version; done
+	$(QEMU_ARM64) $(IMAGE_ROOTFS_ARM64)/usr/local/bin/gpu-dra validate examples/whole-gpu/whole-gpu.yaml
+	! $(QEMU_ARM64) $(IMAGE_ROOTFS_ARM64)/usr/local/bin/gpu-dra validate examples/invalid/misspelled-field.yaml
+
+image: $(if $(filter amd64,$(IMAGE_ARCHS)),image-rootfs) $(if $(filter arm64,$(IMAGE_ARCHS)),image-rootfs-arm64) image-tool ## the driver's image, amd64 and arm64 (IMAGE_ARCHS), as an OCI layout in target/image/oci; prints its digest
+	$(IMAGE_TOOL) build --out $(IMAGE_LAYOUT) $(foreach a,$(IMAGE_ARCHS),--rootfs $(a)=$(if $(filter arm64,$(a)),$(IMAGE_ROOTFS_ARM64),$(IMAGE_ROOTFS))) \
+		--version $(IMAGE_VERSION) --revision $(IMAGE_REVISION) --created $(SOURCE_DATE_EPOCH) $(if $(IMAGE_SOURCE),--source $(IMAGE_SOURCE))
+
+image-digest: image-tool ## print the digest of target/image/oci (make image): what image-push pushes and image.digest takes
+	$(IMAGE_TOOL) digest $(IMAGE_LAYOUT)
+
+image-push: image-tool ## push target/image/oci (make image) to IMAGE=<registry>/<repository>:<tag> with ~/.docker/config.json's credentials; prints <repository>@<digest>
+	@test -n "$(IMAGE)" || { echo "make image-push: name the image: IMAGE=<registry>/<repository>:<tag>" >&2; exit 2; }
+	$(IMAGE_TOOL) push $(IMAGE_LAYOUT) $(IMAGE)
+
 # The node self-test (docs/STATUS.md, "The node self-test"). Its bundle carries a static runc: a
 # GPU host may have no container runtime, or one of another libc. runc from its Go module, built
 # as its own Makefile's `static` target does, without the seccomp tag (the self-test's
@@ -234,6 +301,16 @@ cdi-check: $(TOOLKIT) ## our CDI specs against NVIDIA's nvidia-ctk on every simu
 	NVIDIA_CTK=$(TOOLS)/bin/nvidia-ctk $(CARGO) test --locked -p gpu-dra-kubelet-plugin --test toolkit_cdi
 	NVIDIA_CDI_HOOK=$(TOOLS)/bin/nvidia-cdi-hook $(CARGO) test --locked -p gpu-dra-kubelet-plugin --test static_hook
 
-chart-check: $(HELM) ## lint and render the Helm chart with several value sets, check what it renders
+# The chart as a release publishes it: `helm package`'s archive, gpu-dra-driver-<version>.tgz.
+CHART_PACKAGE_DIR := $(CURDIR)/target/chart
+CHART_VERSION = $(shell sed -n 's/^version: *"*\([^"]*\)"*$$/\1/p' deploy/helm/gpu-dra-driver/Chart.yaml)
+CHART_PACKAGE = $(CHART_PACKAGE_DIR)/gpu-dra-driver-$(CHART_VERSION).tgz
+
+chart-package: $(HELM) ## helm package the chart into target/chart/gpu-dra-driver-<version>.tgz
+	rm -rf $(CHART_PACKAGE_DIR)
+	$(HELM) package deploy/helm/gpu-dra-driver --destination $(CHART_PACKAGE_DIR)
+
+chart-check: chart-package ## lint the Helm chart and its package, render the package with several value sets (schema included), check what it renders
 	$(HELM) lint --strict --kube-version 1.34.0 deploy/helm/gpu-dra-driver
-	HELM=$(HELM) CHART_CHECK=1 $(CARGO) test --locked -p gpu-dra-repo-tests --test chart
+	$(HELM) lint --strict --kube-version 1.34.0 $(CHART_PACKAGE)
+	HELM=$(HELM) CHART_CHECK=1 CHART=$(CHART_PACKAGE) $(CARGO) test --locked -p gpu-dra-repo-tests --test chart

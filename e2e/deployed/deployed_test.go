@@ -49,6 +49,11 @@ func install(t *testing.T, set ...string) {
 			_ = cluster.HelmUninstall(context.Background())
 		}
 	})
+	// The plugin's pods run the image `make image` built (pushed to the
+	// cluster's registry); without it they could not start.
+	if _, err := cluster.DriverImage(context.Background()); err != nil {
+		t.Fatal(err)
+	}
 	if err := cluster.HelmInstall(context.Background(), set...); err != nil {
 		t.Fatal(err)
 	}
@@ -162,6 +167,16 @@ func TestHelmLifecycle(t *testing.T) {
 	// root, privileged, the kubelet's folders bind-mounted from their host
 	// paths, which in the node's mount namespace are the node's own tree
 	// (the plugin's registration socket is there, not on the other node).
+	// It runs the image `make image` built, pulled by digest from the
+	// cluster's registry (the harness pushed it and pinned image.digest).
+	ref, err := cluster.DriverImage(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, digest, _ := strings.Cut(ref, "@")
+	if st := first.Pod.Status.ContainerStatuses; first.Pod.Spec.Containers[0].Image != ref || len(st) == 0 || !strings.HasSuffix(st[0].ImageID, "@"+digest) {
+		t.Errorf("plugin pod runs %s (status %v), want %s pulled by its digest", first.Pod.Spec.Containers[0].Image, st, ref)
+	}
 	spec := first.Spec()
 	if spec == nil {
 		t.Fatalf("no OCI spec of the plugin container %s", first.Pod.Name)

@@ -1,8 +1,8 @@
 // Package deployed installs the driver as an admin does, with `helm install`
 // of the chart, and runs the node plugin as deployed: kube-controller-manager's
 // DaemonSet controller creates the chart's DaemonSet pods on real nodes, whose
-// kubelet and containerd run them on the driver's image (`make image-rootfs`'s
-// content, as the chart names it), in the node's mount namespace where its
+// kubelet and containerd run them on the driver's image (`make image`'s,
+// pushed to the cluster's registry and pinned by digest), in the node's mount namespace where its
 // host tree is mounted at the host paths (see harness/realnode_ns.go). One
 // control plane for the package; each test adds its own node and removes it.
 package deployed

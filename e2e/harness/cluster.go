@@ -100,6 +100,11 @@ type Cluster struct {
 	nodeSeq       int
 	stops         []func()
 	wg            sync.WaitGroup
+
+	// The driver's image pushed to imageRegistry (imagepods.go), once.
+	driverImageOnce sync.Once
+	driverImageRef  string
+	driverImageErr  error
 }
 
 // Start brings up etcd, kube-apiserver, kube-scheduler and

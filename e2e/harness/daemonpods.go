@@ -29,24 +29,6 @@ import (
 	runtimeapi "k8s.io/cri-api/pkg/apis/runtime/v1"
 )
 
-// ImageRootfs is the driver's image content: E2E_IMAGE_ROOTFS, else
-// <repo>/target/image-rootfs (`make image-rootfs`). Real nodes get it as
-// the chart's image (nodeimages.go).
-func ImageRootfs() (string, error) {
-	dir := os.Getenv("E2E_IMAGE_ROOTFS")
-	if dir == "" {
-		root, err := RepoRoot()
-		if err != nil {
-			return "", err
-		}
-		dir = filepath.Join(root, "target", "image-rootfs")
-	}
-	if !isFile(filepath.Join(dir, "usr", "local", "bin", "gpu-kubelet-plugin")) {
-		return "", fmt.Errorf("%w: driver image rootfs %s (run `make image-rootfs`)", ErrMissing, dir)
-	}
-	return dir, nil
-}
-
 // DaemonPod is a DaemonSet's pod on a real node, as listed.
 type DaemonPod struct {
 	// DaemonSet is namespace/name of the owner.

@@ -8,6 +8,7 @@ package harness
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"os"
 	"os/exec"
@@ -69,6 +70,19 @@ func (c *Cluster) helmChart(ctx context.Context, verb string, set []string) erro
 	// (realnode_ns.go), as admins select their GPU nodes; a later --set of
 	// the caller wins.
 	args = append(args, "--set", DeployedPluginSelector)
+	// The image `make image` built, pushed to the cluster's registry and
+	// pinned by digest as a release pins it (imagepods.go). Without it
+	// (not built) the chart names its default tag, which the registry
+	// does not have: the deployed plugin's pods fail to pull, and the
+	// deployed tests say to run `make image` (DriverImage).
+	ref, err := c.DriverImage(ctx)
+	switch {
+	case err == nil:
+		_, digest, _ := strings.Cut(ref, "@")
+		args = append(args, "--set", "image.digest="+digest)
+	case !errors.Is(err, ErrMissing):
+		return err
+	}
 	for _, s := range set {
 		args = append(args, "--set", s)
 	}

@@ -15,8 +15,10 @@ package harness
 //     (registry.go), which every real node's containerd uses for every
 //     registry host; the kubelet pulls the image as on any cluster. A digest
 //     reference resolves only to the catalogue's own manifest digest.
-// A reference matching no entry is unknown to the registry: the pull fails
-// and the kubelet reports ErrImagePull, then ImagePullBackOff.
+// The driver's own image is not in the catalogue: it is `make image`'s,
+// pushed to the registry as users push it (imagepods.go).
+// A reference matching no entry and not pushed is unknown to the registry:
+// the pull fails and the kubelet reports ErrImagePull, then ImagePullBackOff.
 
 import (
 	"fmt"
@@ -48,11 +50,8 @@ const imagePath = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:
 type nodeImage struct {
 	// name is a full reference imported into every real node; repository
 	// (normalized: docker.io/library/ubuntu) matches any tag of it, served
-	// by the registry. One of the two, or driverImage.
+	// by the registry. One of the two.
 	name, repository string
-	// driverImage: the repository is the chart's image.repository (read
-	// from the chart's values.yaml), any tag.
-	driverImage bool
 	// layers are the root filesystems the image is made of, lowest first.
 	layers []imageLayer
 	config ImageConfig
@@ -63,22 +62,8 @@ type imageLayer func(c *Cluster) (string, error)
 
 func testImageLayer(*Cluster) (string, error) { return TestImage() }
 
-// driverImageLayer is the driver's image content (`make image-rootfs`),
-// the tree the Dockerfile copies onto an empty base.
-func driverImageLayer(*Cluster) (string, error) { return ImageRootfs() }
-
-// repo is the entry's normalized repository ("" for an entry by name or
-// when the chart cannot be read).
-func (img nodeImage) repo() string {
-	if !img.driverImage {
-		return img.repository
-	}
-	repo, err := ChartImageRepository()
-	if err != nil {
-		return ""
-	}
-	return imageRepository(normalizeImage(repo))
-}
+// repo is the entry's normalized repository ("" for an entry by name).
+func (img nodeImage) repo() string { return img.repository }
 
 // nodeImageCatalogue is every image a real node's pods can use.
 var nodeImageCatalogue = []nodeImage{
@@ -102,12 +87,6 @@ var nodeImageCatalogue = []nodeImage{
 	// (the simulated CUDA program), which NVIDIA's specs run.
 	{repository: "nvcr.io/nvidia/k8s/cuda-sample", layers: []imageLayer{testImageLayer, bashLayer, sampleLayer},
 		config: ImageConfig{Cmd: []string{"/tmp/sample"}, Env: ImageEnv(CUDAImage)}},
-	// The driver's own image, as the chart names it (image.repository, any
-	// tag: the chart's appVersion by default): the content and the config
-	// of the Dockerfile (no shell; the webhook as entrypoint; user 65532).
-	{driverImage: true, layers: []imageLayer{driverImageLayer}, config: ImageConfig{
-		Entrypoint: []string{"/usr/local/bin/gpu-dra-webhook"}, User: "65532:65532", Env: []string{imagePath},
-	}},
 }
 
 // normalizeImage is a reference as containerd names it: docker.io and

@@ -11,9 +11,10 @@ package harness
 // `io.containerd.image.name` annotation, which `ctr images import` takes as
 // the image's name.
 //
-// Invariant: a layer is deterministic (entries sorted, times zeroed), so
-// two images made from one root filesystem share its layer blob, and the
-// same content always gets the same digest.
+// Invariant: a layer is deterministic (imagebuild.WriteLayer: entries
+// sorted, times zeroed, owners root), so two images made from one root
+// filesystem share its layer blob, and the same content always gets the
+// same digest.
 
 import (
 	"archive/tar"
@@ -22,12 +23,10 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
-	"io/fs"
 	"os"
 	"path/filepath"
-	"sort"
-	"syscall"
-	"time"
+
+	"github.com/gpu-dra/e2e/imagebuild"
 )
 
 // ImageConfig is what an image says about how its containers run.
@@ -223,7 +222,7 @@ func rootfsLayer(rootfs, cache string) (path, digest string, size int64, err err
 	}
 	h := sha256.New()
 	cw := &countingWriter{w: io.MultiWriter(f, h)}
-	err = writeLayer(cw, abs)
+	err = imagebuild.WriteLayer(cw, abs)
 	if cerr := f.Close(); err == nil {
 		err = cerr
 	}
@@ -247,75 +246,4 @@ func (c *countingWriter) Write(p []byte) (int, error) {
 	n, err := c.w.Write(p)
 	c.n += int64(n)
 	return n, err
-}
-
-// writeLayer writes rootfs as a tar stream: directories, regular files
-// (hard links as links), symlinks, device nodes; owners and modes kept,
-// times zeroed, entries in lexical order.
-func writeLayer(w io.Writer, rootfs string) error {
-	var paths []string
-	err := filepath.WalkDir(rootfs, func(p string, _ fs.DirEntry, err error) error {
-		if err != nil {
-			return err
-		}
-		if p != rootfs {
-			paths = append(paths, p)
-		}
-		return nil
-	})
-	if err != nil {
-		return err
-	}
-	sort.Strings(paths)
-	tw := tar.NewWriter(w)
-	seen := map[uint64]string{} // inode -> first name, for hard links
-	for _, p := range paths {
-		st, err := os.Lstat(p)
-		if err != nil {
-			return err
-		}
-		rel, err := filepath.Rel(rootfs, p)
-		if err != nil {
-			return err
-		}
-		link := ""
-		if st.Mode()&os.ModeSymlink != 0 {
-			if link, err = os.Readlink(p); err != nil {
-				return err
-			}
-		}
-		hdr, err := tar.FileInfoHeader(st, link)
-		if err != nil {
-			return err
-		}
-		hdr.Name = filepath.ToSlash(rel)
-		if st.IsDir() {
-			hdr.Name += "/"
-		}
-		hdr.ModTime, hdr.AccessTime, hdr.ChangeTime = time.Unix(0, 0), time.Time{}, time.Time{}
-		hdr.Uname, hdr.Gname = "", ""
-		hdr.Format = tar.FormatPAX
-		if sys, ok := st.Sys().(*syscall.Stat_t); ok && st.Mode().IsRegular() && sys.Nlink > 1 {
-			if first, ok := seen[sys.Ino]; ok {
-				hdr.Typeflag, hdr.Linkname, hdr.Size = tar.TypeLink, first, 0
-			} else {
-				seen[sys.Ino] = hdr.Name
-			}
-		}
-		if err := tw.WriteHeader(hdr); err != nil {
-			return err
-		}
-		if hdr.Typeflag == tar.TypeReg {
-			f, err := os.Open(p)
-			if err != nil {
-				return err
-			}
-			_, err = io.Copy(tw, f)
-			f.Close()
-			if err != nil {
-				return err
-			}
-		}
-	}
-	return tw.Close()
 }

@@ -1,26 +1,39 @@
 package harness
 
-// The cluster's image registry: a read-only OCI distribution endpoint on
-// 127.0.0.1 that serves the catalogue's images by repository, any tag
-// (nodeimages.go). Every real node's containerd sends every registry host
-// there (its hosts.toml `_default`: server = this registry); containerd
-// names the registry the reference was for in the `ns` query parameter, so
-// `ubuntu:24.04` arrives as /v2/library/ubuntu/manifests/24.04?ns=docker.io.
-// Anything else is answered 404 (MANIFEST_UNKNOWN, BLOB_UNKNOWN): the pull
-// fails, as from a registry that does not have the image.
+// The cluster's image registry on 127.0.0.1, in two parts behind one
+// address. Every real node's containerd sends every registry host there
+// (its hosts.toml `_default`: server = this registry, plain HTTP);
+// containerd names the registry the reference was for in the `ns` query
+// parameter, so `ubuntu:24.04` arrives as
+// /v2/library/ubuntu/manifests/24.04?ns=docker.io.
+//   - The catalogue (nodeimages.go): its images by repository, any tag,
+//     read-only, made by the harness.
+//   - Everything else: go-containerregistry's registry (pkg/registry, a
+//     full OCI distribution endpoint: pushes, tags, digests, indexes), its
+//     blobs on disk in the cluster's folder. The driver's image is pushed
+//     there as users push it (imagepods.go), so nodes pull exactly what
+//     `make image` built; a pull of what nobody pushed is answered 404
+//     (MANIFEST_UNKNOWN): the pull fails, as from any registry without the
+//     image.
 //
-// Invariant: only GET and HEAD; blobs are served only by the digest of a
-// layer, config or manifest of an image it has built.
+// Invariant: catalogue repositories are answered by the catalogue only;
+// blobs are served by the catalogue when it has built them, else by the
+// pushed part.
 
 import (
 	"context"
 	"fmt"
+	"io"
+	"log"
 	"net"
 	"net/http"
 	"os"
+	"path/filepath"
 	"strings"
 	"sync"
 	"time"
+
+	"github.com/google/go-containerregistry/pkg/registry"
 )
 
 // imageRegistry is a running registry of one cluster.
@@ -28,11 +41,17 @@ type imageRegistry struct {
 	c      *Cluster
 	addr   string
 	server *http.Server
+	// pushed serves whatever is not the catalogue's, and takes pushes.
+	pushed http.Handler
 
 	mu    sync.Mutex
 	blobs map[string]string // digest -> file, for layers
 	small map[string][]byte // digest -> content, for configs and manifests
 }
+
+// RegistryAddress is the cluster's registry (host:port, plain HTTP): the
+// nodes pull from it, and anyone may push to it as to their own registry.
+func (c *Cluster) RegistryAddress() (string, error) { return c.registry() }
 
 // registry starts the cluster's registry on first use and returns its
 // address (host:port).
@@ -46,7 +65,13 @@ func (c *Cluster) registry() (string, error) {
 	if err != nil {
 		return "", err
 	}
-	r := &imageRegistry{c: c, addr: ln.Addr().String(), blobs: map[string]string{}, small: map[string][]byte{}}
+	blobDir := filepath.Join(c.Dir, "registry-blobs")
+	if err := os.MkdirAll(blobDir, 0o755); err != nil {
+		ln.Close()
+		return "", err
+	}
+	r := &imageRegistry{c: c, addr: ln.Addr().String(), blobs: map[string]string{}, small: map[string][]byte{},
+		pushed: registry.New(registry.Logger(log.New(io.Discard, "", 0)), registry.WithBlobHandler(registry.NewDiskBlobHandler(blobDir)))}
 	r.server = &http.Server{Handler: r, ReadHeaderTimeout: 10 * time.Second}
 	go func() { _ = r.server.Serve(ln) }()
 	c.imageRegistry = r
@@ -59,28 +84,21 @@ func (c *Cluster) registry() (string, error) {
 }
 
 func (r *imageRegistry) ServeHTTP(w http.ResponseWriter, req *http.Request) {
-	if req.Method != http.MethodGet && req.Method != http.MethodHead {
-		registryError(w, http.StatusMethodNotAllowed, "UNSUPPORTED", "read-only registry")
-		return
-	}
 	path := strings.TrimPrefix(req.URL.Path, "/v2/")
-	if path == "" || req.URL.Path == "/v2" {
-		w.Header().Set("Docker-Distribution-API-Version", "registry/2.0")
-		w.WriteHeader(http.StatusOK)
-		return
+	if req.Method == http.MethodGet || req.Method == http.MethodHead {
+		if i := strings.LastIndex(path, "/manifests/"); i > 0 && r.manifest(w, req, path[:i], path[i+len("/manifests/"):]) {
+			return
+		}
+		if i := strings.LastIndex(path, "/blobs/"); i > 0 && r.blob(w, req, path[i+len("/blobs/"):]) {
+			return
+		}
 	}
-	if i := strings.LastIndex(path, "/manifests/"); i > 0 {
-		r.manifest(w, req, path[:i], path[i+len("/manifests/"):])
-		return
-	}
-	if i := strings.LastIndex(path, "/blobs/"); i > 0 {
-		r.blob(w, req, path[i+len("/blobs/"):])
-		return
-	}
-	registryError(w, http.StatusNotFound, "NAME_UNKNOWN", "no such endpoint")
+	r.pushed.ServeHTTP(w, req)
 }
 
-func (r *imageRegistry) manifest(w http.ResponseWriter, req *http.Request, name, reference string) {
+// manifest answers a manifest request for a catalogue repository and says
+// whether it did (false: not a catalogue repository).
+func (r *imageRegistry) manifest(w http.ResponseWriter, req *http.Request, name, reference string) bool {
 	host := req.URL.Query().Get("ns")
 	if host == "" {
 		host = "docker.io"
@@ -89,14 +107,17 @@ func (r *imageRegistry) manifest(w http.ResponseWriter, req *http.Request, name,
 	if strings.HasPrefix(reference, "sha256:") {
 		ref = host + "/" + name + "@" + reference
 	}
+	if entry, ok := catalogueEntry(ref); !ok || entry.repo() == "" {
+		return false
+	}
 	img, err := r.image(ref)
 	if err != nil {
 		registryError(w, http.StatusInternalServerError, "UNKNOWN", err.Error())
-		return
+		return true
 	}
 	if img == nil || (strings.HasPrefix(reference, "sha256:") && reference != img.manifestDigest) {
 		registryError(w, http.StatusNotFound, "MANIFEST_UNKNOWN", "manifest unknown: "+ref+" is not in the e2e image catalogue")
-		return
+		return true
 	}
 	w.Header().Set("Content-Type", "application/vnd.oci.image.manifest.v1+json")
 	w.Header().Set("Docker-Content-Digest", img.manifestDigest)
@@ -104,6 +125,7 @@ func (r *imageRegistry) manifest(w http.ResponseWriter, req *http.Request, name,
 	if req.Method == http.MethodGet {
 		_, _ = w.Write(img.manifest)
 	}
+	return true
 }
 
 // image is the catalogue's image for a normalized reference, built on
@@ -133,7 +155,8 @@ func (r *imageRegistry) image(ref string) (*ociImage, error) {
 	return nil, nil
 }
 
-func (r *imageRegistry) blob(w http.ResponseWriter, req *http.Request, digest string) {
+// blob serves a blob the catalogue has built and says whether it did.
+func (r *imageRegistry) blob(w http.ResponseWriter, req *http.Request, digest string) bool {
 	r.mu.Lock()
 	path, isFile := r.blobs[digest]
 	data, isSmall := r.small[digest]
@@ -149,15 +172,16 @@ func (r *imageRegistry) blob(w http.ResponseWriter, req *http.Request, digest st
 		f, err := os.Open(path)
 		if err != nil {
 			registryError(w, http.StatusInternalServerError, "UNKNOWN", err.Error())
-			return
+			return true
 		}
 		defer f.Close()
 		w.Header().Set("Docker-Content-Digest", digest)
 		w.Header().Set("Content-Type", "application/octet-stream")
 		http.ServeContent(w, req, "", time.Time{}, f)
 	default:
-		registryError(w, http.StatusNotFound, "BLOB_UNKNOWN", "blob unknown: "+digest)
+		return false
 	}
+	return true
 }
 
 func registryError(w http.ResponseWriter, status int, code, message string) {

@@ -4,6 +4,9 @@
 //! definitions); and evaluates the node-restriction policy's CEL (with the `cel` crate) on
 //! plugin requests for its own and other nodes.
 //!
+//! Renders the chart folder, or the packaged chart env `CHART` names (`make chart-check` renders
+//! `helm package`'s archive, what a release publishes).
+//!
 //! Needs a helm binary: env `HELM`, else `.tools/bin/helm` (`make chart-check` installs it).
 //! Without one the test says so and passes, unless env `CHART_CHECK=1` demands helm
 //! (`make chart-check` sets it, so there it cannot pass vacuously).
@@ -19,6 +22,13 @@ const KUBE_VERSION: &str = "1.34.0";
 
 fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+/// The chart to render: env `CHART` (a packaged chart or a chart folder), else the folder.
+fn chart() -> PathBuf {
+    std::env::var_os("CHART")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| repo().join("deploy/helm/gpu-dra-driver"))
 }
 
 fn helm() -> Option<PathBuf> {
@@ -50,7 +60,7 @@ fn render(helm: &Path, sets: &[&str]) -> Vec<Value> {
 fn render_args(helm: &Path, args: &[&str]) -> Vec<Value> {
     let mut cmd = Command::new(helm);
     cmd.args(["template", "rel"])
-        .arg(repo().join("deploy/helm/gpu-dra-driver"))
+        .arg(chart())
         .args(["--namespace", NAMESPACE, "--kube-version", KUBE_VERSION])
         .args(args);
     let out = cmd.output().expect("helm runs");
@@ -117,7 +127,7 @@ fn default_values() {
     let Some(helm) = helm() else { return };
     let lint = Command::new(&helm)
         .args(["lint", "--strict", "--kube-version", KUBE_VERSION])
-        .arg(repo().join("deploy/helm/gpu-dra-driver"))
+        .arg(chart())
         .output()
         .unwrap();
     assert!(
@@ -717,6 +727,8 @@ fn bad_values_are_refused_by_the_schema() {
         ),
         ("priorityClassQuota.pods=0", "pods"),
         ("openshift.enabled=maybe", "openshift"),
+        ("image.digest=0123abcd", "digest"),
+        ("image.digest=sha256:0123", "digest"),
         ("openshift.scc=privileged", "openshift"),
         // Typos in our own keys next to NVIDIA's, which are accepted.
         (
@@ -746,7 +758,7 @@ fn bad_values_are_refused_by_the_schema() {
     ] {
         let out = Command::new(&helm)
             .args(["template", "rel"])
-            .arg(repo().join("deploy/helm/gpu-dra-driver"))
+            .arg(chart())
             .args(["--kube-version", KUBE_VERSION, "--set", set])
             .output()
             .unwrap();
@@ -754,6 +766,71 @@ fn bad_values_are_refused_by_the_schema() {
         assert!(!out.status.success(), "{set} accepted");
         assert!(err.contains(want), "{set}: {err}");
     }
+}
+
+/// `image.digest` pins every pod of the chart, and the ones the plugin makes, to one image:
+/// `repository@digest`, the tag unused; also where NVIDIA's image is replaced by ours.
+#[test]
+fn a_digest_pins_every_pod_to_one_image() {
+    let Some(helm) = helm() else { return };
+    let digest = format!("sha256:{}", "0123456789abcdef".repeat(4));
+    let images = |objects: &[Value]| -> BTreeSet<String> {
+        let mut out = BTreeSet::new();
+        for o in objects {
+            let spec = if o["kind"] == "CronJob" {
+                &o["spec"]["jobTemplate"]["spec"]["template"]["spec"]
+            } else {
+                &o["spec"]["template"]["spec"]
+            };
+            for c in spec["containers"].as_array().into_iter().flatten() {
+                out.insert(c["image"].as_str().expect("image").to_owned());
+            }
+        }
+        let ds = find(objects, "DaemonSet", "rel-gpu-dra-driver-kubelet-plugin");
+        out.insert(
+            plugin_env(ds, "MPS_DAEMON_IMAGE")
+                .expect("daemon image")
+                .to_owned(),
+        );
+        out
+    };
+    let tagged = images(&render(&helm, &[]));
+    assert_eq!(
+        tagged,
+        BTreeSet::from([format!(
+            "ghcr.io/gpu-dra/gpu-dra-driver:{}",
+            chart_app_version()
+        )])
+    );
+    let set = format!("image.digest={digest}");
+    let pinned = images(&render(&helm, &[&set, "image.tag=2.0"]));
+    assert_eq!(
+        pinned,
+        BTreeSet::from([format!("ghcr.io/gpu-dra/gpu-dra-driver@{digest}")])
+    );
+    let own = images(&render(
+        &helm,
+        &[
+            &set,
+            "image.repository=registry.example:5000/gpu-dra-driver",
+        ],
+    ));
+    assert_eq!(
+        own,
+        BTreeSet::from([format!("registry.example:5000/gpu-dra-driver@{digest}")])
+    );
+    let nvidias = images(&render(
+        &helm,
+        &[
+            &set,
+            "image.repository=nvcr.io/nvidia/k8s-dra-driver-gpu",
+            "image.tag=v25.3.0",
+        ],
+    ));
+    assert_eq!(
+        nvidias,
+        BTreeSet::from([format!("ghcr.io/gpu-dra/gpu-dra-driver@{digest}")])
+    );
 }
 
 /// Env vars of a rendered container.
@@ -2729,7 +2806,7 @@ fn consumable_shares_take_nvidias_values() {
     ] {
         let out = Command::new(&helm)
             .args(["template", "rel"])
-            .arg(repo().join("deploy/helm/gpu-dra-driver"))
+            .arg(chart())
             .args(["--kube-version", KUBE_VERSION, "--set", bad])
             .output()
             .unwrap();

@@ -68,11 +68,20 @@ true
 {{- end -}}
 {{- end -}}
 
+{{/* The image every pod of the chart runs: repository@digest when image.digest is set (the
+release sets it to the digest it was tested with: `make image-push` prints it), else
+repository:tag (the chart's appVersion when no tag is set). */}}
 {{- define "gpu-dra.image" -}}
+{{- $repository := .Values.image.repository -}}
+{{- $tag := .Values.image.tag | default .Chart.AppVersion -}}
 {{- if include "gpu-dra.nvidiaImage" . -}}
-{{ include "gpu-dra.defaultRepository" . }}:{{ .Chart.AppVersion }}
+{{- $repository = include "gpu-dra.defaultRepository" . -}}
+{{- $tag = .Chart.AppVersion -}}
+{{- end -}}
+{{- if .Values.image.digest -}}
+{{ $repository }}@{{ .Values.image.digest }}
 {{- else -}}
-{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
+{{ $repository }}:{{ $tag }}
 {{- end -}}
 {{- end -}}
 
