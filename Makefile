@@ -36,7 +36,7 @@ fmt: ## format the code
 unit: lint ## the quick loop: lint, then every Rust test
 	$(CARGO) test --workspace --locked
 
-test: unit bench-check chart-check cdi-check selftest-check image-arm64-run e2e ## everything CI checks: lint, Rust tests, benchmarks once, the Helm chart and its package, our CDI specs against the toolkit, the image for amd64 and arm64 (arm64 run under qemu-user), the e2e suite on that image
+test: unit bench-check chart-check cdi-check selftest-check image-arm64-run e2e ## everything CI checks: lint, Rust tests, benchmarks once, the Helm chart and its package, our CDI specs against the toolkit, the node self-test on every simulated profile, the image for amd64 and arm64 (arm64 run under qemu-user), the e2e suite on that image
 
 # --- e2e: a real control plane in one Go process (e2e/), simulated GPU nodes ---
 E2E_TIMEOUT ?= 70m
