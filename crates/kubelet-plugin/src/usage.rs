@@ -9,7 +9,8 @@
 //! plugin needs the host's PID namespace for that, which the chart's `hostPID` gives) -> the
 //! claim, through the claim's `status.reservedFor` (the pods the scheduler let use it), read
 //! from the API server when a process of a pod no holder of its device knows shows up on its
-//! device: once per claim that runs something, none for a claim whose device stays idle or
+//! device: once per claim that runs something (and once more per pod that turns out not to be
+//! the claim's: it is remembered as a stranger), none for a claim whose device stays idle or
 //! whose processes cannot be told by pod (reading its pods could not attribute anything). A process on a device that one claim holds alone is that claim's even
 //! when its pod cannot be told (no hostPID, a process outside any pod): whoever runs there
 //! uses that claim's device.
@@ -563,8 +564,18 @@ pub struct Sampler {
     proc_root: PathBuf,
     window: Duration,
     pods: HashMap<String, Vec<PodRef>>,
+    /// Per claim UID, the pods a read of that claim did not name although a process of theirs
+    /// ran on its device (a pod outside `reservedFor`): not read again for them, so a pod
+    /// that is no holder cannot make the sampler read a claim at every sample. Bounded by
+    /// [`MAX_STRANGERS`] per claim; gone with the claim.
+    strangers: HashMap<String, BTreeSet<String>>,
     last_active: HashMap<(String, String), i64>,
 }
+
+/// The most pods outside a claim's `reservedFor` remembered per claim; past it, further
+/// strangers on its device are not read for at all (the claim's own pods are known already
+/// from the reads before).
+const MAX_STRANGERS: usize = 256;
 
 impl Sampler {
     /// A sampler reading devices from `source`, claims from `claims`, processes' cgroups
@@ -582,6 +593,7 @@ impl Sampler {
             proc_root,
             window,
             pods: HashMap::new(),
+            strangers: HashMap::new(),
             last_active: HashMap::new(),
         }
     }
@@ -664,38 +676,57 @@ impl Sampler {
     /// Reads `status.reservedFor` of the claims on whose device a process of a pod none of
     /// the claims read so far knows runs; forgets claims no longer prepared. A claim whose
     /// device has no process of a known pod is not read: on a node of idle claims (or of
-    /// processes outside pods) sampling sends no request.
+    /// processes outside pods) sampling sends no request. A pod a read of the claim did not
+    /// name is remembered as a stranger to that claim and makes no further read of it: one
+    /// read per claim and pod, not one per sample.
     async fn refresh_pods(&mut self, devices: &[ClaimDevice], reading: &Reading) {
         let prepared: BTreeSet<&str> = devices.iter().map(|d| d.claim_uid.as_str()).collect();
         self.pods.retain(|uid, _| prepared.contains(uid.as_str()));
+        self.strangers.retain(|uid, _| prepared.contains(uid.as_str()));
         let known = |pods: &HashMap<String, Vec<PodRef>>, pod: &str| {
             pods.values().flatten().any(|p| p.uid == pod)
         };
-        let mut stale: BTreeMap<&str, (&str, &str)> = BTreeMap::new();
+        let mut stale: BTreeMap<&str, (&str, &str, BTreeSet<&str>)> = BTreeMap::new();
         for d in devices {
-            let unknown_pod = reading
+            let strangers = self.strangers.get(&d.claim_uid);
+            let unknown: BTreeSet<&str> = reading
                 .samples
                 .iter()
                 .filter(|s| s.uuid == d.uuid)
                 .flat_map(|s| &s.processes)
                 .filter_map(|p| reading.owners.get(&p.pid))
-                .any(|o| !known(&self.pods, &o.pod_uid));
-            if unknown_pod {
-                stale.insert(&d.claim_uid, (&d.namespace, &d.name));
+                .map(|o| o.pod_uid.as_str())
+                .filter(|pod| !known(&self.pods, pod))
+                .filter(|pod| {
+                    strangers.is_none_or(|s| !s.contains(*pod) && s.len() < MAX_STRANGERS)
+                })
+                .collect();
+            if !unknown.is_empty() {
+                stale
+                    .entry(&d.claim_uid)
+                    .or_insert((&d.namespace, &d.name, BTreeSet::new()))
+                    .2
+                    .extend(unknown);
             }
         }
-        for (uid, (namespace, name)) in stale {
-            match self.claims.get(namespace, name).await {
+        for (uid, (namespace, name, unknown)) in stale {
+            let pods = match self.claims.get(namespace, name).await {
                 Ok(Some(claim)) if claim.metadata.uid.as_deref() == Some(uid) => {
-                    self.pods.insert(uid.to_owned(), reserved_pods(&claim));
+                    reserved_pods(&claim)
                 }
-                Ok(_) => {
-                    self.pods.insert(uid.to_owned(), Vec::new());
-                }
+                Ok(_) => Vec::new(),
                 Err(e) => {
                     debug!(claim = %format!("{namespace}/{name}"), error = %e, "cannot read the claim's pods");
+                    continue;
+                }
+            };
+            let strangers = self.strangers.entry(uid.to_owned()).or_default();
+            for pod in unknown {
+                if !pods.iter().any(|p| p.uid == pod) && strangers.len() < MAX_STRANGERS {
+                    strangers.insert(pod.to_owned());
                 }
             }
+            self.pods.insert(uid.to_owned(), pods);
         }
     }
 }

@@ -387,3 +387,69 @@ async fn a_claim_is_read_once_a_process_of_an_unknown_pod_runs_on_its_device_and
     }
     assert_eq!(reads(), 1, "a known pod makes no further read");
 }
+
+#[tokio::test]
+async fn a_pod_outside_the_claims_reserved_for_makes_one_read_not_one_per_sample() {
+    let metrics = crate::metrics::Metrics::default();
+    let claims = Arc::new(CountedClaims::default());
+    let claim: k8s_openapi::api::resource::v1::ResourceClaim =
+        serde_json::from_value(serde_json::json!({
+            "metadata": {"namespace": "ns", "name": "train", "uid": "c1"},
+            "spec": {},
+            "status": {"reservedFor": [{"resource": "pods", "name": "trainer-0", "uid": POD_A}]},
+        }))
+        .expect("claim");
+    claims.inner.insert(claim);
+    let proc_root = tempfile::tempdir().expect("tempdir");
+    for (pid, pod) in [(7, POD_A), (9, POD_B)] {
+        std::fs::create_dir(proc_root.path().join(pid.to_string())).expect("pid dir");
+        std::fs::write(
+            proc_root.path().join(format!("{pid}/cgroup")),
+            format!("0::/kubepods/burstable/pod{pod}/4f9c0d0e8d1b2f\n"),
+        )
+        .expect("cgroup");
+    }
+    let source = Arc::new(Settable::default());
+    // A process of a pod the claim was never reserved for sits on its device.
+    *source.0.lock().expect("lock") =
+        vec![sample("GPU-4", vec![process(9, 1 << 30, Some(5))], Some(5))];
+    let mut sampler = Sampler::new(
+        source.clone(),
+        claims.clone(),
+        proc_root.path().to_path_buf(),
+        Duration::from_secs(15),
+    );
+    let mut cp = Checkpoint::default();
+    cp.claims
+        .insert("c1".into(), entry(vec![prepared("GPU-4")]));
+    let inv = Inventory {
+        driver_version: String::new(),
+        cuda_driver_version: String::new(),
+        gpus: Vec::new(),
+        lost_gpus: Vec::new(),
+    };
+    let reads = || claims.reads.load(std::sync::atomic::Ordering::SeqCst);
+    for _ in 0..5 {
+        sampler.sample(&cp, &inv, &metrics.usage).await;
+    }
+    assert_eq!(reads(), 1, "the stranger's process makes one read, not one per sample");
+
+    // The claim's own pod starts as well: it is known from that read.
+    *source.0.lock().expect("lock") = vec![sample(
+        "GPU-4",
+        vec![process(9, 1 << 30, Some(5)), process(7, 1 << 30, Some(5))],
+        Some(10),
+    )];
+    let usage = sampler.sample(&cp, &inv, &metrics.usage).await;
+    assert_eq!(reads(), 1);
+    // The claim holds the device alone: the stranger's process is its use too, unnamed.
+    let pods: Vec<&str> = usage[0].pods.iter().map(|p| p.pod.as_str()).collect();
+    assert_eq!(pods, ["", "trainer-0"]);
+
+    // Unprepared and prepared again: the claim is read afresh.
+    sampler
+        .sample(&Checkpoint::default(), &inv, &metrics.usage)
+        .await;
+    sampler.sample(&cp, &inv, &metrics.usage).await;
+    assert_eq!(reads(), 2);
+}
