@@ -11,6 +11,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strings"
 	"time"
 
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -105,7 +106,7 @@ func (c *Cluster) InstallDriver(ctx context.Context, opts InstallOptions) (*Driv
 	d.Objects = objs
 
 	if opts.Webhook {
-		wh, err := c.StartWebhook(ctx)
+		wh, err := c.StartWebhook(ctx, objs)
 		if err != nil {
 			return nil, err
 		}
@@ -236,8 +237,11 @@ type WebhookProcess struct {
 }
 
 // StartWebhook starts gpu-dra-webhook with a certificate from the cluster
-// CA and waits until it answers /readyz.
-func (c *Cluster) StartWebhook(ctx context.Context) (*WebhookProcess, error) {
+// CA and waits until it answers /readyz. Where the installed objects (the
+// chart's) run the webhook counting pods per node (its Deployment's
+// MAX_DAEMON_PODS_PER_NODE and DAEMON_PODS_NAMESPACE), the process does so
+// too, reading pods with the admin's kubeconfig.
+func (c *Cluster) StartWebhook(ctx context.Context, installed []*unstructured.Unstructured) (*WebhookProcess, error) {
 	bin, err := Binary("gpu-dra-webhook")
 	if err != nil {
 		return nil, err
@@ -263,6 +267,28 @@ func (c *Cluster) StartWebhook(ctx context.Context) (*WebhookProcess, error) {
 		fmt.Sprintf("--bind-address=127.0.0.1:%d", port),
 		"--tls-cert-file="+certFile, "--tls-key-file="+keyFile,
 		"--log-level=info")
+	w.cmd.Env = append(os.Environ(), "KUBECONFIG="+c.Kubeconfig)
+	for _, o := range installed {
+		if o.GetKind() != "Deployment" {
+			continue
+		}
+		containers, _, _ := unstructured.NestedSlice(o.Object, "spec", "template", "spec", "containers")
+		for _, ct := range containers {
+			m, _ := ct.(map[string]any)
+			if cmd, _, _ := unstructured.NestedStringSlice(m, "command"); len(cmd) == 0 || !strings.HasSuffix(cmd[0], "/gpu-dra-webhook") {
+				continue
+			}
+			env, _, _ := unstructured.NestedSlice(m, "env")
+			for _, e := range env {
+				kv, _ := e.(map[string]any)
+				name, _ := kv["name"].(string)
+				value, _ := kv["value"].(string)
+				if name == "MAX_DAEMON_PODS_PER_NODE" || name == "DAEMON_PODS_NAMESPACE" {
+					w.cmd.Env = append(w.cmd.Env, name+"="+value)
+				}
+			}
+		}
+	}
 	w.cmd.Stdout, w.cmd.Stderr = log, log
 	if err := c.startProcess(w.cmd); err != nil { // in the cluster's cgroups (clustercgroups.go)
 		log.Close()

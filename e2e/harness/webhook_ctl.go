@@ -18,7 +18,7 @@ func (c *Cluster) RestartWebhook(ctx context.Context) (*WebhookProcess, error) {
 		return nil, fmt.Errorf("restart webhook: no webhook installed")
 	}
 	d.Webhook.Stop()
-	wh, err := c.StartWebhook(ctx)
+	wh, err := c.StartWebhook(ctx, d.Objects)
 	if err != nil {
 		return nil, err
 	}

@@ -545,6 +545,130 @@ mod tests {
         assert_eq!(left, ["etc", "k8s.gpu.nvidia.com-claim_.."]);
     }
 
+    /// Claims in memory; reading claim `held` waits until `open` is told true.
+    struct GatedClaims {
+        inner: MemoryClaims,
+        held: &'static str,
+        open: tokio::sync::watch::Receiver<bool>,
+    }
+
+    impl crate::claims::ClaimSource for GatedClaims {
+        fn get<'a>(
+            &'a self,
+            namespace: &'a str,
+            name: &'a str,
+        ) -> futures::future::BoxFuture<
+            'a,
+            Result<
+                Option<k8s_openapi::api::resource::v1::ResourceClaim>,
+                crate::claims::ClaimSourceError,
+            >,
+        > {
+            Box::pin(async move {
+                if name == self.held {
+                    let mut open = self.open.clone();
+                    let _ = open.wait_for(|o| *o).await;
+                }
+                self.inner.get(namespace, name).await
+            })
+        }
+    }
+
+    /// One kubelet call with two claims allocated from the node's slices before a MIG
+    /// re-layout: the first claim's device is gone, so its refusal rediscovers and the
+    /// publisher republishes the new layout before the second claim (whose device was
+    /// recreated under the same name, with a new UUID) is resolved. The second must still be
+    /// refused: its allocation was made from what was published when the call arrived. Judged
+    /// by the publication of the moment it is resolved, it would be prepared with the new
+    /// instance under the old name.
+    #[tokio::test]
+    async fn the_claims_of_one_call_are_judged_by_what_was_published_when_it_arrived() {
+        use gpu_dra_device::fixture::FixtureInventory;
+        use gpu_dra_device::testing::{a100, inventory, mig_1g5gb};
+        let dir = tempfile::tempdir().expect("tempdir");
+        let root = dir.path();
+        let first = inventory([a100(0).mig(mig_1g5gb(0)).mig(mig_1g5gb(1)).build()]);
+        let mut second = first.clone();
+        second.gpus[0].mig_devices[0].gi_id = 9;
+        second.gpus[0].mig_devices[0].uuid = "MIG-00000000-0000-5000-8000-000000000099".into();
+        second.gpus[0].mig_devices.remove(1);
+        simulate_host(&root.join("host"), &first).expect("host");
+        let gpu = &first.gpus[0];
+        let (n0, n1) = (
+            gpu.mig_devices[0].device_name(gpu),
+            gpu.mig_devices[1].device_name(gpu),
+        );
+        let (open_tx, open) = tokio::sync::watch::channel(false);
+        let claims = GatedClaims {
+            inner: MemoryClaims::default(),
+            held: "recreated",
+            open,
+        };
+        const GONE: &str = "1b0d6a52-6a1b-4c7d-9e2f-3a4b5c6d7e01";
+        const RECREATED: &str = "1b0d6a52-6a1b-4c7d-9e2f-3a4b5c6d7e02";
+        for (name, uid, device) in [("gone", GONE, &n1), ("recreated", RECREATED, &n0)] {
+            claims.inner.insert(allocated_claim(
+                "ns",
+                name,
+                uid,
+                DRIVER_NAME,
+                NODE_NAME,
+                &[("mig", device.as_str())],
+                &[],
+            ));
+        }
+        let fixture = Arc::new(FixtureInventory::new(first.clone()));
+        let driver = Arc::new(
+            DriverBuilder::new(root, first.clone())
+                .claims(Arc::new(claims))
+                .backend(fixture.clone())
+                .build()
+                .expect("driver"),
+        );
+        let live = driver.live_inventory().clone();
+        live.mark_published(&first);
+        fixture.set(second.clone());
+        // The publisher: republishes whatever a rediscovery found, then lets the second
+        // claim's read through.
+        let mut changes = live.subscribe();
+        changes.borrow_and_update();
+        let publisher = {
+            let live = live.clone();
+            tokio::spawn(async move {
+                if changes.changed().await.is_ok() {
+                    live.mark_published(&live.current());
+                    let _ = open_tx.send(true);
+                }
+            })
+        };
+        let dra = dra_service(driver);
+        let refs = [("gone", GONE), ("recreated", RECREATED)]
+            .map(|(name, uid)| ClaimRef {
+                namespace: "ns".into(),
+                name: name.into(),
+                uid: uid.into(),
+            })
+            .to_vec();
+        let results = tokio::time::timeout(std::time::Duration::from_secs(20), dra.prepare(refs))
+            .await
+            .expect("the call ends");
+        publisher.await.expect("publisher");
+        assert_eq!(
+            live.published().uuid(&n0).map(String::as_str),
+            Some("MIG-00000000-0000-5000-8000-000000000099"),
+            "the new layout was published during the call"
+        );
+        for (uid, result) in &results {
+            let err = result.as_ref().expect_err("refused");
+            if uid == RECREATED {
+                assert!(
+                    err.contains("MIG-00000000-0000-5000-8000-000000000099"),
+                    "the recreated device is refused as changed: {err}"
+                );
+            }
+        }
+    }
+
     #[test]
     fn uid_syntax() {
         assert!(check_claim_uid(VALID).is_ok());

@@ -182,7 +182,8 @@ pub struct LiveInventory {
 pub struct Published(Option<Arc<BTreeMap<String, String>>>);
 
 impl Published {
-    fn uuid(&self, device: &str) -> Option<&String> {
+    /// The UUID published under the device name `device`, if any.
+    pub fn uuid(&self, device: &str) -> Option<&String> {
         self.0.as_ref().and_then(|p| p.get(device))
     }
 }

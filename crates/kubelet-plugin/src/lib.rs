@@ -47,6 +47,7 @@ pub mod inventory;
 pub mod kube_client;
 pub mod metrics;
 pub mod mig;
+pub mod node_events;
 pub mod node_layout;
 pub mod pod_resources;
 pub mod publish;

@@ -682,7 +682,8 @@ impl Sampler {
     async fn refresh_pods(&mut self, devices: &[ClaimDevice], reading: &Reading) {
         let prepared: BTreeSet<&str> = devices.iter().map(|d| d.claim_uid.as_str()).collect();
         self.pods.retain(|uid, _| prepared.contains(uid.as_str()));
-        self.strangers.retain(|uid, _| prepared.contains(uid.as_str()));
+        self.strangers
+            .retain(|uid, _| prepared.contains(uid.as_str()));
         let known = |pods: &HashMap<String, Vec<PodRef>>, pod: &str| {
             pods.values().flatten().any(|p| p.uid == pod)
         };

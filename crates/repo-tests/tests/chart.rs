@@ -285,11 +285,32 @@ fn default_values() {
         // `uninstall_hook_restores_the_nodes`).
         .filter(|o| o["metadata"]["annotations"]["helm.sh/hook"].is_null())
         .collect();
-    assert_eq!(bindings.len(), 2, "only the plugin is bound to roles");
+    // The plugin (cluster, its namespace's pods, events in `default`) and the webhook (the
+    // namespace's pods, for the bound on pods per node).
+    assert_eq!(
+        bindings.len(),
+        4,
+        "only the plugin and the webhook are bound to roles"
+    );
     for b in bindings {
-        assert_eq!(b["subjects"][0]["name"], sa);
+        let name = b["metadata"]["name"].as_str().unwrap();
+        let subject = if name == "rel-gpu-dra-driver-webhook-pods" {
+            "rel-gpu-dra-driver-webhook"
+        } else {
+            sa
+        };
+        assert_eq!(b["subjects"][0]["name"], subject, "{name}");
         assert_eq!(b["subjects"][0]["namespace"], NAMESPACE);
     }
+    // Events about its Node: create and patch in `default` only (where the API server keeps
+    // events of cluster-scoped objects).
+    let events = find(&objects, "Role", "rel-gpu-dra-driver-kubelet-plugin-events");
+    assert_eq!(events["metadata"]["namespace"], "default");
+    assert_eq!(
+        events["rules"],
+        serde_json::json!([{"apiGroups": ["events.k8s.io"], "resources": ["events"],
+            "verbs": ["create", "patch"]}])
+    );
     // Daemon pods get the chart's image and the plugin's namespace.
     let image = ds["spec"]["template"]["spec"]["containers"][0]["image"]
         .as_str()
@@ -337,7 +358,11 @@ fn default_values() {
         "ValidatingWebhookConfiguration",
         "rel-gpu-dra-driver-webhook",
     );
-    let hooks = vwc["webhooks"].as_array().unwrap();
+    let (hooks, pods_hooks): (Vec<&Value>, Vec<&Value>) = vwc["webhooks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .partition(|h| h["name"].as_str().unwrap().contains(".opaque-config."));
     let scope: Vec<(&str, Vec<&str>, Vec<&str>)> = hooks
         .iter()
         .map(|h| {
@@ -372,7 +397,7 @@ fn default_values() {
             ),
         ]
     );
-    for hook in hooks {
+    for hook in &hooks {
         assert_eq!(hook["failurePolicy"], "Ignore");
         assert_eq!(strs(&hook["admissionReviewVersions"]), ["v1"]);
         assert_eq!(hook["sideEffects"], "None");
@@ -387,7 +412,83 @@ fn default_values() {
     let hook = &hooks[0];
     let deploy = find(&objects, "Deployment", "rel-gpu-dra-driver-webhook");
     let webhook_pod = &deploy["spec"]["template"]["spec"];
-    assert_eq!(webhook_pod["automountServiceAccountToken"], false);
+
+    // The bound on pods per node: the plugin's pod creations in the release namespace only,
+    // failing closed, counted by the webhook with list and watch on the namespace's pods.
+    let [pods_hook] = pods_hooks[..] else {
+        panic!("one pods-per-node webhook: {pods_hooks:?}")
+    };
+    assert_eq!(pods_hook["name"], "pods-per-node.gpu.nvidia.com");
+    assert_eq!(pods_hook["failurePolicy"], "Fail");
+    assert_eq!(pods_hook["clientConfig"]["service"]["path"], "/daemon-pods");
+    let rule = &pods_hook["rules"][0];
+    assert_eq!(
+        (
+            strs(&rule["apiGroups"]),
+            strs(&rule["resources"]),
+            strs(&rule["operations"])
+        ),
+        (vec![""], vec!["pods"], vec!["CREATE"])
+    );
+    assert_eq!(
+        pods_hook["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"],
+        NAMESPACE
+    );
+    let user = |name: &str| serde_json::json!({"request": {"userInfo": {"username": name}}});
+    let condition = pods_hook["matchConditions"][0]["expression"]
+        .as_str()
+        .unwrap();
+    assert_eq!(
+        eval(
+            condition,
+            &user(&format!(
+                "system:serviceaccount:{NAMESPACE}:rel-gpu-dra-driver-kubelet-plugin"
+            ))
+        ),
+        cel::Value::Bool(true)
+    );
+    assert_eq!(
+        eval(
+            condition,
+            &user("system:serviceaccount:kube-system:daemon-set-controller")
+        ),
+        cel::Value::Bool(false)
+    );
+    let env = |name: &str| {
+        webhook_pod["containers"][0]["env"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|e| e["name"] == name)
+            .map(|e| e["value"].clone())
+    };
+    assert_eq!(env("MAX_DAEMON_PODS_PER_NODE"), Some("128".into()));
+    assert_eq!(env("DAEMON_PODS_NAMESPACE"), Some(NAMESPACE.into()));
+    assert_eq!(webhook_pod["automountServiceAccountToken"], true);
+    let role = find(&objects, "Role", "rel-gpu-dra-driver-webhook-pods");
+    assert_eq!(
+        role["rules"],
+        serde_json::json!([{"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]}])
+    );
+    let binding = find(&objects, "RoleBinding", "rel-gpu-dra-driver-webhook-pods");
+    assert_eq!(binding["subjects"][0]["name"], "rel-gpu-dra-driver-webhook");
+    // Without the bound the webhook calls no API: no token, no role, no pods hook.
+    let unbounded = render(&helm, &["kubeletPlugin.nodeRestriction.maxPodsPerNode=0"]);
+    let pod =
+        &find(&unbounded, "Deployment", "rel-gpu-dra-driver-webhook")["spec"]["template"]["spec"];
+    assert_eq!(pod["automountServiceAccountToken"], false);
+    assert!(
+        !unbounded
+            .iter()
+            .any(|o| o["kind"] == "Role"
+                && o["metadata"]["name"] == "rel-gpu-dra-driver-webhook-pods")
+    );
+    let hooks_unbounded = &find(
+        &unbounded,
+        "ValidatingWebhookConfiguration",
+        "rel-gpu-dra-driver-webhook",
+    )["webhooks"];
+    assert_eq!(hooks_unbounded.as_array().unwrap().len(), hooks.len());
     let probe = &webhook_pod["containers"][0]["readinessProbe"]["httpGet"];
     assert_eq!(
         (&probe["path"], &probe["scheme"]),
@@ -571,7 +672,12 @@ fn value_combinations() {
         hook["metadata"]["annotations"]["cert-manager.io/inject-ca-from"],
         format!("{NAMESPACE}/rel-gpu-dra-driver-webhook")
     );
-    for h in hook["webhooks"].as_array().unwrap() {
+    for h in hook["webhooks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|h| h["name"].as_str().unwrap().contains(".opaque-config."))
+    {
         assert_eq!(h["failurePolicy"], "Fail");
         assert_eq!(
             strs(&h["rules"][0]["apiVersions"]),
@@ -1889,7 +1995,14 @@ fn nvidias_values_take_effect_one_by_one() {
     );
     for o in &objects {
         if let Some(ns) = o["metadata"]["namespace"].as_str() {
-            assert_eq!(ns, "gpu-operator", "{}", o["metadata"]["name"]);
+            let name = o["metadata"]["name"].as_str().unwrap();
+            // Events about Nodes go to `default`, where the API server keeps them.
+            let want = if name.ends_with("-kubelet-plugin-events") {
+                "default"
+            } else {
+                "gpu-operator"
+            };
+            assert_eq!(ns, want, "{name}");
         }
     }
     let objects = render(&helm, &["fullnameOverride=gpu"]);

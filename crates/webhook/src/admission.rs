@@ -345,6 +345,19 @@ fn denial(findings: &Findings) -> Status<'_> {
     }
 }
 
+/// An AdmissionReview response for `uid`: allowed, or denied with `message` under the HTTP
+/// status `code` and Kubernetes `reason` (`Forbidden`, `ServiceUnavailable`, ...).
+pub fn answer(uid: &str, denial: Option<(&str, u16, &'static str)>) -> Vec<u8> {
+    let status = denial.map(|(message, code, reason)| Status {
+        status: "Failure",
+        message: message.to_string(),
+        reason,
+        code,
+        details: StatusDetails { causes: Vec::new() },
+    });
+    encode(uid, status.is_none(), status, &[])
+}
+
 fn encode(uid: &str, allowed: bool, status: Option<Status<'_>>, warnings: &[String]) -> Vec<u8> {
     let review = ResponseReview {
         api_version: ADMISSION_API_VERSION,

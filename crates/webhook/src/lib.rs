@@ -9,9 +9,12 @@
 //! - [`tls`]: the serving certificate, reloaded when its files rotate;
 //! - [`server`]: HTTPS (HTTP/1.1 and HTTP/2) routing, limits against slow and oversized
 //!   requests, and graceful shutdown;
+//! - [`daemon_pods`]: the bound on pods per node that a node plugin's credentials may create
+//!   (`POST /daemon-pods`, on only with `--max-daemon-pods-per-node`);
 //! - [`metrics`]: Prometheus metrics.
 
 pub mod admission;
+pub mod daemon_pods;
 pub mod metrics;
 pub mod server;
 pub mod tls;
@@ -53,6 +56,15 @@ pub struct Args {
     /// Open connections at most; more are closed when accepted.
     #[arg(long, env = "MAX_CONNECTIONS", default_value_t = 128, value_parser = clap::value_parser!(u64).range(1..=100_000))]
     pub max_connections: u64,
+    /// Pods of `--daemon-pods-namespace` one node may hold when a node plugin creates another
+    /// (reviews sent to `POST /daemon-pods`); 0 turns the review off. Needs list and watch on
+    /// that namespace's pods.
+    #[arg(long, env = "MAX_DAEMON_PODS_PER_NODE", default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=100_000))]
+    pub max_daemon_pods_per_node: u64,
+    /// The namespace whose pods count (the release namespace, where the plugin makes its MPS
+    /// daemon pods).
+    #[arg(long, env = "DAEMON_PODS_NAMESPACE", default_value = "")]
+    pub daemon_pods_namespace: String,
     /// Logging.
     #[command(flatten)]
     pub log: LogArgs,
@@ -77,7 +89,24 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         max_connections: usize::try_from(args.max_connections).unwrap_or(usize::MAX),
         ..Limits::default()
     };
-    let app = Arc::new(App::with_limits(args.driver_name, metrics, limits));
+    let mut app = App::with_limits(args.driver_name, metrics, limits);
+    if args.max_daemon_pods_per_node > 0 {
+        anyhow::ensure!(
+            !args.daemon_pods_namespace.is_empty(),
+            "--max-daemon-pods-per-node needs --daemon-pods-namespace (DAEMON_PODS_NAMESPACE): the namespace whose pods count"
+        );
+        let client = kube::Client::try_default()
+            .await
+            .context("connecting to the API server to count the pods per node")?;
+        let counts = Arc::new(daemon_pods::PodCounts::default());
+        tokio::spawn(daemon_pods::watch(
+            kube::Api::namespaced(client, &args.daemon_pods_namespace),
+            Arc::clone(&counts),
+        ));
+        let limit = usize::try_from(args.max_daemon_pods_per_node).unwrap_or(usize::MAX);
+        app = app.with_daemon_pod_limit(counts, limit);
+    }
+    let app = Arc::new(app);
     server::serve(listener, tls, app, shutdown_signal()).await;
     Ok(())
 }
@@ -133,6 +162,8 @@ mod tests {
                 ("driver_name", "DRIVER_NAME"),
                 ("read_timeout_seconds", "READ_TIMEOUT_SECONDS"),
                 ("max_connections", "MAX_CONNECTIONS"),
+                ("max_daemon_pods_per_node", "MAX_DAEMON_PODS_PER_NODE"),
+                ("daemon_pods_namespace", "DAEMON_PODS_NAMESPACE"),
                 ("log_format", "LOG_FORMAT"),
                 ("log_level", "LOG_LEVEL"),
             ]

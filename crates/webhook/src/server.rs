@@ -117,6 +117,8 @@ pub struct App {
     limits: Limits,
     /// [`Limits::body_budget_bytes`] in KiB permits.
     body_budget: Arc<Semaphore>,
+    /// Pods per node and the most one node may hold, when `POST /daemon-pods` is served.
+    daemon_pods: Option<(Arc<crate::daemon_pods::PodCounts>, usize)>,
 }
 
 /// Why a request body was not read to its end.
@@ -168,7 +170,19 @@ impl App {
             ready: AtomicBool::new(false),
             body_budget: Arc::new(Semaphore::new(budget.min(Semaphore::MAX_PERMITS))),
             limits,
+            daemon_pods: None,
         }
+    }
+
+    /// Also serves `POST /daemon-pods`: pod creations denied for a node that holds `limit`
+    /// pods of `counts` already ([`crate::daemon_pods`]).
+    pub fn with_daemon_pod_limit(
+        mut self,
+        counts: Arc<crate::daemon_pods::PodCounts>,
+        limit: usize,
+    ) -> Self {
+        self.daemon_pods = Some((counts, limit));
+        self
     }
 
     /// The metrics this app counts into.
@@ -185,6 +199,9 @@ impl App {
     {
         match (req.method(), req.uri().path()) {
             (&Method::POST, "/validate") => self.validate(req).await,
+            (&Method::POST, "/daemon-pods") if self.daemon_pods.is_some() => {
+                self.daemon_pods(req).await
+            }
             (&Method::GET, "/healthz") => text(StatusCode::OK, "ok"),
             (&Method::GET, "/readyz") => {
                 if self.ready.load(Ordering::Relaxed) {
@@ -249,6 +266,35 @@ impl App {
             Err(error) => {
                 self.metrics
                     .observe_malformed(start.elapsed().as_secs_f64());
+                warn!(%error, "malformed admission review");
+                text(StatusCode::BAD_REQUEST, &error.to_string())
+            }
+        }
+    }
+
+    async fn daemon_pods<B>(&self, req: Request<B>) -> Response<Full<Bytes>>
+    where
+        B: hyper::body::Body<Data = Bytes>,
+        B::Error: std::error::Error + Send + Sync + 'static,
+    {
+        let Some((counts, limit)) = &self.daemon_pods else {
+            return text(StatusCode::NOT_FOUND, "not found");
+        };
+        let (bytes, _permit) = match self.read_body(req).await {
+            Ok(read) => read,
+            Err(error) => return text(error.status(), &error.to_string()),
+        };
+        match crate::daemon_pods::review(&bytes, counts, *limit) {
+            Ok((body, verdict)) => {
+                if verdict != crate::daemon_pods::Verdict::Allowed {
+                    warn!(?verdict, limit, "pod creation of a node plugin denied");
+                }
+                Response::builder()
+                    .header(header::CONTENT_TYPE, "application/json")
+                    .body(Full::new(Bytes::from(body)))
+                    .unwrap_or_default()
+            }
+            Err(error) => {
                 warn!(%error, "malformed admission review");
                 text(StatusCode::BAD_REQUEST, &error.to_string())
             }

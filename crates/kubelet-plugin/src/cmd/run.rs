@@ -563,6 +563,13 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         metrics: metrics.clone(),
         mig: backends.mig.clone(),
         claim_status,
+        node_events: client.as_ref().map(|c| {
+            crate::node_events::KubeNodeEvents::start(
+                c.clone(),
+                &args.node_name,
+                format!("{}-kubelet-plugin", args.driver_name),
+            ) as Arc<dyn crate::node_events::NodeEvents>
+        }),
     })?);
     // Sharing state is recovered before the driver reconciles: live MPS daemons of prepared
     // claims are re-adopted (or restarted), interrupted starts and stops are cleaned up, and

@@ -149,6 +149,29 @@ pub(super) fn names_static_instances(snapshot: &Snapshot, devices: &[&str]) -> b
 
 /// Whether `record` stands for instance `m` of GPU `gpu`: the same UUID once recorded, else the
 /// same profile and placement.
+/// The note of the Node event for MIG instances kept on `gpu` when it turned dynamic.
+fn kept_note(gpu: &str, kept: &[&MigInstance]) -> String {
+    let list: Vec<String> = kept
+        .iter()
+        .map(|m| {
+            format!(
+                "GI {} CI {} (profile ID {}, memory slices {}..{}, {})",
+                m.gi_id,
+                m.ci_id,
+                m.gi_profile_id,
+                m.placement.start,
+                m.placement.start + m.placement.size,
+                m.uuid
+            )
+        })
+        .collect();
+    format!(
+        "GPU {gpu} turned dynamic MIG with {} MIG instance(s) the driver did not create: {}. They are kept and published as static MIG devices, and no placement over their memory slices is offered: destroy them (nvidia-smi mig -dci / -dgi) once no workload uses them to free those slices",
+        kept.len(),
+        list.join(", ")
+    )
+}
+
 fn owns(record: &DynamicMigInstance, gpu: &str, m: &MigInstance) -> bool {
     record.gpu_uuid == gpu
         && match &record.uuid {
@@ -432,14 +455,17 @@ impl Driver {
                     extra: k.extra.clone(),
                 },
                 None => {
-                    let kept: Vec<String> = list
+                    let kept: Vec<&MigInstance> = list
                         .iter()
                         .filter(|m| !owners.iter().any(|(_, _, r)| owns(r, &gpu, m)))
-                        .map(|m| {
+                        .inspect(|m| {
                             warn!(gpu = %gpu, gi = m.gi_id, ci = m.ci_id, profile_id = m.gi_profile_id, start = m.placement.start, uuid = %m.uuid, "MIG instance found on a GPU that became dynamic MIG: kept, published as a static MIG device, no placement over it offered; destroy it by hand once unused to free its memory slices");
-                            m.uuid.clone()
                         })
                         .collect();
+                    if let (Some(events), false) = (&self.node_events, kept.is_empty()) {
+                        events.warning("MIGInstancesKept", kept_note(&gpu, &kept));
+                    }
+                    let kept: Vec<String> = kept.iter().map(|m| m.uuid.clone()).collect();
                     DynamicMigGpu {
                         kept_instances: kept,
                         ..DynamicMigGpu::default()
@@ -519,6 +545,7 @@ mod tests {
         claims: Arc<MemoryClaims>,
         fake: FakeMig,
         driver: Driver,
+        events: Arc<crate::node_events::RecordedEvents>,
     }
 
     /// GI profile ID and memory slices of the A100-40GB profiles the tests use.
@@ -571,8 +598,10 @@ mod tests {
             let backend = fake.inventory(base.clone(), &host);
             let first = backend.discover().expect("discover");
             let claims = Arc::new(MemoryClaims::default());
+            let events = Arc::new(crate::node_events::RecordedEvents::default());
             let driver = DriverBuilder::new(dir.path(), first)
                 .claims(claims.clone())
+                .node_events(events.clone())
                 .dynamic_mig(Arc::new(fake.clone()), backend, partitioning)
                 .failpoints(Failpoints::parse(failpoints, None).expect("failpoints"))
                 .build()
@@ -582,6 +611,7 @@ mod tests {
                 claims,
                 fake,
                 driver,
+                events,
             }
         }
 
@@ -902,6 +932,21 @@ mod tests {
             kept.contains(&in_use.uuid) && kept.contains(&admin.uuid),
             "{kept:?}"
         );
+        // The admin hears of it on the Node, once, not only in the plugin's log.
+        let events = env.events.taken();
+        assert_eq!(events.len(), 1, "{events:?}");
+        let (reason, note) = &events[0];
+        assert_eq!(reason, "MIGInstancesKept");
+        assert!(
+            note.contains(&gpu)
+                && note.contains(&in_use.uuid)
+                && note.contains(&admin.uuid)
+                && note.contains("2 MIG instance(s)")
+                && note.contains("nvidia-smi mig -dci"),
+            "{note}"
+        );
+        env.driver.reconcile().await;
+        assert_eq!(env.events.taken().len(), 1, "a later sweep says it again");
         assert!(
             env.driver
                 .inventory

@@ -157,6 +157,7 @@ pub struct Driver {
     metrics: Arc<Metrics>,
     mig: Arc<dyn MigControl>,
     claim_status: Option<Arc<dyn ClaimStatusSink>>,
+    node_events: Option<Arc<dyn crate::node_events::NodeEvents>>,
     /// Held while MIG instances are recorded and created, destroyed, or swept, so that a
     /// sweep never sees an instance without the checkpoint record that owns it.
     mig_lock: tokio::sync::Mutex<()>,
@@ -188,6 +189,9 @@ pub struct DriverParts {
     /// Told of every prepared and unprepared claim, for the claims' `status.devices`
     /// ([`crate::claim_status`]); `None`: no status is written.
     pub claim_status: Option<Arc<dyn ClaimStatusSink>>,
+    /// Where findings about the node that need a person go ([`crate::node_events`]); `None`:
+    /// the log only.
+    pub node_events: Option<Arc<dyn crate::node_events::NodeEvents>>,
 }
 
 /// Counts an operation in `gpu_dra_requests_in_flight` until dropped: also when the kubelet
@@ -251,6 +255,7 @@ impl Driver {
             metrics: parts.metrics,
             mig: parts.mig,
             claim_status: parts.claim_status,
+            node_events: parts.node_events,
             mig_lock: tokio::sync::Mutex::new(()),
             claim_locks: ClaimLocks::default(),
             holders: Mutex::new(holders),

@@ -66,6 +66,12 @@ impl Driver {
             .await
     }
 
+    /// The live inventory claims are prepared against; the publisher marks in it what it
+    /// published ([`LiveInventory::mark_published`](crate::inventory::LiveInventory::mark_published)).
+    pub fn live_inventory(&self) -> &std::sync::Arc<crate::inventory::LiveInventory> {
+        &self.inventory
+    }
+
     /// What the node publishes now: a kubelet call takes it when it arrives and prepares its
     /// claims against it ([`Driver::prepare_as_published`]).
     pub fn published(&self) -> Published {

@@ -405,6 +405,7 @@ fn build_plugin(opts: &Options, live: &Arc<LiveInventory>) -> anyhow::Result<Plu
             "the self-test creates no MIG instances".into(),
         )),
         claim_status: None,
+        node_events: None,
     })?;
     Ok(Plugin {
         driver,

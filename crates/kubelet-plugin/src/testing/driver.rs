@@ -33,6 +33,7 @@ pub struct DriverBuilder {
     partitioning: gpu_dra_core::partitioning::Partitioning,
     failpoints: Failpoints,
     claim_status: Option<Arc<dyn crate::claim_status::ClaimStatusSink>>,
+    node_events: Option<Arc<dyn crate::node_events::NodeEvents>>,
     host: Option<PathBuf>,
 }
 
@@ -58,6 +59,7 @@ impl DriverBuilder {
             partitioning: Default::default(),
             failpoints: Failpoints::default(),
             claim_status: None,
+            node_events: None,
             host: None,
         }
     }
@@ -93,6 +95,12 @@ impl DriverBuilder {
     /// Sets where the claims' device status goes (none by default).
     pub fn claim_status(mut self, sink: Arc<dyn crate::claim_status::ClaimStatusSink>) -> Self {
         self.claim_status = Some(sink);
+        self
+    }
+
+    /// Sets where events about the node go (the log only by default).
+    pub fn node_events(mut self, events: Arc<dyn crate::node_events::NodeEvents>) -> Self {
+        self.node_events = Some(events);
         self
     }
 
@@ -177,6 +185,7 @@ impl DriverBuilder {
             metrics: self.metrics,
             mig: self.mig,
             claim_status: self.claim_status,
+            node_events: self.node_events,
         })
     }
 }

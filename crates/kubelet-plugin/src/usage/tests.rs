@@ -432,7 +432,11 @@ async fn a_pod_outside_the_claims_reserved_for_makes_one_read_not_one_per_sample
     for _ in 0..5 {
         sampler.sample(&cp, &inv, &metrics.usage).await;
     }
-    assert_eq!(reads(), 1, "the stranger's process makes one read, not one per sample");
+    assert_eq!(
+        reads(),
+        1,
+        "the stranger's process makes one read, not one per sample"
+    );
 
     // The claim's own pod starts as well: it is known from that read.
     *source.0.lock().expect("lock") = vec![sample(

@@ -156,6 +156,16 @@ true
 {{- end -}}
 {{- end -}}
 
+{{/* The most pods per node a node plugin may create, when the webhook counts them (plugin,
+its node restriction and the webhook on, kubeletPlugin.nodeRestriction.maxPodsPerNode > 0);
+"" otherwise. */}}
+{{- define "gpu-dra.podLimit" -}}
+{{- $r := .Values.kubeletPlugin.nodeRestriction -}}
+{{- if and (include "gpu-dra.pluginEnabled" .) $r.enabled .Values.webhook.enabled (gt (int ($r.maxPodsPerNode | default 0)) 0) -}}
+{{ int $r.maxPodsPerNode }}
+{{- end -}}
+{{- end -}}
+
 {{/* The user name the API server gives the node plugin's pods (their service account). */}}
 {{- define "gpu-dra.pluginUserName" -}}
 {{- printf "system:serviceaccount:%s:%s" (include "gpu-dra.namespace" .) (include "gpu-dra.pluginServiceAccount" .) -}}
