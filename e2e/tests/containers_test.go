@@ -136,13 +136,15 @@ func allocatedDevices(ctx context.Context, t *testing.T, pod *v1.Pod, ctr v1.Con
 	return sorted(gpus), sorted(migs)
 }
 
-// checkMPSControl asks, from inside the container, the MPS control daemon
-// of its claim for its defaults, through the pipe directory and
-// CUDA_MPS_PIPE_DIRECTORY its CDI devices give it (the way a CUDA client
-// finds the daemon): the active thread percentage must be the claim's
-// defaultActiveThreadPercentage and, for a one-device claim, the pinned
-// memory limit of device 0 its defaultPerDevicePinnedMemoryLimit["0"] or
-// else defaultPinnedDeviceMemoryLimit, as the tool prints them ("50.0", "4G").
+// checkMPSControl checks the MPS control daemon of the container's claim
+// through a CUDA program in the container, which finds the daemon through the
+// pipe directory and CUDA_MPS_PIPE_DIRECTORY its CDI devices give it: its
+// server's active thread percentage must be the claim's
+// defaultActiveThreadPercentage (else MPS's 100) and, for a one-device claim,
+// its pinned memory limit of device 0 the claim's
+// defaultPerDevicePinnedMemoryLimit["0"] or else
+// defaultPinnedDeviceMemoryLimit, as MPS prints them ("50.0", "4G"). The
+// container has no nvidia-cuda-mps-control: MPS clients get no control tool.
 func checkMPSControl(ctx context.Context, t *testing.T, pod *v1.Pod, ctr v1.Container) {
 	t.Helper()
 	wantPct, wantMem := "", ""
@@ -211,30 +213,17 @@ func checkMPSControl(ctx context.Context, t *testing.T, pod *v1.Pod, ctr v1.Cont
 		checkMPSClient(ctx, t, pod, ctr, wantPct, wantMem, devices == 1)
 		return
 	}
-	ask := func(command string) string {
-		res, err := execIn(ctx, pod, ctr.Name, "sh", "-c", "echo "+command+" | nvidia-cuda-mps-control")
-		if err != nil {
-			t.Fatal(err)
-		}
-		if res.ExitCode != 0 {
-			t.Errorf("pod %s container %s: nvidia-cuda-mps-control (%s) exited %d: %s%s", pod.Name, ctr.Name, command, res.ExitCode, res.Stdout, res.Stderr)
-		}
-		return strings.TrimSpace(res.Stdout)
+	res, err := execIn(ctx, pod, ctr.Name, "sh", "-c", "command -v nvidia-cuda-mps-control")
+	if err != nil {
+		t.Fatal(err)
 	}
-	pct := ask("get_default_active_thread_percentage")
-	t.Logf("pod %s container %s: MPS control daemon says active thread percentage %q", pod.Name, ctr.Name, pct)
-	if wantPct != "" && pct != wantPct {
-		t.Errorf("pod %s container %s: the MPS daemon's active thread percentage is %q, the claim asks %s", pod.Name, ctr.Name, pct, wantPct)
+	if res.ExitCode == 0 {
+		t.Errorf("pod %s container %s: an MPS client has the control tool: %s", pod.Name, ctr.Name, res.Stdout)
 	}
-	if devices == 1 && wantMem != "" {
-		mem := ask("get_default_device_pinned_mem_limit 0")
-		t.Logf("pod %s container %s: MPS control daemon says pinned memory limit of device 0 %q", pod.Name, ctr.Name, mem)
-		if mem != wantMem {
-			t.Errorf("pod %s container %s: the MPS daemon's pinned memory limit of device 0 is %q, the claim asks %s", pod.Name, ctr.Name, mem, wantMem)
-		}
+	if wantPct == "" {
+		wantPct = "100.0"
 	}
-
-	checkMPSClient(ctx, t, pod, ctr, pct, wantMem, devices == 1)
+	checkMPSClient(ctx, t, pod, ctr, wantPct, wantMem, devices == 1)
 }
 
 // checkMPSClient: a CUDA program (the simulator's cuda-app) in the container

@@ -320,6 +320,9 @@ pub struct SharingGroup {
 pub struct Plan {
     /// Claim UID.
     pub claim_uid: String,
+    /// The claim's namespace: the tenant its containers belong to (a shared MPS daemon serves
+    /// one namespace at a time).
+    pub namespace: String,
     /// Devices, in allocation order, each listed once.
     pub devices: Vec<DevicePlan>,
     /// Sharing groups.
@@ -462,6 +465,7 @@ pub fn plan(
     }
     Ok(Plan {
         claim_uid: input.uid.clone(),
+        namespace: input.namespace.clone(),
         devices,
         groups,
     })

@@ -16,13 +16,30 @@
 //! `/dev/shm` was shared (kubernetes-sigs/dra-driver-nvidia-gpu issue 974, 2026), and a 2024
 //! report on NVIDIA's device plugin (issue 467) found a small `cuda.shm.*` file clients needed
 //! in `/dev/shm`, driver branch not stated. Neither is supported here yet (docs/STATUS.md).
+//!
+//! What a client gets no more than it needs, because one daemon may serve several claims (the
+//! shared daemon of a memory-share or consumable-share device):
+//! - The pipe directory is mounted read-only. A client connects to the daemon's sockets and
+//!   opens its `log` FIFO, which Linux allows on a read-only mount (`EROFS` is for regular
+//!   files, directories and links only; checked by a test of the node plugin), but it cannot
+//!   create, rename or delete entries: no container can put its own listener in place of
+//!   `control` for other claims' clients to connect to, or remove the daemon's sockets.
+//!   A CUDA client needs no more: the server's shared memory comes over the socket (a memfd,
+//!   measured on driver 580). The log directory is not mounted at all (daemon only).
+//! - The spec of a claim whose containers are MPS clients mounts no `nvidia-cuda-mps-control`
+//!   ([`without_control_tool`]): the control tool is the operator's front end (`quit`,
+//!   `shutdown_server`, limits), never a client's. This only removes the ready-made tool: the
+//!   control socket a client must reach also takes the front end's commands, and the real
+//!   daemon runs them for a root peer, so a root container speaking the protocol can still
+//!   stop its daemon. That is why a shared daemon serves one namespace at a time (the node
+//!   plugin's `sharing::shared_mps` states and enforces that rule).
 
 use std::collections::BTreeMap;
 
 use gpu_dra_api::MpsConfig;
 use serde::{Deserialize, Serialize};
 
-use crate::cdi::{ContainerEdits, Mount};
+use crate::cdi::{ContainerEdits, Mount, Spec};
 use crate::memory_shares::{MemoryShare, mps_limit};
 use crate::plan::{Plan, SharingGroup};
 
@@ -158,20 +175,48 @@ pub fn mps_limits(config: &MpsConfig, devices: &[SharedDevice]) -> MpsLimits {
 }
 
 /// The container edits of an MPS group's clients: the daemon's pipe directory (`pipe_dir`, a
-/// host path) at [`CONTAINER_PIPE_DIR`] and [`PIPE_DIR_ENV`] naming it. Nothing else: no
-/// `/dev/shm` replacement and no IPC namespace (see the module documentation).
+/// host path) at [`CONTAINER_PIPE_DIR`], read-only, and [`PIPE_DIR_ENV`] naming it. Nothing
+/// else: no log directory, no `/dev/shm` replacement and no IPC namespace (see the module
+/// documentation).
 pub fn mps_edits(pipe_dir: &str) -> ContainerEdits {
     ContainerEdits {
         env: vec![format!("{PIPE_DIR_ENV}={CONTAINER_PIPE_DIR}")],
-        mounts: vec![Mount {
-            host_path: pipe_dir.to_owned(),
-            container_path: CONTAINER_PIPE_DIR.to_owned(),
-            options: ["rw", "nosuid", "nodev", "rbind", "rprivate"]
-                .map(String::from)
-                .to_vec(),
-        }],
+        mounts: vec![Mount::read_only(
+            pipe_dir.to_owned(),
+            CONTAINER_PIPE_DIR.to_owned(),
+        )],
         ..Default::default()
     }
+}
+
+/// The MPS control tool's file name: the operator's front end to a daemon, which no MPS
+/// client container gets (see the module documentation).
+pub const MPS_CONTROL_TOOL: &str = "nvidia-cuda-mps-control";
+
+/// Whether `edits` make a container an MPS client: they mount a pipe directory at
+/// [`CONTAINER_PIPE_DIR`].
+pub fn is_mps_client(edits: &ContainerEdits) -> bool {
+    edits
+        .mounts
+        .iter()
+        .any(|m| m.container_path == CONTAINER_PIPE_DIR)
+}
+
+/// Removes [`MPS_CONTROL_TOOL`] from the common edits of `spec` when any of its devices makes
+/// its containers MPS clients; other specs keep it (a container with a whole GPU may run its
+/// own daemon, as with NVIDIA's toolkit). Applied to every spec written, so a spec rewritten
+/// for a new driver keeps the rule.
+pub fn without_control_tool(mut spec: Spec) -> Spec {
+    if spec
+        .devices
+        .iter()
+        .any(|d| is_mps_client(&d.container_edits))
+    {
+        spec.container_edits
+            .mounts
+            .retain(|m| m.container_path.rsplit('/').next() != Some(MPS_CONTROL_TOOL));
+    }
+    spec
 }
 
 /// Owner part of the id of a memory-share GPU's MPS daemon (`memory-shares-<GPU UUID>`): one
@@ -303,9 +348,11 @@ mod tests {
         );
     }
 
-    /// Exactly what an MPS client container receives from its group: one mount, one variable.
+    /// Exactly what an MPS client container receives from its group: one mount, read-only (a
+    /// client of a shared daemon must not replace or remove the daemon's sockets), one
+    /// variable.
     #[test]
-    fn mps_clients_get_the_pipe_directory_and_keep_their_own_dev_shm() {
+    fn mps_clients_get_the_pipe_directory_read_only_and_keep_their_own_dev_shm() {
         let e = mps_edits("/p/mps/c-c0/pipe");
         assert_eq!(
             e,
@@ -315,7 +362,7 @@ mod tests {
                 mounts: vec![Mount {
                     host_path: "/p/mps/c-c0/pipe".into(),
                     container_path: "/tmp/nvidia-mps".into(),
-                    options: ["rw", "nosuid", "nodev", "rbind", "rprivate"]
+                    options: ["ro", "nosuid", "nodev", "rbind", "rprivate"]
                         .map(String::from)
                         .to_vec(),
                 }],
@@ -323,6 +370,59 @@ mod tests {
             }
         );
         assert!(e.mounts.iter().all(|m| m.container_path != "/dev/shm"));
+    }
+
+    /// A claim spec with common edits mounting the driver's tools, and one device whose
+    /// edits are `device_edits`.
+    fn spec_with_tools(device_edits: ContainerEdits) -> Spec {
+        let tool = |name: &str| {
+            Mount::read_only(
+                format!("/driver/usr/bin/{name}"),
+                format!("/usr/bin/{name}"),
+            )
+        };
+        Spec {
+            cdi_version: crate::cdi::CDI_VERSION.into(),
+            kind: crate::cdi::cdi_kind(),
+            devices: vec![crate::cdi::Device {
+                name: "uid-gpu-4".into(),
+                container_edits: device_edits,
+            }],
+            container_edits: ContainerEdits {
+                mounts: vec![
+                    tool("nvidia-smi"),
+                    tool(MPS_CONTROL_TOOL),
+                    tool("nvidia-cuda-mps-server"),
+                ],
+                ..ContainerEdits::default()
+            },
+        }
+    }
+
+    fn tools(spec: &Spec) -> Vec<&str> {
+        spec.container_edits
+            .mounts
+            .iter()
+            .map(|m| m.container_path.as_str())
+            .collect()
+    }
+
+    #[test]
+    fn mps_clients_get_no_control_tool_and_other_claims_keep_it() {
+        let client = without_control_tool(spec_with_tools(mps_edits("/p/mps/x/pipe")));
+        assert_eq!(
+            tools(&client),
+            ["/usr/bin/nvidia-smi", "/usr/bin/nvidia-cuda-mps-server"]
+        );
+        let exclusive = without_control_tool(spec_with_tools(ContainerEdits::default()));
+        assert_eq!(
+            tools(&exclusive),
+            [
+                "/usr/bin/nvidia-smi",
+                "/usr/bin/nvidia-cuda-mps-control",
+                "/usr/bin/nvidia-cuda-mps-server"
+            ]
+        );
     }
 
     #[test]

@@ -116,7 +116,9 @@ async fn main() {
         for i in 0..iterations {
             let claim = format!("00000000-0000-4000-8000-{i:012}");
             let t = Instant::now();
-            m.prepare(&claim, "0", devices, sharing).await.unwrap();
+            m.prepare("bench", &claim, "0", devices, sharing)
+                .await
+                .unwrap();
             prepare.push(t.elapsed());
             let t = Instant::now();
             m.unprepare(&claim).await.unwrap();

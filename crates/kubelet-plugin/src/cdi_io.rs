@@ -390,6 +390,7 @@ impl CdiHost {
         };
         let (version, common) = self.versioned_common();
         spec.container_edits = cdi::claim_common_edits(common);
+        let spec = gpu_dra_core::sharing::without_control_tool(spec);
         self.write(claim_uid, &spec, sync_content)?;
         Ok(Some(version))
     }

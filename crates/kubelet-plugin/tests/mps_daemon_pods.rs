@@ -103,6 +103,7 @@ impl Node {
         };
         self.manager
             .prepare(
+                "ns",
                 &claim(index),
                 "0",
                 &[SharedDevice::gpu(self.gpu_uuid(index))],

@@ -143,7 +143,20 @@ async fn prepare(
     claim: &str,
     g: &Group,
 ) -> Result<ContainerEdits, SharingError> {
-    m.prepare(claim, &g.name, &g.devices, &g.sharing).await
+    prepare_in(m, TENANT, claim, g).await
+}
+
+/// The namespace of the claims the tests prepare, unless a test says otherwise.
+const TENANT: &str = "tenant-a";
+
+async fn prepare_in(
+    m: &SharingManager,
+    namespace: &str,
+    claim: &str,
+    g: &Group,
+) -> Result<ContainerEdits, SharingError> {
+    m.prepare(namespace, claim, &g.name, &g.devices, &g.sharing)
+        .await
 }
 
 fn environ(pid: u32) -> String {
@@ -654,6 +667,7 @@ async fn the_executor_applies_a_plan_group_with_edits_and_releases_without_state
     .unwrap();
     let plan = |claim: &str, sharing: Sharing| Plan {
         claim_uid: claim.into(),
+        namespace: TENANT.into(),
         devices: vec![device.clone()],
         groups: vec![PlanGroup {
             name: "c0".into(),
@@ -926,6 +940,80 @@ async fn memory_shares_of_a_gpu_share_one_daemon_started_first_and_stopped_last(
     assert_eq!(m.mps_pid(OWNER, &gpu4), None);
     assert_eq!(node.compute_mode(4), ComputeMode::Default);
     m.unprepare(CLAIM_C).await.unwrap();
+}
+
+/// A shared daemon serves one namespace at a time: any of its clients can stop it (its
+/// `control` socket takes `quit` from a root peer), so a share of the device for a second
+/// namespace is refused while the first holds one, also after a plugin restart, and prepared
+/// once the first namespace's claims are gone. Clients get the pipe directory read-only.
+#[tokio::test]
+async fn a_shared_mps_daemon_serves_one_namespace_at_a_time() {
+    use gpu_dra_core::sharing::MEMORY_SHARE_DAEMON_OWNER as OWNER;
+    const CLAIM_C: &str = "9a8b7c6d-5e4f-4a3b-8c2d-1e0f9a8b7c6d";
+    let node = Node::new(PROFILE);
+    let m = node.manager();
+    let gpu4 = node.gpu_uuid(4);
+    let id = daemon_id(OWNER, &gpu4);
+    let group = mps(vec![share(&node, 4, 10)], MpsConfig::default());
+    let a = prepare_in(&m, "tenant-a", CLAIM_A, &group).await.unwrap();
+    assert!(
+        a.mounts
+            .iter()
+            .all(|mount| mount.options.iter().any(|o| o == "ro")
+                && !mount.options.iter().any(|o| o == "rw")),
+        "the pipe directory must reach clients read-only: {:?}",
+        a.mounts
+    );
+    let pid = m.mps_pid(OWNER, &gpu4).expect("the GPU's daemon");
+
+    let refused = |err: SharingError| {
+        let msg = err.to_string();
+        assert!(matches!(err, SharingError::Conflict { .. }), "{msg}");
+        assert!(
+            msg.contains("\"tenant-a\"") && msg.contains("\"tenant-b\""),
+            "the refusal names both namespaces: {msg}"
+        );
+    };
+    refused(
+        prepare_in(&m, "tenant-b", CLAIM_B, &group)
+            .await
+            .expect_err("another namespace on the same daemon"),
+    );
+    assert_eq!(
+        m.state().mps[&id].share_claims,
+        [CLAIM_A.to_string()].into(),
+        "a refused claim is not recorded"
+    );
+    // The same namespace joins the daemon.
+    let c = prepare_in(&m, "tenant-a", CLAIM_C, &group).await.unwrap();
+    assert_eq!(c.mounts, a.mounts);
+    assert_eq!(m.mps_pid(OWNER, &gpu4), Some(pid));
+
+    // The rule survives a plugin restart (the namespace is in the state).
+    m.detach();
+    drop(m);
+    let m = node.manager();
+    m.keep_claims([CLAIM_A.to_string(), CLAIM_C.to_string()].into());
+    assert_eq!(
+        m.recover().await.unwrap().adopted,
+        std::slice::from_ref(&id)
+    );
+    refused(
+        prepare_in(&m, "tenant-b", CLAIM_B, &group)
+            .await
+            .expect_err("still another namespace"),
+    );
+
+    // The first namespace gone, the second gets the device, on a daemon of its own.
+    m.unprepare(CLAIM_A).await.unwrap();
+    m.unprepare(CLAIM_C).await.unwrap();
+    assert!(!alive(pid));
+    prepare_in(&m, "tenant-b", CLAIM_B, &group).await.unwrap();
+    let pid_b = m.mps_pid(OWNER, &gpu4).expect("a daemon for tenant-b");
+    assert_ne!(pid_b, pid);
+    assert_eq!(m.state().mps[&id].namespace.as_deref(), Some("tenant-b"));
+    m.unprepare(CLAIM_B).await.unwrap();
+    assert!(!alive(pid_b));
 }
 
 /// The arguments `pid` runs with, after the program.

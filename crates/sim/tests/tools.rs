@@ -737,6 +737,53 @@ fn hold_client(pipe: &Path) -> std::os::unix::net::UnixStream {
     conn
 }
 
+/// What the node plugin relies on when it mounts an MPS pipe folder read-only into client
+/// containers: a CUDA client attaches through a read-only bind mount of the folder (connect()
+/// on a socket needs no writable mount), and nothing in it can be created, renamed or
+/// removed through that mount. Needs root and a private mount namespace (`unshare -m`), as
+/// a container has; skipped elsewhere.
+#[test]
+fn an_mps_client_attaches_through_a_read_only_pipe_folder_it_cannot_change() {
+    let unshare = Command::new("unshare").args(["-m", "true"]).status();
+    if effective_uid() != 0 || !unshare.is_ok_and(|s| s.success()) {
+        eprintln!("skipped: a read-only bind mount needs root and unshare -m");
+        return;
+    }
+    let host = SimHost::new("t4");
+    let m = mps_dirs();
+    let o = mps_cmd(&host, &m).arg("-d").output().expect("daemon");
+    assert!(o.status.success(), "{}", text(&o));
+    let ro = m._dir.path().join("ro");
+    std::fs::create_dir(&ro).expect("mount point");
+    let script = r#"mount --bind "$PIPE" "$RO" && mount -o remount,bind,ro "$RO" || exit 90
+for change in "rm -f $RO/control" "mv $RO/control $RO/moved" "touch $RO/new" "mkdir $RO/sub" "ln -s / $RO/link"; do
+  if $change 2>/dev/null; then echo "changed: $change"; fi
+done
+CUDA_MPS_PIPE_DIRECTORY=$RO exec "$APP"
+"#;
+    let out = Command::new("unshare")
+        .args(["-m", "--propagation", "private", "sh", "-c", script])
+        .env("PIPE", &m.pipe)
+        .env("RO", &ro)
+        .env("APP", env!("CARGO_BIN_EXE_cuda-app"))
+        .env("GPU_SIM_STATE", host.state_file().path())
+        .output()
+        .expect("unshare");
+    let stdout = text(&out);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(!stdout.contains("changed:"), "{stdout}");
+    assert!(
+        stdout.contains("MPS server "),
+        "the client must join the daemon's server: {stdout}"
+    );
+    assert!(m.pipe.join("control").exists());
+}
+
 /// Starts `cuda-app` as user `uid` against the daemon at `m`.
 fn cuda_app_as(host: &SimHost, m: &Mps, uid: u32) -> Child {
     use std::os::unix::process::CommandExt;

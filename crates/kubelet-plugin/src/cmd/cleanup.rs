@@ -635,13 +635,13 @@ mod tests {
             active_thread_percentage: Some(50),
             ..Default::default()
         });
-        m.prepare(CLAIM_A, "0", &[SharedDevice::gpu(node.gpu(4))], &mps)
+        m.prepare("ns", CLAIM_A, "0", &[SharedDevice::gpu(node.gpu(4))], &mps)
             .await
             .expect("MPS prepared");
         let ts = Sharing::TimeSlicing {
             interval: Interval::Long,
         };
-        m.prepare(CLAIM_B, "0", &[SharedDevice::gpu(node.gpu(5))], &ts)
+        m.prepare("ns", CLAIM_B, "0", &[SharedDevice::gpu(node.gpu(5))], &ts)
             .await
             .expect("time-slicing prepared");
         let pid = m.mps_pid(CLAIM_A, "0").expect("daemon pid");

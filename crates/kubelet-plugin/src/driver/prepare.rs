@@ -323,6 +323,8 @@ impl Driver {
                 ce.hooks.extend(edits.hooks);
             }
         }
+        // MPS clients get no control tool (the operator's front end, `quit` included).
+        let spec = gpu_dra_core::sharing::without_control_tool(spec);
         // The spec and the completed entry are written at once (their fsyncs overlap): a
         // completed entry whose spec is missing is prepared again by the next prepare
         // (`stale_reason`), and a spec without a completed entry is undone, so either may

@@ -81,7 +81,13 @@ impl SharingExecutor for SharingManager {
             };
             let devices = shared_devices(plan, group);
             let edits = self
-                .prepare(&plan.claim_uid, &group.name, &devices, sharing)
+                .prepare(
+                    &plan.namespace,
+                    &plan.claim_uid,
+                    &group.name,
+                    &devices,
+                    sharing,
+                )
                 .await?;
             Ok(Applied {
                 state: Some(json!({"group": group.name, "strategy": strategy_name(sharing)})),

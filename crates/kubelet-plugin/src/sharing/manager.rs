@@ -239,11 +239,12 @@ impl SharingManager {
             .and_then(|r| r.pid)
     }
 
-    /// Applies the sharing of group `group` of claim `claim_uid` to `devices` and returns the
-    /// container edits it needs. Idempotent: repeating it for a prepared group returns the same
-    /// edits.
+    /// Applies the sharing of group `group` of claim `claim_uid` (of namespace `namespace`) to
+    /// `devices` and returns the container edits it needs. Idempotent: repeating it for a
+    /// prepared group returns the same edits.
     pub async fn prepare(
         &self,
+        namespace: &str,
         claim_uid: &str,
         group: &str,
         devices: &[SharedDevice],
@@ -259,7 +260,8 @@ impl SharingManager {
             }
             Sharing::Mps(config) => match devices {
                 [device] if device.share.is_some() => {
-                    self.prepare_mps_share(claim_uid, device, config).await
+                    self.prepare_mps_share(namespace, claim_uid, device, config)
+                        .await
                 }
                 _ => self.prepare_mps(claim_uid, group, devices, config).await,
             },

@@ -407,6 +407,7 @@ mod tests {
                 multi_user: false,
             },
             share_claims: Default::default(),
+            namespace: None,
         }
     }
 

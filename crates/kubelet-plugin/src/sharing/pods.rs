@@ -521,6 +521,7 @@ mod tests {
                 multi_user: false,
             },
             share_claims: Default::default(),
+            namespace: None,
         }
     }
 

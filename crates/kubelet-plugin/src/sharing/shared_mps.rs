@@ -25,6 +25,27 @@
 //! it cannot, and the plugin cannot refuse the second user's claim either: prepare does not
 //! know which user the claim's pods will run as (docs/STATUS.md).
 //!
+//! Tenancy: one namespace per daemon at a time. Every client of the daemon reaches its
+//! `control` socket (a CUDA client must: that is how it asks for its server), and that socket
+//! also takes the control front end's commands; the real daemon runs `quit` and
+//! `shutdown_server` for a root peer, and it cannot tell a tenant's root container from the
+//! operator. So any client of a shared daemon can stop it, and with it every other client's
+//! work. What the plugin can take away it does: clients get the pipe directory read-only (no
+//! container can replace `control` with a listener of its own for other clients to connect
+//! to, or delete it) and no `nvidia-cuda-mps-control` (see `gpu_dra_core::sharing`). What
+//! remains, a root container speaking the control protocol itself, is kept inside one tenant:
+//! a claim of another namespace than the one the daemon serves is refused at prepare with a
+//! [`SharingError::Conflict`] naming both, which the kubelet retries, so its pod starts once
+//! the first namespace's claims on the device are gone. Namespaces, because they are the
+//! unit Kubernetes gives tenants (quotas, RBAC); pods of one namespace can already reach each
+//! other's claims. Rejected: a daemon per namespace on one device (a GPU in MPS mode is in
+//! `EXCLUSIVE_PROCESS`, owned by one MPS server, see above); a proxy in front of `control`
+//! passing only client connections (the client protocol is NVIDIA's and undocumented, and
+//! carries file descriptors); relying on pods not running as root (the plugin cannot see,
+//! at prepare, which user the claim's pods will run as). The scheduler does not know the
+//! rule: it may give a second namespace a share of a device whose daemon serves the first,
+//! and that claim's pod then waits (docs/STATUS.md).
+//!
 //! Record and lifecycle: the daemon's [`MpsRecord`] has owner
 //! [`MEMORY_SHARE_DAEMON_OWNER`] and the GPU's UUID as group, and lists its claims in
 //! `share_claims`. The first claim records itself and starts the daemon (same steps,
@@ -53,6 +74,7 @@ impl SharingManager {
     /// limits. Idempotent.
     pub(super) async fn prepare_mps_share(
         &self,
+        namespace: &str,
         claim_uid: &str,
         device: &SharedDevice,
         config: &MpsConfig,
@@ -76,6 +98,7 @@ impl SharingManager {
         let existing = lock(&inner.state).mps.get(&id).cloned();
         if let Some(record) = existing {
             if record.phase == MpsPhase::Ready {
+                check_tenant(&record, namespace, &device.uuid)?;
                 inner.update(|s| {
                     if let Some(r) = s.mps.get_mut(&id) {
                         r.share_claims.insert(claim_uid.to_owned());
@@ -117,6 +140,7 @@ impl SharingManager {
             devices: vec![gpu.clone()],
             whole_gpus,
             share_claims: [claim_uid.to_owned()].into(),
+            namespace: Some(namespace.to_owned()),
         };
         mps::check_socket_path(&record)?;
         inner.record_mps(&id, &record, claim_uid)?;
@@ -156,5 +180,23 @@ impl SharingManager {
             Some(e) => Err(e),
             None => Ok(()),
         }
+    }
+}
+
+/// Refuses a claim of `namespace` on the shared daemon `record` of device `uuid` when the
+/// daemon serves another namespace (see the module documentation). A daemon recorded without
+/// a namespace (by a version without the rule) takes any.
+fn check_tenant(record: &MpsRecord, namespace: &str, uuid: &str) -> Result<(), SharingError> {
+    match record.namespace.as_deref() {
+        Some(holder) if holder != namespace => Err(SharingError::Conflict {
+            gpu: uuid.to_owned(),
+            holder: format!("MPS clients of namespace {holder:?}"),
+            wanted: format!(
+                "MPS clients of namespace {namespace:?}: one MPS daemon serves one namespace at a \
+                 time, since any of its clients can stop it; the claim is prepared once namespace \
+                 {holder:?} holds no share of the device"
+            ),
+        }),
+        _ => Ok(()),
     }
 }

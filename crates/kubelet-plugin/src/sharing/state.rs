@@ -91,6 +91,12 @@ pub struct MpsRecord {
     /// of it, prepared or being prepared. The daemon is stopped when the last one goes.
     #[serde(default, skip_serializing_if = "BTreeSet::is_empty")]
     pub share_claims: BTreeSet<String>,
+    /// For the daemon of a memory-share GPU: the one namespace whose claims it serves
+    /// (`sharing::shared_mps` says why). `None` for a claim's own daemon, and for a shared
+    /// daemon recorded by a version without the rule, which keeps serving any namespace until
+    /// its last claim goes. Written only when set, so older plugins read the state.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub namespace: Option<String>,
 }
 
 impl MpsRecord {
@@ -227,6 +233,7 @@ mod tests {
                     multi_user: false,
                 },
                 share_claims: Default::default(),
+                namespace: None,
             },
         );
         store.save(&s).unwrap();

@@ -86,6 +86,7 @@ impl SharingManager {
             devices,
             whole_gpus,
             share_claims: Default::default(),
+            namespace: None,
         };
         mps::check_socket_path(&record)?;
 
