@@ -19,7 +19,8 @@
 //!   migration and NVIDIA import), [`cdi_io`] (CDI on the host), [`cdi_hook`] (the hook
 //!   binary our specs name), [`sharing`] (time-slicing and MPS), [`mig`] (dynamic MIG's
 //!   hardware seam).
-//! - Operations and tests: [`metrics`] and [`http`], [`usage`] (per-claim GPU usage), [`failpoint`] (fault injection),
+//! - Operations and tests: [`metrics`] and [`http`], [`node_events`] (events on the node for
+//!   findings that need a person), [`usage`] (per-claim GPU usage), [`failpoint`] (fault injection),
 //!   [`digest`], `testing` (behind the `testing` feature, never in the shipping binary: the
 //!   test doubles `ExclusiveOnly` and `FakeMig`, a DRA client as the kubelet
 //!   uses it, the driver builder, the plugin launcher and simulated host folders).
