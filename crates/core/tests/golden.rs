@@ -189,9 +189,10 @@ fn dgx_a100_golden_has_4_whole_gpus_and_16_mig_devices() {
     let whole = &devices[16];
     assert_eq!(whole["name"], "gpu-4");
     assert_eq!(whole["capacity"]["memory"]["value"], "40Gi");
+    // NPS4: GPU 4 of the DGX A100 is on NUMA node 7.
     assert_eq!(
         whole["attributes"]["resource.kubernetes.io/numaNode"]["int"],
-        1
+        7
     );
     assert_eq!(
         whole["attributes"]["resource.kubernetes.io/pcieRoot"]["string"],
