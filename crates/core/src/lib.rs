@@ -14,6 +14,8 @@
 //! - [`partitioning`]: how each GPU is offered (static, dynamic MIG, memory shares) from flags
 //!   and Node annotations.
 //! - [`health`]: health observations -> device taints and the health the kubelet reports.
+//! - [`topology`]: NVLink domains (sets of GPUs that are pairwise NVLink peers) from the
+//!   inventory, published as `nvlinkDomain`.
 //! - [`ldcache`]: a reader of glibc's `ld.so.cache`, to find the driver's libraries as the
 //!   container toolkit does.
 
@@ -29,3 +31,4 @@ pub mod partitioning;
 pub mod plan;
 pub mod sharing;
 pub mod slices;
+pub mod topology;

@@ -16,7 +16,18 @@ use gpu_dra_device::testing::{a100, a100_dynamic, inventory, mig_1g5gb};
 use gpu_dra_nvml::{NvmlInventory, NvmlOptions};
 use gpu_dra_sim::testing::SimHost;
 
-const PROFILES: [&str; 6] = ["t4", "rtx4090", "p4", "dgx-a100-40gb", "dgx-h100", "h200"];
+const PROFILES: [&str; 10] = [
+    "t4",
+    "rtx4090",
+    "p4",
+    "dgx-a100-40gb",
+    "dgx-h100",
+    "h200",
+    "a100-pcie-x4-nvlink",
+    "h100-pcie-x8-nvlink",
+    "l40s-x8",
+    "dgx1-v100",
+];
 
 fn render(profile: &str) -> String {
     let host = SimHost::new(profile);
@@ -198,4 +209,53 @@ fn dgx_a100_golden_has_4_whole_gpus_and_16_mig_devices() {
         whole["attributes"]["resource.kubernetes.io/pcieRoot"]["string"],
         "pci0000:80"
     );
+}
+
+/// Devices grouped by `nvlinkDomain`, as discovered through the simulator's NVML.
+fn nvlink_domains(profile: &str) -> Vec<Vec<String>> {
+    let slices: serde_json::Value = serde_json::from_str(&render(profile)).expect("json");
+    let mut by: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for d in slices[0]["spec"]["devices"].as_array().expect("devices") {
+        if let Some(v) = d["attributes"]["nvlinkDomain"]["string"].as_str() {
+            by.entry(v.to_string())
+                .or_default()
+                .push(d["name"].as_str().expect("name").to_string());
+        }
+    }
+    let mut groups: Vec<Vec<String>> = by.into_values().collect();
+    groups.sort();
+    groups
+}
+
+#[test]
+fn nvlink_domains_follow_each_hosts_real_topology() {
+    let names = |g: &[&[u32]]| -> Vec<Vec<String>> {
+        g.iter()
+            .map(|s| s.iter().map(|i| format!("gpu-{i}")).collect())
+            .collect()
+    };
+    // NVSwitch: one domain; GPUs 0-3 of the DGX A100 are in MIG mode (no peer-to-peer).
+    assert_eq!(
+        nvlink_domains("dgx-h100"),
+        names(&[&[0, 1, 2, 3, 4, 5, 6, 7]])
+    );
+    assert_eq!(nvlink_domains("dgx-a100-40gb"), names(&[&[4, 5, 6, 7]]));
+    // Bridge pairs, adjacent or not, one across sockets.
+    assert_eq!(
+        nvlink_domains("a100-pcie-x4-nvlink"),
+        names(&[&[0, 1], &[2, 3]])
+    );
+    assert_eq!(
+        nvlink_domains("h100-pcie-x8-nvlink"),
+        names(&[&[0, 5], &[1, 2], &[3, 4], &[6, 7]])
+    );
+    // Hybrid cube-mesh: connected, not all-to-all; the scalar takes the two quads.
+    assert_eq!(
+        nvlink_domains("dgx1-v100"),
+        names(&[&[0, 1, 2, 3], &[4, 5, 6, 7]])
+    );
+    // No NVLink: no attribute, so the slices are what they were.
+    for p in ["l40s-x8", "t4", "p4", "rtx4090", "h200"] {
+        assert!(nvlink_domains(p).is_empty(), "{p}");
+    }
 }
