@@ -16,6 +16,8 @@
 //! - [`health`]: health observations -> device taints and the health the kubelet reports.
 //! - [`topology`]: NVLink domains (sets of GPUs that are pairwise NVLink peers) from the
 //!   inventory, published as `nvlinkDomain`.
+//! - [`list_forms`]: the list-type forms of `nvlinkDomain` and `numaNode`, for clusters with
+//!   `DRAListTypeAttributes`.
 //! - [`ldcache`]: a reader of glibc's `ld.so.cache`, to find the driver's libraries as the
 //!   container toolkit does.
 
@@ -25,6 +27,7 @@ pub mod consumable_shares;
 pub mod dynamic_mig;
 pub mod health;
 pub mod ldcache;
+pub mod list_forms;
 pub mod memory_shares;
 pub mod nvidia_checkpoint;
 pub mod partitioning;

@@ -9,10 +9,11 @@ use std::path::PathBuf;
 
 use gpu_dra_core::consumable_shares::ConsumableShares;
 use gpu_dra_core::dynamic_mig;
+use gpu_dra_core::list_forms;
 use gpu_dra_core::partitioning::{self, GpuSelection, Partitioning};
 use gpu_dra_core::slices::{self, SliceParams};
-use gpu_dra_device::GpuInventory;
 use gpu_dra_device::testing::{a100, a100_dynamic, inventory, mig_1g5gb};
+use gpu_dra_device::{GpuInventory, Inventory};
 use gpu_dra_nvml::{NvmlInventory, NvmlOptions};
 use gpu_dra_sim::testing::SimHost;
 
@@ -29,24 +30,50 @@ const PROFILES: [&str; 10] = [
     "dgx1-v100",
 ];
 
-fn render(profile: &str) -> String {
+const SIM_NODE: SliceParams<'static> = SliceParams {
+    node_name: "sim-node",
+    driver_name: "gpu.nvidia.com",
+    generation: 1,
+};
+
+fn discover(profile: &str) -> Inventory {
     let host = SimHost::new(profile);
-    let inventory = NvmlInventory::new(NvmlOptions {
+    NvmlInventory::new(NvmlOptions {
         library: gpu_dra_nvml::NvmlLibrary::Path(host.lib_path()),
         sysfs_root: host.sysfs_root(),
     })
     .discover()
-    .expect("discovery over the simulator");
-    let rendered = slices::render_slices(
-        &inventory,
-        &SliceParams {
-            node_name: "sim-node",
-            driver_name: "gpu.nvidia.com",
-            generation: 1,
-        },
-    );
+    .expect("discovery over the simulator")
+}
+
+fn render(profile: &str) -> String {
+    let rendered = slices::render_slices(&discover(profile), &SIM_NODE);
     assert!(rendered.warnings.is_empty(), "{:?}", rendered.warnings);
     let mut text = serde_json::to_string_pretty(&rendered.slices).expect("serialisable");
+    text.push('\n');
+    text
+}
+
+/// The DGX-1's hybrid cube-mesh with `--list-type-attributes`, as sent to the API server
+/// (`list_forms::wire`): every all-to-all NVLink set per GPU, the NUMA node as a one-element
+/// list. Also validated by `e2e/harness/slices_validation_test.go`.
+const LIST_FORMS_GOLDEN: &str = "dgx1-v100-list-attributes";
+
+fn wire_with_lists(profile: &str) -> Vec<serde_json::Value> {
+    let inventory = discover(profile);
+    let mut rendered = slices::render_slices(&inventory, &SIM_NODE);
+    list_forms::apply(&mut rendered, &inventory, &SIM_NODE);
+    assert!(rendered.warnings.is_empty(), "{:?}", rendered.warnings);
+    rendered
+        .slices
+        .iter()
+        .map(|s| list_forms::wire(s).expect("wire form"))
+        .collect()
+}
+
+fn render_list_forms() -> String {
+    let mut text =
+        serde_json::to_string_pretty(&wire_with_lists("dgx1-v100")).expect("serialisable");
     text.push('\n');
     text
 }
@@ -148,6 +175,7 @@ fn generated_golden_slices_are_fresh() {
             (DYNAMIC_MIG_GOLDEN, render_dynamic_mig()),
             (MEMORY_SHARE_GOLDEN, render_memory_shares()),
             (CONSUMABLE_SHARES_GOLDEN, render_consumable_shares()),
+            (LIST_FORMS_GOLDEN, render_list_forms()),
         ]);
     for (name, want) in renderings {
         let path = dir.join(format!("{name}.json"));
@@ -257,5 +285,71 @@ fn nvlink_domains_follow_each_hosts_real_topology() {
     // No NVLink: no attribute, so the slices are what they were.
     for p in ["l40s-x8", "t4", "p4", "rtx4090", "h200"] {
         assert!(nvlink_domains(p).is_empty(), "{p}");
+    }
+}
+
+/// With list forms, a `matchAttribute` on `nvlinkDomain` (a value common to every device)
+/// holds exactly for sets of GPUs that are pairwise NVLink peers: on the cube-mesh the cross
+/// pairs 0-4, 1-5, 2-6 and 3-7 are offered too, and 0-5 never.
+#[test]
+fn list_forms_offer_exactly_the_pairwise_linked_sets() {
+    let slices = wire_with_lists("dgx1-v100");
+    let lists: BTreeMap<String, BTreeSet<String>> = slices[0]["spec"]["devices"]
+        .as_array()
+        .expect("devices")
+        .iter()
+        .map(|d| {
+            let values = d["attributes"]["nvlinkDomain"]["strings"]
+                .as_array()
+                .expect("a list on every GPU")
+                .iter()
+                .map(|v| v.as_str().expect("string").to_string())
+                .collect();
+            (d["name"].as_str().expect("name").to_string(), values)
+        })
+        .collect();
+    let shared = |a: u32, b: u32| {
+        lists[&format!("gpu-{a}")]
+            .intersection(&lists[&format!("gpu-{b}")])
+            .count()
+            > 0
+    };
+    // Links of the DGX-1 (the sim's profile, as its real `topo -m` shows).
+    let linked = [
+        (0, 1),
+        (0, 2),
+        (0, 3),
+        (0, 4),
+        (1, 2),
+        (1, 3),
+        (1, 5),
+        (2, 3),
+        (2, 6),
+        (3, 7),
+        (4, 5),
+        (4, 6),
+        (4, 7),
+        (5, 6),
+        (5, 7),
+        (6, 7),
+    ];
+    for a in 0..8 {
+        for b in a + 1..8 {
+            assert_eq!(shared(a, b), linked.contains(&(a, b)), "GPUs {a} and {b}");
+        }
+    }
+    // Three GPUs share a value only when all three pairs are linked: 0, 1, 4 do not.
+    let common3 = lists["gpu-0"]
+        .intersection(&lists["gpu-1"])
+        .filter(|v| lists["gpu-4"].contains(*v))
+        .count();
+    assert_eq!(common3, 0);
+    // Hosts without NVLink: only the NUMA node changes form.
+    for d in wire_with_lists("l40s-x8")[0]["spec"]["devices"]
+        .as_array()
+        .expect("devices")
+    {
+        assert!(d["attributes"].get("nvlinkDomain").is_none());
+        assert!(d["attributes"]["resource.kubernetes.io/numaNode"]["ints"].is_array());
     }
 }
