@@ -31,7 +31,8 @@ import (
 // NVML library is in the container and found by the loader, MPS clients
 // reach their daemon with the claim's settings, the examples that list
 // /dev/nvidia* or their MPS pipe directory print it, and a container without
-// devices sees none.
+// devices sees none; the topology examples print what nvidia-smi topo -m
+// showed them (after checking it).
 func TestExamples(t *testing.T) {
 	requirePlugins(t)
 	root, err := harness.RepoPath("examples")
@@ -199,6 +200,11 @@ func exampleChecks(ctx context.Context, t *testing.T, run *harness.SpecRun) {
 			if strings.Contains(strings.Join(ctr.Command, " "), "ls -l /dev/nvidia") {
 				// The example's own command listed what it got.
 				checkContainerLog(ctx, t, pod, ctr.Name, "/dev/nvidiactl")
+			}
+			if strings.Contains(strings.Join(ctr.Command, " "), "nvidia-smi topo -m") {
+				// The topology examples check what they got with nvidia-smi topo -m
+				// (and exit if it is not) and print what it is.
+				checkContainerLog(ctx, t, pod, ctr.Name, "got: ")
 			}
 			if dir := mpsPipeDir(resolved); dir != "" {
 				// The examples' MPS clients print their pipe directory.

@@ -14,6 +14,10 @@
 //! - [`partitioning`]: how each GPU is offered (static, dynamic MIG, memory shares) from flags
 //!   and Node annotations.
 //! - [`health`]: health observations -> device taints and the health the kubelet reports.
+//! - [`topology`]: NVLink domains (sets of GPUs that are pairwise NVLink peers) from the
+//!   inventory, published as `nvlinkDomain`.
+//! - [`list_forms`]: the list-type forms of `nvlinkDomain` and `numaNode`, for clusters with
+//!   `DRAListTypeAttributes`.
 //! - [`ldcache`]: a reader of glibc's `ld.so.cache`, to find the driver's libraries as the
 //!   container toolkit does.
 
@@ -23,9 +27,11 @@ pub mod consumable_shares;
 pub mod dynamic_mig;
 pub mod health;
 pub mod ldcache;
+pub mod list_forms;
 pub mod memory_shares;
 pub mod nvidia_checkpoint;
 pub mod partitioning;
 pub mod plan;
 pub mod sharing;
 pub mod slices;
+pub mod topology;

@@ -73,6 +73,9 @@ pub mod attr {
     pub const NUMA_NODE: &str = "resource.kubernetes.io/numaNode";
     /// Memory addressing mode (`HMM`, `ATS`, `None`), where NVML reports one.
     pub const ADDRESSING_MODE: &str = "addressingMode";
+    /// The whole GPU's NVLink domain: GPUs sharing a value are pairwise NVLink peers
+    /// ([`crate::topology`]); absent without NVLink peers.
+    pub const NVLINK_DOMAIN: &str = "nvlinkDomain";
 }
 
 /// Capacity names.
@@ -167,6 +170,7 @@ pub struct CapacitySpec {
 }
 
 const BOTH: &[DeviceKind] = &[DeviceKind::Gpu, DeviceKind::Mig];
+const GPU: &[DeviceKind] = &[DeviceKind::Gpu];
 const MIG: &[DeviceKind] = &[DeviceKind::Mig];
 
 /// Every attribute the renderer publishes, with its type and device kinds: the schema that
@@ -189,6 +193,7 @@ pub const ATTRIBUTES: &[AttributeSpec] = &[
     AttributeSpec { name: attr::PCIE_ROOT, ty: AttributeType::String, kinds: BOTH, always: false },
     AttributeSpec { name: attr::NUMA_NODE, ty: AttributeType::Int, kinds: BOTH, always: false },
     AttributeSpec { name: attr::ADDRESSING_MODE, ty: AttributeType::String, kinds: BOTH, always: false },
+    AttributeSpec { name: attr::NVLINK_DOMAIN, ty: AttributeType::String, kinds: GPU, always: false },
 ];
 
 /// Every capacity the renderer publishes (see [`ATTRIBUTES`]).
@@ -418,6 +423,12 @@ pub(crate) fn render_device(
             b.string(attr::TYPE, DeviceKind::Gpu.as_str());
             b.string(attr::UUID, &gpu.uuid);
             b.capacity(cap::MEMORY, gpu.memory_bytes);
+            if !gpu.nvlink_peers.is_empty()
+                && let Some(domain) =
+                    crate::topology::NvlinkDomains::of(inventory).domain_of(&gpu.uuid)
+            {
+                b.string(attr::NVLINK_DOMAIN, domain);
+            }
         }
         DeviceRef::Mig { parent, mig } => {
             b.string(attr::TYPE, DeviceKind::Mig.as_str());
@@ -696,8 +707,13 @@ mod tests {
     /// Devices of every kind with every optional field set: a whole GPU, MIG devices of two
     /// profiles, and a GPU without the optional topology attributes.
     fn representative() -> Inventory {
+        let gpu3 = a100(3).build().uuid;
+        let gpu0 = a100(0).build().uuid;
         inventory([
-            a100(0).addressing_mode(Some("HMM")).build(),
+            a100(0)
+                .addressing_mode(Some("HMM"))
+                .nvlink_peers(&[&gpu3])
+                .build(),
             a100(1)
                 .addressing_mode(Some("ATS"))
                 .migs([
@@ -709,6 +725,7 @@ mod tests {
                 .pcie_root(None)
                 .numa_node(None)
                 .build(),
+            a100(3).nvlink_peers(&[&gpu0]).build(),
         ])
     }
 
@@ -817,6 +834,19 @@ mod tests {
         assert_eq!(mode("gpu-0").as_deref(), Some("HMM"));
         assert_eq!(mode("gpu-1-mig-1g5gb-19-0").as_deref(), Some("ATS"));
         assert_eq!(mode("gpu-2"), None);
+    }
+
+    #[test]
+    fn nvlink_domain_is_on_linked_whole_gpus_only() {
+        let (devices, _) = render_devices(&representative());
+        let domain = |name: &str| {
+            let d = devices.iter().find(|d| d.name == name).unwrap();
+            attr_str(d, attr::NVLINK_DOMAIN).map(str::to_owned)
+        };
+        let d0 = domain("gpu-0").expect("gpu-0 is linked to gpu-3");
+        assert_eq!(domain("gpu-3"), Some(d0));
+        assert_eq!(domain("gpu-2"), None);
+        assert_eq!(domain("gpu-1-mig-1g5gb-19-0"), None);
     }
 
     #[test]

@@ -9,33 +9,71 @@ use std::path::PathBuf;
 
 use gpu_dra_core::consumable_shares::ConsumableShares;
 use gpu_dra_core::dynamic_mig;
+use gpu_dra_core::list_forms;
 use gpu_dra_core::partitioning::{self, GpuSelection, Partitioning};
 use gpu_dra_core::slices::{self, SliceParams};
-use gpu_dra_device::GpuInventory;
 use gpu_dra_device::testing::{a100, a100_dynamic, inventory, mig_1g5gb};
+use gpu_dra_device::{GpuInventory, Inventory};
 use gpu_dra_nvml::{NvmlInventory, NvmlOptions};
 use gpu_dra_sim::testing::SimHost;
 
-const PROFILES: [&str; 6] = ["t4", "rtx4090", "p4", "dgx-a100-40gb", "dgx-h100", "h200"];
+const PROFILES: [&str; 10] = [
+    "t4",
+    "rtx4090",
+    "p4",
+    "dgx-a100-40gb",
+    "dgx-h100",
+    "h200",
+    "a100-pcie-x4-nvlink",
+    "h100-pcie-x8-nvlink",
+    "l40s-x8",
+    "dgx1-v100",
+];
 
-fn render(profile: &str) -> String {
+const SIM_NODE: SliceParams<'static> = SliceParams {
+    node_name: "sim-node",
+    driver_name: "gpu.nvidia.com",
+    generation: 1,
+};
+
+fn discover(profile: &str) -> Inventory {
     let host = SimHost::new(profile);
-    let inventory = NvmlInventory::new(NvmlOptions {
+    NvmlInventory::new(NvmlOptions {
         library: gpu_dra_nvml::NvmlLibrary::Path(host.lib_path()),
         sysfs_root: host.sysfs_root(),
     })
     .discover()
-    .expect("discovery over the simulator");
-    let rendered = slices::render_slices(
-        &inventory,
-        &SliceParams {
-            node_name: "sim-node",
-            driver_name: "gpu.nvidia.com",
-            generation: 1,
-        },
-    );
+    .expect("discovery over the simulator")
+}
+
+fn render(profile: &str) -> String {
+    let rendered = slices::render_slices(&discover(profile), &SIM_NODE);
     assert!(rendered.warnings.is_empty(), "{:?}", rendered.warnings);
     let mut text = serde_json::to_string_pretty(&rendered.slices).expect("serialisable");
+    text.push('\n');
+    text
+}
+
+/// The DGX-1's hybrid cube-mesh with `--list-type-attributes`, as sent to the API server
+/// (`list_forms::wire`): every all-to-all NVLink set per GPU, the NUMA node as a one-element
+/// list. Also validated by `e2e/harness/slices_validation_test.go`.
+const LIST_FORMS_GOLDEN: &str = "dgx1-v100-list-attributes";
+
+fn wire_with_lists(profile: &str) -> Vec<serde_json::Value> {
+    let inventory = discover(profile);
+    let mut rendered = slices::render_slices(&inventory, &SIM_NODE);
+    list_forms::apply(&mut rendered, &inventory, &SIM_NODE);
+    assert!(rendered.warnings.is_empty(), "{:?}", rendered.warnings);
+    rendered
+        .slices
+        .iter()
+        .map(|s| list_forms::wire(s).expect("wire form"))
+        .collect()
+}
+
+fn render_list_forms() -> String {
+    let mut text =
+        serde_json::to_string_pretty(&wire_with_lists("dgx1-v100")).expect("serialisable");
     text.push('\n');
     text
 }
@@ -137,6 +175,7 @@ fn generated_golden_slices_are_fresh() {
             (DYNAMIC_MIG_GOLDEN, render_dynamic_mig()),
             (MEMORY_SHARE_GOLDEN, render_memory_shares()),
             (CONSUMABLE_SHARES_GOLDEN, render_consumable_shares()),
+            (LIST_FORMS_GOLDEN, render_list_forms()),
         ]);
     for (name, want) in renderings {
         let path = dir.join(format!("{name}.json"));
@@ -189,12 +228,128 @@ fn dgx_a100_golden_has_4_whole_gpus_and_16_mig_devices() {
     let whole = &devices[16];
     assert_eq!(whole["name"], "gpu-4");
     assert_eq!(whole["capacity"]["memory"]["value"], "40Gi");
+    // NPS4: GPU 4 of the DGX A100 is on NUMA node 7.
     assert_eq!(
         whole["attributes"]["resource.kubernetes.io/numaNode"]["int"],
-        1
+        7
     );
     assert_eq!(
         whole["attributes"]["resource.kubernetes.io/pcieRoot"]["string"],
         "pci0000:80"
     );
+}
+
+/// Devices grouped by `nvlinkDomain`, as discovered through the simulator's NVML.
+fn nvlink_domains(profile: &str) -> Vec<Vec<String>> {
+    let slices: serde_json::Value = serde_json::from_str(&render(profile)).expect("json");
+    let mut by: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for d in slices[0]["spec"]["devices"].as_array().expect("devices") {
+        if let Some(v) = d["attributes"]["nvlinkDomain"]["string"].as_str() {
+            by.entry(v.to_string())
+                .or_default()
+                .push(d["name"].as_str().expect("name").to_string());
+        }
+    }
+    let mut groups: Vec<Vec<String>> = by.into_values().collect();
+    groups.sort();
+    groups
+}
+
+#[test]
+fn nvlink_domains_follow_each_hosts_real_topology() {
+    let names = |g: &[&[u32]]| -> Vec<Vec<String>> {
+        g.iter()
+            .map(|s| s.iter().map(|i| format!("gpu-{i}")).collect())
+            .collect()
+    };
+    // NVSwitch: one domain; GPUs 0-3 of the DGX A100 are in MIG mode (no peer-to-peer).
+    assert_eq!(
+        nvlink_domains("dgx-h100"),
+        names(&[&[0, 1, 2, 3, 4, 5, 6, 7]])
+    );
+    assert_eq!(nvlink_domains("dgx-a100-40gb"), names(&[&[4, 5, 6, 7]]));
+    // Bridge pairs, adjacent or not, one across sockets.
+    assert_eq!(
+        nvlink_domains("a100-pcie-x4-nvlink"),
+        names(&[&[0, 1], &[2, 3]])
+    );
+    assert_eq!(
+        nvlink_domains("h100-pcie-x8-nvlink"),
+        names(&[&[0, 5], &[1, 2], &[3, 4], &[6, 7]])
+    );
+    // Hybrid cube-mesh: connected, not all-to-all; the scalar takes the two quads.
+    assert_eq!(
+        nvlink_domains("dgx1-v100"),
+        names(&[&[0, 1, 2, 3], &[4, 5, 6, 7]])
+    );
+    // No NVLink: no attribute, so the slices are what they were.
+    for p in ["l40s-x8", "t4", "p4", "rtx4090", "h200"] {
+        assert!(nvlink_domains(p).is_empty(), "{p}");
+    }
+}
+
+/// With list forms, a `matchAttribute` on `nvlinkDomain` (a value common to every device)
+/// holds exactly for sets of GPUs that are pairwise NVLink peers: on the cube-mesh the cross
+/// pairs 0-4, 1-5, 2-6 and 3-7 are offered too, and 0-5 never.
+#[test]
+fn list_forms_offer_exactly_the_pairwise_linked_sets() {
+    let slices = wire_with_lists("dgx1-v100");
+    let lists: BTreeMap<String, BTreeSet<String>> = slices[0]["spec"]["devices"]
+        .as_array()
+        .expect("devices")
+        .iter()
+        .map(|d| {
+            let values = d["attributes"]["nvlinkDomain"]["strings"]
+                .as_array()
+                .expect("a list on every GPU")
+                .iter()
+                .map(|v| v.as_str().expect("string").to_string())
+                .collect();
+            (d["name"].as_str().expect("name").to_string(), values)
+        })
+        .collect();
+    let shared = |a: u32, b: u32| {
+        lists[&format!("gpu-{a}")]
+            .intersection(&lists[&format!("gpu-{b}")])
+            .count()
+            > 0
+    };
+    // Links of the DGX-1 (the sim's profile, as its real `topo -m` shows).
+    let linked = [
+        (0, 1),
+        (0, 2),
+        (0, 3),
+        (0, 4),
+        (1, 2),
+        (1, 3),
+        (1, 5),
+        (2, 3),
+        (2, 6),
+        (3, 7),
+        (4, 5),
+        (4, 6),
+        (4, 7),
+        (5, 6),
+        (5, 7),
+        (6, 7),
+    ];
+    for a in 0..8 {
+        for b in a + 1..8 {
+            assert_eq!(shared(a, b), linked.contains(&(a, b)), "GPUs {a} and {b}");
+        }
+    }
+    // Three GPUs share a value only when all three pairs are linked: 0, 1, 4 do not.
+    let common3 = lists["gpu-0"]
+        .intersection(&lists["gpu-1"])
+        .filter(|v| lists["gpu-4"].contains(*v))
+        .count();
+    assert_eq!(common3, 0);
+    // Hosts without NVLink: only the NUMA node changes form.
+    for d in wire_with_lists("l40s-x8")[0]["spec"]["devices"]
+        .as_array()
+        .expect("devices")
+    {
+        assert!(d["attributes"].get("nvlinkDomain").is_none());
+        assert!(d["attributes"]["resource.kubernetes.io/numaNode"]["ints"].is_array());
+    }
 }

@@ -121,8 +121,9 @@ fn our_mig_devices_publish_a_superset_of_nvidias() {
 
 #[test]
 fn what_we_publish_beyond_nvidia_is_known() {
-    // Our extras: the NUMA node on MIG devices. Anything else new must be added to the lists
-    // above (if NVIDIA has it) or here, on purpose.
+    // Our extras: the NUMA node on MIG devices, and the NVLink domain of whole GPUs (NVIDIA's
+    // driver publishes nothing about NVLink within a node). Anything else new must be added
+    // to the lists above (if NVIDIA has it) or here, on purpose.
     let mut extras = Vec::new();
     for spec in slices::ATTRIBUTES {
         for kind in spec.kinds {
@@ -135,7 +136,10 @@ fn what_we_publish_beyond_nvidia_is_known() {
             }
         }
     }
-    assert_eq!(extras, ["mig:resource.kubernetes.io/numaNode"]);
+    assert_eq!(
+        extras,
+        ["mig:resource.kubernetes.io/numaNode", "gpu:nvlinkDomain"]
+    );
 }
 
 #[test]

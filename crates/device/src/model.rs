@@ -55,6 +55,11 @@ pub struct Gpu {
     /// one. Published as the `addressingMode` attribute of the GPU and its MIG devices.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub addressing_mode: Option<String>,
+    /// UUIDs of the GPUs this one reaches over NVLink peer-to-peer, directly or through
+    /// NVSwitches (NVML's P2P status for the NVLink capability), in NVML index order. Empty
+    /// without NVLink, and in MIG mode (MIG has no GPU-to-GPU peer-to-peer).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub nvlink_peers: Vec<String>,
     /// MIG mode, `None` when the GPU is not MIG capable.
     pub mig: Option<MigMode>,
     /// MIG devices that currently exist on this GPU (empty unless MIG is enabled).

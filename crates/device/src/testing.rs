@@ -57,6 +57,7 @@ fn base(minor: u32, product: &str, architecture: &str, cc: (u32, u32), memory: u
         pcie_root: Some("pci0000:00".into()),
         numa_node: Some(0),
         addressing_mode: None,
+        nvlink_peers: Vec::new(),
         mig: None,
         mig_devices: Vec::new(),
         mig_profiles: Vec::new(),
@@ -184,6 +185,12 @@ impl GpuBuilder {
     /// Sets (or clears) the PCIe root complex.
     pub fn pcie_root(mut self, root: Option<&str>) -> Self {
         self.gpu.pcie_root = root.map(Into::into);
+        self
+    }
+
+    /// Sets the NVLink peers (their UUIDs).
+    pub fn nvlink_peers(mut self, peers: &[&str]) -> Self {
+        self.gpu.nvlink_peers = peers.iter().map(|p| (*p).to_string()).collect();
         self
     }
 

@@ -177,3 +177,52 @@ async fn publisher_publishes_restores_and_republishes() {
     // Slices stay on shutdown (a restarting plugin keeps its devices schedulable).
     assert_eq!(fake.list(SLICES).len(), 1);
 }
+
+/// With `list_attributes`, what reaches the server carries the list values (not the typed
+/// client's empty placeholders), and the publisher converges on them.
+#[tokio::test]
+async fn list_type_attributes_reach_the_server_and_converge() {
+    use gpu_dra_device::testing::h100;
+    let fake = fake();
+    let (u0, u1) = (h100(0).build().uuid, h100(1).build().uuid);
+    let inv = gpu_dra_device::testing::inventory([
+        h100(0).nvlink_peers(&[&u1]).build(),
+        h100(1).nvlink_peers(&[&u0]).build(),
+        h100(2).build(),
+    ]);
+    let fixture = Arc::new(FixtureInventory::new(inv));
+    let mut config = PublisherConfig::new("node-a", "gpu.nvidia.com");
+    config.rediscover_interval = Duration::from_secs(3600);
+    config.backoff_initial = Duration::from_millis(20);
+    config.list_attributes = true;
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let live = LiveInventory::discover(fixture, HealthPolicy::new("gpu.nvidia.com"))
+        .expect("first discovery");
+    let task = tokio::spawn(publish::run(fake.client(), config, live, async {
+        let _ = stop_rx.await;
+    }));
+    wait_for(&fake, "first publication", |s| {
+        s.len() == 1 && device_count(s) == 3
+    })
+    .await;
+    let devices = fake.list(SLICES)[0]["spec"]["devices"].clone();
+    let attr = |d: usize, key: &str| devices[d]["attributes"][key].clone();
+    let domain = attr(0, "nvlinkDomain");
+    assert_eq!(
+        domain["strings"].as_array().map(Vec::len),
+        Some(1),
+        "{domain}"
+    );
+    assert_eq!(attr(1, "nvlinkDomain"), domain);
+    assert!(attr(2, "nvlinkDomain").is_null());
+    assert_eq!(
+        attr(2, "resource.kubernetes.io/numaNode"),
+        json!({"ints": [0]})
+    );
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let writes = fake.writes();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(fake.writes(), writes, "publisher keeps writing");
+    stop_tx.send(()).expect("publisher running");
+    let _ = tokio::time::timeout(Duration::from_secs(5), task).await;
+}

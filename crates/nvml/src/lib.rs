@@ -24,7 +24,8 @@
 //!   discovery that follows finds the new version's files.
 //! - A GPU that does not support MIG is not an error: its `mig` is `None`.
 //!
-//! Modules: [`sysfs`] (PCIe root and NUMA node of a GPU), [`health`] (the NVML health source:
+//! Modules: [`sysfs`] (PCIe root and NUMA node of a GPU), [`topology`] (NVLink peers from
+//! NVML's peer-to-peer status), [`health`] (the NVML health source:
 //! XID and ECC events, probes of each GPU), [`mig_ops`] (dynamic MIG's instance creation and
 //! destruction), [`usage`] (the processes on each device and what they use).
 //!
@@ -47,6 +48,7 @@
 pub mod health;
 pub mod mig_ops;
 pub mod sysfs;
+pub mod topology;
 pub mod usage;
 
 pub use mig_ops::{CreatedMig, MigInstance, MigOps, MigOpsError};
@@ -233,6 +235,7 @@ impl GpuInventory for NvmlInventory {
             .device_count()
             .map_err(query("nvmlDeviceGetCount_v2", system))?;
         let mut gpus = Vec::with_capacity(count as usize);
+        let mut handles = Vec::with_capacity(count as usize);
         let mut lost_gpus = Vec::new();
         for index in 0..count {
             // A GPU that fell off the bus is reported, not fatal: the rest of the node works.
@@ -241,15 +244,20 @@ impl GpuInventory for NvmlInventory {
                 .map_err(query("nvmlDeviceGetHandleByIndex_v2", || {
                     format!("GPU index {index}")
                 }))
-                .and_then(|device| self.gpu(&nvml, index, &device));
+                .and_then(|device| Ok((self.gpu(&nvml, index, &device)?, device)));
             match gpu {
                 Err(DeviceError::GpuLost { .. }) => {
                     tracing::warn!(gpu = index, "GPU is lost (fallen off the bus)");
                     lost_gpus.push(index);
                 }
-                other => gpus.push(other?),
+                other => {
+                    let (gpu, device) = other?;
+                    gpus.push(gpu);
+                    handles.push(device);
+                }
             }
         }
+        topology::fill_nvlink_peers(&mut gpus, &handles);
         tracing::debug!(gpus = gpus.len(), driver = %driver_version, "discovered GPUs through NVML");
         Ok(Inventory {
             driver_version,
@@ -371,6 +379,7 @@ impl NvmlInventory {
             pcie_root,
             numa_node,
             addressing_mode: addressing_mode(nvml, device),
+            nvlink_peers: Vec::new(),
             mig,
             mig_devices: Vec::new(),
             mig_profiles: Vec::new(),

@@ -122,62 +122,63 @@ fn p4() {
     );
 }
 
+/// NUMA nodes as the real DGX A100 in NPS4 mode reports them.
 const DGX_A100: [Placed; 8] = [
     (
         0,
         "GPU-8614e54a-4d5b-70ec-4cf8-cfd33eb7be95",
         "0000:07:00.0",
         "pci0000:00",
-        0,
+        3,
     ),
     (
         1,
         "GPU-3963c85c-bae8-9177-3f36-3941a5f7aea5",
         "0000:0f:00.0",
         "pci0000:00",
-        0,
+        3,
     ),
     (
         2,
         "GPU-0b17ac05-0bfd-e136-88b3-a14dc8eec6bd",
         "0000:47:00.0",
         "pci0000:40",
-        0,
+        1,
     ),
     (
         3,
         "GPU-ad14e50b-a593-2ea6-9655-72ef9ec2f8ec",
         "0000:4e:00.0",
         "pci0000:40",
-        0,
+        1,
     ),
     (
         4,
         "GPU-71a35d98-f093-7755-e9fc-851e6008ea3a",
         "0000:87:00.0",
         "pci0000:80",
-        1,
+        7,
     ),
     (
         5,
         "GPU-f6774c11-ac75-edcc-bcbd-d875fa56aec4",
         "0000:90:00.0",
         "pci0000:80",
-        1,
+        7,
     ),
     (
         6,
         "GPU-580b38dd-5349-759a-44c1-2e6d24de7bf4",
         "0000:b7:00.0",
         "pci0000:b0",
-        1,
+        5,
     ),
     (
         7,
         "GPU-28fdd06e-ee69-3292-7569-a6879b3f58d6",
         "0000:bd:00.0",
         "pci0000:b0",
-        1,
+        5,
     ),
 ];
 
@@ -522,4 +523,23 @@ fn still_current_checks_only_the_named_devices() {
         "lost"
     );
     assert!(backend.still_current(&known, &[a]).expect("check"));
+}
+
+#[test]
+fn nvlink_peers_come_from_the_p2p_status_through_nvswitches_and_bridges() {
+    let h100 = discover(&SimHost::new("dgx-h100"));
+    for g in &h100.gpus {
+        assert_eq!(g.nvlink_peers.len(), 7, "{}", g.uuid);
+        assert!(!g.nvlink_peers.contains(&g.uuid));
+    }
+    // GPUs 0-3 are in MIG mode: no peer-to-peer, so no peers either way.
+    let a100 = discover(&SimHost::new("dgx-a100-40gb"));
+    let uuids: Vec<&str> = a100.gpus.iter().map(|g| g.uuid.as_str()).collect();
+    assert!(a100.gpus[..4].iter().all(|g| g.nvlink_peers.is_empty()));
+    assert_eq!(a100.gpus[4].nvlink_peers, uuids[5..8]);
+    let pairs = discover(&SimHost::new("h100-pcie-x8-nvlink"));
+    assert_eq!(pairs.gpus[0].nvlink_peers, [pairs.gpus[5].uuid.clone()]);
+    assert_eq!(pairs.gpus[5].nvlink_peers, [pairs.gpus[0].uuid.clone()]);
+    let pcie = discover(&SimHost::new("l40s-x8"));
+    assert!(pcie.gpus.iter().all(|g| g.nvlink_peers.is_empty()));
 }

@@ -2929,6 +2929,34 @@ fn consumable_shares_take_nvidias_values() {
     }
 }
 
+/// `kubeletPlugin.listTypeAttributes` is off by default and reaches the plugin as its
+/// `LIST_TYPE_ATTRIBUTES`, which the plugin's flag parser accepts.
+#[test]
+fn list_type_attributes_are_off_unless_asked_for() {
+    let Some(helm) = helm() else { return };
+    for (sets, want) in [
+        (&[][..], "false"),
+        (&["kubeletPlugin.listTypeAttributes=true"][..], "true"),
+    ] {
+        let objects = render(&helm, sets);
+        let ds = find(&objects, "DaemonSet", "rel-gpu-dra-driver-kubelet-plugin");
+        assert_eq!(
+            plugin_env(ds, "LIST_TYPE_ATTRIBUTES"),
+            Some(want),
+            "{sets:?}"
+        );
+        let line = [
+            "gpu-kubelet-plugin",
+            "run",
+            "--node-name=n",
+            &format!("--list-type-attributes={want}"),
+        ];
+        if let Err(e) = gpu_dra_kubelet_plugin::cmd::command().try_get_matches_from(line) {
+            panic!("{sets:?}: the plugin refuses {want:?}: {e}");
+        }
+    }
+}
+
 #[test]
 fn the_plugins_network_policy_can_restrict_who_reads_its_metrics() {
     let Some(helm) = helm() else { return };

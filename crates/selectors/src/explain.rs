@@ -8,6 +8,12 @@
 //! a missing name is the evaluation error "no such key", as in the scheduler, where it makes
 //! the device unusable for the request.
 //!
+//! `matchAttribute` constraints are reported per node: the devices that pass the selectors of
+//! the constraint's requests, grouped by the attribute's value (list values put a device in
+//! each of its values' groups), with those other claims hold, and whether one value has as many
+//! free devices as the requests need. That is a necessary condition only: the scheduler also
+//! needs the devices of several requests to be distinct, which is not checked here.
+//!
 //! Inputs are plain JSON objects (a claim, DeviceClasses, ResourceSlices, all claims), so the
 //! CLI fetches and this module only computes; `resource.k8s.io/v1` and `v1beta1` shapes work.
 
@@ -36,6 +42,58 @@ pub struct Explanation {
     pub findings: Vec<ObjectFinding>,
     /// One entry per request (`req`) or `firstAvailable` subrequest (`req/sub`).
     pub requests: Vec<RequestReport>,
+    /// One entry per `matchAttribute` constraint of the claim.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub constraints: Vec<ConstraintReport>,
+}
+
+/// A `matchAttribute` constraint: per node, the devices that match its requests grouped by
+/// the attribute's value, so "no node has N free devices with one value" is visible.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ConstraintReport {
+    /// The fully qualified attribute, e.g. `gpu.nvidia.com/nvlinkDomain`.
+    pub attribute: String,
+    /// The requests it names (all of the claim's when the constraint names none).
+    pub requests: Vec<String>,
+    /// Devices one value must hold for the named requests together, when every one of them
+    /// asks for an exact count (a `firstAvailable` request counts its smallest alternative).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub needed: Option<usize>,
+    /// Per node (or pool), in name order.
+    pub nodes: Vec<ConstraintNode>,
+}
+
+/// One node's devices for a constraint.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ConstraintNode {
+    /// Node name, or `pool <name>`.
+    pub node: String,
+    /// One entry per value, in value order.
+    pub values: Vec<ValueGroup>,
+    /// Matching devices without the attribute: never chosen under the constraint.
+    pub without_attribute: Vec<String>,
+}
+
+/// The matching devices of one node that share one value of the attribute.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ValueGroup {
+    /// The value as shown (strings quoted); a device with a list value is in each of its
+    /// values' groups.
+    pub value: String,
+    /// Devices with this value that match one of the constraint's requests.
+    pub devices: Vec<String>,
+    /// Those allocated to another claim, with the claim (`namespace/name`).
+    pub taken: Vec<(String, String)>,
+}
+
+impl ValueGroup {
+    /// How many of its devices are free (or this claim's).
+    pub fn free(&self) -> usize {
+        self.devices.len() - self.taken.len()
+    }
 }
 
 /// One request and what each device makes of it.
@@ -118,6 +176,9 @@ struct Published {
     capacity: BTreeMap<String, HashMap<String, Cel>>,
     /// `(capacity?, domain, name)` -> display of the value.
     shown: BTreeMap<(bool, String, String), String>,
+    /// `(domain, name)` -> display of each element of a list-type attribute (`strings`,
+    /// `ints`): selectors do not see them, constraints do.
+    lists: BTreeMap<(String, String), Vec<String>>,
 }
 
 fn str_at<'a>(v: &'a Value, pointer: &str) -> &'a str {
@@ -190,6 +251,7 @@ fn read_device(d: &Value, driver: &str, node: &str, pool: &str) -> Published {
     let mut attrs: BTreeMap<String, HashMap<String, Cel>> = BTreeMap::new();
     let mut caps: BTreeMap<String, HashMap<String, Cel>> = BTreeMap::new();
     let mut shown = BTreeMap::new();
+    let mut lists = BTreeMap::new();
     for (key, v) in d
         .get("attributes")
         .and_then(Value::as_object)
@@ -209,6 +271,16 @@ fn read_device(d: &Value, driver: &str, node: &str, pool: &str) -> Published {
                 Err(_) => continue,
             }
         } else {
+            let elements = v
+                .get("strings")
+                .or_else(|| v.get("ints"))
+                .and_then(Value::as_array);
+            if let Some(elements) = elements {
+                lists.insert(
+                    (domain.to_owned(), name.to_owned()),
+                    elements.iter().map(ToString::to_string).collect(),
+                );
+            }
             continue;
         };
         attrs
@@ -250,6 +322,7 @@ fn read_device(d: &Value, driver: &str, node: &str, pool: &str) -> Published {
         attributes: attrs,
         capacity: caps,
         shown,
+        lists,
     }
 }
 
@@ -509,6 +582,8 @@ pub fn explain(
     let _ = values::register(&mut root);
 
     let mut reports = Vec::new();
+    // Request -> the (pool, device) pairs that pass its selectors.
+    let mut matched: BTreeMap<String, BTreeSet<(String, String)>> = BTreeMap::new();
     for (request, class, own) in requests(claim) {
         let class_obj = classes
             .iter()
@@ -545,6 +620,7 @@ pub fn explain(
             }
         }
         let mut nodes: BTreeMap<String, Vec<DeviceReport>> = BTreeMap::new();
+        let matched_here = matched.entry(request.clone()).or_default();
         let (mut matching, mut available) = (0, 0);
         for d in &devices {
             let rejection = if class_obj.is_some() {
@@ -555,6 +631,7 @@ pub fn explain(
             let allocated = allocated_to.get(&(d.pool.clone(), d.name.clone())).cloned();
             let matches = class_obj.is_some() && rejection.is_none();
             if matches {
+                matched_here.insert((d.pool.clone(), d.name.clone()));
                 matching += 1;
                 if allocated.as_deref().is_none_or(|a| a == "this claim") {
                     available += 1;
@@ -597,7 +674,148 @@ pub fn explain(
             .is_some_and(|a| !a.is_null()),
         findings: lint_object(claim, driver),
         requests: reports,
+        constraints: constraint_reports(claim, &devices, &matched, &allocated_to),
     }
+}
+
+/// The `matchAttribute` constraints of `claim` against the devices that match their
+/// requests (`matched`: request or `req/sub` -> devices).
+fn constraint_reports(
+    claim: &Value,
+    devices: &[Published],
+    matched: &BTreeMap<String, BTreeSet<(String, String)>>,
+    allocated_to: &HashMap<(String, String), String>,
+) -> Vec<ConstraintReport> {
+    let counts = request_counts(claim);
+    let constraints = claim
+        .pointer("/spec/devices/constraints")
+        .and_then(Value::as_array);
+    let mut out = Vec::new();
+    for c in constraints.into_iter().flatten() {
+        let attribute = str_at(c, "/matchAttribute");
+        let Some((domain, name)) = attribute.rsplit_once('/') else {
+            continue;
+        };
+        let named: Vec<String> = c
+            .get("requests")
+            .and_then(Value::as_array)
+            .map(|r| {
+                r.iter()
+                    .filter_map(Value::as_str)
+                    .map(str::to_owned)
+                    .collect()
+            })
+            .filter(|r: &Vec<String>| !r.is_empty())
+            .unwrap_or_else(|| counts.keys().cloned().collect());
+        // A main request covers its subrequests.
+        let covers = |r: &str| {
+            named.iter().any(|n| {
+                r == n
+                    || r.strip_prefix(n.as_str())
+                        .is_some_and(|t| t.starts_with('/'))
+            })
+        };
+        let needed = named
+            .iter()
+            .map(|n| counts.get(n).copied().flatten())
+            .sum::<Option<usize>>();
+        let chosen: BTreeSet<&(String, String)> = matched
+            .iter()
+            .filter(|(r, _)| covers(r))
+            .flat_map(|(_, d)| d)
+            .collect();
+        let mut nodes: BTreeMap<String, ConstraintNode> = BTreeMap::new();
+        for d in devices
+            .iter()
+            .filter(|d| chosen.contains(&(d.pool.clone(), d.name.clone())))
+        {
+            let node = nodes
+                .entry(d.node.clone())
+                .or_insert_with(|| ConstraintNode {
+                    node: d.node.clone(),
+                    values: Vec::new(),
+                    without_attribute: Vec::new(),
+                });
+            let key = (domain.to_owned(), name.to_owned());
+            let values: Vec<String> = match d.shown.get(&(false, key.0.clone(), key.1.clone())) {
+                Some(v) => vec![v.clone()],
+                None => d.lists.get(&key).cloned().unwrap_or_default(),
+            };
+            if values.is_empty() {
+                node.without_attribute.push(d.name.clone());
+            }
+            let taken = allocated_to
+                .get(&(d.pool.clone(), d.name.clone()))
+                .filter(|c| *c != "this claim");
+            for v in values {
+                let i = match node.values.iter().position(|g| g.value == v) {
+                    Some(i) => i,
+                    None => {
+                        node.values.push(ValueGroup {
+                            value: v,
+                            devices: Vec::new(),
+                            taken: Vec::new(),
+                        });
+                        node.values.len() - 1
+                    }
+                };
+                let group = &mut node.values[i];
+                group.devices.push(d.name.clone());
+                if let Some(c) = taken {
+                    group.taken.push((d.name.clone(), c.clone()));
+                }
+            }
+        }
+        let mut nodes: Vec<ConstraintNode> = nodes.into_values().collect();
+        for n in &mut nodes {
+            n.values.sort_by(|a, b| a.value.cmp(&b.value));
+        }
+        out.push(ConstraintReport {
+            attribute: attribute.to_owned(),
+            requests: named,
+            needed,
+            nodes,
+        });
+    }
+    out
+}
+
+/// Request name -> its exact device count (`None` for `All`); a `firstAvailable` request
+/// counts its smallest alternative, and each `req/sub` its own.
+fn request_counts(claim: &Value) -> BTreeMap<String, Option<usize>> {
+    let count = |r: &Value| -> Option<usize> {
+        match str_at(r, "/allocationMode") {
+            "" | "ExactCount" => Some(
+                r.get("count")
+                    .and_then(Value::as_u64)
+                    .map_or(1, |c| c as usize),
+            ),
+            _ => None,
+        }
+    };
+    let mut out = BTreeMap::new();
+    let list = claim
+        .pointer("/spec/devices/requests")
+        .and_then(Value::as_array);
+    for req in list.into_iter().flatten() {
+        let name = str_at(req, "/name").to_owned();
+        if let Some(subs) = req.get("firstAvailable").and_then(Value::as_array) {
+            let mut smallest: Option<usize> = None;
+            let mut all_exact = true;
+            for sub in subs {
+                let c = count(sub);
+                out.insert(format!("{name}/{}", str_at(sub, "/name")), c);
+                match c {
+                    Some(c) => smallest = Some(smallest.map_or(c, |s| s.min(c))),
+                    None => all_exact = false,
+                }
+            }
+            out.insert(name, smallest.filter(|_| all_exact));
+            continue;
+        }
+        out.insert(name, count(req.get("exactly").unwrap_or(req)));
+    }
+    out
 }
 
 impl Explanation {
@@ -651,6 +869,55 @@ impl Explanation {
                         None => String::new(),
                     };
                     let _ = writeln!(s, "    {}: {verdict}{alloc}", d.device);
+                }
+            }
+        }
+        for c in &self.constraints {
+            let needed = c.needed.map_or_else(String::new, |n| {
+                format!(", {n} devices with one value needed")
+            });
+            let _ = writeln!(
+                s,
+                "constraint matchAttribute {} over [{}]{needed}:",
+                c.attribute,
+                c.requests.join(", ")
+            );
+            if c.nodes.is_empty() {
+                let _ = writeln!(s, "  no device matches its requests");
+            }
+            for n in &c.nodes {
+                let best = n.values.iter().map(ValueGroup::free).max().unwrap_or(0);
+                let verdict = match c.needed {
+                    Some(need) if best >= need => "fits".to_owned(),
+                    Some(need) => {
+                        format!("does not fit: at most {best} free with one value, {need} needed")
+                    }
+                    None => String::new(),
+                };
+                let _ = writeln!(s, "  node {}: {verdict}", n.node);
+                for g in &n.values {
+                    let taken = if g.taken.is_empty() {
+                        String::new()
+                    } else {
+                        let t: Vec<String> =
+                            g.taken.iter().map(|(d, c)| format!("{d} by {c}")).collect();
+                        format!("; taken: {}", t.join(", "))
+                    };
+                    let _ = writeln!(
+                        s,
+                        "    {}: {} of {} free ({}){taken}",
+                        g.value,
+                        g.free(),
+                        g.devices.len(),
+                        g.devices.join(", ")
+                    );
+                }
+                if !n.without_attribute.is_empty() {
+                    let _ = writeln!(
+                        s,
+                        "    without the attribute (never chosen): {}",
+                        n.without_attribute.join(", ")
+                    );
                 }
             }
         }

@@ -185,3 +185,122 @@ fn a_missing_device_class_is_said() {
             .contains("DeviceClass gpu.example.com does not exist")
     );
 }
+
+/// A node of four A100s bridged in pairs (0-1, 2-3), rendered with or without list forms.
+fn bridged_pairs(lists: bool) -> Vec<Value> {
+    let u = |i| a100(i).build().uuid;
+    let inv = inventory([
+        a100(0).nvlink_peers(&[&u(1)]).build(),
+        a100(1).nvlink_peers(&[&u(0)]).build(),
+        a100(2).nvlink_peers(&[&u(3)]).build(),
+        a100(3).nvlink_peers(&[&u(2)]).build(),
+    ]);
+    let params = SliceParams {
+        node_name: "node-pairs",
+        driver_name: DRIVER,
+        generation: 1,
+    };
+    let mut rendered = render_slices(&inv, &params);
+    if lists {
+        gpu_dra_core::list_forms::apply(&mut rendered, &inv, &params);
+    }
+    rendered
+        .slices
+        .iter()
+        .map(|s| gpu_dra_core::list_forms::wire(s).expect("wire"))
+        .collect()
+}
+
+fn nvlink_claim(name: &str, count: u32) -> Value {
+    json!({
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+        "metadata": {"name": name, "namespace": "ns", "uid": format!("uid-{name}")},
+        "spec": {"devices": {
+            "requests": [{"name": "gpus", "exactly": {"deviceClassName": "gpu.nvidia.com", "count": count}}],
+            "constraints": [{"requests": ["gpus"], "matchAttribute": "gpu.nvidia.com/nvlinkDomain"}],
+        }},
+    })
+}
+
+#[test]
+fn a_match_attribute_constraint_shows_each_values_free_devices_per_node() {
+    let mine = nvlink_claim("pair", 2);
+    // Another claim holds one GPU of each pair: no pair is whole.
+    let mut other = nvlink_claim("other", 2);
+    other["status"] = json!({"allocation": {"devices": {"results": [
+        {"request": "gpus", "driver": DRIVER, "pool": "node-pairs", "device": "gpu-0"},
+        {"request": "gpus", "driver": DRIVER, "pool": "node-pairs", "device": "gpu-2"}]}}});
+    let e = explain(
+        &mine,
+        &classes(),
+        &bridged_pairs(false),
+        &[mine.clone(), other],
+        DRIVER,
+    );
+    assert_eq!(e.constraints.len(), 1);
+    let c = &e.constraints[0];
+    assert_eq!(c.needed, Some(2));
+    let node = &c.nodes[0];
+    assert_eq!(node.values.len(), 2, "{node:?}");
+    assert!(
+        node.values
+            .iter()
+            .all(|g| g.devices.len() == 2 && g.free() == 1)
+    );
+    let text = e.to_text();
+    assert!(
+        text.contains("constraint matchAttribute gpu.nvidia.com/nvlinkDomain over [gpus], 2 devices with one value needed:"),
+        "{text}"
+    );
+    assert!(
+        text.contains("node node-pairs: does not fit: at most 1 free with one value, 2 needed"),
+        "{text}"
+    );
+    assert!(text.contains("taken: gpu-0 by ns/other"), "{text}");
+    // Nobody else holding anything: it fits.
+    let e = explain(&mine, &classes(), &bridged_pairs(false), &[], DRIVER);
+    assert!(
+        e.to_text().contains("node node-pairs: fits"),
+        "{}",
+        e.to_text()
+    );
+    // Four GPUs on one NVLink domain: no node has them.
+    let four = nvlink_claim("four", 4);
+    let e = explain(&four, &classes(), &bridged_pairs(false), &[], DRIVER);
+    assert!(
+        e.to_text()
+            .contains("does not fit: at most 2 free with one value, 4 needed"),
+        "{}",
+        e.to_text()
+    );
+}
+
+#[test]
+fn constraints_read_list_values_and_first_available_alternatives() {
+    let mut c = nvlink_claim("fa", 2);
+    c["spec"]["devices"] = json!({
+        "requests": [{"name": "gpus", "firstAvailable": [
+            {"name": "nvlink", "deviceClassName": "gpu.nvidia.com", "count": 2},
+            {"name": "numa", "deviceClassName": "gpu.nvidia.com", "count": 2},
+        ]}],
+        "constraints": [
+            {"requests": ["gpus/nvlink"], "matchAttribute": "gpu.nvidia.com/nvlinkDomain"},
+            {"requests": ["gpus/numa"], "matchAttribute": "resource.kubernetes.io/numaNode"},
+        ],
+    });
+    let e = explain(&c, &classes(), &bridged_pairs(true), &[], DRIVER);
+    assert_eq!(e.constraints.len(), 2);
+    let nvlink = &e.constraints[0];
+    assert_eq!(nvlink.needed, Some(2));
+    assert_eq!(nvlink.nodes[0].values.len(), 2, "{:?}", nvlink.nodes);
+    // The NUMA node as a one-element list: all four GPUs (node 0) in one group.
+    let numa = &e.constraints[1];
+    assert_eq!(numa.nodes[0].values.len(), 1);
+    assert_eq!(numa.nodes[0].values[0].value, "0");
+    assert_eq!(numa.nodes[0].values[0].devices.len(), 4);
+    // The T4-and-A100 fleet has no nvlinkDomain: every matching device is without it.
+    let e = explain(&c, &classes(), &slices(), &[], DRIVER);
+    assert_eq!(e.constraints[0].nodes[0].node, "node-a100");
+    assert_eq!(e.constraints[0].nodes[0].without_attribute, ["gpu-0"]);
+    assert!(e.constraints[0].nodes[0].values.is_empty());
+}

@@ -24,7 +24,8 @@
 //! Invariants: every process that looks at one simulated root sees one fleet, because all
 //! mutable state lives in `etc/gpu-sim/state.json` under that root ([`state`]), found from
 //! the library's or tool's own location; fleet descriptions ([`profile`]) and MIG tables
-//! ([`mig`]) reproduce real hardware values. The modules depend on each other without
+//! ([`mig`]) reproduce real hardware values, and [`topology`] answers the pair questions
+//! (NVLink peers, PCIe common ancestor, peer-to-peer) from a profile. The modules depend on each other without
 //! circles: [`health`] and [`mig`] use no other module, [`profile`] builds on them, [`state`]
 //! on all three, and the tools, the library and the setup on [`state`]; [`upgrade`] builds
 //! on [`setup`], and the library and tools use its version checks.
@@ -34,7 +35,7 @@
 //! comment (clippy's `undocumented_unsafe_blocks`):
 //! - the NVML exports and their pointer and loader plumbing, whole modules: `src/ffi/init.rs`,
 //!   `src/ffi/device.rs`, `src/ffi/mig.rs`, `src/ffi/instances.rs`, `src/ffi/events.rs`,
-//!   `src/ffi/processes.rs`,
+//!   `src/ffi/processes.rs`, `src/ffi/topology.rs`,
 //!   `src/ffi/library.rs` (`dladdr`), `src/ffi/pointers.rs`;
 //! - the `NOT_SUPPORTED` exports (`no_mangle`), the whole module: `src/unsupported.rs`;
 //! - the state's change counter (`mmap`, `futex`), the whole module: `src/state/notify.rs`;
@@ -61,6 +62,7 @@ pub mod smi;
 pub mod state;
 #[cfg(feature = "testing")]
 pub mod testing;
+pub mod topology;
 /// Every other NVML function go-nvml binds, returning `NVML_ERROR_NOT_SUPPORTED` (generated).
 pub mod unsupported;
 pub mod upgrade;

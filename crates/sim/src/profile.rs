@@ -29,6 +29,16 @@ const BUILTIN: &[(&str, &str)] = &[
         "h100-usr-local-nvidia",
         include_str!("../profiles/h100-usr-local-nvidia.json"),
     ),
+    (
+        "a100-pcie-x4-nvlink",
+        include_str!("../profiles/a100-pcie-x4-nvlink.json"),
+    ),
+    (
+        "h100-pcie-x8-nvlink",
+        include_str!("../profiles/h100-pcie-x8-nvlink.json"),
+    ),
+    ("l40s-x8", include_str!("../profiles/l40s-x8.json")),
+    ("dgx1-v100", include_str!("../profiles/dgx1-v100.json")),
 ];
 
 /// Names of the built-in profiles, in listing order.
@@ -54,6 +64,11 @@ pub struct Profile {
     /// Where the driver's files are installed under the root.
     #[serde(default, skip_serializing_if = "DriverLayout::is_default")]
     pub driver_layout: DriverLayout,
+    /// PCI bus IDs of the host's NVSwitches (HGX/DGX baseboards), which GPUs' `nvlinks`
+    /// entries name by position; NVML reports them as the remote end of those links. Like on
+    /// real nodes they are not NVML devices.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub nvswitches: Vec<String>,
 }
 
 /// How the driver's user-space files are laid out on the host.
@@ -147,7 +162,45 @@ pub struct GpuSpec {
     /// [`health::DEFAULT_SUPPORTED_EVENTS`] (ECC, P-state, XID, clock, power source).
     #[serde(default = "default_supported_events")]
     pub supported_event_types: u64,
+    /// The GPU's NVLink links, grouped by remote end, in link-number order (see
+    /// [`crate::topology`]); empty for a GPU without NVLink.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub nvlinks: Vec<NvLinkSpec>,
+    /// Name of the PCIe switch the GPU sits under, when it shares one with other GPUs (`PIX`
+    /// between them); GPUs under one root complex but different switches are `PXB`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pcie_switch: Option<String>,
+    /// CPUs local to the GPU as `nvidia-smi topo -m` prints them (`0-23,48-71`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu_affinity: Option<String>,
+    /// `nvmlDeviceGetModuleId`: the GPU's module on its baseboard (1..); 0 for boards that
+    /// are not on a baseboard, as NVML documents.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub module_id: u32,
 }
+
+fn is_zero(v: &u32) -> bool {
+    *v == 0
+}
+
+/// A bonded set of NVLink links from a GPU to one remote end: a peer GPU (by PCI bus ID) or an
+/// NVSwitch (by its position in the profile's `nvswitches`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct NvLinkSpec {
+    /// PCI bus ID of the peer GPU (an NVLink bridge or a direct link on the board).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu: Option<String>,
+    /// Index of the NVSwitch in the profile's `nvswitches`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub switch: Option<usize>,
+    /// Number of links to that end.
+    pub links: u32,
+}
+
+/// Most NVLink links per GPU: `NVML_NVLINK_MAX_LINKS` of the NVML headers the Rust bindings
+/// carry (18; CUDA 13.3's header says 36).
+pub const MAX_NVLINKS: u32 = 18;
 
 fn yes() -> bool {
     true
@@ -276,9 +329,13 @@ impl GpuSpec {
 }
 
 /// SM counts of whole GPUs by combined PCI device ID: Tesla P4 (20), T4 (40), A100 SXM4
-/// (108; 98 usable in MIG mode), H100 SXM5 (132), H200 (132), GeForce RTX 4090 (128).
+/// (108; 98 usable in MIG mode), H100 SXM5 (132), H100 PCIe (114), H200 (132), GeForce RTX
+/// 4090 (128), L40S (142), Tesla V100 SXM2 (80).
 const MULTIPROCESSORS: &[(u32, u32)] = &[
     (0x1BB3_10DE, 20),
+    (0x1DB1_10DE, 80),
+    (0x2331_10DE, 114),
+    (0x26B9_10DE, 142),
     (0x1EB8_10DE, 40),
     (0x20B0_10DE, 108),
     (0x20B2_10DE, 108),
@@ -378,6 +435,14 @@ impl Profile {
         if self.gpus.is_empty() {
             return Err(bad("gpus".into(), "at least one GPU is required".into()));
         }
+        for (k, bus) in self.nvswitches.iter().enumerate() {
+            if PciAddress::parse(bus).is_none() {
+                return Err(bad(
+                    format!("nvswitches[{k}]"),
+                    format!("{bus:?} is not a PCI address like 00000000:C4:00.0"),
+                ));
+            }
+        }
         let mut uuids = BTreeSet::new();
         let mut minors = BTreeSet::new();
         for (i, g) in self.gpus.iter().enumerate() {
@@ -453,6 +518,8 @@ impl Profile {
                     format!("must be one of {}", names.join(", ")),
                 ));
             }
+            self.validate_nvlinks(i, g)
+                .map_err(|(field, message)| bad(field, message))?;
             let table = match &g.mig_table {
                 None => {
                     if g.mig_enabled || !g.mig_instances.is_empty() {
@@ -528,6 +595,70 @@ impl Profile {
     }
 }
 
+impl Profile {
+    /// NVLink entries of GPU `i`: each names one existing end, peers list each other with the
+    /// same link count, and the GPU has at most [`MAX_NVLINKS`] links. Errors are
+    /// (field path, message).
+    fn validate_nvlinks(&self, i: usize, g: &GpuSpec) -> Result<(), (String, String)> {
+        let mut total = 0u32;
+        for (j, l) in g.nvlinks.iter().enumerate() {
+            let f = |name: &str| format!("gpus[{i}].nvlinks[{j}].{name}");
+            if l.links == 0 {
+                return Err((f("links"), "must be at least 1".into()));
+            }
+            total += l.links;
+            match (&l.gpu, l.switch) {
+                (Some(bus), None) => {
+                    let want = PciAddress::parse(bus);
+                    let Some(peer) = self.gpus.iter().find(|p| Some(p.pci()) == want) else {
+                        return Err((f("gpu"), format!("no GPU of the profile has bus ID {bus}")));
+                    };
+                    if peer.pci() == g.pci() {
+                        return Err((f("gpu"), "a GPU has no NVLink to itself".into()));
+                    }
+                    let back: u32 = peer
+                        .nvlinks
+                        .iter()
+                        .filter(|b| b.gpu.as_deref().and_then(PciAddress::parse) == Some(g.pci()))
+                        .map(|b| b.links)
+                        .sum();
+                    let here: u32 = g
+                        .nvlinks
+                        .iter()
+                        .filter(|b| b.gpu.as_deref().and_then(PciAddress::parse) == want)
+                        .map(|b| b.links)
+                        .sum();
+                    if back != here {
+                        return Err((
+                            f("gpu"),
+                            format!("{bus} lists {back} links back, this GPU {here}"),
+                        ));
+                    }
+                }
+                (None, Some(n)) if n < self.nvswitches.len() => {}
+                (None, Some(n)) => {
+                    return Err((
+                        f("switch"),
+                        format!(
+                            "the profile has {} nvswitches, not {}",
+                            self.nvswitches.len(),
+                            n + 1
+                        ),
+                    ));
+                }
+                _ => return Err((f("gpu"), "exactly one of gpu and switch is required".into())),
+            }
+        }
+        if total > MAX_NVLINKS {
+            return Err((
+                format!("gpus[{i}].nvlinks"),
+                format!("{total} links; NVML reports at most {MAX_NVLINKS}"),
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// Whether `s` is `GPU-` followed by an 8-4-4-4-12 hex UUID.
 pub fn is_gpu_uuid(s: &str) -> bool {
     s.strip_prefix("GPU-").is_some_and(is_uuid_body)
@@ -581,7 +712,8 @@ mod tests {
             ]
         );
         let numa: Vec<u32> = p.gpus.iter().map(|g| g.numa_node).collect();
-        assert_eq!(numa, [0, 0, 0, 0, 1, 1, 1, 1]);
+        // NPS4: four NUMA nodes, two GPUs each, numbered as the real host's `topo -m` shows.
+        assert_eq!(numa, [3, 3, 1, 1, 7, 7, 5, 5]);
         // Two GPUs per PCIe root.
         for pair in p.gpus.chunks(2) {
             assert_eq!(pair[0].pcie_root, pair[1].pcie_root);
@@ -628,6 +760,28 @@ mod tests {
             err.to_string().contains("gpus[0].supportedEventTypes"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn nvlinks_must_name_an_existing_end_and_agree_both_ways() {
+        let mut p = Profile::load("a100-pcie-x4-nvlink").expect("profile");
+        p.gpus[0].nvlinks[0].links = 4;
+        let err = Profile::from_json(&serde_json::to_string(&p).expect("json"), "x.json")
+            .expect_err("asymmetric");
+        assert!(err.to_string().contains("gpus[0].nvlinks[0].gpu"), "{err}");
+        let mut p = Profile::load("dgx-h100").expect("profile");
+        p.gpus[2].nvlinks[1].switch = Some(9);
+        let err = Profile::from_json(&serde_json::to_string(&p).expect("json"), "x.json")
+            .expect_err("no such switch");
+        assert!(
+            err.to_string().contains("gpus[2].nvlinks[1].switch"),
+            "{err}"
+        );
+        p.gpus[2].nvlinks[1].switch = Some(1);
+        p.gpus[2].nvlinks[1].links = 15;
+        let err = Profile::from_json(&serde_json::to_string(&p).expect("json"), "x.json")
+            .expect_err("too many links");
+        assert!(err.to_string().contains("at most 18"), "{err}");
     }
 
     #[test]

@@ -700,9 +700,10 @@ mod tests {
             "{}",
             target.display()
         );
+        // GPU 6 of the DGX A100 (NPS4) is on NUMA node 5.
         assert_eq!(
             fs::read_to_string(link.join("numa_node")).expect("numa"),
-            "1\n"
+            "5\n"
         );
         assert_eq!(
             fs::read_to_string(link.join("device")).expect("id"),

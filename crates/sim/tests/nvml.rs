@@ -48,6 +48,8 @@ const DGX_BUSES: &[&str] = &[
     "00000000:BD:00.0",
 ];
 const DGX_NUMA: &[u32] = &[0, 0, 0, 0, 1, 1, 1, 1];
+/// The DGX A100 in NPS4 mode, as its real `nvidia-smi topo -m` shows.
+const DGX_A100_NUMA: &[u32] = &[3, 3, 1, 1, 7, 7, 5, 5];
 
 fn wants() -> Vec<Want> {
     vec![
@@ -99,7 +101,7 @@ fn wants() -> Vec<Want> {
             arch: DeviceArchitecture::Ampere,
             brand: Brand::Nvidia,
             buses: DGX_BUSES,
-            numa: DGX_NUMA,
+            numa: DGX_A100_NUMA,
             mig_capable: true,
             mig_enabled_first: 4,
         },

@@ -452,7 +452,11 @@ fn gpu_sim_setup_builds_a_host_from_the_build_directory() {
             "dgx-a100-40gb",
             "dgx-h100",
             "h200",
-            "h100-usr-local-nvidia"
+            "h100-usr-local-nvidia",
+            "a100-pcie-x4-nvlink",
+            "h100-pcie-x8-nvlink",
+            "l40s-x8",
+            "dgx1-v100"
         ]
     );
 

@@ -153,6 +153,12 @@ pub struct RunArgs {
         value_parser = ConsumableShares::parse
     )]
     pub consumable_shares: ConsumableShares,
+    /// Publish the list-type forms of `nvlinkDomain` (every all-to-all NVLink set a GPU is in)
+    /// and `resource.kubernetes.io/numaNode` (a one-element list). Needs the Kubernetes
+    /// feature gate `DRAListTypeAttributes` (alpha) on the API server and scheduler: without
+    /// it the API server refuses the slices.
+    #[arg(long, env = "LIST_TYPE_ATTRIBUTES", default_value_t = false, action = clap::ArgAction::Set)]
+    pub list_type_attributes: bool,
     /// Seconds between rediscoveries of the GPUs (a MIG layout changed by hand); prepare also
     /// checks its claim's devices before every claim, and rediscovers when one changed.
     /// Formerly `--rediscover-interval`
@@ -676,6 +682,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         let mut config = crate::publish::PublisherConfig::new(&args.node_name, &args.driver_name);
         config.rediscover_interval = Duration::from_secs(args.rediscover_interval_seconds.max(1));
         config.partitioning = partitioning_flags.clone();
+        config.list_attributes = args.list_type_attributes;
         let live = live.clone();
         let mut stop = publisher_stopped.clone();
         tokio::spawn(async move {

@@ -19,6 +19,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use gpu_dra_core::health::Taint;
+use gpu_dra_core::list_forms;
 use gpu_dra_core::partitioning::Partitioning;
 use gpu_dra_core::slices::{self, Rendered, SliceParams};
 use gpu_dra_device::Inventory;
@@ -81,6 +82,9 @@ pub struct DiffParams<'a> {
     /// Dynamic MIG devices that claims' records hold: their instances are left to their
     /// placements ([`gpu_dra_core::partitioning::render`]).
     pub dynamic_mig_devices: &'a BTreeSet<String>,
+    /// Publish the list-type forms of attributes ([`gpu_dra_core::list_forms`]; the plugin's
+    /// `--list-type-attributes`).
+    pub list_attributes: bool,
 }
 
 /// Decides the operations that turn `observed` (our pool's slices on the server) into the
@@ -91,20 +95,25 @@ pub fn diff(
     observed: &[ResourceSlice],
 ) -> SliceDiff {
     let render = |generation| {
-        let Rendered {
-            mut slices,
-            warnings,
-        } = gpu_dra_core::partitioning::render(
+        let slice_params = SliceParams {
+            node_name: params.node_name,
+            driver_name: params.driver_name,
+            generation,
+        };
+        let mut rendered = gpu_dra_core::partitioning::render(
             inventory,
-            &SliceParams {
-                node_name: params.node_name,
-                driver_name: params.driver_name,
-                generation,
-            },
+            &slice_params,
             params.taints,
             params.partitioning,
             params.dynamic_mig_devices,
         );
+        if params.list_attributes {
+            gpu_dra_core::list_forms::apply(&mut rendered, inventory, &slice_params);
+        }
+        let Rendered {
+            mut slices,
+            warnings,
+        } = rendered;
         for s in &mut slices {
             s.metadata.owner_references = Some(vec![params.owner.clone()]);
         }
@@ -118,7 +127,7 @@ pub fn diff(
             desired
                 .iter()
                 .find(|d| d.metadata.name == o.metadata.name)
-                .is_none_or(|d| same_spec(&o.spec, &d.spec))
+                .is_none_or(|d| same_spec(&o.spec, &d.spec) && same_lists(o, d))
         });
         if unchanged {
             let mut ops = Vec::new();
@@ -223,6 +232,19 @@ pub fn dropped_consumable_capacity(sent: &ResourceSlice, got: &ResourceSlice) ->
     multiple(sent) && !multiple(got)
 }
 
+/// Whether `observed` carries the list values of `desired` ([`list_forms::ANNOTATION`]): the
+/// typed specs cannot show them (see [`gpu_dra_core::list_forms`]).
+fn same_lists(observed: &ResourceSlice, desired: &ResourceSlice) -> bool {
+    let lists = |s: &ResourceSlice| {
+        s.metadata
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get(list_forms::ANNOTATION))
+            .cloned()
+    };
+    lists(observed) == lists(desired)
+}
+
 /// Spec equality as the API server sees it: an absent device list equals an empty one and
 /// quantities compare by value (the server may return another spelling of the same amount).
 pub fn same_spec(observed: &ResourceSliceSpec, desired: &ResourceSliceSpec) -> bool {
@@ -288,7 +310,65 @@ mod tests {
             taints: &NO_TAINTS,
             partitioning: &STATIC,
             dynamic_mig_devices: &NO_DYNAMIC_DEVICES,
+            list_attributes: false,
         }
+    }
+
+    /// Applies a diff as an API server with `DRAListTypeAttributes` would: it stores what
+    /// [`list_forms::wire`] sends, and the typed client reads the lists back as empty
+    /// attributes (k8s-openapi has no list fields).
+    fn apply_through_the_wire(server: &mut Vec<ResourceSlice>, diff: &SliceDiff) {
+        let mut wired = diff.clone();
+        for op in &mut wired.ops {
+            if let Op::Create(s) | Op::Update(s) = op {
+                let json = list_forms::wire(s).expect("wire");
+                *s = serde_json::from_value(json).expect("typed read-back");
+            }
+        }
+        apply(server, &wired);
+    }
+
+    /// GPUs 0-1 NVLink peers, 2 alone.
+    fn linked() -> Inventory {
+        use gpu_dra_device::testing::{h100, inventory};
+        let (u0, u1) = (h100(0).build().uuid, h100(1).build().uuid);
+        inventory([
+            h100(0).nvlink_peers(&[&u1]).build(),
+            h100(1).nvlink_peers(&[&u0]).build(),
+            h100(2).build(),
+        ])
+    }
+
+    #[test]
+    fn list_attributes_converge_and_a_change_of_lists_alone_is_published() {
+        let o = owner();
+        let mut server = vec![];
+        let mut lists = params(&o, 0);
+        lists.list_attributes = true;
+        let inv = linked();
+        let first = diff(&inv, &lists, &server);
+        apply_through_the_wire(&mut server, &first);
+        lists.last_generation = first.generation;
+        let again = diff(&inv, &lists, &server);
+        assert!(again.ops.is_empty(), "{:?}", kinds(&again));
+        // Turning lists off rewrites the slices with the scalars, at a new generation.
+        let mut scalars = params(&o, first.generation);
+        let off = diff(&inv, &scalars, &server);
+        assert_eq!(kinds(&off), ["update node-a-gpu-nvidia-com-0"]);
+        assert!(off.generation > first.generation);
+        apply(&mut server, &off);
+        scalars.last_generation = off.generation;
+        assert!(diff(&inv, &scalars, &server).ops.is_empty());
+        // A list that changes while every placeholder stays (GPU 1 loses NUMA node 0 to
+        // node 1: same attributes, other values) is seen through the annotation.
+        lists.last_generation = off.generation;
+        let on = diff(&inv, &lists, &server);
+        apply_through_the_wire(&mut server, &on);
+        let mut moved = inv.clone();
+        moved.gpus[1].numa_node = Some(1);
+        lists.last_generation = on.generation;
+        let p = diff(&moved, &lists, &server);
+        assert_eq!(kinds(&p), ["update node-a-gpu-nvidia-com-0"]);
     }
 
     /// Applies a diff to a fake server state, as the API server would.

@@ -29,7 +29,9 @@ use gpu_dra_device::DeviceError;
 use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::api::resource::v1::ResourceSlice;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
-use kube::api::{Api, DeleteParams, ListParams, PostParams, Preconditions};
+use kube::api::{
+    Api, ApiResource, DeleteParams, DynamicObject, ListParams, PostParams, Preconditions,
+};
 use kube::runtime::WatchStreamExt;
 use kube::runtime::watcher::{self, Event};
 use tokio::sync::{Notify, watch};
@@ -58,6 +60,9 @@ pub struct PublisherConfig {
     pub status: Option<watch::Sender<PublishStatus>>,
     /// How GPUs are offered unless the Node's annotations say otherwise (the plugin's flags).
     pub partitioning: Partitioning,
+    /// Publish list-type forms of attributes (`--list-type-attributes`; the cluster needs
+    /// `DRAListTypeAttributes`).
+    pub list_attributes: bool,
 }
 
 impl PublisherConfig {
@@ -72,6 +77,7 @@ impl PublisherConfig {
             refresh: None,
             status: None,
             partitioning: Partitioning::default(),
+            list_attributes: false,
         }
     }
 
@@ -123,6 +129,9 @@ pub enum PublishError {
     /// The Node watch ended, which the watcher never does on its own.
     #[error("the Node watch ended")]
     NodeWatchEnded,
+    /// A slice with list-type attributes could not be written as JSON.
+    #[error(transparent)]
+    ListForm(#[from] gpu_dra_core::list_forms::ListFormError),
 }
 
 fn api_err(action: impl Into<String>) -> impl FnOnce(kube::Error) -> PublishError {
@@ -389,6 +398,7 @@ async fn reconcile(
             taints: &snapshot.health.taints,
             partitioning: &partitioning,
             dynamic_mig_devices: &snapshot.dynamic_mig_devices,
+            list_attributes: config.list_attributes,
         },
         &observed,
     );
@@ -410,17 +420,32 @@ async fn reconcile(
     for op in &diff.ops {
         match op {
             Op::Create(s) => {
-                let got = slices
-                    .create(&pp, s)
-                    .await
-                    .map_err(api_err(format!("creating ResourceSlice {}", op.name())))?;
+                let action = format!("creating ResourceSlice {}", op.name());
+                let got = if has_lists(s) {
+                    let raw = raw_slices(slices)
+                        .create(&pp, &as_dynamic(s)?)
+                        .await
+                        .map_err(api_err(action.clone()))?;
+                    typed(raw).map_err(api_err(action))?
+                } else {
+                    slices.create(&pp, s).await.map_err(api_err(action))?
+                };
                 note_dropped_capacity(s, &got, capacity_dropped);
             }
             Op::Update(s) => {
-                let got = slices
-                    .replace(op.name(), &pp, s)
-                    .await
-                    .map_err(api_err(format!("updating ResourceSlice {}", op.name())))?;
+                let action = format!("updating ResourceSlice {}", op.name());
+                let got = if has_lists(s) {
+                    let raw = raw_slices(slices)
+                        .replace(op.name(), &pp, &as_dynamic(s)?)
+                        .await
+                        .map_err(api_err(action.clone()))?;
+                    typed(raw).map_err(api_err(action))?
+                } else {
+                    slices
+                        .replace(op.name(), &pp, s)
+                        .await
+                        .map_err(api_err(action))?
+                };
                 note_dropped_capacity(s, &got, capacity_dropped);
             }
             Op::Delete {
@@ -444,6 +469,41 @@ async fn reconcile(
         tracing::debug!(slice = %op.name(), "applied");
     }
     Ok(diff.generation)
+}
+
+/// Whether `slice` carries list-type attributes, which the typed client cannot send.
+fn has_lists(slice: &ResourceSlice) -> bool {
+    slice
+        .metadata
+        .annotations
+        .as_ref()
+        .is_some_and(|a| a.contains_key(gpu_dra_core::list_forms::ANNOTATION))
+}
+
+/// The ResourceSlice API without types, for slices whose JSON carries list values.
+fn raw_slices(slices: &Api<ResourceSlice>) -> Api<DynamicObject> {
+    Api::all_with(
+        slices.clone().into_client(),
+        &ApiResource::erase::<ResourceSlice>(&()),
+    )
+}
+
+/// `slice` with its list values written in ([`gpu_dra_core::list_forms::wire`]).
+fn as_dynamic(slice: &ResourceSlice) -> Result<DynamicObject, PublishError> {
+    let json = gpu_dra_core::list_forms::wire(slice)?;
+    serde_json::from_value(json).map_err(|source| {
+        PublishError::ListForm(gpu_dra_core::list_forms::ListFormError::Serialize {
+            slice: slice.metadata.name.clone().unwrap_or_default(),
+            source,
+        })
+    })
+}
+
+/// What the server answered, read as the typed slice (lists read as empty attributes).
+fn typed(raw: DynamicObject) -> Result<ResourceSlice, kube::Error> {
+    serde_json::to_value(raw)
+        .and_then(serde_json::from_value)
+        .map_err(kube::Error::SerdeError)
 }
 
 fn note_dropped_capacity(sent: &ResourceSlice, got: &ResourceSlice, dropped: &mut bool) {

@@ -23,7 +23,8 @@
 //! - exports: `init` (initialisation and system queries), `device` (enumeration and
 //!   identity), `mig` (compute mode and MIG queries), `instances` (creating and
 //!   destroying GPU and compute instances), [`events`] (health events and field values),
-//!   `processes` (the processes on a device, their memory and utilisation).
+//!   `processes` (the processes on a device, their memory and utilisation), `topology`
+//!   (common ancestor, peer-to-peer, NVLink links and their remote ends, module ID).
 //!
 //! Every export is re-exported here, so `ffi::nvmlInit_v2` names it whichever file holds it.
 //! The plumbing modules `handles` and `resolve` and this one contain no `unsafe`; the
@@ -41,6 +42,7 @@ mod mig;
 mod pointers;
 mod processes;
 mod resolve;
+mod topology;
 
 pub use device::*;
 pub use init::*;
@@ -48,6 +50,7 @@ pub use instances::*;
 pub use library::own_path;
 pub use mig::*;
 pub use processes::*;
+pub use topology::*;
 
 /// `nvmlReturn_t`.
 pub type NvmlReturn = c_uint;

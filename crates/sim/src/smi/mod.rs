@@ -132,6 +132,15 @@ fn run_inner(
         }
         return mig::run(&file, &args[1..], out);
     }
+    if args.first().map(String::as_str) == Some("topo") {
+        let Ok(file) = file else {
+            return no_driver(out);
+        };
+        if let Some(code) = driver_refusal(&file, out)? {
+            return Ok(code);
+        }
+        return topo(&file, &args[1..], out);
+    }
     if args.first().map(String::as_str) == Some("compute-policy") {
         let Ok(file) = file else {
             return no_driver(out);
@@ -247,6 +256,23 @@ fn driver_refusal(file: &StateFile, out: &mut dyn Write) -> std::io::Result<Opti
             Ok(Some(EXIT_VERSION_MISMATCH))
         }
     }
+}
+
+/// `nvidia-smi topo -m` (`--matrix`): the GPUs this process sees, with their NVLink and PCIe
+/// connections, CPU and NUMA affinity, and the legend ([`crate::topology::matrix`]).
+fn topo(file: &StateFile, args: &[String], out: &mut dyn Write) -> std::io::Result<i32> {
+    if !matches!(args, [a] if a == "-m" || a == "--matrix") {
+        writeln!(
+            out,
+            "topo: only -m/--matrix is simulated\n\nTopology options:\n    -m, --matrix    Display the GPUDirect communication matrix for the system."
+        )?;
+        return Ok(EXIT_INVALID);
+    }
+    let Ok(state) = file.load_visible() else {
+        return no_driver(out);
+    };
+    write!(out, "{}", crate::topology::matrix(&state.profile))?;
+    Ok(EXIT_OK)
 }
 
 pub(crate) fn no_driver(out: &mut dyn Write) -> std::io::Result<i32> {
@@ -450,7 +476,9 @@ const HELP: &str = "NVIDIA System Management Interface -- v580.95.05 (GPU simula
                                 2/PROHIBITED, 3/EXCLUSIVE_PROCESS
           --version             Print the version and exit.
 
-    compute-policy              Control and list compute policies.";
+    compute-policy              Control and list compute policies.
+    topo                        Display topological information about the system
+                                (-m: the GPUDirect communication matrix).";
 
 #[cfg(test)]
 mod tests {
@@ -477,6 +505,23 @@ mod tests {
         let mut out = Vec::new();
         let code = run(Ok(h.file.clone()), &args, &mut out);
         (code, String::from_utf8(out).expect("utf8"))
+    }
+
+    #[test]
+    fn topo_matrix_shows_the_visible_gpus() {
+        let h = host("h100-pcie-x8-nvlink");
+        let (code, text) = smi(&h, "topo -m");
+        assert_eq!(code, EXIT_OK, "{text}");
+        assert!(
+            text.starts_with("\tGPU0\tGPU1\tGPU2\tGPU3\tGPU4\tGPU5\tGPU6\tGPU7\tCPU Affinity"),
+            "{text}"
+        );
+        assert!(
+            text.contains("GPU0\t X \tNODE\tNODE\tSYS\tSYS\tNV12\tSYS\tSYS\t0-31,64-95\t0\t\tN/A"),
+            "{text}"
+        );
+        assert!(text.contains("Legend:"), "{text}");
+        assert_eq!(smi(&h, "topo -p2p r").0, EXIT_INVALID);
     }
 
     #[test]
