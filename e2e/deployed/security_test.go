@@ -16,7 +16,6 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/client-go/kubernetes"
-	typedcorev1 "k8s.io/client-go/kubernetes/typed/core/v1"
 	resourceclient "k8s.io/client-go/kubernetes/typed/resource/v1"
 	"k8s.io/utils/ptr"
 
@@ -47,8 +46,7 @@ func TestNodePluginCredentialsStayOnTheirNode(t *testing.T) {
 	ctx := context.Background()
 	layout := harness.LayoutContainerDriver
 	n := addNode(t, "node-restricted", layout, "t4")
-	install(t, append(layout.HelmValues(), "imagePullSecrets[0].name=registry-a", "image.pullPolicy=Always",
-		fmt.Sprintf("kubeletPlugin.nodeRestriction.maxPodsPerNode=%d", podsPerNode))...)
+	install(t, append(layout.HelmValues(), "imagePullSecrets[0].name=registry-a", "image.pullPolicy=Always")...)
 	plugin := waitPlugin(ctx, t, n, "")
 
 	// The plugin's own daemon pod gets through the policy.
@@ -203,79 +201,6 @@ func TestNodePluginCredentialsStayOnTheirNode(t *testing.T) {
 	// server's validation keeps both immutable.)
 
 	checkClaimStatusWrites(ctx, t, as, n.Name)
-	checkPodsPerNode(ctx, t, pods, n.Name, variant(nil))
-}
-
-// podsPerNode is the bound TestNodePluginCredentialsStayOnTheirNode installs
-// (kubeletPlugin.nodeRestriction.maxPodsPerNode): room for the plugin, its
-// daemon, both webhook replicas and one more.
-const podsPerNode = 5
-
-// checkPodsPerNode: the webhook counts the release namespace's pods on the
-// node and refuses the plugin's credentials another pod once the node holds
-// podsPerNode; the admin's pods are not counted against anyone (the webhook
-// sees only the plugin's creations) but fill the node's count. One pod
-// fewer, and the plugin's daemon pod is admitted again.
-func checkPodsPerNode(ctx context.Context, t *testing.T, pods typedcorev1.PodInterface, node string, daemon *v1.Pod) {
-	t.Helper()
-	dryRun := metav1.CreateOptions{DryRun: []string{metav1.DryRunAll}}
-	list, err := cluster.Client.CoreV1().Pods(harness.DriverNamespace).List(ctx, metav1.ListOptions{FieldSelector: "spec.nodeName=" + node})
-	if err != nil {
-		t.Fatal(err)
-	}
-	have := len(list.Items)
-	if have >= podsPerNode {
-		t.Fatalf("the node holds %d pods of the namespace already, the test's bound is %d", have, podsPerNode)
-	}
-	var fillers []string
-	for i := have; i < podsPerNode; i++ {
-		// Pods that never start (their image cannot be pulled) but are stored,
-		// bound to the node: what an attacker's pods would be.
-		p, err := cluster.Client.CoreV1().Pods(harness.DriverNamespace).Create(ctx, &v1.Pod{
-			ObjectMeta: metav1.ObjectMeta{GenerateName: "filler-"},
-			Spec: v1.PodSpec{NodeName: node, AutomountServiceAccountToken: ptr.To(false), Containers: []v1.Container{{
-				Name: "c", Image: "registry.invalid/none:1",
-			}}},
-		}, metav1.CreateOptions{})
-		if err != nil {
-			t.Fatal(err)
-		}
-		fillers = append(fillers, p.Name)
-	}
-	t.Cleanup(func() {
-		for _, name := range fillers {
-			_ = cluster.Client.CoreV1().Pods(harness.DriverNamespace).Delete(context.Background(), name, metav1.DeleteOptions{GracePeriodSeconds: ptr.To[int64](0)})
-		}
-	})
-	// The webhook counts what its watch has seen: wait for it.
-	var refused error
-	_ = wait.PollUntilContextTimeout(ctx, 200*time.Millisecond, 30*time.Second, true, func(ctx context.Context) (bool, error) {
-		_, refused = pods.Create(ctx, daemon, dryRun)
-		return refused != nil, nil
-	})
-	want := fmt.Sprintf("node %s has %d pods of this namespace already", node, podsPerNode)
-	switch {
-	case refused == nil:
-		t.Errorf("a daemon pod on a node holding %d pods of the namespace: admitted for the plugin's credentials, want the webhook's refusal", podsPerNode)
-	case !apierrors.IsForbidden(refused) || !strings.Contains(refused.Error(), want) ||
-		!strings.Contains(refused.Error(), fmt.Sprintf("kubeletPlugin.nodeRestriction.maxPodsPerNode=%d", podsPerNode)):
-		t.Errorf("a daemon pod past the bound: refused with %q, want %q and the value to raise", refused, want)
-	default:
-		t.Logf("a daemon pod past the bound: refused: %v", refused)
-	}
-	// The admin is not bounded by the plugin's rule.
-	if _, err := cluster.Client.CoreV1().Pods(harness.DriverNamespace).Create(ctx, daemon, dryRun); err != nil {
-		t.Errorf("the admin's daemon pod past the plugin's bound: %v", err)
-	}
-	if err := cluster.Client.CoreV1().Pods(harness.DriverNamespace).Delete(ctx, fillers[0], metav1.DeleteOptions{GracePeriodSeconds: ptr.To[int64](0)}); err != nil {
-		t.Fatal(err)
-	}
-	if err := wait.PollUntilContextTimeout(ctx, 200*time.Millisecond, 30*time.Second, true, func(ctx context.Context) (bool, error) {
-		_, err := pods.Create(ctx, daemon, dryRun)
-		return err == nil, nil
-	}); err != nil {
-		t.Errorf("a daemon pod once the node holds %d pods again: still refused", podsPerNode-1)
-	}
 }
 
 // checkClaimStatusWrites: with the plugin's credentials, device status of

@@ -285,21 +285,11 @@ fn default_values() {
         // `uninstall_hook_restores_the_nodes`).
         .filter(|o| o["metadata"]["annotations"]["helm.sh/hook"].is_null())
         .collect();
-    // The plugin (cluster, its namespace's pods, events in `default`) and the webhook (the
-    // namespace's pods, for the bound on pods per node).
-    assert_eq!(
-        bindings.len(),
-        4,
-        "only the plugin and the webhook are bound to roles"
-    );
+    // The plugin only: cluster, its namespace's pods, events in `default` (the webhook gets a
+    // role only with the bound on pods per node, below).
+    assert_eq!(bindings.len(), 3, "only the plugin is bound to roles");
     for b in bindings {
-        let name = b["metadata"]["name"].as_str().unwrap();
-        let subject = if name == "rel-gpu-dra-driver-webhook-pods" {
-            "rel-gpu-dra-driver-webhook"
-        } else {
-            sa
-        };
-        assert_eq!(b["subjects"][0]["name"], subject, "{name}");
+        assert_eq!(b["subjects"][0]["name"], sa);
         assert_eq!(b["subjects"][0]["namespace"], NAMESPACE);
     }
     // Events about its Node: create and patch in `default` only (where the API server keeps
@@ -412,9 +402,37 @@ fn default_values() {
     let hook = &hooks[0];
     let deploy = find(&objects, "Deployment", "rel-gpu-dra-driver-webhook");
     let webhook_pod = &deploy["spec"]["template"]["spec"];
+    // By default no bound on pods per node: the webhook calls no API (no token, no role) and
+    // gets no pods.
+    assert!(pods_hooks.is_empty(), "{pods_hooks:?}");
+    assert_eq!(webhook_pod["automountServiceAccountToken"], false);
+    assert!(
+        !objects
+            .iter()
+            .any(|o| o["kind"] == "Role"
+                && o["metadata"]["name"] == "rel-gpu-dra-driver-webhook-pods")
+    );
 
     // The bound on pods per node: the plugin's pod creations in the release namespace only,
     // failing closed, counted by the webhook with list and watch on the namespace's pods.
+    let bounded = render(&helm, &["kubeletPlugin.nodeRestriction.maxPodsPerNode=128"]);
+    let bounded_vwc = find(
+        &bounded,
+        "ValidatingWebhookConfiguration",
+        "rel-gpu-dra-driver-webhook",
+    );
+    let pods_hooks: Vec<&Value> = bounded_vwc["webhooks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|h| !h["name"].as_str().unwrap().contains(".opaque-config."))
+        .collect();
+    assert_eq!(
+        bounded_vwc["webhooks"].as_array().unwrap().len(),
+        hooks.len() + 1
+    );
+    let bounded_pod =
+        &find(&bounded, "Deployment", "rel-gpu-dra-driver-webhook")["spec"]["template"]["spec"];
     let [pods_hook] = pods_hooks[..] else {
         panic!("one pods-per-node webhook: {pods_hooks:?}")
     };
@@ -455,7 +473,7 @@ fn default_values() {
         cel::Value::Bool(false)
     );
     let env = |name: &str| {
-        webhook_pod["containers"][0]["env"]
+        bounded_pod["containers"][0]["env"]
             .as_array()
             .unwrap()
             .iter()
@@ -464,31 +482,14 @@ fn default_values() {
     };
     assert_eq!(env("MAX_DAEMON_PODS_PER_NODE"), Some("128".into()));
     assert_eq!(env("DAEMON_PODS_NAMESPACE"), Some(NAMESPACE.into()));
-    assert_eq!(webhook_pod["automountServiceAccountToken"], true);
-    let role = find(&objects, "Role", "rel-gpu-dra-driver-webhook-pods");
+    assert_eq!(bounded_pod["automountServiceAccountToken"], true);
+    let role = find(&bounded, "Role", "rel-gpu-dra-driver-webhook-pods");
     assert_eq!(
         role["rules"],
         serde_json::json!([{"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]}])
     );
-    let binding = find(&objects, "RoleBinding", "rel-gpu-dra-driver-webhook-pods");
+    let binding = find(&bounded, "RoleBinding", "rel-gpu-dra-driver-webhook-pods");
     assert_eq!(binding["subjects"][0]["name"], "rel-gpu-dra-driver-webhook");
-    // Without the bound the webhook calls no API: no token, no role, no pods hook.
-    let unbounded = render(&helm, &["kubeletPlugin.nodeRestriction.maxPodsPerNode=0"]);
-    let pod =
-        &find(&unbounded, "Deployment", "rel-gpu-dra-driver-webhook")["spec"]["template"]["spec"];
-    assert_eq!(pod["automountServiceAccountToken"], false);
-    assert!(
-        !unbounded
-            .iter()
-            .any(|o| o["kind"] == "Role"
-                && o["metadata"]["name"] == "rel-gpu-dra-driver-webhook-pods")
-    );
-    let hooks_unbounded = &find(
-        &unbounded,
-        "ValidatingWebhookConfiguration",
-        "rel-gpu-dra-driver-webhook",
-    )["webhooks"];
-    assert_eq!(hooks_unbounded.as_array().unwrap().len(), hooks.len());
     let probe = &webhook_pod["containers"][0]["readinessProbe"]["httpGet"];
     assert_eq!(
         (&probe["path"], &probe["scheme"]),
