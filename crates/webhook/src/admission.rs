@@ -155,14 +155,46 @@ pub struct Findings {
     pub label: String,
 }
 
+/// An AdmissionReview around a request of shape `R` (each endpoint reads what it needs).
 #[derive(Deserialize)]
 #[serde(rename_all = "camelCase")]
-struct Review {
+struct Review<R> {
     #[serde(default)]
     api_version: String,
     #[serde(default)]
     kind: String,
-    request: Option<Request>,
+    request: Option<R>,
+}
+
+/// A request shape of an AdmissionReview: its `uid`, which the response must echo.
+pub(crate) trait ReviewRequest: serde::de::DeserializeOwned {
+    /// `request.uid`.
+    fn uid(&self) -> &str;
+}
+
+impl ReviewRequest for Request {
+    fn uid(&self) -> &str {
+        &self.uid
+    }
+}
+
+/// The request of an AdmissionReview `body`, after checking its envelope: `admission.k8s.io/v1`,
+/// kind `AdmissionReview`, a request with a `uid`.
+pub(crate) fn parse_review<R: ReviewRequest>(body: &[u8]) -> Result<R, BadReview> {
+    let review: Review<R> = serde_json::from_slice(body)?;
+    if review.api_version != ADMISSION_API_VERSION {
+        return Err(BadReview::ApiVersion {
+            found: review.api_version,
+        });
+    }
+    if review.kind != "AdmissionReview" {
+        return Err(BadReview::Kind { found: review.kind });
+    }
+    let request = review.request.ok_or(BadReview::MissingRequest)?;
+    if request.uid().is_empty() {
+        return Err(BadReview::MissingUid);
+    }
+    Ok(request)
 }
 
 #[derive(Deserialize)]
@@ -236,19 +268,7 @@ struct StatusCause<'a> {
 /// `check` is the validation applied to an inspected object (the server passes the `api`
 /// crate's one validation; tests may pass their own).
 pub fn review(body: &[u8], check: impl FnOnce(&Value) -> Findings) -> Result<Decision, BadReview> {
-    let review: Review = serde_json::from_slice(body)?;
-    if review.api_version != ADMISSION_API_VERSION {
-        return Err(BadReview::ApiVersion {
-            found: review.api_version,
-        });
-    }
-    if review.kind != "AdmissionReview" {
-        return Err(BadReview::Kind { found: review.kind });
-    }
-    let request = review.request.ok_or(BadReview::MissingRequest)?;
-    if request.uid.is_empty() {
-        return Err(BadReview::MissingUid);
-    }
+    let request: Request = parse_review(body)?;
     let kind = classify(&request.kind);
     let operation = Operation::parse(&request.operation);
 

@@ -35,7 +35,7 @@ use std::sync::Mutex;
 use serde::Deserialize;
 use serde_json::Value;
 
-use crate::admission::{ADMISSION_API_VERSION, BadReview, answer};
+use crate::admission::{BadReview, ReviewRequest, answer, parse_review};
 
 /// The pods of the namespace per node, as the watch last showed them.
 #[derive(Debug, Default)]
@@ -200,15 +200,6 @@ pub enum Verdict {
 }
 
 #[derive(Deserialize)]
-struct Review {
-    #[serde(default, rename = "apiVersion")]
-    api_version: String,
-    #[serde(default)]
-    kind: String,
-    request: Option<Request>,
-}
-
-#[derive(Deserialize)]
 struct Request {
     #[serde(default)]
     uid: String,
@@ -220,25 +211,19 @@ struct Request {
     object: Option<Value>,
 }
 
+impl ReviewRequest for Request {
+    fn uid(&self) -> &str {
+        &self.uid
+    }
+}
+
 /// Answers one AdmissionReview of a pod creation against `limit` pods per node.
 pub fn review(
     body: &[u8],
     counts: &PodCounts,
     limit: usize,
 ) -> Result<(Vec<u8>, Verdict), BadReview> {
-    let review: Review = serde_json::from_slice(body)?;
-    if review.api_version != ADMISSION_API_VERSION {
-        return Err(BadReview::ApiVersion {
-            found: review.api_version,
-        });
-    }
-    if review.kind != "AdmissionReview" {
-        return Err(BadReview::Kind { found: review.kind });
-    }
-    let request = review.request.ok_or(BadReview::MissingRequest)?;
-    if request.uid.is_empty() {
-        return Err(BadReview::MissingUid);
-    }
+    let request: Request = parse_review(body)?;
     let object = request.object.unwrap_or_default();
     let is_pod = object
         .get("kind")

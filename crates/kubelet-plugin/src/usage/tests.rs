@@ -328,132 +328,135 @@ impl ClaimSource for CountedClaims {
     }
 }
 
+/// Claim `ns/train` (UID `c1`, reserved for pod `trainer-0` = [`POD_A`]) prepared on GPU-4,
+/// a sampler over it that counts the claim's reads, and the processes `pids` in the pods
+/// named (their cgroups under a fake proc root).
+struct Reads {
+    metrics: crate::metrics::Metrics,
+    claims: Arc<CountedClaims>,
+    source: Arc<Settable>,
+    sampler: Sampler,
+    cp: Checkpoint,
+    inv: Inventory,
+    _proc_root: tempfile::TempDir,
+}
+
+impl Reads {
+    fn new(pids: &[(u32, &str)]) -> Reads {
+        let claims = Arc::new(CountedClaims::default());
+        let claim: k8s_openapi::api::resource::v1::ResourceClaim =
+            serde_json::from_value(serde_json::json!({
+                "metadata": {"namespace": "ns", "name": "train", "uid": "c1"},
+                "spec": {},
+                "status": {"reservedFor": [{"resource": "pods", "name": "trainer-0", "uid": POD_A}]},
+            }))
+            .expect("claim");
+        claims.inner.insert(claim);
+        let proc_root = tempfile::tempdir().expect("tempdir");
+        for (pid, pod) in pids {
+            std::fs::create_dir(proc_root.path().join(pid.to_string())).expect("pid dir");
+            std::fs::write(
+                proc_root.path().join(format!("{pid}/cgroup")),
+                format!("0::/kubepods/burstable/pod{pod}/4f9c0d0e8d1b2f\n"),
+            )
+            .expect("cgroup");
+        }
+        let source = Arc::new(Settable::default());
+        let sampler = Sampler::new(
+            source.clone(),
+            claims.clone(),
+            proc_root.path().to_path_buf(),
+            Duration::from_secs(15),
+        );
+        let mut cp = Checkpoint::default();
+        cp.claims
+            .insert("c1".into(), entry(vec![prepared("GPU-4")]));
+        Reads {
+            metrics: crate::metrics::Metrics::default(),
+            claims,
+            source,
+            sampler,
+            cp,
+            inv: Inventory {
+                driver_version: String::new(),
+                cuda_driver_version: String::new(),
+                gpus: Vec::new(),
+                lost_gpus: Vec::new(),
+            },
+            _proc_root: proc_root,
+        }
+    }
+
+    /// GPU-4 reports `processes` from now on.
+    fn set(&self, processes: Vec<ProcessUsage>, util: Option<u32>) {
+        *self.source.0.lock().expect("lock") = vec![sample("GPU-4", processes, util)];
+    }
+
+    async fn sample(&mut self) -> Vec<ClaimDeviceUsage> {
+        self.sampler
+            .sample(&self.cp, &self.inv, &self.metrics.usage)
+            .await
+    }
+
+    fn reads(&self) -> usize {
+        self.claims.reads.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
 #[tokio::test]
 async fn a_claim_is_read_once_a_process_of_an_unknown_pod_runs_on_its_device_and_never_while_idle()
 {
-    let metrics = crate::metrics::Metrics::default();
-    let claims = Arc::new(CountedClaims::default());
-    let claim: k8s_openapi::api::resource::v1::ResourceClaim =
-        serde_json::from_value(serde_json::json!({
-            "metadata": {"namespace": "ns", "name": "train", "uid": "c1"},
-            "spec": {},
-            "status": {"reservedFor": [{"resource": "pods", "name": "trainer-0", "uid": POD_A}]},
-        }))
-        .expect("claim");
-    claims.inner.insert(claim);
-    let proc_root = tempfile::tempdir().expect("tempdir");
-    std::fs::create_dir(proc_root.path().join("7")).expect("pid dir");
-    std::fs::write(
-        proc_root.path().join("7/cgroup"),
-        format!("0::/kubepods/burstable/pod{POD_A}/4f9c0d0e8d1b2f\n"),
-    )
-    .expect("cgroup");
-    let source = Arc::new(Settable::default());
-    *source.0.lock().expect("lock") = vec![sample("GPU-4", Vec::new(), Some(0))];
-    let mut sampler = Sampler::new(
-        source.clone(),
-        claims.clone(),
-        proc_root.path().to_path_buf(),
-        Duration::from_secs(15),
-    );
-    let mut cp = Checkpoint::default();
-    cp.claims
-        .insert("c1".into(), entry(vec![prepared("GPU-4")]));
-    let inv = Inventory {
-        driver_version: String::new(),
-        cuda_driver_version: String::new(),
-        gpus: Vec::new(),
-        lost_gpus: Vec::new(),
-    };
-    let reads = || claims.reads.load(std::sync::atomic::Ordering::SeqCst);
+    let mut r = Reads::new(&[(7, POD_A)]);
+    r.set(Vec::new(), Some(0));
     for _ in 0..3 {
-        sampler.sample(&cp, &inv, &metrics.usage).await;
+        r.sample().await;
     }
-    assert_eq!(reads(), 0, "an idle claim is not read");
+    assert_eq!(r.reads(), 0, "an idle claim is not read");
 
     // A process outside any pod: its claim's pods could not name it, so no read either.
-    *source.0.lock().expect("lock") =
-        vec![sample("GPU-4", vec![process(8, 1 << 30, Some(5))], Some(5))];
-    sampler.sample(&cp, &inv, &metrics.usage).await;
-    assert_eq!(reads(), 0, "a process of no pod makes no read");
+    r.set(vec![process(8, 1 << 30, Some(5))], Some(5));
+    r.sample().await;
+    assert_eq!(r.reads(), 0, "a process of no pod makes no read");
 
-    *source.0.lock().expect("lock") =
-        vec![sample("GPU-4", vec![process(7, 1 << 30, Some(5))], Some(5))];
-    let usage = sampler.sample(&cp, &inv, &metrics.usage).await;
-    assert_eq!(reads(), 1, "the pod's process makes one read");
+    r.set(vec![process(7, 1 << 30, Some(5))], Some(5));
+    let usage = r.sample().await;
+    assert_eq!(r.reads(), 1, "the pod's process makes one read");
     assert_eq!(usage[0].pods[0].pod, "trainer-0");
     for _ in 0..3 {
-        sampler.sample(&cp, &inv, &metrics.usage).await;
+        r.sample().await;
     }
-    assert_eq!(reads(), 1, "a known pod makes no further read");
+    assert_eq!(r.reads(), 1, "a known pod makes no further read");
 }
 
 #[tokio::test]
 async fn a_pod_outside_the_claims_reserved_for_makes_one_read_not_one_per_sample() {
-    let metrics = crate::metrics::Metrics::default();
-    let claims = Arc::new(CountedClaims::default());
-    let claim: k8s_openapi::api::resource::v1::ResourceClaim =
-        serde_json::from_value(serde_json::json!({
-            "metadata": {"namespace": "ns", "name": "train", "uid": "c1"},
-            "spec": {},
-            "status": {"reservedFor": [{"resource": "pods", "name": "trainer-0", "uid": POD_A}]},
-        }))
-        .expect("claim");
-    claims.inner.insert(claim);
-    let proc_root = tempfile::tempdir().expect("tempdir");
-    for (pid, pod) in [(7, POD_A), (9, POD_B)] {
-        std::fs::create_dir(proc_root.path().join(pid.to_string())).expect("pid dir");
-        std::fs::write(
-            proc_root.path().join(format!("{pid}/cgroup")),
-            format!("0::/kubepods/burstable/pod{pod}/4f9c0d0e8d1b2f\n"),
-        )
-        .expect("cgroup");
-    }
-    let source = Arc::new(Settable::default());
+    let mut r = Reads::new(&[(7, POD_A), (9, POD_B)]);
     // A process of a pod the claim was never reserved for sits on its device.
-    *source.0.lock().expect("lock") =
-        vec![sample("GPU-4", vec![process(9, 1 << 30, Some(5))], Some(5))];
-    let mut sampler = Sampler::new(
-        source.clone(),
-        claims.clone(),
-        proc_root.path().to_path_buf(),
-        Duration::from_secs(15),
-    );
-    let mut cp = Checkpoint::default();
-    cp.claims
-        .insert("c1".into(), entry(vec![prepared("GPU-4")]));
-    let inv = Inventory {
-        driver_version: String::new(),
-        cuda_driver_version: String::new(),
-        gpus: Vec::new(),
-        lost_gpus: Vec::new(),
-    };
-    let reads = || claims.reads.load(std::sync::atomic::Ordering::SeqCst);
+    r.set(vec![process(9, 1 << 30, Some(5))], Some(5));
     for _ in 0..5 {
-        sampler.sample(&cp, &inv, &metrics.usage).await;
+        r.sample().await;
     }
     assert_eq!(
-        reads(),
+        r.reads(),
         1,
         "the stranger's process makes one read, not one per sample"
     );
 
     // The claim's own pod starts as well: it is known from that read.
-    *source.0.lock().expect("lock") = vec![sample(
-        "GPU-4",
+    r.set(
         vec![process(9, 1 << 30, Some(5)), process(7, 1 << 30, Some(5))],
         Some(10),
-    )];
-    let usage = sampler.sample(&cp, &inv, &metrics.usage).await;
-    assert_eq!(reads(), 1);
+    );
+    let usage = r.sample().await;
+    assert_eq!(r.reads(), 1);
     // The claim holds the device alone: the stranger's process is its use too, unnamed.
     let pods: Vec<&str> = usage[0].pods.iter().map(|p| p.pod.as_str()).collect();
     assert_eq!(pods, ["", "trainer-0"]);
 
     // Unprepared and prepared again: the claim is read afresh.
-    sampler
-        .sample(&Checkpoint::default(), &inv, &metrics.usage)
+    r.sampler
+        .sample(&Checkpoint::default(), &r.inv, &r.metrics.usage)
         .await;
-    sampler.sample(&cp, &inv, &metrics.usage).await;
-    assert_eq!(reads(), 2);
+    r.sample().await;
+    assert_eq!(r.reads(), 2);
 }
