@@ -23,8 +23,8 @@ use fake_api::FakeApi;
 use gpu_dra_api::{MpsConfig, Sharing};
 use gpu_dra_kubelet_plugin::sharing::pods::pod_name;
 use gpu_dra_kubelet_plugin::sharing::{
-    DriverRoot, FileStore, PodDaemons, PodSettings, SharedDevice, SharingManager, SharingMetrics,
-    SharingOptions, daemon_id,
+    DriverRoot, FileStore, PodDaemons, PodSettings, ReshapeOutcome, SharedDevice, SharingManager,
+    SharingMetrics, SharingOptions, daemon_id,
 };
 use gpu_dra_sim::testing::SimHost;
 use serde_json::{Value, json};
@@ -45,8 +45,49 @@ struct Node {
     manager: SharingManager,
 }
 
+/// Daemon pod settings as the chart gives them.
+fn settings() -> PodSettings {
+    PodSettings {
+        namespace: NAMESPACE.into(),
+        node: "node-a".into(),
+        image: "registry.example/gpu-dra-driver:test".into(),
+        host_driver_root: "/".into(),
+        priority_class: String::new(),
+        service_account: "gpu-dra-mps-daemon".into(),
+        image_pull_policy: "IfNotPresent".into(),
+        image_pull_secrets: Vec::new(),
+    }
+}
+
+/// A sharing manager on `plugin_dir` whose daemons run in pods made with `settings`.
+fn manager(
+    host: &SimHost,
+    plugin_dir: &Path,
+    metrics: &SharingMetrics,
+    api: &FakeApi,
+    settings: PodSettings,
+) -> SharingManager {
+    let mut opts = SharingOptions::new(DriverRoot::new(host.root(), None), plugin_dir);
+    opts.restart_backoff_initial = Duration::from_millis(20);
+    opts.restart_backoff_max = Duration::from_millis(500);
+    // Short, as in the other sharing tests: a supervisor that polls does so often.
+    opts.liveness_interval = Duration::from_millis(20);
+    let manager = SharingManager::new(
+        opts,
+        Arc::new(FileStore::new(plugin_dir.join("sharing.json"))),
+        metrics.clone(),
+    )
+    .unwrap();
+    manager.use_pod_daemons(PodDaemons::new(api.client(), settings));
+    manager
+}
+
 impl Node {
     fn new() -> Node {
+        Node::with(settings())
+    }
+
+    fn with(settings: PodSettings) -> Node {
         let _ = tracing_subscriber::fmt()
             .with_test_writer()
             .with_env_filter("gpu_dra_kubelet_plugin=debug")
@@ -57,30 +98,7 @@ impl Node {
         let api = FakeApi::new();
         api.collection(PODS, "v1", "Pod");
         let containers = kubelet(&api);
-        let mut opts = SharingOptions::new(DriverRoot::new(host.root(), None), plugin_dir.path());
-        opts.restart_backoff_initial = Duration::from_millis(20);
-        opts.restart_backoff_max = Duration::from_millis(500);
-        // Short, as in the other sharing tests: a supervisor that polls does so often.
-        opts.liveness_interval = Duration::from_millis(20);
-        let manager = SharingManager::new(
-            opts,
-            Arc::new(FileStore::new(plugin_dir.path().join("sharing.json"))),
-            metrics.clone(),
-        )
-        .unwrap();
-        manager.use_pod_daemons(PodDaemons::new(
-            api.client(),
-            PodSettings {
-                namespace: NAMESPACE.into(),
-                node: "node-a".into(),
-                image: "registry.example/gpu-dra-driver:test".into(),
-                host_driver_root: "/".into(),
-                priority_class: String::new(),
-                service_account: "gpu-dra-mps-daemon".into(),
-                image_pull_policy: "IfNotPresent".into(),
-                image_pull_secrets: Vec::new(),
-            },
-        ));
+        let manager = manager(&host, plugin_dir.path(), &metrics, &api, settings);
         Node {
             host,
             plugin_dir,
@@ -89,6 +107,20 @@ impl Node {
             containers,
             manager,
         }
+    }
+
+    /// The plugin stops (its daemons keep running) and another one starts on the same node,
+    /// making daemon pods with `settings`, and recovers.
+    async fn restart_plugin(&mut self, settings: PodSettings) {
+        self.manager.detach();
+        self.manager = manager(
+            &self.host,
+            self.plugin_dir.path(),
+            &self.metrics,
+            &self.api,
+            settings,
+        );
+        self.manager.recover().await.unwrap();
     }
 
     fn gpu_uuid(&self, index: usize) -> String {
@@ -124,14 +156,21 @@ impl Node {
             .and_then(|p| p["metadata"]["uid"].as_str().map(str::to_owned))
     }
 
-    /// Whether the daemon of claim `claim-<index>` answers on its pipe with its limits.
-    fn answers(&self, index: usize) -> bool {
-        let dir = self
-            .plugin_dir
+    /// The daemon directory of claim `claim-<index>`.
+    fn daemon_dir(&self, index: usize) -> std::path::PathBuf {
+        self.plugin_dir
             .path()
             .join("mps")
-            .join(gpu_dra_core::sharing::daemon_dir_name(&claim(index), "0"));
-        mps_client(&self.host, &dir, "get_default_active_thread_percentage\n") == "30.0\n"
+            .join(gpu_dra_core::sharing::daemon_dir_name(&claim(index), "0"))
+    }
+
+    /// Whether the daemon of claim `claim-<index>` answers on its pipe with its limits.
+    fn answers(&self, index: usize) -> bool {
+        mps_client(
+            &self.host,
+            &self.daemon_dir(index),
+            "get_default_active_thread_percentage\n",
+        ) == "30.0\n"
     }
 }
 
@@ -322,4 +361,138 @@ async fn a_daemon_pod_deleted_failed_or_gone_during_an_outage_is_replaced() {
         3,
         "an unprepare is not a crash"
     );
+}
+
+/// A CUDA program (the simulator's) attached to the daemon of `dir` as an MPS client until
+/// killed.
+fn mps_client_program(host: &SimHost, dir: &Path) -> Child {
+    let tool = gpu_dra_sim::testing::ensure_built()
+        .unwrap()
+        .join("cuda-app");
+    let mut child = Command::new(tool)
+        .args(["--seconds", "600"])
+        .env_clear()
+        .env("GPU_SIM_STATE", host.state_file().path())
+        .env("CUDA_MPS_PIPE_DIRECTORY", dir.join("pipe"))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    // Attached once it printed what its server gave it.
+    let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
+    let mut text = String::new();
+    while std::io::BufRead::read_line(&mut out, &mut text).unwrap() > 0 {
+        if text.contains("MPS") {
+            break;
+        }
+    }
+    assert!(text.contains("MPS"), "the client did not attach: {text}");
+    child
+}
+
+fn pod_field(node: &Node, index: usize, pointer: &str) -> Value {
+    node.api
+        .get(PODS, &node.pod_name(index))
+        .unwrap()
+        .pointer(pointer)
+        .cloned()
+        .unwrap_or(Value::Null)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn daemon_pods_of_an_older_shape_are_replaced_once_they_serve_no_client() {
+    // An earlier plugin made the pods: the namespace's default account, no pull secrets.
+    let mut node = Node::with(PodSettings {
+        service_account: String::new(),
+        ..settings()
+    });
+    node.manager.recover().await.unwrap();
+    node.prepare(0).await;
+    node.prepare(1).await;
+    let (first, second) = (node.pod_uid(0).unwrap(), node.pod_uid(1).unwrap());
+    let mut client = mps_client_program(&node.host, &node.daemon_dir(1));
+
+    // The upgrade: the chart's daemon account and a pull secret.
+    let upgraded = PodSettings {
+        image_pull_secrets: vec!["registry-creds".into()],
+        ..settings()
+    };
+    node.restart_plugin(upgraded.clone()).await;
+    assert_eq!(
+        node.manager.outdated_daemon_owners(),
+        vec![claim(0), claim(1)]
+    );
+    assert_eq!(node.metrics.mps_daemon_pods_outdated.get(), 2);
+    assert_eq!(
+        node.pod_uid(0),
+        Some(first.clone()),
+        "recovery replaces nothing"
+    );
+
+    // Idle: replaced by a pod of the new shape, the claim's limits applied again.
+    let done = node.manager.reshape(&claim(0)).await;
+    assert_eq!(done.len(), 1, "{done:?}");
+    assert_eq!(done[0].outcome, ReshapeOutcome::Replaced);
+    assert!(
+        done[0]
+            .differences
+            .contains(&"serviceAccountName".to_string())
+            && done[0]
+                .differences
+                .contains(&"imagePullSecrets".to_string()),
+        "{:?}",
+        done[0].differences
+    );
+    assert!(node.pod_uid(0).is_some_and(|u| u != first));
+    assert_eq!(
+        pod_field(&node, 0, "/spec/serviceAccountName"),
+        json!("gpu-dra-mps-daemon")
+    );
+    assert_eq!(
+        pod_field(&node, 0, "/spec/imagePullSecrets"),
+        json!([{"name": "registry-creds"}])
+    );
+    assert!(node.answers(0));
+
+    // A client attached: kept, and said so, until the client is gone.
+    let done = node.manager.reshape(&claim(1)).await;
+    assert_eq!(
+        done[0].outcome,
+        ReshapeOutcome::Busy { clients: 1 },
+        "{done:?}"
+    );
+    assert_eq!(node.pod_uid(1), Some(second.clone()));
+    assert_eq!(node.metrics.mps_daemon_pods_outdated.get(), 1);
+    client.kill().unwrap();
+    client.wait().unwrap();
+    let replaced = async {
+        for _ in 0..100 {
+            let done = node.manager.reshape(&claim(1)).await;
+            if done.first().map(|r| &r.outcome) == Some(&ReshapeOutcome::Replaced) {
+                return true;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        false
+    };
+    assert!(replaced.await, "not replaced after its client left");
+    assert!(node.pod_uid(1).is_some_and(|u| u != second));
+    assert!(node.answers(1));
+    assert!(node.manager.outdated_daemon_owners().is_empty());
+    assert_eq!(node.metrics.mps_daemon_pods_outdated.get(), 0);
+    assert_eq!(
+        node.metrics.mps_daemon_restarts.get(),
+        0,
+        "a replacement is not a crash"
+    );
+
+    // Pods of the current shape are left alone by the next plugin, with no request for them.
+    let (now0, now1) = (node.pod_uid(0), node.pod_uid(1));
+    node.restart_plugin(upgraded).await;
+    assert!(node.manager.outdated_daemon_owners().is_empty());
+    assert_eq!((node.pod_uid(0), node.pod_uid(1)), (now0, now1));
+
+    node.manager.unprepare(&claim(0)).await.unwrap();
+    node.manager.unprepare(&claim(1)).await.unwrap();
+    assert!(node.api.list(PODS).is_empty());
 }

@@ -164,6 +164,8 @@ pub struct Driver {
     journal: Journal,
     claim_locks: ClaimLocks,
     holders: Mutex<Holders>,
+    /// MPS daemon pods of an older shape already reported as kept for their clients.
+    reshape_reported: Mutex<std::collections::BTreeSet<String>>,
 }
 
 /// Everything the driver is built from.
@@ -259,6 +261,7 @@ impl Driver {
             mig_lock: tokio::sync::Mutex::new(()),
             claim_locks: ClaimLocks::default(),
             holders: Mutex::new(holders),
+            reshape_reported: Mutex::default(),
         };
         // Before anything is published: the instances of prepared claims' dynamic devices
         // are left to their placements.

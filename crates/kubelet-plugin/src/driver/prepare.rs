@@ -119,6 +119,8 @@ impl Driver {
                 let Some(reason) = self.stale_reason(&claim.uid, &e) else {
                     // The same CDI IDs, with a spec that names the driver of now.
                     self.rewrite_stale_spec(&claim.uid, &e).await?;
+                    // Its daemon pods in the shape of now, where no client would notice.
+                    self.reshape_claim_daemons(&claim.uid).await;
                     return Ok(e.devices);
                 };
                 info!(claim.uid = %claim.uid, %reason, "preparing the claim again");

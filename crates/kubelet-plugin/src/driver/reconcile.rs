@@ -38,11 +38,13 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use gpu_dra_core::checkpoint::{ClaimEntry, PrepareState};
+use gpu_dra_core::sharing::MEMORY_SHARE_DAEMON_OWNER;
 use tracing::{debug, info, warn};
 
 use super::unprepare::Keep;
 use super::{ClaimRef, Driver};
 use crate::pod_resources::{ClaimName, PodClaims};
+use crate::sharing::{ReshapeOutcome, Reshaped};
 
 /// How [`ClaimCleanup`] spaces the reads of a claim no container names.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -281,6 +283,7 @@ impl Driver {
         }
         self.sweep_instances().await;
         self.follow_driver_version().await;
+        self.reshape_daemon_pods().await;
         for uid in self.cdi.list() {
             if self.journal.entry(&uid).is_none() {
                 let user = self.claim_locks.join(&uid);
@@ -293,6 +296,77 @@ impl Driver {
                         warn!(claim.uid = %uid, error = %e, "cannot remove stale CDI spec");
                     }
                 }
+            }
+        }
+    }
+
+    /// MPS daemon pods of an older shape ([`crate::sharing::reshape`]): each claim's under its
+    /// lock (skipped while a prepare or unprepare holds it: the next pass tries again), the
+    /// shared devices' under theirs. Nothing to do, no request made, when there are none.
+    async fn reshape_daemon_pods(&self) {
+        for owner in self.sharing.outdated_daemon_owners() {
+            let found = if owner == MEMORY_SHARE_DAEMON_OWNER {
+                self.sharing.reshape(&owner).await
+            } else {
+                let user = self.claim_locks.join(&owner);
+                let Some(_guard) = user.try_lock() else {
+                    continue;
+                };
+                self.sharing.reshape(&owner).await
+            };
+            self.report_reshaped(found);
+        }
+    }
+
+    /// [`Self::reshape_daemon_pods`] for claim `uid` alone, whose lock the caller holds.
+    pub(super) async fn reshape_claim_daemons(&self, uid: &str) {
+        if self
+            .sharing
+            .outdated_daemon_owners()
+            .iter()
+            .any(|o| o == uid)
+        {
+            let found = self.sharing.reshape(uid).await;
+            self.report_reshaped(found);
+        }
+    }
+
+    /// A pod kept for its clients is reported once, as is a failed replacement (the
+    /// supervisor then starts the daemon again in a pod of the current shape).
+    fn report_reshaped(&self, found: Vec<Reshaped>) {
+        for r in found {
+            let note = match &r.outcome {
+                ReshapeOutcome::Replaced => continue,
+                ReshapeOutcome::Busy { clients } => {
+                    if !super::lock(&self.reshape_reported).insert(r.pod.clone()) {
+                        continue;
+                    }
+                    (
+                        "MPSDaemonPodOutdated",
+                        format!(
+                            "MPS daemon pod {} differs from what this plugin version makes ({}); kept while its daemon serves {} client(s), replaced once it serves none. Deleting the pod replaces it now and ends its clients' work.",
+                            r.pod,
+                            r.differences.join(", "),
+                            if *clients == usize::MAX {
+                                "an unknown number of".to_string()
+                            } else {
+                                clients.to_string()
+                            }
+                        ),
+                    )
+                }
+                ReshapeOutcome::Failed(e) => (
+                    "MPSDaemonPodReplaceFailed",
+                    format!(
+                        "replacing MPS daemon pod {} ({}) failed: {e}; the plugin starts its daemon again",
+                        r.pod,
+                        r.differences.join(", ")
+                    ),
+                ),
+            };
+            warn!(pod = %r.pod, daemon = %r.daemon, reason = note.0, "{}", note.1);
+            if let Some(events) = &self.node_events {
+                events.warning(note.0, note.1);
             }
         }
     }
@@ -650,5 +724,99 @@ mod tests {
         );
         assert!(spec_path(&env, NV_STARTED).exists());
         assert!(sharing.calls().contains(&format!("apply {NV_STARTED}")));
+    }
+
+    /// Claims `uid-a` and the shared devices have daemon pods of an older shape, kept for
+    /// their clients; every reshape is recorded.
+    #[derive(Default)]
+    struct OutdatedPods {
+        calls: std::sync::Mutex<Vec<String>>,
+    }
+
+    impl crate::sharing::SharingExecutor for OutdatedPods {
+        fn apply<'a>(
+            &'a self,
+            plan: &'a gpu_dra_core::plan::Plan,
+            group: &'a gpu_dra_core::plan::SharingGroup,
+        ) -> BoxFuture<'a, Result<crate::sharing::Applied, crate::sharing::SharingError>> {
+            crate::testing::ExclusiveOnly.apply(plan, group)
+        }
+
+        fn release<'a>(
+            &'a self,
+            _claim_uid: &'a str,
+            _state: Option<&'a serde_json::Value>,
+        ) -> BoxFuture<'a, Result<(), crate::sharing::SharingError>> {
+            Box::pin(async { Ok(()) })
+        }
+
+        fn release_imported<'a>(
+            &'a self,
+            _claim_uid: &'a str,
+            _imported: &'a gpu_dra_core::checkpoint::Imported,
+        ) -> BoxFuture<'a, Result<(), crate::sharing::SharingError>> {
+            Box::pin(async { Ok(()) })
+        }
+
+        fn outdated_daemon_owners(&self) -> Vec<String> {
+            vec!["uid-a".into(), "memory-shares".into()]
+        }
+
+        fn reshape<'a>(&'a self, owner: &'a str) -> BoxFuture<'a, Vec<crate::sharing::Reshaped>> {
+            self.calls.lock().unwrap().push(owner.to_string());
+            Box::pin(async move {
+                vec![crate::sharing::Reshaped {
+                    daemon: format!("{owner}-0"),
+                    pod: format!("mps-{owner}"),
+                    differences: vec!["serviceAccountName".into()],
+                    outcome: crate::sharing::ReshapeOutcome::Busy { clients: 2 },
+                }]
+            })
+        }
+    }
+
+    #[tokio::test]
+    async fn daemon_pods_of_an_older_shape_are_tried_under_their_claims_lock_and_reported_once() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let sharing = Arc::new(OutdatedPods::default());
+        let events = Arc::new(crate::node_events::RecordedEvents::default());
+        let driver = DriverBuilder::new(dir.path(), a100_inventory(1, 1))
+            .sharing(sharing.clone())
+            .node_events(events.clone())
+            .build()
+            .expect("driver");
+
+        // A prepare or unprepare of uid-a holds its lock: not touched by this pass.
+        let user = driver.claim_locks.join("uid-a");
+        let guard = user.lock().await;
+        driver.reconcile_local().await;
+        assert_eq!(*sharing.calls.lock().unwrap(), vec!["memory-shares"]);
+        drop(guard);
+
+        driver.reconcile_local().await;
+        driver.reconcile_local().await;
+        assert_eq!(
+            *sharing.calls.lock().unwrap(),
+            vec![
+                "memory-shares",
+                "uid-a",
+                "memory-shares",
+                "uid-a",
+                "memory-shares"
+            ]
+        );
+        let events = events.taken();
+        let reasons: Vec<&str> = events.iter().map(|(r, _)| r.as_str()).collect();
+        assert_eq!(
+            reasons,
+            vec!["MPSDaemonPodOutdated", "MPSDaemonPodOutdated"],
+            "once per pod: {events:?}"
+        );
+        assert!(
+            events.iter().any(|(_, note)| note.contains("mps-uid-a")
+                && note.contains("serviceAccountName")
+                && note.contains("2 client(s)")),
+            "{events:?}"
+        );
     }
 }

@@ -24,7 +24,7 @@ use gpu_dra_core::plan::{Plan, SharingGroup};
 use gpu_dra_core::sharing::shared_devices;
 use serde_json::{Value, json};
 
-use super::{SharingError, SharingManager};
+use super::{Reshaped, SharingError, SharingManager};
 
 /// What applying a group's sharing produced.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -59,6 +59,18 @@ pub trait SharingExecutor: Send + Sync {
         claim_uid: &'a str,
         imported: &'a Imported,
     ) -> BoxFuture<'a, Result<(), SharingError>>;
+
+    /// The owners (claim UIDs, or the shared devices' owner) of MPS daemons running in pods
+    /// of an older shape ([`super::reshape`]); none where daemons are not pods.
+    fn outdated_daemon_owners(&self) -> Vec<String> {
+        Vec::new()
+    }
+
+    /// Replaces those of `owner` whose daemons serve no client ([`SharingManager::reshape`]).
+    /// The caller holds the claim's lock.
+    fn reshape<'a>(&'a self, _owner: &'a str) -> BoxFuture<'a, Vec<Reshaped>> {
+        Box::pin(async { Vec::new() })
+    }
 }
 
 /// The wire name of a sharing strategy.
@@ -110,5 +122,13 @@ impl SharingExecutor for SharingManager {
         imported: &'a Imported,
     ) -> BoxFuture<'a, Result<(), SharingError>> {
         Box::pin(async move { self.release_imported(claim_uid, imported).await })
+    }
+
+    fn outdated_daemon_owners(&self) -> Vec<String> {
+        SharingManager::outdated_daemon_owners(self)
+    }
+
+    fn reshape<'a>(&'a self, owner: &'a str) -> BoxFuture<'a, Vec<Reshaped>> {
+        Box::pin(SharingManager::reshape(self, owner))
     }
 }

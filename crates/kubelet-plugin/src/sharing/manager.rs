@@ -31,7 +31,7 @@
 //! "last claim out resets the GPU" decision must not race a new claim setting it). MPS daemons
 //! of different claims start concurrently.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
@@ -40,6 +40,7 @@ use gpu_dra_api::Sharing;
 use gpu_dra_core::cdi::ContainerEdits;
 use gpu_dra_core::sharing::SharedDevice;
 use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
 use super::error::SharingError;
@@ -113,6 +114,9 @@ impl SharingOptions {
 pub struct SharingMetrics {
     /// Crashed MPS control daemons restarted (`gpu_dra_mps_daemon_restarts_total`).
     pub mps_daemon_restarts: Counter,
+    /// Daemon pods of an older shape still running (`gpu_dra_mps_daemon_pods_outdated`): made
+    /// by an earlier version or with other settings, kept while they have clients.
+    pub mps_daemon_pods_outdated: Gauge,
 }
 
 impl SharingMetrics {
@@ -123,6 +127,11 @@ impl SharingMetrics {
             "mps_daemon_restarts",
             "MPS control daemons restarted after they exited unexpectedly",
             self.mps_daemon_restarts.clone(),
+        );
+        registry.register(
+            "mps_daemon_pods_outdated",
+            "MPS daemon pods of an older shape (earlier version or other settings) kept running because they have clients; replaced once they have none",
+            self.mps_daemon_pods_outdated.clone(),
         );
     }
 }
@@ -158,6 +167,9 @@ pub(super) struct Inner {
     /// The claims the driver's checkpoint knows (`None`: not told); recovery releases the
     /// sharing of every other claim.
     pub(super) known_claims: Mutex<Option<BTreeSet<String>>>,
+    /// Daemon pods of another shape than this version makes, by daemon id, with how they
+    /// differ ([`super::reshape`]).
+    pub(super) outdated: Mutex<BTreeMap<String, Vec<String>>>,
 }
 
 impl std::fmt::Debug for SharingManager {
@@ -195,6 +207,7 @@ impl SharingManager {
                 pods: std::sync::OnceLock::new(),
                 pod_watch: std::sync::OnceLock::new(),
                 known_claims: Mutex::new(None),
+                outdated: Mutex::new(BTreeMap::new()),
             }),
         })
     }

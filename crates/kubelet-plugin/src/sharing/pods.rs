@@ -17,7 +17,9 @@
 //! prepare returns.
 //!
 //! - A plugin restart, crash or rolling update leaves the pods untouched; the next plugin
-//!   re-adopts each daemon whose pod exists and answers on its pipe (`recovery`).
+//!   re-adopts each daemon whose pod exists and answers on its pipe (`recovery`). A pod of
+//!   an older shape (an earlier version's, or other account or pull secrets: the
+//!   `mps-pod-shape` digest) is replaced once its daemon serves no client (`reshape`).
 //! - A daemon whose claim is gone is removed by the unprepare, by the plugin's periodic
 //!   cleanup of claims gone from the API server, and at start (pods on this node that no
 //!   record owns are deleted), so also when the claim went while the plugin was down.
@@ -73,6 +75,11 @@ pub const DAEMON_ID_ANNOTATION: &str = "resource.nvidia.com/mps-daemon-id";
 /// Annotation with a digest of the daemon container, to tell a pod for other devices or
 /// limits from the one wanted.
 pub const SPEC_ANNOTATION: &str = "resource.nvidia.com/mps-spec";
+/// Annotation with a digest of the whole pod as the plugin makes it (account, pull settings,
+/// volumes, everything): a running pod of another shape was made by an earlier version or
+/// with other settings, and is replaced once no client would lose its work
+/// ([`super::reshape`]).
+pub const SHAPE_ANNOTATION: &str = "resource.nvidia.com/mps-pod-shape";
 /// Name of the daemon's container.
 pub const CONTAINER: &str = "mps-control-daemon";
 
@@ -303,8 +310,8 @@ impl PodDaemons {
         }
     }
 
-    /// Daemon pods on this node: `(pod name, daemon id)`.
-    pub async fn list(&self) -> Result<Vec<(String, String)>, SharingError> {
+    /// Daemon pods on this node: `(pod name, daemon id, pod)`.
+    pub async fn list(&self) -> Result<Vec<(String, String, Pod)>, SharingError> {
         let params = ListParams::default()
             .labels(&format!("app.kubernetes.io/component={COMPONENT}"))
             .fields(&format!("spec.nodeName={}", self.settings.node));
@@ -317,11 +324,24 @@ impl PodDaemons {
             .items
             .into_iter()
             .filter_map(|p| {
-                let name = p.metadata.name?;
-                let id = p.metadata.annotations?.get(DAEMON_ID_ANNOTATION)?.clone();
-                Some((name, id))
+                let name = p.metadata.name.clone()?;
+                let id = p
+                    .metadata
+                    .annotations
+                    .as_ref()?
+                    .get(DAEMON_ID_ANNOTATION)?
+                    .clone();
+                Some((name, id, p))
             })
             .collect())
+    }
+
+    /// The daemon pod `name`, when it exists.
+    pub async fn get(&self, name: &str) -> Result<Option<Pod>, SharingError> {
+        self.api
+            .get_opt(name)
+            .await
+            .map_err(|e| api_error("reading", name, e))
     }
 }
 
@@ -443,7 +463,7 @@ pub fn daemon_pod(
         }),
         ..Volume::default()
     };
-    Ok(Pod {
+    let mut pod = Pod {
         metadata: ObjectMeta {
             name: Some(pod_name(record)),
             namespace: Some(settings.namespace.clone()),
@@ -497,7 +517,108 @@ pub fn daemon_pod(
             ..PodSpec::default()
         }),
         status: None,
-    })
+    };
+    // Everything above, so a pod of any other shape (another account, other pull secrets,
+    // mounts written otherwise by an earlier version) is told apart.
+    let shape = sha256_hex(
+        serde_json::to_string(&(&pod.metadata.labels, &pod.spec))
+            .unwrap_or_default()
+            .as_bytes(),
+    );
+    if let Some(a) = pod.metadata.annotations.as_mut() {
+        a.insert(SHAPE_ANNOTATION.into(), shape);
+    }
+    Ok(pod)
+}
+
+/// How the running pod `old` differs from `new`, the pod this version makes for the same
+/// daemon: `None` when it has the same shape. Otherwise the fields that differ, among those
+/// the API server does not fill in by itself, or, when none of those does (a pod of an
+/// earlier version, without the shape digest), that it was made by an earlier version.
+pub fn shape_differences(old: &Pod, new: &Pod) -> Option<Vec<String>> {
+    let shape = |p: &Pod| {
+        p.metadata
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get(SHAPE_ANNOTATION).cloned())
+    };
+    if shape(old).is_some() && shape(old) == shape(new) {
+        return None;
+    }
+    let (Some(o), Some(n)) = (old.spec.as_ref(), new.spec.as_ref()) else {
+        return Some(vec!["spec".into()]);
+    };
+    let mut out = Vec::new();
+    let mut differs = |field: &str, a: serde_json::Value, b: serde_json::Value| {
+        if a != b {
+            out.push(field.to_string());
+        }
+    };
+    use serde_json::json;
+    let account = |s: &PodSpec| {
+        s.service_account_name
+            .clone()
+            .filter(|a| !a.is_empty())
+            .unwrap_or_else(|| "default".into())
+    };
+    differs("serviceAccountName", json!(account(o)), json!(account(n)));
+    differs(
+        "automountServiceAccountToken",
+        json!(o.automount_service_account_token.unwrap_or(true)),
+        json!(n.automount_service_account_token.unwrap_or(true)),
+    );
+    differs(
+        "imagePullSecrets",
+        json!(o.image_pull_secrets.clone().unwrap_or_default()),
+        json!(n.image_pull_secrets.clone().unwrap_or_default()),
+    );
+    differs(
+        "priorityClassName",
+        json!(o.priority_class_name.clone().unwrap_or_default()),
+        json!(n.priority_class_name.clone().unwrap_or_default()),
+    );
+    differs(
+        "hostNetwork, hostPID, hostIPC",
+        json!([o.host_network, o.host_pid, o.host_ipc].map(|v| v.unwrap_or(false))),
+        json!([n.host_network, n.host_pid, n.host_ipc].map(|v| v.unwrap_or(false))),
+    );
+    let volumes = |s: &PodSpec| {
+        s.volumes
+            .iter()
+            .flatten()
+            .map(|v| json!([v.name, v.host_path.as_ref().map(|h| &h.path)]))
+            .collect::<Vec<_>>()
+    };
+    differs("volumes", json!(volumes(o)), json!(volumes(n)));
+    let container = |s: &PodSpec| s.containers.iter().find(|c| c.name == CONTAINER).cloned();
+    match (container(o), container(n)) {
+        (Some(oc), Some(nc)) => {
+            differs("image", json!(oc.image), json!(nc.image));
+            if nc.image_pull_policy.is_some() {
+                differs(
+                    "imagePullPolicy",
+                    json!(oc.image_pull_policy),
+                    json!(nc.image_pull_policy),
+                );
+            }
+            differs("command", json!(oc.command), json!(nc.command));
+            differs("args", json!(oc.args), json!(nc.args));
+            differs("env", json!(oc.env), json!(nc.env));
+            let mounts = |c: &Container| {
+                c.volume_mounts
+                    .iter()
+                    .flatten()
+                    .map(|m| json!([m.name, m.mount_path, m.read_only.unwrap_or(false)]))
+                    .collect::<Vec<_>>()
+            };
+            differs("volumeMounts", json!(mounts(&oc)), json!(mounts(&nc)));
+        }
+        _ => out.push(format!("container {CONTAINER}")),
+    }
+    if out.is_empty() {
+        out.push("made by an earlier version of the plugin".into());
+    }
+    Some(out)
 }
 
 #[cfg(test)]
@@ -739,5 +860,56 @@ mod tests {
         let env = env_of(&pod);
         assert!(!env.contains_key("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"));
         assert!(!env.contains_key("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"));
+    }
+
+    #[test]
+    fn a_pod_of_another_shape_is_told_apart_by_what_differs() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (root, rec) = (root(tmp.path()), record(tmp.path()));
+        let now = daemon_pod(&settings(), &root, "id", &rec).unwrap();
+        assert_eq!(shape_differences(&now, &now.clone()), None);
+
+        // Made with other settings by this version: the fields that differ are named.
+        let other = PodSettings {
+            service_account: String::new(),
+            image_pull_secrets: vec!["registry-a".into()],
+            priority_class: String::new(),
+            ..settings()
+        };
+        let before = daemon_pod(&other, &root, "id", &rec).unwrap();
+        assert_eq!(
+            shape_differences(&before, &now),
+            Some(vec![
+                "serviceAccountName".to_string(),
+                "imagePullSecrets".to_string(),
+                "priorityClassName".to_string(),
+            ])
+        );
+
+        // An earlier version's pod: no shape digest, the driver root mounted read-write.
+        let mut earlier = now.clone();
+        earlier
+            .metadata
+            .annotations
+            .as_mut()
+            .unwrap()
+            .remove(SHAPE_ANNOTATION);
+        assert_eq!(
+            shape_differences(&earlier, &now),
+            Some(vec!["made by an earlier version of the plugin".to_string()])
+        );
+        earlier.spec.as_mut().unwrap().containers[0]
+            .volume_mounts
+            .as_mut()
+            .unwrap()[0]
+            .read_only = None;
+        earlier.spec.as_mut().unwrap().host_pid = Some(true);
+        assert_eq!(
+            shape_differences(&earlier, &now),
+            Some(vec![
+                "hostNetwork, hostPID, hostIPC".to_string(),
+                "volumeMounts".to_string()
+            ])
+        );
     }
 }

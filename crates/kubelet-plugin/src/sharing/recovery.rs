@@ -175,8 +175,12 @@ impl SharingManager {
         if let Some(pods) = inner.pods.get() {
             match pods.list().await {
                 Ok(found) => {
-                    for (name, id) in found {
-                        if lock(&inner.state).mps.contains_key(&id) {
+                    for (name, id, pod) in found {
+                        let record = lock(&inner.state).mps.get(&id).cloned();
+                        if let Some(record) = record {
+                            // Made by an earlier version or with other settings: replaced
+                            // once no client would lose its work (`reshape`).
+                            inner.note_shape(pods, &id, &record, &pod);
                             continue;
                         }
                         warn!(pod = %name, daemon = %id, "deleting MPS daemon pod nothing records");
