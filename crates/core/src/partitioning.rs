@@ -153,6 +153,15 @@ impl Partitioning {
         }
     }
 
+    /// These settings without anything that needs partitionable devices (dynamic MIG off):
+    /// what the node offers while the API server drops shared counters.
+    pub fn without_partitionable_devices(self) -> Partitioning {
+        Partitioning {
+            dynamic_mig: GpuSelection::None,
+            ..self
+        }
+    }
+
     /// GPUs selected for both modes (offered statically): for warnings.
     pub fn conflicts<'a>(&self, inventory: &'a Inventory) -> Vec<&'a Gpu> {
         inventory

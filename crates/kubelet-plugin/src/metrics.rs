@@ -53,6 +53,9 @@ pub struct Metrics {
     pub usage: crate::usage::UsageMetrics,
     /// The series under NVIDIA's names.
     pub nvidia: NvidiaMetrics,
+    /// DRA features the API server drops from our slices (`gpu_dra_api_feature_missing`, 1
+    /// per feature gate found off; see [`crate::publish::features`]).
+    pub api_feature_missing: Family<Labels, Gauge>,
     /// The HTTP path the metrics are served at (`--metrics-path`); `None`: not served.
     path: Option<String>,
 }
@@ -116,6 +119,12 @@ impl Metrics {
             "Devices prepared on this node",
             prepared_devices.clone(),
         );
+        let api_feature_missing = Family::<Labels, Gauge>::default();
+        ours.register(
+            "api_feature_missing",
+            "1 for each DRA feature gate whose ResourceSlice fields the API server drops (the node then offers what it can without it)",
+            api_feature_missing.clone(),
+        );
         let sharing = crate::sharing::SharingMetrics::default();
         sharing.register(ours);
         let usage = crate::usage::UsageMetrics::default();
@@ -124,6 +133,7 @@ impl Metrics {
         nvidia.register(registry.sub_registry_with_prefix("nvidia_dra"));
         Metrics {
             registry,
+            api_feature_missing,
             sharing,
             usage,
             requests,

@@ -551,6 +551,13 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         ));
     }
     let claim_status = claim_status_writer(&args, client.as_ref());
+    let node_events = client.as_ref().map(|c| {
+        crate::node_events::KubeNodeEvents::start(
+            c.clone(),
+            &args.node_name,
+            format!("{}-kubelet-plugin", args.driver_name),
+        ) as Arc<dyn crate::node_events::NodeEvents>
+    });
     // The driver loads (migrates, imports) its checkpoint before sharing recovers, so that
     // recovery knows which MPS directories NVIDIA's driver owns.
     let driver = Arc::new(Driver::new(DriverParts {
@@ -569,13 +576,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         metrics: metrics.clone(),
         mig: backends.mig.clone(),
         claim_status,
-        node_events: client.as_ref().map(|c| {
-            crate::node_events::KubeNodeEvents::start(
-                c.clone(),
-                &args.node_name,
-                format!("{}-kubelet-plugin", args.driver_name),
-            ) as Arc<dyn crate::node_events::NodeEvents>
-        }),
+        node_events: node_events.clone(),
     })?);
     // Sharing state is recovered before the driver reconciles: live MPS daemons of prepared
     // claims are re-adopted (or restarted), interrupted starts and stops are cleaned up, and
@@ -683,6 +684,10 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         config.rediscover_interval = Duration::from_secs(args.rediscover_interval_seconds.max(1));
         config.partitioning = partitioning_flags.clone();
         config.list_attributes = args.list_type_attributes;
+        config.features = crate::publish::features::Reporter::new(
+            node_events.clone(),
+            metrics.api_feature_missing.clone(),
+        );
         let live = live.clone();
         let mut stop = publisher_stopped.clone();
         tokio::spawn(async move {

@@ -85,6 +85,9 @@ pub struct DiffParams<'a> {
     /// Publish the list-type forms of attributes ([`gpu_dra_core::list_forms`]; the plugin's
     /// `--list-type-attributes`).
     pub list_attributes: bool,
+    /// The API server drops device taints: devices with a taint are left out of the slices
+    /// instead ([`super::features`]).
+    pub withhold_tainted: bool,
 }
 
 /// Decides the operations that turn `observed` (our pool's slices on the server) into the
@@ -100,13 +103,21 @@ pub fn diff(
             driver_name: params.driver_name,
             generation,
         };
+        let no_taints = BTreeMap::new();
         let mut rendered = gpu_dra_core::partitioning::render(
             inventory,
             &slice_params,
-            params.taints,
+            if params.withhold_tainted {
+                &no_taints
+            } else {
+                params.taints
+            },
             params.partitioning,
             params.dynamic_mig_devices,
         );
+        if params.withhold_tainted {
+            withhold(&mut rendered.slices, params.taints);
+        }
         if params.list_attributes {
             gpu_dra_core::list_forms::apply(&mut rendered, inventory, &slice_params);
         }
@@ -218,18 +229,13 @@ fn owned_by(slice: &ResourceSlice, owner: &OwnerReference) -> bool {
         })
 }
 
-/// Whether the API server dropped the consumable-capacity fields of `sent` (a device with
-/// `allowMultipleAllocations: true`) from what it stored (`got`): it does so for every device
-/// when its `DRAConsumableCapacity` feature gate is off.
-pub fn dropped_consumable_capacity(sent: &ResourceSlice, got: &ResourceSlice) -> bool {
-    let multiple = |s: &ResourceSlice| {
-        s.spec
-            .devices
-            .iter()
-            .flatten()
-            .any(|d| d.allow_multiple_allocations == Some(true))
-    };
-    multiple(sent) && !multiple(got)
+/// Leaves the devices with a taint out of `slices` (where the server cannot keep taints).
+fn withhold(slices: &mut [ResourceSlice], taints: &BTreeMap<String, Vec<Taint>>) {
+    for s in slices {
+        if let Some(devices) = s.spec.devices.as_mut() {
+            devices.retain(|d| taints.get(&d.name).is_none_or(Vec::is_empty));
+        }
+    }
 }
 
 /// Whether `observed` carries the list values of `desired` ([`list_forms::ANNOTATION`]): the
@@ -311,6 +317,7 @@ mod tests {
             partitioning: &STATIC,
             dynamic_mig_devices: &NO_DYNAMIC_DEVICES,
             list_attributes: false,
+            withhold_tainted: false,
         }
     }
 
@@ -629,33 +636,49 @@ mod tests {
     }
 
     #[test]
-    fn a_server_without_consumable_capacity_is_noticed_from_what_it_stored() {
-        let partitioning = Partitioning {
-            memory_shares: gpu_dra_core::partitioning::GpuSelection::All,
-            ..Partitioning::default()
+    fn where_taints_are_not_kept_a_tainted_device_is_withheld() {
+        let o = owner();
+        let taints = BTreeMap::from([(
+            "gpu-0".to_string(),
+            vec![Taint {
+                key: "gpu.nvidia.com/xid".into(),
+                value: Some("79".into()),
+                effect: gpu_dra_core::health::TaintEffect::NoExecute,
+                since: 0,
+            }],
+        )]);
+        let names = |d: &SliceDiff| -> Vec<(String, bool)> {
+            d.ops
+                .iter()
+                .filter_map(|op| match op {
+                    Op::Create(s) => s.spec.devices.clone(),
+                    _ => None,
+                })
+                .flatten()
+                .map(|d| (d.name, d.taints.is_some_and(|t| !t.is_empty())))
+                .collect()
         };
-        let sent = gpu_dra_core::partitioning::render(
-            &inventory(1),
-            &SliceParams {
-                node_name: "node-a",
-                driver_name: "gpu.nvidia.com",
-                generation: 1,
+        let tainted = DiffParams {
+            taints: &taints,
+            ..params(&o, 0)
+        };
+        let published = names(&diff(&inventory(2), &tainted, &[]));
+        assert!(
+            published.contains(&("gpu-0".to_string(), true)),
+            "{published:?}"
+        );
+        let withheld = names(&diff(
+            &inventory(2),
+            &DiffParams {
+                withhold_tainted: true,
+                ..tainted
             },
-            &BTreeMap::new(),
-            &partitioning,
-            &BTreeSet::new(),
-        )
-        .slices
-        .remove(0);
-        assert!(!dropped_consumable_capacity(&sent, &sent));
-        let mut stored = sent.clone();
-        for d in stored.spec.devices.iter_mut().flatten() {
-            d.allow_multiple_allocations = None;
-            for c in d.capacity.iter_mut().flat_map(|c| c.values_mut()) {
-                c.request_policy = None;
-            }
-        }
-        assert!(dropped_consumable_capacity(&sent, &stored));
-        assert!(!same_spec(&stored.spec, &sent.spec));
+            &[],
+        ));
+        assert!(!withheld.iter().any(|(n, _)| n == "gpu-0"), "{withheld:?}");
+        assert!(
+            withheld.iter().any(|(n, t)| n == "gpu-1" && !t),
+            "{withheld:?}"
+        );
     }
 }

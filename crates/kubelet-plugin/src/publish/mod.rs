@@ -18,6 +18,7 @@
 //! schedulable, and the kubelet removes a driver's slices itself once no plugin is left.
 
 pub mod diff;
+pub mod features;
 pub mod node_watch;
 
 use std::future::Future;
@@ -63,6 +64,8 @@ pub struct PublisherConfig {
     /// Publish list-type forms of attributes (`--list-type-attributes`; the cluster needs
     /// `DRAListTypeAttributes`).
     pub list_attributes: bool,
+    /// Where findings about the API server's DRA features go ([`features`]).
+    pub features: features::Reporter,
 }
 
 impl PublisherConfig {
@@ -78,6 +81,7 @@ impl PublisherConfig {
             status: None,
             partitioning: Partitioning::default(),
             list_attributes: false,
+            features: features::Reporter::default(),
         }
     }
 
@@ -132,6 +136,10 @@ pub enum PublishError {
     /// A slice with list-type attributes could not be written as JSON.
     #[error(transparent)]
     ListForm(#[from] gpu_dra_core::list_forms::ListFormError),
+    /// The API server dropped a feature's fields from a real write (what the dry run did not
+    /// show): the slices are rendered again without it at the retry.
+    #[error("the API server dropped fields of a ResourceSlice write; rendering again without them")]
+    FeaturesUnsettled,
 }
 
 fn api_err(action: impl Into<String>) -> impl FnOnce(kube::Error) -> PublishError {
@@ -183,6 +191,14 @@ pub async fn run(
     live: Arc<LiveInventory>,
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), PublishError> {
+    // For messages only: which release drops what (a server that cannot say is fine).
+    let server_version = match client.apiserver_version().await {
+        Ok(v) => Some(v.git_version),
+        Err(e) => {
+            tracing::debug!(error = %e, "cannot read the API server's version");
+            None
+        }
+    };
     let slices: Api<ResourceSlice> = Api::all(client.clone());
     let nodes: Api<Node> = Api::all(client);
     let events = watcher::watcher(
@@ -201,8 +217,9 @@ pub async fn run(
     let mut snapshots = live.subscribe();
     let mut rendered: Option<Snapshot> = None;
     let mut last_generation = 0i64;
-    // Set once the API server drops consumable-capacity fields (DRAConsumableCapacity off).
-    let mut capacity_dropped = false;
+    // What the API server keeps of our slices ([`features`]), forgotten every RECHECK.
+    let mut served = features::ServedFeatures::default();
+    let mut learnt_since = Instant::now();
     let mut need_discovery = true;
     let mut dirty = false;
     let mut retry_at: Option<Instant> = None;
@@ -252,6 +269,13 @@ pub async fn run(
         if retry_at.is_some() {
             continue;
         }
+        if learnt_since.elapsed() >= features::RECHECK {
+            // A gate turned on since is found by the next write's dry run.
+            learnt_since = Instant::now();
+            if served.forget() {
+                dirty = true;
+            }
+        }
 
         let result: Result<Option<(i64, usize)>, PublishError> = async {
             if need_discovery {
@@ -272,7 +296,10 @@ pub async fn run(
                 &live,
                 &snapshot,
                 last_generation,
-                &mut capacity_dropped,
+                &mut Learning {
+                    served: &mut served,
+                    server_version: server_version.as_deref(),
+                },
             )
             .await?;
             last_generation = last_generation.max(generation);
@@ -337,12 +364,17 @@ fn send_status(config: &PublisherConfig, f: impl FnOnce(&mut PublishStatus)) {
     }
 }
 
+/// What the publisher knows of the API server's features, and its version for messages.
+struct Learning<'a> {
+    served: &'a mut features::ServedFeatures,
+    server_version: Option<&'a str>,
+}
+
 /// One reconcile: read the Node and our slices, diff, apply. Returns the pool generation.
 ///
-/// `capacity_dropped` is set when the API server dropped the consumable-capacity fields of a
-/// slice we wrote (its `DRAConsumableCapacity` feature gate is off): from then on memory-share
-/// GPUs are offered statically, as the server already shows them, instead of rewriting the
-/// slices forever (a restart of the plugin tries again).
+/// A write that carries a feature's fields the server has not been seen to keep or drop is
+/// made as a dry run first ([`features`]); when the server drops a feature, the slices are
+/// rendered again with its fallback before anything is written.
 async fn reconcile(
     slices: &Api<ResourceSlice>,
     nodes: &Api<Node>,
@@ -350,7 +382,7 @@ async fn reconcile(
     live: &LiveInventory,
     snapshot: &Snapshot,
     last_generation: i64,
-    capacity_dropped: &mut bool,
+    learning: &mut Learning<'_>,
 ) -> Result<i64, PublishError> {
     let node = nodes
         .get(&config.node_name)
@@ -361,16 +393,10 @@ async fn reconcile(
         .uid
         .clone()
         .ok_or_else(|| PublishError::NodeWithoutUid(config.node_name.clone()))?;
-    let partitioning = node_partitioning(&config.partitioning, &node);
-    for gpu in partitioning.conflicts(&snapshot.inventory) {
+    let wanted = node_partitioning(&config.partitioning, &node);
+    for gpu in wanted.conflicts(&snapshot.inventory) {
         tracing::warn!(gpu = %gpu.uuid, "GPU selected for both dynamic MIG and memory shares; offered statically");
     }
-    let partitioning = if *capacity_dropped {
-        partitioning.without_consumable_capacity()
-    } else {
-        partitioning
-    };
-    live.set_partitioning(partitioning.clone());
     let owner = OwnerReference {
         api_version: "v1".into(),
         kind: "Node".into(),
@@ -388,23 +414,138 @@ async fn reconcile(
         // The field selector cannot match the pool name; other pools are not ours to touch.
         .filter(|s| s.spec.pool.name == config.node_name)
         .collect();
-    let diff = diff::diff(
-        &snapshot.inventory,
-        &DiffParams {
-            node_name: &config.node_name,
-            driver_name: &config.driver_name,
-            owner: &owner,
-            last_generation,
-            taints: &snapshot.health.taints,
-            partitioning: &partitioning,
-            dynamic_mig_devices: &snapshot.dynamic_mig_devices,
-            list_attributes: config.list_attributes,
-        },
-        &observed,
-    );
-    if diff.ops.is_empty() {
+    // At most once per feature: each round either learns a feature or writes.
+    for _ in 0..=features::Feature::ALL.len() {
+        let served = &*learning.served;
+        let mut partitioning = wanted.clone();
+        if served.is_missing(features::Feature::ConsumableCapacity) {
+            partitioning = partitioning.without_consumable_capacity();
+        }
+        if served.is_missing(features::Feature::PartitionableDevices) {
+            partitioning = partitioning.without_partitionable_devices();
+        }
+        live.set_partitioning(partitioning.clone());
+        let diff = diff::diff(
+            &snapshot.inventory,
+            &DiffParams {
+                node_name: &config.node_name,
+                driver_name: &config.driver_name,
+                owner: &owner,
+                last_generation,
+                taints: &snapshot.health.taints,
+                partitioning: &partitioning,
+                dynamic_mig_devices: &snapshot.dynamic_mig_devices,
+                list_attributes: config.list_attributes,
+                withhold_tainted: served.is_missing(features::Feature::DeviceTaints),
+            },
+            &observed,
+        );
+        if diff.ops.is_empty() {
+            return Ok(diff.generation);
+        }
+        if dry_run(slices, &diff.ops, config, learning).await? {
+            continue;
+        }
+        apply(slices, &diff, config, learning).await?;
         return Ok(diff.generation);
     }
+    // Every feature learnt and still dropped: cannot happen, since a missing feature's fields
+    // are no longer sent; said rather than looped on.
+    Err(PublishError::FeaturesUnsettled)
+}
+
+fn post_params(dry_run: bool) -> PostParams {
+    PostParams {
+        field_manager: Some("gpu-kubelet-plugin".into()),
+        dry_run,
+    }
+}
+
+/// Writes `op` (a create or an update; `None` for a delete), as a dry run or for real, and
+/// returns what was sent and what the server answered, as JSON.
+async fn write(
+    slices: &Api<ResourceSlice>,
+    op: &Op,
+    dry_run: bool,
+) -> Result<Option<(serde_json::Value, serde_json::Value)>, PublishError> {
+    let pp = post_params(dry_run);
+    let (slice, create) = match op {
+        Op::Create(s) => (s, true),
+        Op::Update(s) => (s, false),
+        Op::Delete { .. } => return Ok(None),
+    };
+    let verb = if create { "creating" } else { "updating" };
+    let action = format!(
+        "{}{verb} ResourceSlice {}",
+        if dry_run { "dry run of " } else { "" },
+        op.name()
+    );
+    let to_json = |e| PublishError::Api {
+        action: action.clone(),
+        source: kube::Error::SerdeError(e),
+    };
+    if has_lists(slice) {
+        let sent = as_dynamic(slice)?;
+        let raw = raw_slices(slices);
+        let got = if create {
+            raw.create(&pp, &sent).await
+        } else {
+            raw.replace(op.name(), &pp, &sent).await
+        }
+        .map_err(api_err(action.clone()))?;
+        let sent = serde_json::to_value(&sent).map_err(to_json)?;
+        let got = serde_json::to_value(&got).map_err(to_json)?;
+        return Ok(Some((sent, got)));
+    }
+    let got = if create {
+        slices.create(&pp, slice).await
+    } else {
+        slices.replace(op.name(), &pp, slice).await
+    }
+    .map_err(api_err(action.clone()))?;
+    let sent = serde_json::to_value(slice).map_err(to_json)?;
+    let got = serde_json::to_value(&got).map_err(to_json)?;
+    Ok(Some((sent, got)))
+}
+
+/// Dry runs of the writes that carry a feature this server has not been seen to keep or
+/// drop; returns whether a feature was found missing (then nothing is written and the
+/// slices are rendered again).
+async fn dry_run(
+    slices: &Api<ResourceSlice>,
+    ops: &[Op],
+    config: &PublisherConfig,
+    learning: &mut Learning<'_>,
+) -> Result<bool, PublishError> {
+    let before: Vec<features::Feature> = learning.served.missing.keys().copied().collect();
+    for op in ops {
+        let used = match op {
+            Op::Create(s) | Op::Update(s) => {
+                let json = serde_json::to_value(s).unwrap_or_default();
+                features::compare(&json, &json).used
+            }
+            Op::Delete { .. } => continue,
+        };
+        if !learning.served.needs_dry_run(&used) {
+            continue;
+        }
+        if let Some((sent, got)) = write(slices, op, true).await? {
+            learning.served.learn(&features::compare(&sent, &got));
+        }
+    }
+    config
+        .features
+        .changed(learning.served, learning.server_version);
+    Ok(learning.served.missing.keys().any(|f| !before.contains(f)))
+}
+
+/// Applies the operations of `diff`; what each real write kept is learnt as well.
+async fn apply(
+    slices: &Api<ResourceSlice>,
+    diff: &diff::SliceDiff,
+    config: &PublisherConfig,
+    learning: &mut Learning<'_>,
+) -> Result<(), PublishError> {
     for w in &diff.warnings {
         tracing::warn!(device = %w.device, field = %w.field, reason = %w.reason, "attribute left out of the ResourceSlice");
     }
@@ -413,40 +554,19 @@ async fn reconcile(
         ops = diff.ops.len(),
         "updating ResourceSlices"
     );
-    let pp = PostParams {
-        field_manager: Some("gpu-kubelet-plugin".into()),
-        ..PostParams::default()
-    };
+    let before: Vec<features::Feature> = learning.served.missing.keys().copied().collect();
     for op in &diff.ops {
         match op {
-            Op::Create(s) => {
-                let action = format!("creating ResourceSlice {}", op.name());
-                let got = if has_lists(s) {
-                    let raw = raw_slices(slices)
-                        .create(&pp, &as_dynamic(s)?)
-                        .await
-                        .map_err(api_err(action.clone()))?;
-                    typed(raw).map_err(api_err(action))?
-                } else {
-                    slices.create(&pp, s).await.map_err(api_err(action))?
-                };
-                note_dropped_capacity(s, &got, capacity_dropped);
-            }
-            Op::Update(s) => {
-                let action = format!("updating ResourceSlice {}", op.name());
-                let got = if has_lists(s) {
-                    let raw = raw_slices(slices)
-                        .replace(op.name(), &pp, &as_dynamic(s)?)
-                        .await
-                        .map_err(api_err(action.clone()))?;
-                    typed(raw).map_err(api_err(action))?
-                } else {
-                    slices
-                        .replace(op.name(), &pp, s)
-                        .await
-                        .map_err(api_err(action))?
-                };
-                note_dropped_capacity(s, &got, capacity_dropped);
+            Op::Create(_) | Op::Update(_) => {
+                if let Some((sent, got)) = write(slices, op, false).await? {
+                    let kept = features::compare(&sent, &got);
+                    for (feature, paths) in &kept.dropped {
+                        if feature.is_none() {
+                            tracing::warn!(slice = %op.name(), fields = %paths.join(", "), "the API server dropped fields of the ResourceSlice");
+                        }
+                    }
+                    learning.served.learn(&kept);
+                }
             }
             Op::Delete {
                 name,
@@ -468,7 +588,15 @@ async fn reconcile(
         }
         tracing::debug!(slice = %op.name(), "applied");
     }
-    Ok(diff.generation)
+    config
+        .features
+        .changed(learning.served, learning.server_version);
+    if learning.served.missing.keys().any(|f| !before.contains(f)) {
+        // Found only now (another server answered the dry run): written as it was; the next
+        // reconcile renders without it.
+        return Err(PublishError::FeaturesUnsettled);
+    }
+    Ok(())
 }
 
 /// Whether `slice` carries list-type attributes, which the typed client cannot send.
@@ -497,23 +625,6 @@ fn as_dynamic(slice: &ResourceSlice) -> Result<DynamicObject, PublishError> {
             source,
         })
     })
-}
-
-/// What the server answered, read as the typed slice (lists read as empty attributes).
-fn typed(raw: DynamicObject) -> Result<ResourceSlice, kube::Error> {
-    serde_json::to_value(raw)
-        .and_then(serde_json::from_value)
-        .map_err(kube::Error::SerdeError)
-}
-
-fn note_dropped_capacity(sent: &ResourceSlice, got: &ResourceSlice, dropped: &mut bool) {
-    if !*dropped && diff::dropped_consumable_capacity(sent, got) {
-        *dropped = true;
-        tracing::warn!(
-            slice = %sent.metadata.name.as_deref().unwrap_or_default(),
-            "the API server dropped allowMultipleAllocations and requestPolicy (feature gate DRAConsumableCapacity is off): memory-share GPUs and consumable shares are published as single-allocation devices until the gate is on and the plugin restarts"
-        );
-    }
 }
 
 #[cfg(test)]

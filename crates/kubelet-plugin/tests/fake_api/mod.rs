@@ -52,6 +52,11 @@ struct State {
     writes: u64,
     on_create: Option<Hook>,
     on_delete: Option<Hook>,
+    /// Run on every object written through the API (create and replace, dry runs too), as a
+    /// server drops the fields of a disabled feature gate.
+    on_write: Option<Hook>,
+    /// What `GET /version` answers (`None`: 404).
+    version: Option<String>,
 }
 
 #[derive(Clone)]
@@ -194,6 +199,19 @@ impl FakeApi {
         self.lock().on_create = Some(Arc::new(hook));
     }
 
+    /// Runs `hook` on every object written through the API, before it is stored or (for a dry
+    /// run, `dryRun=All`) answered: as an API server drops the fields of a disabled feature.
+    #[allow(dead_code)]
+    pub fn on_write(&self, hook: impl Fn(&mut Value) + Send + Sync + 'static) {
+        self.lock().on_write = Some(Arc::new(hook));
+    }
+
+    /// Answers `GET /version` with `git_version`.
+    #[allow(dead_code)]
+    pub fn set_version(&self, git_version: &str) {
+        self.lock().version = Some(git_version.to_string());
+    }
+
     /// Runs `hook` on every object deleted, through the API or by [`Self::remove`].
     pub fn on_delete(&self, hook: impl Fn(&mut Value) + Send + Sync + 'static) {
         self.lock().on_delete = Some(Arc::new(hook));
@@ -324,6 +342,18 @@ impl FakeApi {
         if s.down {
             return Ok(status(503, "ServiceUnavailable"));
         }
+        if path == "/version" && method == "GET" {
+            return Ok(match &s.version {
+                Some(v) => reply(
+                    StatusCode::OK,
+                    &json!({"major": "1", "minor": "", "gitVersion": v, "gitCommit": "",
+                            "gitTreeState": "clean", "buildDate": "", "goVersion": "",
+                            "compiler": "gc", "platform": "linux/amd64"}),
+                ),
+                None => status(404, "NotFound"),
+            });
+        }
+        let dry_run = params.get("dryRun").is_some_and(|d| d == "All");
         let found = s.collections.keys().find_map(|c| {
             if path == *c {
                 Some((c.clone(), None))
@@ -397,6 +427,12 @@ impl FakeApi {
                     return Ok(status(409, "AlreadyExists"));
                 }
                 obj["metadata"]["uid"] = Value::Null;
+                if let Some(hook) = s.on_write.clone() {
+                    hook(&mut obj);
+                }
+                if dry_run {
+                    return Ok(reply(StatusCode::CREATED, &obj));
+                }
                 if let Some(hook) = s.on_create.clone() {
                     drop(s);
                     hook(&mut obj);
@@ -417,6 +453,12 @@ impl FakeApi {
                     return Ok(status(409, "Conflict"));
                 }
                 obj["metadata"]["uid"] = old["metadata"]["uid"].clone();
+                if let Some(hook) = s.on_write.clone() {
+                    hook(&mut obj);
+                }
+                if dry_run {
+                    return Ok(reply(StatusCode::OK, &obj));
+                }
                 self.store(&mut s, &collection, &mut obj);
                 self.emit(&mut s, &collection, "MODIFIED", obj.clone());
                 s.writes += 1;
