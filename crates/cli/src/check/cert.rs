@@ -78,9 +78,9 @@ fn verify(
                 rustls::Error::InvalidCertificate(
                     C::NotValidForName | C::NotValidForNameContext { .. },
                 ) => format!("it does not name {dns_name}"),
-                rustls::Error::InvalidCertificate(
-                    C::UnknownIssuer | C::BadSignature,
-                ) => "it is not signed by the caBundle's CA".to_owned(),
+                rustls::Error::InvalidCertificate(C::UnknownIssuer | C::BadSignature) => {
+                    "it is not signed by the caBundle's CA".to_owned()
+                }
                 other => other.to_string(),
             };
             format!("the API server would refuse the serving certificate: {why} ({e:?})")
@@ -219,16 +219,36 @@ pub(crate) mod tests {
     fn expired_wrong_name_and_wrong_ca_are_refused() {
         let (ca, serving) = ca_and_serving("svc.ns.svc", (2025, 1, 1), (2026, 1, 1));
         let v = judge(serving.as_bytes(), ca.as_bytes(), "svc.ns.svc", JUNE_2026);
-        assert!(v.problem.as_deref().unwrap().contains("it has expired"), "{v:?}");
+        assert!(
+            v.problem.as_deref().unwrap().contains("it has expired"),
+            "{v:?}"
+        );
 
         let (ca, serving) = ca_and_serving("other.ns.svc", (2026, 1, 1), (2026, 7, 1));
         let v = judge(serving.as_bytes(), ca.as_bytes(), "svc.ns.svc", JUNE_2026);
-        assert!(v.problem.as_deref().unwrap().contains("does not name svc.ns.svc"), "{v:?}");
+        assert!(
+            v.problem
+                .as_deref()
+                .unwrap()
+                .contains("does not name svc.ns.svc"),
+            "{v:?}"
+        );
 
         let (_, serving) = ca_and_serving("svc.ns.svc", (2026, 1, 1), (2026, 7, 1));
         let (other_ca, _) = ca_and_serving("svc.ns.svc", (2026, 1, 1), (2026, 7, 1));
-        let v = judge(serving.as_bytes(), other_ca.as_bytes(), "svc.ns.svc", JUNE_2026);
-        assert!(v.problem.as_deref().unwrap().contains("not signed by the caBundle's CA"), "{v:?}");
+        let v = judge(
+            serving.as_bytes(),
+            other_ca.as_bytes(),
+            "svc.ns.svc",
+            JUNE_2026,
+        );
+        assert!(
+            v.problem
+                .as_deref()
+                .unwrap()
+                .contains("not signed by the caBundle's CA"),
+            "{v:?}"
+        );
 
         let v = judge(b"not pem", other_ca.as_bytes(), "svc.ns.svc", JUNE_2026);
         assert!(v.problem.as_deref().unwrap().contains("not PEM"), "{v:?}");

@@ -129,7 +129,10 @@ pub fn check_resource_api(f: &Facts) -> CheckResult {
         if f.resource_versions.is_empty() {
             "resource.k8s.io is not served".to_owned()
         } else {
-            format!("resource.k8s.io versions served: {}", f.resource_versions.join(", "))
+            format!(
+                "resource.k8s.io versions served: {}",
+                f.resource_versions.join(", ")
+            )
         },
     );
     if f.resource_versions.iter().any(|v| v == "v1") {
@@ -193,13 +196,19 @@ pub fn needed_gates(f: &Facts) -> BTreeMap<&'static str, Vec<String>> {
         if let Some(v) = &n.dynamic_mig_gpus {
             add(
                 "DRAPartitionableDevices",
-                format!("node {} annotation gpu.nvidia.com/dynamic-mig-gpus={v:?}", n.name),
+                format!(
+                    "node {} annotation gpu.nvidia.com/dynamic-mig-gpus={v:?}",
+                    n.name
+                ),
             );
         }
         if let Some(v) = &n.memory_share_gpus {
             add(
                 "DRAConsumableCapacity",
-                format!("node {} annotation gpu.nvidia.com/memory-share-gpus={v:?}", n.name),
+                format!(
+                    "node {} annotation gpu.nvidia.com/memory-share-gpus={v:?}",
+                    n.name
+                ),
             );
         }
     }
@@ -281,7 +290,10 @@ pub fn check_dra_features(f: &Facts) -> CheckResult {
 
 /// The chart's DeviceClasses exist and select this driver's devices of their type.
 pub fn check_device_classes(f: &Facts) -> CheckResult {
-    let mut r = CheckResult::new("device-classes", "DeviceClasses present and as the chart installs them");
+    let mut r = CheckResult::new(
+        "device-classes",
+        "DeviceClasses present and as the chart installs them",
+    );
     let mut problems = Vec::new();
     for (name, device_type) in &f.expected_classes {
         let Some(class) = f.classes.iter().find(|c| &c.name == name) else {
@@ -297,7 +309,10 @@ pub fn check_device_classes(f: &Facts) -> CheckResult {
                 || s.contains(&format!(".type == \"{device_type}\""))
         });
         if driver_ok && type_ok {
-            r = r.line(format!("{name}: selects {} devices of type {device_type}", f.driver));
+            r = r.line(format!(
+                "{name}: selects {} devices of type {device_type}",
+                f.driver
+            ));
         } else {
             problems.push(format!(
                 "DeviceClass {name} does not select {} devices of type {device_type} (selectors: {})",
@@ -324,7 +339,10 @@ pub fn check_device_classes(f: &Facts) -> CheckResult {
 
 /// The webhook answers through the API server, as admission calls reach it.
 pub fn check_webhook_reachable(f: &Facts) -> CheckResult {
-    let r = CheckResult::new("webhook-reachable", "admission webhook reachable from the API server");
+    let r = CheckResult::new(
+        "webhook-reachable",
+        "admission webhook reachable from the API server",
+    );
     let Some(w) = &f.webhook else {
         return r
             .line(format!(
@@ -382,13 +400,14 @@ pub fn check_webhook_certificate(f: &Facts) -> CheckResult {
             ))
             .fail(fix_ca);
     }
-    let pem = match &w.serving_cert {
-        Ok(p) => p,
-        Err(e) => return r.line(e.clone()).fail(format!(
-            "grant this user `get` on Secrets and Deployments in {ns}, or check the webhook's \
+    let pem =
+        match &w.serving_cert {
+            Ok(p) => p,
+            Err(e) => return r.line(e.clone()).fail(format!(
+                "grant this user `get` on Secrets and Deployments in {ns}, or check the webhook's \
              Deployment mounts its TLS Secret"
-        )),
-    };
+            )),
+        };
     let dns = format!("{svc}.{ns}.svc");
     let verdict = cert::judge(pem.as_bytes(), w.ca_bundles[0].as_bytes(), &dns, f.now);
     let left = verdict.not_after.map(|t| t - f.now);
@@ -397,7 +416,10 @@ pub fn check_webhook_certificate(f: &Facts) -> CheckResult {
             "certificate for {dns} expires in {} days",
             s / 86_400
         )),
-        Some(s) => r.line(format!("certificate for {dns} expired {} days ago", -s / 86_400)),
+        Some(s) => r.line(format!(
+            "certificate for {dns} expired {} days ago",
+            -s / 86_400
+        )),
         None => r.line("certificate validity unreadable"),
     };
     if let Some(p) = verdict.problem {
@@ -443,11 +465,16 @@ fn healthy_plugin<'a>(f: &'a Facts, node: &str) -> Option<&'a PodFact> {
 /// Every GPU node runs a ready plugin of the DaemonSet's version (registered with its kubelet:
 /// the chart's readiness probe says so).
 pub fn check_plugins(f: &Facts) -> CheckResult {
-    let r = CheckResult::new("plugin-pods", "a registered node plugin of the same version on every GPU node");
+    let r = CheckResult::new(
+        "plugin-pods",
+        "a registered node plugin of the same version on every GPU node",
+    );
     let ns = &f.namespace;
     let Some(p) = &f.plugin else {
         return r
-            .line(format!("no DaemonSet labeled app.kubernetes.io/component=kubelet-plugin in {ns}"))
+            .line(format!(
+                "no DaemonSet labeled app.kubernetes.io/component=kubelet-plugin in {ns}"
+            ))
             .fail(format!(
                 "install the chart in {ns} (`helm install ... --namespace {ns}`), or pass the \
                  release's namespace with --namespace"
@@ -491,7 +518,10 @@ pub fn check_plugins(f: &Facts) -> CheckResult {
         bad.push(format!("node {node}: {why}"));
     }
     if bad.is_empty() {
-        return r.line(format!("{} GPU nodes, each with a ready plugin", nodes.len()));
+        return r.line(format!(
+            "{} GPU nodes, each with a ready plugin",
+            nodes.len()
+        ));
     }
     for b in &bad {
         r = r.line(b.clone());
@@ -522,7 +552,10 @@ pub fn check_slices(f: &Facts) -> CheckResult {
     let mut bad = Vec::new();
     for (pool, slices) in &pools {
         let generation = slices.iter().map(|s| s.generation).max().unwrap_or(0);
-        let current: Vec<_> = slices.iter().filter(|s| s.generation == generation).collect();
+        let current: Vec<_> = slices
+            .iter()
+            .filter(|s| s.generation == generation)
+            .collect();
         let want = current.first().map_or(0, |s| s.slice_count);
         let devices: usize = current.iter().map(|s| s.devices.len()).sum();
         let Some(node_name) = slices.iter().find_map(|s| s.node.clone()) else {
@@ -563,7 +596,10 @@ pub fn check_slices(f: &Facts) -> CheckResult {
                 && !published.contains(n)
                 && healthy_plugin(f, n).is_some_and(|h| h.name == pod.name)
             {
-                bad.push(format!("node {n}: a ready plugin but no slices of {}", f.driver));
+                bad.push(format!(
+                    "node {n}: a ready plugin but no slices of {}",
+                    f.driver
+                ));
             }
         }
     }
@@ -780,7 +816,10 @@ mod tests {
                 ("gpu.nvidia.com".into(), "gpu".into()),
                 ("mig.nvidia.com".into(), "mig".into()),
             ],
-            classes: vec![class("gpu.nvidia.com", "gpu"), class("mig.nvidia.com", "mig")],
+            classes: vec![
+                class("gpu.nvidia.com", "gpu"),
+                class("mig.nvidia.com", "mig"),
+            ],
             plugin: Some(PluginSet {
                 daemonset: "gpu-dra/gpu-dra-gpu-dra-driver-kubelet-plugin".into(),
                 image: IMAGE.into(),
@@ -886,7 +925,11 @@ mod tests {
         assert_eq!(r.status, Status::Failed);
         // Health needs DRADeviceTaints and ResourceHealthStatus, memory shares consumable capacity.
         let fix = r.fix.unwrap();
-        for gate in ["DRAConsumableCapacity", "DRADeviceTaints", "ResourceHealthStatus"] {
+        for gate in [
+            "DRAConsumableCapacity",
+            "DRADeviceTaints",
+            "ResourceHealthStatus",
+        ] {
             assert!(fix.contains(gate), "{fix}");
         }
         f.declared_gates = vec![
@@ -914,7 +957,11 @@ mod tests {
         f.classes.remove(1);
         let r = check_device_classes(&f);
         assert_eq!(r.status, Status::Failed);
-        assert!(r.detail.iter().any(|l| l == "DeviceClass mig.nvidia.com is missing"));
+        assert!(
+            r.detail
+                .iter()
+                .any(|l| l == "DeviceClass mig.nvidia.com is missing")
+        );
         let mut f = healthy();
         f.classes[0].selectors = vec!["device.driver == 'other.example.com'".into()];
         assert_eq!(check_device_classes(&f).status, Status::Failed);
@@ -946,14 +993,21 @@ mod tests {
         w.serving_cert = Ok(serving);
         let r = check_webhook_certificate(&f);
         assert_eq!(r.status, Status::Failed, "{r:?}");
-        assert!(r.detail.iter().any(|l| l.contains("expired 151 days ago")), "{r:?}");
+        assert!(
+            r.detail.iter().any(|l| l.contains("expired 151 days ago")),
+            "{r:?}"
+        );
 
         let mut f = healthy();
         let (other_ca, _) = cert::tests::ca_and_serving(svc, (2026, 1, 1), (2027, 1, 1));
         f.webhook.as_mut().unwrap().ca_bundles = vec![other_ca];
         let r = check_webhook_certificate(&f);
         assert_eq!(r.status, Status::Failed);
-        assert!(r.fix.unwrap().contains("Secret gpu-dra/gpu-dra-gpu-dra-driver-webhook-tls"));
+        assert!(
+            r.fix
+                .unwrap()
+                .contains("Secret gpu-dra/gpu-dra-gpu-dra-driver-webhook-tls")
+        );
 
         let mut f = healthy();
         let (ca, serving) = cert::tests::ca_and_serving(svc, (2026, 1, 1), (2026, 6, 11));
@@ -962,7 +1016,10 @@ mod tests {
         w.serving_cert = Ok(serving);
         let r = check_webhook_certificate(&f);
         assert_eq!(r.status, Status::Warning);
-        assert!(r.detail.iter().any(|l| l.contains("expires in 10 days")), "{r:?}");
+        assert!(
+            r.detail.iter().any(|l| l.contains("expires in 10 days")),
+            "{r:?}"
+        );
     }
 
     #[test]
@@ -972,7 +1029,10 @@ mod tests {
         f.plugin.as_mut().unwrap().pods.remove(1);
         let r = check_plugins(&f);
         assert_eq!(r.status, Status::Failed);
-        assert!(r.detail.contains(&"node node-b: no plugin pod".to_owned()), "{r:?}");
+        assert!(
+            r.detail.contains(&"node node-b: no plugin pod".to_owned()),
+            "{r:?}"
+        );
         assert!(r.fix.unwrap().contains("describe daemonset"));
         // A labeled GPU node with neither a plugin nor slices.
         let mut f = healthy();
@@ -1008,11 +1068,21 @@ mod tests {
         f.plugin.as_mut().unwrap().pods.remove(1);
         let r = check_slices(&f);
         assert_eq!(r.status, Status::Failed);
-        assert!(r.detail.iter().any(|l| l.contains("no ready plugin on node-b")), "{r:?}");
+        assert!(
+            r.detail
+                .iter()
+                .any(|l| l.contains("no ready plugin on node-b")),
+            "{r:?}"
+        );
 
         let mut f = healthy();
         f.slices[0].slice_count = 2;
-        assert!(check_slices(&f).detail.iter().any(|l| l.contains("1 of 2 slices")));
+        assert!(
+            check_slices(&f)
+                .detail
+                .iter()
+                .any(|l| l.contains("1 of 2 slices"))
+        );
 
         let mut f = healthy();
         f.nodes[1].ready = false;
@@ -1022,8 +1092,9 @@ mod tests {
         f.slices.remove(1);
         let r = check_slices(&f);
         assert!(
-            r.detail
-                .contains(&"node node-b: a ready plugin but no slices of gpu.nvidia.com".to_owned()),
+            r.detail.contains(
+                &"node node-b: a ready plugin but no slices of gpu.nvidia.com".to_owned()
+            ),
             "{r:?}"
         );
 
@@ -1057,7 +1128,10 @@ mod tests {
         f.mps_daemons[0].reason = Some("ImagePullBackOff".into());
         let r = check_mps_daemons(&f);
         assert_eq!(r.status, Status::Failed);
-        assert!(r.detail[0].contains("Pending, not ready (ImagePullBackOff)"), "{r:?}");
+        assert!(
+            r.detail[0].contains("Pending, not ready (ImagePullBackOff)"),
+            "{r:?}"
+        );
     }
 
     #[test]

@@ -641,7 +641,10 @@ async fn serving_cert(client: &kube::Client, ns: &str, svc: &str) -> Result<Stri
 
 /// `FailedPrepareDynamicResources` Events of the last day, with the phase of the pod each
 /// names now.
-async fn prepare_failures(client: &kube::Client, now: i64) -> Result<Vec<PrepareFailure>, CliError> {
+async fn prepare_failures(
+    client: &kube::Client,
+    now: i64,
+) -> Result<Vec<PrepareFailure>, CliError> {
     let events = Api::<Event>::all(client.clone())
         .list(&ListParams::default().fields("reason=FailedPrepareDynamicResources"))
         .await

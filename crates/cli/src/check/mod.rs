@@ -141,8 +141,14 @@ pub fn to_text(results: &[CheckResult]) -> String {
             text.push_str(&format!("    fix: {fix}\n"));
         }
     }
-    let failed = results.iter().filter(|r| r.status == Status::Failed).count();
-    let warned = results.iter().filter(|r| r.status == Status::Warning).count();
+    let failed = results
+        .iter()
+        .filter(|r| r.status == Status::Failed)
+        .count();
+    let warned = results
+        .iter()
+        .filter(|r| r.status == Status::Warning)
+        .count();
     text.push_str(&format!(
         "\nStatus check results are {} ({} checks: {failed} failed, {warned} warnings)\n",
         if failed > 0 { "×" } else { "√" },
@@ -185,7 +191,10 @@ mod tests {
     fn unknown_feature_gates_are_refused_with_the_valid_ones() {
         assert_eq!(parse_gate(" DRADeviceTaints").unwrap(), "DRADeviceTaints");
         let err = parse_gate("DRAConsumable").unwrap_err();
-        assert!(err.contains("unknown feature gate \"DRAConsumable\""), "{err}");
+        assert!(
+            err.contains("unknown feature gate \"DRAConsumable\""),
+            "{err}"
+        );
         assert!(err.contains("DRAConsumableCapacity"), "{err}");
     }
 }
