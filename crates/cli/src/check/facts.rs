@@ -705,6 +705,110 @@ async fn prepare_failures(
 mod tests {
     use super::*;
 
+    /// An API server that answers each path gather reads, with one plugin pod, one of our
+    /// slices, a DaemonSet whose plugin uses memory shares, and a dry-run write that drops
+    /// `allowMultipleAllocations` (consumable capacity off) but keeps taints and counters.
+    fn fake_api_server(req: &http::Request<kube::client::Body>) -> Value {
+        let path = req.uri().path();
+        let list = |kind: &str, items: Value| json!({"kind": kind, "apiVersion": "v1", "metadata": {}, "items": items});
+        match path {
+            "/version" => json!({"major": "1", "minor": "35+", "gitVersion": "v1.35.2-gke.1",
+                "gitCommit": "", "gitTreeState": "", "buildDate": "", "goVersion": "", "compiler": "", "platform": ""}),
+            "/apis" => {
+                json!({"kind": "APIGroupList", "apiVersion": "v1", "groups": [{"name": "resource.k8s.io",
+                "versions": [{"groupVersion": "resource.k8s.io/v1", "version": "v1"}]}]})
+            }
+            "/apis/resource.k8s.io/v1/resourceslices" if req.method() == http::Method::POST => {
+                if req.uri().query().is_some_and(|q| q.contains("dryRun=All")) {
+                    json!({"spec": {"devices": [{"name": "probe", "taints": [{"key": "k", "effect": "NoSchedule"}]}],
+                        "sharedCounters": [{"name": "probe"}]}})
+                } else {
+                    json!({"kind": "Status", "status": "Failure", "message": "not a dry run", "code": 400})
+                }
+            }
+            "/apis/resource.k8s.io/v1/resourceslices" => list(
+                "ResourceSliceList",
+                json!([{
+                "metadata": {"name": "node-a-gpu-nvidia-com-0"},
+                "spec": {"driver": "gpu.nvidia.com", "nodeName": "node-a",
+                    "pool": {"name": "node-a", "generation": 1, "resourceSliceCount": 1},
+                    "devices": [{"name": "gpu-0", "taints": [{"key": "gpu.nvidia.com/xid", "value": "79",
+                        "effect": "NoSchedule", "timeAdded": "2026-06-01T00:00:00Z"}]}]}}]),
+            ),
+            "/apis/apps/v1/namespaces/gpu-dra/daemonsets" => list(
+                "DaemonSetList",
+                json!([{
+                "metadata": {"name": "rel-plugin", "namespace": "gpu-dra"},
+                "spec": {"selector": {"matchLabels": {"app.kubernetes.io/component": "kubelet-plugin"}},
+                    "template": {"spec": {"containers": [{"name": "plugin", "image": "img:1",
+                        "env": [{"name": "MEMORY_SHARE_GPUS", "value": "all"}]}]}}}}]),
+            ),
+            "/api/v1/namespaces/gpu-dra/pods" => {
+                let q = req.uri().query().unwrap_or_default();
+                if q.contains("kubelet-plugin") {
+                    list(
+                        "PodList",
+                        json!([{"metadata": {"name": "p", "namespace": "gpu-dra"},
+                        "spec": {"nodeName": "node-a", "containers": [{"name": "plugin", "image": "img:1"}]},
+                        "status": {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]}}]),
+                    )
+                } else {
+                    list("PodList", json!([]))
+                }
+            }
+            "/api/v1/nodes" => list(
+                "NodeList",
+                json!([{"metadata": {"name": "node-a"},
+                "status": {"conditions": [{"type": "Ready", "status": "True"}]}}]),
+            ),
+            _ if path.ends_with("list") || path.contains("/apis/") || path.starts_with("/api/") => {
+                list("List", json!([]))
+            }
+            _ => json!({}),
+        }
+    }
+
+    #[tokio::test]
+    async fn gather_reads_the_facts_the_checks_judge() {
+        let service = tower::service_fn(|req: http::Request<kube::client::Body>| async move {
+            let body = fake_api_server(&req);
+            Ok::<_, std::convert::Infallible>(http::Response::new(kube::client::Body::from(
+                serde_json::to_vec(&body).expect("json"),
+            )))
+        });
+        let client = kube::Client::new(service, "default");
+        let opts = GatherOptions {
+            driver: "gpu.nvidia.com".into(),
+            namespace: "gpu-dra".into(),
+            declared_gates: Vec::new(),
+            expected_classes: Vec::new(),
+            probe: true,
+        };
+        let f = gather(&client, &opts).await.expect("facts");
+        assert_eq!(f.server.as_ref().map(|s| s.minor), Some(35));
+        assert_eq!(f.resource_versions, vec!["v1".to_owned()]);
+        assert_eq!(f.probe_error, None);
+        assert_eq!(f.probe["DRAConsumableCapacity"], false);
+        assert_eq!(f.probe["DRADeviceTaints"], true);
+        assert_eq!(f.probe["DRAPartitionableDevices"], true);
+        let plugin = f.plugin.as_ref().expect("the DaemonSet");
+        assert_eq!(plugin.image, "img:1");
+        assert_eq!(plugin.env["MEMORY_SHARE_GPUS"], "all");
+        assert_eq!(plugin.pods.len(), 1);
+        assert!(plugin.pods[0].ready);
+        assert_eq!(f.slices.len(), 1);
+        assert_eq!(
+            f.slices[0].devices[0].taints[0].value.as_deref(),
+            Some("79")
+        );
+        assert_eq!(f.nodes.len(), 1);
+        assert!(f.nodes[0].ready);
+        assert!(f.webhook.is_none());
+        // The memory shares the plugin uses need the gate the server dropped.
+        let r = super::super::checks::check_dra_features(&f);
+        assert_eq!(r.status, super::super::checks::Status::Failed, "{r:?}");
+    }
+
     #[test]
     fn minor_versions_with_a_plus_are_read() {
         assert_eq!(parse_minor("37"), Some(37));
