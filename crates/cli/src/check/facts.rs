@@ -788,9 +788,9 @@ mod tests {
         assert_eq!(f.server.as_ref().map(|s| s.minor), Some(35));
         assert_eq!(f.resource_versions, vec!["v1".to_owned()]);
         assert_eq!(f.probe_error, None);
-        assert_eq!(f.probe["DRAConsumableCapacity"], false);
-        assert_eq!(f.probe["DRADeviceTaints"], true);
-        assert_eq!(f.probe["DRAPartitionableDevices"], true);
+        assert!(!f.probe["DRAConsumableCapacity"]);
+        assert!(f.probe["DRADeviceTaints"]);
+        assert!(f.probe["DRAPartitionableDevices"]);
         let plugin = f.plugin.as_ref().expect("the DaemonSet");
         assert_eq!(plugin.image, "img:1");
         assert_eq!(plugin.env["MEMORY_SHARE_GPUS"], "all");
