@@ -1604,7 +1604,11 @@ fn render_notes(helm: &Path, args: &[&str]) -> String {
     }
     let chart = repo().join("deploy/helm/gpu-dra-driver");
     let copied = Path::new(env!("CARGO_TARGET_TMPDIR"))
-        .join(format!("notes-chart-{}", std::process::id()))
+        .join(format!("notes-chart-{}-{}", std::process::id(), {
+            // Tests run in parallel threads of one process: each call its own copy.
+            static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+            CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        }))
         .join("gpu-dra-driver");
     let _ = std::fs::remove_dir_all(&copied);
     copy(&chart, &copied);
