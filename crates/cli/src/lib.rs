@@ -19,10 +19,17 @@
 //! are free, and from the node plugins' metrics what each claim uses (memory allocated and
 //! used, SM utilisation, processes, idle time), with a cluster summary (see [`usage`]; [`metrics_text`] reads the metrics' text format).
 //!
+//! `gpu-dra check [-n NAMESPACE] [-o json] [--cluster-feature-gates G,...]` runs named checks
+//! of the cluster the driver runs in (Kubernetes version, DRA features served, DeviceClasses,
+//! the webhook and its certificate, a ready plugin on every GPU node, slices, device taints,
+//! MPS daemons, claims stuck in prepare), each passed or failed with its fix (see [`check`]);
+//! exit 1 when one failed.
+//!
 //! Exit codes: 0 all valid (or explained); 1 something is invalid (including malformed
 //! YAML/JSON, reported with file, line and column); 2 usage errors (bad flags, unreadable
 //! files, an unreachable cluster or a missing claim).
 
+pub mod check;
 pub mod explain;
 pub mod metrics_text;
 pub mod usage;
@@ -60,6 +67,10 @@ pub enum Command {
     /// share (from the cluster's ResourceSlices and ResourceClaims), and what each uses
     /// (from the node plugins' metrics), with a cluster summary.
     Usage(usage::UsageArgs),
+    /// Check the cluster the driver runs in: Kubernetes version and DRA features, DeviceClasses,
+    /// the webhook and its certificate, node plugins and their slices, device taints, MPS
+    /// daemons and claims stuck in prepare; each check passed or failed with its fix.
+    Check(check::CheckArgs),
 }
 
 /// `gpu-dra validate` arguments.
@@ -148,6 +159,7 @@ pub fn run(
         Command::Validate(args) => validate(args, stdin, out, err),
         Command::Explain(args) => explain::run(args, out),
         Command::Usage(args) => usage::run(args, out),
+        Command::Check(args) => check::run(args, out),
     }
 }
 

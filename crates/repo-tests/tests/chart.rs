@@ -18,7 +18,11 @@ use std::process::Command;
 use serde_json::Value;
 
 const NAMESPACE: &str = "gpu-system";
-const KUBE_VERSION: &str = "1.34.0";
+/// The release the chart is tested against: every value renders there. The oldest supported
+/// release (1.34) is where values needing newer features are refused
+/// (`values_needing_a_feature_the_release_lacks_are_refused`; `make chart-check` lints the
+/// default values there).
+const KUBE_VERSION: &str = "1.37.0";
 
 fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
@@ -1600,7 +1604,11 @@ fn render_notes(helm: &Path, args: &[&str]) -> String {
     }
     let chart = repo().join("deploy/helm/gpu-dra-driver");
     let copied = Path::new(env!("CARGO_TARGET_TMPDIR"))
-        .join(format!("notes-chart-{}", std::process::id()))
+        .join(format!("notes-chart-{}-{}", std::process::id(), {
+            // Tests run in parallel threads of one process: each call its own copy.
+            static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+            CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        }))
         .join("gpu-dra-driver");
     let _ = std::fs::remove_dir_all(&copied);
     copy(&chart, &copied);
@@ -2937,7 +2945,13 @@ fn list_type_attributes_are_off_unless_asked_for() {
     let Some(helm) = helm() else { return };
     for (sets, want) in [
         (&[][..], "false"),
-        (&["kubeletPlugin.listTypeAttributes=true"][..], "true"),
+        (
+            &[
+                "kubeletPlugin.listTypeAttributes=true",
+                "clusterFeatureGates={DRAListTypeAttributes}",
+            ][..],
+            "true",
+        ),
     ] {
         let objects = render(&helm, sets);
         let ds = find(&objects, "DaemonSet", "rel-gpu-dra-driver-kubelet-plugin");
@@ -3009,4 +3023,169 @@ fn the_plugin_sees_the_hosts_processes_only_while_per_claim_usage_is_on() {
         Value::Null,
         "usage off: no hostPID"
     );
+}
+
+/// `helm template` at a Kubernetes release, with `--set` values: the rendered text, or helm's
+/// error.
+fn template_at(helm: &Path, kube: &str, sets: &[&str]) -> Result<String, String> {
+    let out = Command::new(helm)
+        .args(["template", "rel"])
+        .arg(chart())
+        .args(["--namespace", NAMESPACE, "--kube-version", kube])
+        .args(sets.iter().flat_map(|s| ["--set", s]))
+        .output()
+        .expect("helm runs");
+    if out.status.success() {
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    } else {
+        Err(String::from_utf8_lossy(&out.stderr).into_owned())
+    }
+}
+
+/// Values that need a DRA feature the cluster's release has off by default fail the install
+/// with a message naming the value, the gate, the release that has it on and the way out
+/// (`clusterFeatureGates`); the same values install from 1.36, and on an older release whose
+/// admin turned the gate on and says so. Releases before 1.34 are refused by `kubeVersion`.
+#[test]
+fn values_needing_a_feature_the_release_lacks_are_refused() {
+    let Some(helm) = helm() else { return };
+    let memory = "kubeletPlugin.partitioning.memoryShareGpus=all";
+    let mig = "kubeletPlugin.partitioning.dynamicMigGpus=all";
+    for kube in ["1.34.0", "1.35.2"] {
+        let err = template_at(&helm, kube, &[memory]).expect_err(kube);
+        let minor = &kube[..4];
+        assert!(
+            err.contains(&format!(
+                "kubeletPlugin.partitioning.memoryShareGpus=\"all\" (memory shares) needs the \
+                 Kubernetes feature gate DRAConsumableCapacity, which is off by default in \
+                 Kubernetes {minor} (on by default from 1.36)"
+            )),
+            "{kube}: {err}"
+        );
+        assert!(
+            err.contains("add DRAConsumableCapacity to clusterFeatureGates"),
+            "{err}"
+        );
+        let err = template_at(&helm, kube, &["consumableShares=4"]).expect_err(kube);
+        assert!(
+            err.contains("consumableShares=4 (consumable shares)"),
+            "{err}"
+        );
+        let err = template_at(&helm, kube, &[mig]).expect_err(kube);
+        assert!(err.contains("gate DRAPartitionableDevices"), "{err}");
+        // The admin turned the gates on.
+        template_at(
+            &helm,
+            kube,
+            &[
+                memory,
+                mig,
+                "clusterFeatureGates={DRAConsumableCapacity,DRAPartitionableDevices}",
+            ],
+        )
+        .unwrap_or_else(|e| panic!("{kube} with the gates declared: {e}"));
+        // Default values (device health on: the plugin falls back, not refused).
+        template_at(&helm, kube, &[]).unwrap_or_else(|e| panic!("{kube} defaults: {e}"));
+    }
+    for kube in ["1.36.0", "1.37.1", "1.36.3-gke.100"] {
+        template_at(&helm, kube, &[memory, mig, "consumableShares=memory"])
+            .unwrap_or_else(|e| panic!("{kube}: {e}"));
+    }
+    // List-type attributes: alpha from 1.36, so never on by default; absent before 1.36.
+    let lists = "kubeletPlugin.listTypeAttributes=true";
+    let err = template_at(&helm, "1.37.0", &[lists]).unwrap_err();
+    assert!(
+        err.contains("alpha, off by default in every release"),
+        "{err}"
+    );
+    let err = template_at(
+        &helm,
+        "1.35.0",
+        &[lists, "clusterFeatureGates={DRAListTypeAttributes}"],
+    )
+    .unwrap_err();
+    assert!(
+        err.contains(
+            "DRAListTypeAttributes, which Kubernetes 1.35 does not have (it exists from 1.36)"
+        ),
+        "{err}"
+    );
+    let err = template_at(&helm, "1.33.0", &[]).unwrap_err();
+    assert!(
+        err.contains("chart requires kubeVersion: >=1.34.0-0"),
+        "{err}"
+    );
+    let err = template_at(&helm, "1.35.0", &["clusterFeatureGates={DRAConsumable}"]).unwrap_err();
+    assert!(err.contains("/clusterFeatureGates/0"), "{err}");
+}
+
+/// The chart's table of feature gates (`gpu-dra.clusterGates`) is `gpu-dra check`'s.
+#[test]
+fn the_charts_feature_gate_table_is_the_clis() {
+    let helpers =
+        std::fs::read_to_string(repo().join("deploy/helm/gpu-dra-driver/templates/_helpers.tpl"))
+            .expect("helpers");
+    let start = helpers
+        .find("{{- define \"gpu-dra.clusterGates\" -}}")
+        .expect("the chart defines gpu-dra.clusterGates");
+    let body = &helpers[start..];
+    let body = &body[body.find('\n').unwrap() + 1..body.find("{{- end -}}").unwrap()];
+    let chart: Vec<(String, u32, u32)> = body
+        .lines()
+        .map(|l| {
+            let (name, rest) = l
+                .split_once(": ")
+                .expect("NAME: {alpha: N, onByDefault: M}");
+            let nums: Vec<u32> = rest
+                .split(|c: char| !c.is_ascii_digit())
+                .filter(|s| !s.is_empty())
+                .map(|s| s.parse().unwrap())
+                .collect();
+            (name.to_owned(), nums[0], nums[1])
+        })
+        .collect();
+    let cli: Vec<(String, u32, u32)> = gpu_dra_cli::check::gates::GATES
+        .iter()
+        .map(|g| {
+            (
+                g.name.to_owned(),
+                g.alpha_from,
+                g.default_on_from.unwrap_or(0),
+            )
+        })
+        .collect();
+    assert_eq!(chart, cli);
+}
+
+/// Device health is not refused before 1.36 (the plugin falls back), but the notes say what
+/// the cluster lacks; from 1.36, or with the gates declared, they say nothing of it.
+#[test]
+fn notes_say_when_device_health_lacks_its_features() {
+    let Some(helm) = helm() else { return };
+    let notes = render_notes(&helm, &["--kube-version", "1.35.0"]);
+    assert!(
+        notes.contains(
+            "Device health (kubeletPlugin.deviceHealth): Kubernetes 1.35 has DRADeviceTaints and \
+             ResourceHealthStatus off by default"
+        ),
+        "{notes}"
+    );
+    for args in [
+        &["--kube-version", "1.36.0"][..],
+        &[
+            "--kube-version",
+            "1.35.0",
+            "--set",
+            "clusterFeatureGates={DRADeviceTaints,ResourceHealthStatus}",
+        ][..],
+        &[
+            "--kube-version",
+            "1.35.0",
+            "--set",
+            "kubeletPlugin.deviceHealth.enabled=false",
+        ][..],
+    ] {
+        let notes = render_notes(&helm, args);
+        assert!(!notes.contains("Device health"), "{args:?}: {notes}");
+    }
 }

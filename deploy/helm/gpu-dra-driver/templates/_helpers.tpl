@@ -183,3 +183,38 @@ nothing). */}}
 true
 {{- end -}}
 {{- end -}}
+
+{{/*
+The Kubernetes feature gates the driver's values need: per gate the minor release (1.x) in
+which it first exists (alpha) and from which it is on by default (onByDefault: 0 when it is off by
+default in every release up to 1.37). Source: the versioned defaults of
+pkg/features/kube_features.go (Kubernetes 1.37.1); the table per release, with links, is in
+docs/kubernetes-versions.md. `gpu-dra check` keeps the same table
+(crates/cli/src/check/gates.rs); a repository test keeps the two equal.
+*/}}
+{{- define "gpu-dra.clusterGates" -}}
+DRAConsumableCapacity: {alpha: 34, onByDefault: 36}
+DRAPartitionableDevices: {alpha: 33, onByDefault: 36}
+DRADeviceTaints: {alpha: 33, onByDefault: 36}
+ResourceHealthStatus: {alpha: 31, onByDefault: 36}
+DRADeviceBindingConditions: {alpha: 34, onByDefault: 36}
+DRAListTypeAttributes: {alpha: 36, onByDefault: 0}
+{{- end -}}
+
+{{/* The cluster's minor version (1.x): .Capabilities.KubeVersion, the API server's on install
+and upgrade, --kube-version for `helm template`. "35+" (GKE, EKS) reads as 35. */}}
+{{- define "gpu-dra.kubeMinor" -}}
+{{- regexReplaceAll "[^0-9].*$" (toString .Capabilities.KubeVersion.Minor) "" | default "0" -}}
+{{- end -}}
+
+{{/* "true" when `gate` (call with (list $ "<gate>")) is on in the cluster: on by default in
+its version, or listed in clusterFeatureGates; "" otherwise. */}}
+{{- define "gpu-dra.gateOn" -}}
+{{- $root := index . 0 -}}
+{{- $name := index . 1 -}}
+{{- $g := get (fromYaml (include "gpu-dra.clusterGates" $root)) $name -}}
+{{- $minor := int (include "gpu-dra.kubeMinor" $root) -}}
+{{- if or (has $name ($root.Values.clusterFeatureGates | default list)) (and (gt (int $g.onByDefault) 0) (ge $minor (int $g.onByDefault))) -}}
+true
+{{- end -}}
+{{- end -}}
