@@ -8,6 +8,7 @@ import (
 	"os"
 	"path/filepath"
 	"runtime/debug"
+	"sort"
 	"strings"
 	"sync"
 	"time"
@@ -109,7 +110,7 @@ plugins:
 // NodeRestriction, ResourceQuota, ValidatingAdmissionWebhook and
 // ValidatingAdmissionPolicy) with ResourceQuota configured as on GKE
 // (admissionConfig), and every GA resource.k8s.io API.
-func startAPIServer(ctx context.Context, dir, etcdURL string, ca *CA) (*apiserver, error) {
+func startAPIServer(ctx context.Context, dir, etcdURL string, ca *CA, gates map[string]bool) (*apiserver, error) {
 	// Pods of real nodes reach it as the `kubernetes` Service (podnet.go).
 	certFile, keyFile, err := ca.issue(dir, "apiserver", certRequest{
 		commonName: "apiserver", server: true,
@@ -160,7 +161,7 @@ func startAPIServer(ctx context.Context, dir, etcdURL string, ca *CA) (*apiserve
 	s.SecureServing.Listener = ln
 	s.SecureServing.BindPort = port
 	s.SecureServing.ExternalAddress = net.ParseIP("127.0.0.1")
-	if err := fs.Parse([]string{
+	args := []string{
 		"--etcd-servers=" + etcdURL,
 		"--etcd-prefix=/registry",
 		"--bind-address=127.0.0.1",
@@ -187,7 +188,16 @@ func startAPIServer(ctx context.Context, dir, etcdURL string, ca *CA) (*apiserve
 		"--allow-privileged=true",
 		"--endpoint-reconciler-type=none",
 		"--enable-priority-and-fairness=false",
-	}); err != nil {
+	}
+	if len(gates) > 0 {
+		var set []string
+		for name, on := range gates {
+			set = append(set, fmt.Sprintf("%s=%t", name, on))
+		}
+		sort.Strings(set)
+		args = append(args, "--feature-gates="+strings.Join(set, ","))
+	}
+	if err := fs.Parse(args); err != nil {
 		return nil, fmt.Errorf("kube-apiserver flags: %w", err)
 	}
 	if err := s.GenericServerRunOptions.ComponentGlobalsRegistry.Set(); err != nil {

@@ -60,6 +60,11 @@ type Options struct {
 	// Verbose sends the control plane's own logs to stderr instead of
 	// Dir/control-plane.log.
 	Verbose bool
+	// FeatureGates are set on the API server (`--feature-gates`). The
+	// control plane runs in this process, whose feature gates are global:
+	// the scheduler and controller manager see the same, and so does every
+	// other cluster of the process (a package of tests sets them once).
+	FeatureGates map[string]bool
 }
 
 // Cluster is a running in-process control plane.
@@ -129,9 +134,11 @@ func Start(ctx context.Context, opts Options) (c *Cluster, err error) {
 		return nil, err
 	}
 	ctx, c.cancel = context.WithCancel(ctx)
+	// `return nil, err` clears c before deferred calls run: stop what was started.
+	self := c
 	defer func() {
 		if err != nil {
-			c.Stop()
+			self.Stop()
 		}
 	}()
 	// Dead clusters' leftovers first (their reapers were killed too), then
@@ -180,7 +187,7 @@ func Start(ctx context.Context, opts Options) (c *Cluster, err error) {
 	if err := os.MkdirAll(apiDir, 0o700); err != nil {
 		return nil, err
 	}
-	c.apiserver, err = startAPIServer(ctx, apiDir, etcdURL, c.CA)
+	c.apiserver, err = startAPIServer(ctx, apiDir, etcdURL, c.CA, opts.FeatureGates)
 	if err != nil {
 		return nil, err
 	}

@@ -63,8 +63,8 @@ impl KubeNodeEvents {
                 let event = Event {
                     type_: EventType::Warning,
                     reason: reason.to_string(),
+                    action: action(&note),
                     note: Some(note),
-                    action: "Reconcile".into(),
                     secondary: None,
                 };
                 match recorder.publish(&event, &reference).await {
@@ -86,6 +86,14 @@ impl NodeEvents for KubeNodeEvents {
             );
         }
     }
+}
+
+/// The event's `action`: the recorder folds events of one reason and action on one object
+/// into a series (counting them, keeping the first note), so two findings of one reason
+/// (two GPUs' kept instances, two feature gates off) would show as one. The action carries a
+/// digest of the note: the same finding repeated is still one series.
+fn action(note: &str) -> String {
+    format!("Reconcile-{}", &crate::digest::sha256_hex(note.as_bytes())[..12])
 }
 
 /// `note` cut to [`NOTE_MAX`] bytes at a character boundary, marked with an ellipsis.
@@ -124,6 +132,14 @@ impl NodeEvents for RecordedEvents {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn two_findings_of_one_reason_are_two_events_and_a_repeat_is_one() {
+        let (a, b) = (action("gate A is off"), action("gate B is off"));
+        assert_ne!(a, b);
+        assert_eq!(a, action("gate A is off"));
+        assert!(a.len() <= 128 && a.starts_with("Reconcile-"), "{a}");
+    }
 
     #[test]
     fn notes_are_cut_to_the_apis_limit_at_a_character_boundary() {

@@ -1,0 +1,62 @@
+// Package gatesoff runs the driver on a control plane whose DRA beta features
+// are off, as on Kubernetes 1.34 and 1.35 by default: consumable capacity,
+// partitionable devices, device binding conditions and device health in pod
+// status (device taints are GA and locked on in the pinned release, so their
+// fallback is tested only against a fake API server). The control plane runs
+// in this process, whose feature gates are global: hence a package of its own.
+package gatesoff
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"testing"
+
+	"github.com/gpu-dra/e2e/harness"
+)
+
+// gatesOff are the DRA beta gates of the pinned release that can be turned
+// off, all off.
+var gatesOff = map[string]bool{
+	"DRAConsumableCapacity":       false,
+	"DRAPartitionableDevices":     false,
+	"DRADeviceBindingConditions":  false,
+	"ResourceHealthStatus":        false,
+	"ResourceHealthStatusMessage": false,
+}
+
+var (
+	cluster *harness.Cluster
+	// setupErr says why the driver's binaries are missing (nil: built).
+	setupErr error
+)
+
+func TestMain(m *testing.M) {
+	os.Exit(run(m))
+}
+
+func run(m *testing.M) int {
+	ctx := context.Background()
+	logf := func(format string, args ...any) { fmt.Fprintf(os.Stderr, "e2e gatesoff: "+format+"\n", args...) }
+	c, err := harness.Start(ctx, harness.Options{Logf: logf, FeatureGates: gatesOff})
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "e2e gatesoff: start control plane:", err)
+		return 1
+	}
+	defer c.Stop()
+	cluster = c
+	if _, err := c.InstallDriver(ctx, harness.InstallOptions{}); err != nil {
+		fmt.Fprintln(os.Stderr, "e2e gatesoff: install driver:", err)
+		return 1
+	}
+	for _, bin := range []string{"gpu-kubelet-plugin", "gpu-sim"} {
+		if _, err := harness.Binary(bin); err != nil && setupErr == nil {
+			setupErr = err
+		}
+	}
+	code := m.Run()
+	for _, n := range c.Nodes() {
+		n.Stop()
+	}
+	return code
+}
