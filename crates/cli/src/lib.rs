@@ -17,12 +17,19 @@
 //! `gpu-dra usage [--node N] [-o json] [--idle-threshold 1h] [--metrics-url URL]...` shows per
 //! node and GPU which claims hold a whole GPU, a MIG partition or a memory share, which GPUs
 //! are free, and from the node plugins' metrics what each claim uses (memory allocated and
-//! used, SM utilisation, processes, idle time), with a cluster summary (see [`usage`]; [`metrics_text`] reads the metrics' text format).
+//! used, SM utilisation, processes, idle time, claims near their memory limit), with a cluster
+//! summary (see [`usage`]; [`metrics_text`] reads the metrics' text format).
+//!
+//! `gpu-dra advise [NAMESPACE/NAME] [-n NS] [--margin 20] [-o text|json|yaml]...` advises, per
+//! claim, the smallest offering on its GPU model that fits its observed peak memory and SM
+//! p95 plus a margin, or why the whole GPU stays, and the GPUs the cluster would need (see
+//! [`advise`]); `-o yaml` prints the changed ResourceClaimTemplates.
 //!
 //! Exit codes: 0 all valid (or explained); 1 something is invalid (including malformed
 //! YAML/JSON, reported with file, line and column); 2 usage errors (bad flags, unreadable
 //! files, an unreachable cluster or a missing claim).
 
+pub mod advise;
 pub mod explain;
 pub mod metrics_text;
 pub mod usage;
@@ -60,6 +67,10 @@ pub enum Command {
     /// share (from the cluster's ResourceSlices and ResourceClaims), and what each uses
     /// (from the node plugins' metrics), with a cluster summary.
     Usage(usage::UsageArgs),
+    /// Advise, per claim, the smallest offering on its GPU model that fits what it was seen
+    /// to use plus a margin (a MIG profile, a memory share, MPS, time-slicing, or keep the
+    /// whole GPU, with the reason and the evidence), and the GPUs the cluster would need.
+    Advise(advise::AdviseArgs),
 }
 
 /// `gpu-dra validate` arguments.
@@ -120,6 +131,9 @@ pub enum CliError {
     /// JSON output could not be encoded.
     #[error("cannot encode JSON: {0}")]
     Json(#[from] serde_json::Error),
+    /// YAML output could not be encoded.
+    #[error("cannot encode YAML: {0}")]
+    Yaml(String),
 }
 
 /// A document that could not be parsed, with its position.
@@ -148,6 +162,7 @@ pub fn run(
         Command::Validate(args) => validate(args, stdin, out, err),
         Command::Explain(args) => explain::run(args, out),
         Command::Usage(args) => usage::run(args, out),
+        Command::Advise(args) => advise::run(args, out),
     }
 }
 
