@@ -285,12 +285,11 @@ fn packing_respects_mig_placements_compute_and_share_sums() {
     );
 }
 
+type Models = BTreeMap<(String, String), GpuModel>;
+type EvidenceMap = BTreeMap<(String, String, String), Evidence>;
+
 /// The workloads of a typical wasteful node of 4 A100-80GB, one claim per row.
-fn rows_and_evidence() -> (
-    Vec<GpuUsage>,
-    BTreeMap<(String, String), GpuModel>,
-    BTreeMap<(String, String, String), Evidence>,
-) {
+fn rows_and_evidence() -> (Vec<GpuUsage>, Models, EvidenceMap) {
     use crate::usage::Holder;
     let mut rows = Vec::new();
     let mut models = BTreeMap::new();

@@ -697,8 +697,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     let usage_sampler = usage_sampler(
         &args,
         &backends,
-        claims,
-        client.as_ref(),
+        (claims, client.as_ref()),
         &driver,
         &live,
         &metrics,
@@ -755,8 +754,7 @@ fn pod_claims(args: &RunArgs) -> Option<Arc<dyn crate::pod_resources::PodClaims>
 fn usage_sampler(
     args: &RunArgs,
     backends: &Backends,
-    claims: Arc<dyn ClaimSource>,
-    client: Option<&kube::Client>,
+    (claims, client): (Arc<dyn ClaimSource>, Option<&kube::Client>),
     driver: &Arc<Driver>,
     live: &Arc<LiveInventory>,
     metrics: &Arc<Metrics>,
