@@ -175,9 +175,9 @@ type loadCase struct {
 	strategy  string
 	profile   string
 	// container is the container label its processes must carry: the
-	// plugin reads it from the process's cgroup, where the pod loop's
-	// runtime names the container and a CRI runtime (containerd on a real
-	// node) only its ID, so there the label stays empty.
+	// plugin reads it from the process's cgroup where the pod loop's
+	// runtime names the container, and where a CRI runtime (containerd on
+	// a real node) names only its ID, from the pod's containerStatuses.
 	container string
 }
 
@@ -296,10 +296,8 @@ func TestClaimUsage(t *testing.T) {
 		{claim: "sliced", device: "gpu-6", allocated: memoryOf("gpu-6"), holds: gi / 2, sm: 20, util: 20, cmd: app("512Mi", 20), strategy: "TimeSlicing"},
 		{claim: "idle", device: "gpu-7", allocated: memoryOf("gpu-7"), sm: 0, util: 0, cmd: []string{"sleep", "600"}},
 	}
-	if !cluster.Node(name).IsReal() {
-		for i := range cases {
-			cases[i].container = "ctr"
-		}
+	for i := range cases {
+		cases[i].container = "ctr"
 	}
 	claimFor := func(c loadCase) *resourceapi.ResourceClaim {
 		uuid := attrString(devices[c.device], "uuid")

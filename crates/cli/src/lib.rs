@@ -17,7 +17,13 @@
 //! `gpu-dra usage [--node N] [-o json] [--idle-threshold 1h] [--metrics-url URL]...` shows per
 //! node and GPU which claims hold a whole GPU, a MIG partition or a memory share, which GPUs
 //! are free, and from the node plugins' metrics what each claim uses (memory allocated and
-//! used, SM utilisation, processes, idle time), with a cluster summary (see [`usage`]; [`metrics_text`] reads the metrics' text format).
+//! used, SM utilisation, processes, idle time, claims near their memory limit), with a cluster
+//! summary (see [`usage`]; [`metrics_text`] reads the metrics' text format).
+//!
+//! `gpu-dra advise [NAMESPACE/NAME] [-n NS] [--margin 20] [-o text|json|yaml]...` advises, per
+//! claim, the smallest offering on its GPU model that fits its observed peak memory and SM
+//! p95 plus a margin, or why the whole GPU stays, and the GPUs the cluster would need (see
+//! [`advise`]); `-o yaml` prints the changed ResourceClaimTemplates.
 //!
 //! `gpu-dra check [-n NAMESPACE] [-o json] [--cluster-feature-gates G,...]` runs named checks
 //! of the cluster the driver runs in (Kubernetes version, DRA features served, DeviceClasses,
@@ -29,6 +35,7 @@
 //! YAML/JSON, reported with file, line and column); 2 usage errors (bad flags, unreadable
 //! files, an unreachable cluster or a missing claim).
 
+pub mod advise;
 pub mod check;
 pub mod explain;
 pub mod metrics_text;
@@ -71,6 +78,10 @@ pub enum Command {
     /// the webhook and its certificate, node plugins and their slices, device taints, MPS
     /// daemons and claims stuck in prepare; each check passed or failed with its fix.
     Check(check::CheckArgs),
+    /// Advise, per claim, the smallest offering on its GPU model that fits what it was seen
+    /// to use plus a margin (a MIG profile, a memory share, MPS, time-slicing, or keep the
+    /// whole GPU, with the reason and the evidence), and the GPUs the cluster would need.
+    Advise(advise::AdviseArgs),
 }
 
 /// `gpu-dra validate` arguments.
@@ -131,6 +142,9 @@ pub enum CliError {
     /// JSON output could not be encoded.
     #[error("cannot encode JSON: {0}")]
     Json(#[from] serde_json::Error),
+    /// YAML output could not be encoded.
+    #[error("cannot encode YAML: {0}")]
+    Yaml(String),
 }
 
 /// A document that could not be parsed, with its position.
@@ -160,6 +174,7 @@ pub fn run(
         Command::Explain(args) => explain::run(args, out),
         Command::Usage(args) => usage::run(args, out),
         Command::Check(args) => check::run(args, out),
+        Command::Advise(args) => advise::run(args, out),
     }
 }
 

@@ -24,8 +24,18 @@ use clap::Args;
 use k8s_openapi::api::resource::v1::{Device, ResourceClaim, ResourceSlice};
 use serde::Serialize;
 
-use crate::explain::Format;
 use crate::{CliError, Outcome};
+
+/// Output of `gpu-dra usage`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum UsageFormat {
+    /// For people: one line per GPU and holder (node, GPU, device, claim, what it holds, UUID,
+    /// and from the metrics memory allocated and used, SM, processes, idle time, a note when
+    /// near its memory limit), then the cluster summary.
+    Text,
+    /// The same per GPU and the summary as one JSON object, for tools.
+    Json,
+}
 
 /// `gpu-dra usage` arguments.
 #[derive(Debug, Args)]
@@ -37,8 +47,8 @@ pub struct UsageArgs {
     #[arg(long, env = "DRIVER_NAME", default_value = "gpu.nvidia.com")]
     pub driver_name: String,
     /// Output format.
-    #[arg(short, long, env = "OUTPUT_FORMAT", value_enum, default_value_t = Format::Text)]
-    pub output: Format,
+    #[arg(short, long, env = "OUTPUT_FORMAT", value_enum, default_value_t = UsageFormat::Text)]
+    pub output: UsageFormat,
     /// Read the plugins' metrics from these URLs (`http://host:port/metrics`, comma-separated
     /// or repeated) instead of through the API server's pod proxy.
     #[arg(long, env = "USAGE_METRICS_URLS", value_delimiter = ',')]
@@ -57,6 +67,11 @@ pub struct UsageArgs {
     /// the driver does not expose SM activity) for this long: `90s`, `30m`, `1h`, `2d`.
     #[arg(long, env = "USAGE_IDLE_THRESHOLD", default_value = "1h", value_parser = parse_duration)]
     pub idle_threshold: u64,
+    /// Flag a claim whose processes use at least this percentage of the memory it was
+    /// allocated (its share, MIG device or GPU): it is near the point where CUDA runs out of
+    /// memory.
+    #[arg(long, env = "USAGE_NEAR_LIMIT", default_value_t = 90, value_parser = clap::value_parser!(u32).range(1..=100))]
+    pub near_limit: u32,
 }
 
 /// A duration as `--idle-threshold` takes it, in seconds.
@@ -137,6 +152,9 @@ pub struct ClaimUse {
     pub idle_seconds: Option<u64>,
     /// Idle for longer than the threshold.
     pub idle: bool,
+    /// Its processes use at least `--near-limit` percent of the memory allocated.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub near_limit: bool,
 }
 
 /// The cluster in a few numbers.
@@ -151,6 +169,8 @@ pub struct Summary {
     pub gpus_busy: usize,
     /// Claim devices with usage figures that are idle.
     pub idle_claims: usize,
+    /// Claim devices near their memory limit.
+    pub near_limit_claims: usize,
     /// Memory allocated to claims with usage figures, in bytes.
     pub memory_allocated_bytes: u64,
     /// Memory their processes hold, in bytes.
@@ -234,6 +254,22 @@ pub fn with_metrics(
     }
 }
 
+/// Marks the claims whose memory used is at least `percent` of their memory allocated.
+pub fn mark_near_limit(rows: &mut [GpuUsage], percent: u32) {
+    for u in rows
+        .iter_mut()
+        .flat_map(|g| &mut g.holders)
+        .filter_map(|h| h.usage.as_mut())
+    {
+        u.near_limit = match (u.memory_used_bytes, u.memory_allocated_bytes) {
+            (Some(used), Some(alloc)) if alloc > 0 => {
+                u128::from(used) * 100 >= u128::from(alloc) * u128::from(percent)
+            }
+            _ => false,
+        };
+    }
+}
+
 /// The cluster summary of `rows`.
 pub fn summary(rows: &[GpuUsage], idle_threshold: u64) -> Summary {
     let mut s = Summary {
@@ -254,6 +290,7 @@ pub fn summary(rows: &[GpuUsage], idle_threshold: u64) -> Summary {
         }
         for u in users.iter().filter_map(|h| h.usage.as_ref()) {
             s.idle_claims += usize::from(u.idle);
+            s.near_limit_claims += usize::from(u.near_limit);
             s.memory_allocated_bytes += u.memory_allocated_bytes.unwrap_or(0);
             s.memory_used_bytes += u.memory_used_bytes.unwrap_or(0);
         }
@@ -422,6 +459,7 @@ pub fn to_text(rows: &[GpuUsage]) -> String {
         "SM".into(),
         "PROCS".into(),
         "IDLE".into(),
+        "NOTE".into(),
     ]];
     for g in rows {
         if g.holders.is_empty() {
@@ -431,6 +469,7 @@ pub fn to_text(rows: &[GpuUsage]) -> String {
                 "-".into(),
                 "-".into(),
                 "free".into(),
+                String::new(),
                 String::new(),
                 String::new(),
                 String::new(),
@@ -471,10 +510,18 @@ pub fn to_text(rows: &[GpuUsage]) -> String {
                     (false, _) => "no".into(),
                     (true, None) => "idle".into(),
                 }),
+                match u {
+                    Some(u) if u.near_limit => format!(
+                        "near memory limit ({}%)",
+                        u.memory_used_bytes.unwrap_or(0) * 100
+                            / u.memory_allocated_bytes.unwrap_or(1).max(1)
+                    ),
+                    _ => String::new(),
+                },
             ]);
         }
     }
-    let columns = if with_use { 11 } else { 6 };
+    let columns = if with_use { 12 } else { 6 };
     let lines: Vec<Vec<String>> = lines.into_iter().map(|l| l[..columns].to_vec()).collect();
     let widths: Vec<usize> = (0..columns)
         .map(|i| lines.iter().map(|l| l[i].len()).max().unwrap_or(0))
@@ -504,6 +551,12 @@ pub fn summary_text(s: &Summary) -> String {
         s.idle_claims,
         human_seconds(s.idle_threshold_seconds)
     );
+    if s.near_limit_claims > 0 {
+        text.push_str(&format!(
+            "{} claims near their memory limit: past it CUDA runs out of memory\n",
+            s.near_limit_claims
+        ));
+    }
     for e in &s.metrics_errors {
         text.push_str(&format!("metrics not read: {e}\n"));
     }
@@ -534,12 +587,13 @@ pub fn run(args: &UsageArgs, out: &mut dyn Write) -> Result<Outcome, CliError> {
         }
     }
     with_metrics(&mut rows, &samples, now, args.idle_threshold);
+    mark_near_limit(&mut rows, args.near_limit);
     let mut sum = summary(&rows, args.idle_threshold);
     sum.metrics_read = read;
     sum.metrics_errors = errors;
     match args.output {
-        Format::Text => write!(out, "{}{}", to_text(&rows), summary_text(&sum))?,
-        Format::Json => {
+        UsageFormat::Text => write!(out, "{}{}", to_text(&rows), summary_text(&sum))?,
+        UsageFormat::Json => {
             serde_json::to_writer_pretty(
                 &mut *out,
                 &Report {
@@ -569,16 +623,34 @@ async fn fetch(
     let (slices, claims) = crate::explain::slices_and_claims(&client).await?;
     let metrics = if args.no_metrics {
         Vec::new()
-    } else if !args.metrics_url.is_empty() {
-        let mut out = Vec::new();
-        for url in &args.metrics_url {
-            out.push(http_get(url).await.map_err(|e| format!("{url}: {e}")));
-        }
-        out
     } else {
-        through_pod_proxy(&client, &args.plugin_selector, args.node.as_deref()).await
+        read_metrics(
+            &client,
+            &args.metrics_url,
+            &args.plugin_selector,
+            args.node.as_deref(),
+        )
+        .await
     };
     Ok((slices, claims, metrics))
+}
+
+/// The text of every plugin's metrics endpoint (or why one could not be read): from `urls`
+/// when given, else through the API server's pod proxy for the pods `selector` names.
+pub async fn read_metrics(
+    client: &kube::Client,
+    urls: &[String],
+    selector: &str,
+    node: Option<&str>,
+) -> Vec<Result<String, String>> {
+    if urls.is_empty() {
+        return through_pod_proxy(client, selector, node).await;
+    }
+    let mut out = Vec::new();
+    for url in urls {
+        out.push(http_get(url).await.map_err(|e| format!("{url}: {e}")));
+    }
+    out
 }
 
 /// How long one plugin pod's metrics may take through the API server's pod proxy.
@@ -904,6 +976,73 @@ mod tests {
             "{}",
             summary_text(&s)
         );
+    }
+
+    #[test]
+    fn claims_near_their_memory_limit_are_flagged() {
+        let claims = [
+            claim("train", "gpu-0", None, false),
+            claim("a", "gpu-1", Some("10Gi"), false),
+            claim("b", "gpu-1", Some("20Gi"), false),
+        ];
+        let mut rows = usage(&[slice()], &claims, "gpu.nvidia.com", None);
+        let now = 1_000_000;
+        let text = [
+            series("train", "gpu-0", 40 << 30, 30 << 30, Some(80), now),
+            // 9.5 of 10 GiB: 95 %.
+            series("a", "gpu-1", 10 << 30, 19 << 29, Some(10), now),
+            // 18 of 20 GiB: exactly 90 %.
+            series("b", "gpu-1", 20 << 30, 18 << 30, Some(10), now),
+        ]
+        .concat();
+        with_metrics(
+            &mut rows,
+            &crate::metrics_text::parse(&text, "gpu_dra_claim_"),
+            now,
+            3600,
+        );
+        mark_near_limit(&mut rows, 90);
+        let near: Vec<(&str, bool)> = rows
+            .iter()
+            .flat_map(|g| &g.holders)
+            .map(|h| {
+                (
+                    h.claim.as_str(),
+                    h.usage.as_ref().is_some_and(|u| u.near_limit),
+                )
+            })
+            .collect();
+        assert_eq!(near, [("ns/train", false), ("ns/a", true), ("ns/b", true)]);
+        let table = to_text(&rows);
+        assert!(
+            table
+                .lines()
+                .any(|l| l.contains("ns/a") && l.ends_with("near memory limit (95%)")),
+            "{table}"
+        );
+        let s = summary(&rows, 3600);
+        assert_eq!(s.near_limit_claims, 2);
+        assert!(summary_text(&s).contains("2 claims near their memory limit"));
+        mark_near_limit(&mut rows, 96);
+        assert_eq!(summary(&rows, 3600).near_limit_claims, 0);
+    }
+
+    #[test]
+    fn each_subcommand_help_describes_its_own_output() {
+        use clap::Parser;
+        let help = |cmd: &str| {
+            crate::Cli::try_parse_from(["gpu-dra", cmd, "--help"])
+                .expect_err("help")
+                .to_string()
+        };
+        let usage = help("usage");
+        assert!(usage.contains("one line per GPU and holder"), "{usage}");
+        assert!(!usage.contains("per request its selectors"), "{usage}");
+        let explain = help("explain");
+        assert!(explain.contains("per request its selectors"), "{explain}");
+        let advise = help("advise");
+        assert!(advise.contains("one line per claim"), "{advise}");
+        assert!(advise.contains("ResourceClaimTemplates"), "{advise}");
     }
 
     #[test]

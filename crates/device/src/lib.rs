@@ -13,6 +13,7 @@
 
 pub mod fixture;
 pub mod health;
+pub mod mig_tables;
 pub mod model;
 pub mod names;
 #[cfg(any(test, feature = "testing"))]

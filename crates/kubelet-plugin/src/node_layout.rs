@@ -14,6 +14,7 @@
 //!   checkpoint's changes since it was last written (the driver's `journal`);
 //! - `sharing.json`: time-slices and MPS daemons applied, so that they can be undone;
 //! - `device-health.json`: device health conditions kept across restarts;
+//! - `usage-history.json`: per prepared claim, what it used so far (the `usage` sampler);
 //! - `instance.lock`: held by the plugin instance that serves the node;
 //! - `failpoint.reached`: the step a test failpoint stopped at;
 //! - `mps/<daemon>/`: pipe and log folders of MPS control daemons;
@@ -40,6 +41,8 @@ use gpu_dra_core::{cdi, checkpoint};
 const SHARING_STATE: &str = "sharing.json";
 /// The device health conditions, kept across restarts.
 const HEALTH_STATE: &str = "device-health.json";
+/// Per prepared claim, what it used so far (`usage::history`).
+const USAGE_HISTORY: &str = "usage-history.json";
 /// The file whose exclusive lock makes one plugin instance the node's.
 const INSTANCE_LOCK: &str = "instance.lock";
 /// The step a test failpoint stopped at.
@@ -158,6 +161,11 @@ impl NodeFolders {
         health_state_in(&self.plugin_dir)
     }
 
+    /// The usage history of prepared claims.
+    pub fn usage_history(&self) -> PathBuf {
+        self.plugin_dir.join(USAGE_HISTORY)
+    }
+
     /// The instance lock.
     pub fn instance_lock(&self) -> PathBuf {
         instance_lock_in(&self.plugin_dir)
@@ -210,6 +218,7 @@ impl NodeFolders {
                 self.failpoint_marker(),
                 self.instance_lock(),
                 self.health_state(),
+                self.usage_history(),
             ],
             records: vec![
                 self.sharing_state(),
@@ -384,6 +393,7 @@ mod tests {
         assert_eq!(f.legacy_checkpoint(), p.join("checkpoint.json"));
         assert_eq!(f.sharing_state(), p.join("sharing.json"));
         assert_eq!(f.health_state(), p.join("device-health.json"));
+        assert_eq!(f.usage_history(), p.join("usage-history.json"));
         assert_eq!(f.instance_lock(), p.join("instance.lock"));
         assert_eq!(f.failpoint_marker(), p.join("failpoint.reached"));
         assert_eq!(f.mps_root(), p.join("mps"));

@@ -5,13 +5,18 @@
 //! The problem: NVML reports processes per device, by host PID; an admin asks per claim. The
 //! chain is device UUID (the checkpoint's prepared devices) -> processes on it
 //! (`UsageSource`, NVML on the GPU or MIG device handle) -> the pod of each process (its
-//! `/proc/<pid>/cgroup` names the pod UID, and under the e2e runtime the container name; the
-//! plugin needs the host's PID namespace for that, which the chart's `hostPID` gives) -> the
+//! `/proc/<pid>/cgroup` names the pod UID, and the container's ID under CRI runtimes or its
+//! name under the e2e runtime; the plugin needs the host's PID namespace for that, which the
+//! chart's `hostPID` gives) -> the
 //! claim, through the claim's `status.reservedFor` (the pods the scheduler let use it), read
 //! from the API server when a process of a pod no holder of its device knows shows up on its
 //! device: once per claim that runs something (and once more per pod that turns out not to be
 //! the claim's: it is remembered as a stranger), none for a claim whose device stays idle or
-//! whose processes cannot be told by pod (reading its pods could not attribute anything). A process on a device that one claim holds alone is that claim's even
+//! whose processes cannot be told by pod (reading its pods could not attribute anything).
+//! Container names where cgroups give IDs only: the pod's `status.containerStatuses`, read
+//! (GET by name) when a process of one of those pods shows a container ID not seen before:
+//! once per pod and container start, never per sample (see [`pods`]).
+//! A process on a device that one claim holds alone is that claim's even
 //! when its pod cannot be told (no hostPID, a process outside any pod): whoever runs there
 //! uses that claim's device.
 //!
@@ -29,6 +34,18 @@
 //! `gpu_dra_claim_last_active_timestamp_seconds` keeps the last such time (the first sample
 //! that saw the claim, until then), from which `gpu-dra usage` and dashboards tell idle time.
 //! Sampling never blocks prepare or unprepare: it reads a copy of the checkpoint.
+//!
+//! History: each claim device's peak and 95th percentile of memory used and of SM
+//! utilisation, its sample count and first and last sample time, over the claim's whole life
+//! (`gpu_dra_claim_*_peak_*`, `*_p95_*`, `gpu_dra_claim_usage_samples`,
+//! `gpu_dra_claim_{first,last}_sample_timestamp_seconds`), kept in a file across plugin
+//! restarts and gone with the claim (see [`history`]). What sampling misses: memory used is
+//! read at each sample, so an allocation that comes and goes between two samples (a burst
+//! shorter than `--usage-interval-seconds`, 15 s by default: a short warm-up, a transient
+//! workspace of one batch) is not in the peak; SM utilisation is NVML's average over the
+//! interval, so a burst of full load for a few seconds in a quiet interval shows as a low
+//! figure, and the percentile is of interval averages, not of instants. Advice built on these
+//! figures therefore needs its margin, and a workload whose bursts matter must say so itself.
 //!
 //! Alternatives rejected: mapping pods by the kubelet's PodResources API (not every kubelet
 //! reports DRA claims there, and it names containers only); a status the plugin writes into
@@ -51,6 +68,11 @@ use std::sync::atomic::AtomicU64;
 use tracing::{debug, warn};
 
 use crate::claims::ClaimSource;
+use history::History;
+use pods::PodSource;
+
+pub mod history;
+pub mod pods;
 
 type Labels = Vec<(String, String)>;
 
@@ -119,9 +141,23 @@ pub fn claim_devices(checkpoint: &Checkpoint, inventory: &Inventory) -> Vec<Clai
 pub struct Owner {
     /// The pod's UID.
     pub pod_uid: String,
-    /// The container's name, where the cgroup names it (the e2e runtime's); empty otherwise
-    /// (CRI runtimes name the container ID only).
+    /// The container's name, where the cgroup names it (the e2e runtime's) or once the pod's
+    /// `containerStatuses` named its ID; empty until then.
     pub container: String,
+    /// The container's ID, where the cgroup names it (CRI runtimes: containerd, CRI-O,
+    /// Docker); empty otherwise.
+    pub container_id: String,
+}
+
+/// The container ID in the cgroup segment below a pod's: `<id>` (cgroupfs) or
+/// `cri-containerd-<id>.scope`, `crio-<id>.scope`, `docker-<id>.scope` (systemd).
+fn container_id_of(segment: &str) -> String {
+    let seg = segment.strip_suffix(".scope").unwrap_or(segment);
+    ["cri-containerd-", "crio-", "docker-"]
+        .iter()
+        .find_map(|p| seg.strip_prefix(p))
+        .unwrap_or(seg)
+        .to_owned()
 }
 
 fn is_uuid(s: &str) -> bool {
@@ -141,7 +177,8 @@ fn is_uuid(s: &str) -> bool {
 pub fn owner_from_cgroup(text: &str) -> Option<Owner> {
     for line in text.lines() {
         let path = line.splitn(3, ':').nth(2).unwrap_or_default();
-        for segment in path.split('/').rev() {
+        let segments: Vec<&str> = path.split('/').collect();
+        for (i, segment) in segments.iter().enumerate().rev() {
             // systemd: kubepods-burstable-pod<uid_with_underscores>.slice
             let seg = segment.strip_suffix(".slice").unwrap_or(segment);
             if let Some(at) = seg.rfind("pod") {
@@ -150,6 +187,10 @@ pub fn owner_from_cgroup(text: &str) -> Option<Owner> {
                     return Some(Owner {
                         pod_uid: uid,
                         container: String::new(),
+                        container_id: segments
+                            .get(i + 1)
+                            .map(|c| container_id_of(c))
+                            .unwrap_or_default(),
                     });
                 }
             }
@@ -160,6 +201,7 @@ pub fn owner_from_cgroup(text: &str) -> Option<Owner> {
                 return Some(Owner {
                     pod_uid: uid.to_owned(),
                     container: name.to_owned(),
+                    container_id: String::new(),
                 });
             }
         }
@@ -321,6 +363,13 @@ pub struct UsageMetrics {
     processes: Family<Labels, Gauge>,
     device_util: Family<Labels, Gauge>,
     last_active: Family<Labels, Gauge>,
+    peak_used: Family<Labels, Gauge>,
+    p95_used: Family<Labels, Gauge>,
+    peak_sm: Family<Labels, Gauge>,
+    p95_sm: Family<Labels, Gauge>,
+    history_samples: Family<Labels, Gauge>,
+    first_sample: Family<Labels, Gauge>,
+    last_sample: Family<Labels, Gauge>,
     samples: Counter,
     errors: Counter,
     cpu: Gauge<f64, AtomicU64>,
@@ -330,7 +379,7 @@ pub struct UsageMetrics {
 
 /// The names of the `gpu_dra_claim_*` series, as exported (the dashboard's test checks its
 /// queries against what is registered).
-pub const CLAIM_SERIES: [&str; 7] = [
+pub const CLAIM_SERIES: [&str; 14] = [
     "gpu_dra_claim_info",
     "gpu_dra_claim_memory_allocated_bytes",
     "gpu_dra_claim_memory_used_bytes",
@@ -338,6 +387,13 @@ pub const CLAIM_SERIES: [&str; 7] = [
     "gpu_dra_claim_processes",
     "gpu_dra_claim_device_utilization_percent",
     "gpu_dra_claim_last_active_timestamp_seconds",
+    "gpu_dra_claim_memory_used_peak_bytes",
+    "gpu_dra_claim_memory_used_p95_bytes",
+    "gpu_dra_claim_sm_utilization_peak_percent",
+    "gpu_dra_claim_sm_utilization_p95_percent",
+    "gpu_dra_claim_usage_samples",
+    "gpu_dra_claim_first_sample_timestamp_seconds",
+    "gpu_dra_claim_last_sample_timestamp_seconds",
 ];
 
 fn claim_labels(d: &ClaimDevice) -> Labels {
@@ -405,6 +461,41 @@ impl UsageMetrics {
             "Last sample at which a claim's processes were active (Unix time)",
             self.last_active.clone(),
         );
+        registry.register(
+            "claim_memory_used_peak_bytes",
+            "Most device memory a claim's processes held at one sample, over the claim's life",
+            self.peak_used.clone(),
+        );
+        registry.register(
+            "claim_memory_used_p95_bytes",
+            "95th percentile of a claim's memory used over its life (rounded up, at most 6.25 %)",
+            self.p95_used.clone(),
+        );
+        registry.register(
+            "claim_sm_utilization_peak_percent",
+            "Highest SM utilisation of a claim's processes at one sample, over its life (whole GPUs only)",
+            self.peak_sm.clone(),
+        );
+        registry.register(
+            "claim_sm_utilization_p95_percent",
+            "95th percentile of a claim's SM utilisation over its life (whole GPUs only)",
+            self.p95_sm.clone(),
+        );
+        registry.register(
+            "claim_usage_samples",
+            "Samples behind a claim's peak and percentiles",
+            self.history_samples.clone(),
+        );
+        registry.register(
+            "claim_first_sample_timestamp_seconds",
+            "First sample of a claim's history (Unix time)",
+            self.first_sample.clone(),
+        );
+        registry.register(
+            "claim_last_sample_timestamp_seconds",
+            "Last sample of a claim's history (Unix time)",
+            self.last_sample.clone(),
+        );
         registry.register("usage_samples", "Usage samples taken", self.samples.clone());
         registry.register(
             "usage_sample_errors",
@@ -444,17 +535,35 @@ impl UsageMetrics {
     }
 
     /// Publishes one sample's figures; `last_active` by (claim UID, device UUID), in Unix
-    /// seconds.
+    /// seconds; each claim device's life so far from `history`.
     pub fn publish(
         &self,
         usage: &[ClaimDeviceUsage],
         last_active: &HashMap<(String, String), i64>,
+        history: &History,
     ) {
         let (mut info, mut allocated, mut used, mut sm, mut procs, mut util, mut active) =
+            (vec![], vec![], vec![], vec![], vec![], vec![], vec![]);
+        let (mut peak, mut p95, mut peak_sm, mut p95_sm, mut count, mut first, mut last) =
             (vec![], vec![], vec![], vec![], vec![], vec![], vec![]);
         for u in usage {
             let d = &u.device;
             let base = claim_labels(d);
+            if let Some(h) = history.get(&d.claim_uid, &d.uuid) {
+                peak.push((base.clone(), clamp_i64(h.peak_used_bytes)));
+                if let Some(b) = h.memory_p95_bytes() {
+                    p95.push((base.clone(), clamp_i64(b)));
+                }
+                if let Some(s) = h.peak_sm_percent {
+                    peak_sm.push((base.clone(), i64::from(s)));
+                }
+                if let Some(s) = h.sm_p95_percent() {
+                    p95_sm.push((base.clone(), i64::from(s)));
+                }
+                count.push((base.clone(), clamp_i64(h.samples)));
+                first.push((base.clone(), h.first_sample));
+                last.push((base.clone(), h.last_sample));
+            }
             let share = d.share_bytes.map(|b| b.to_string()).unwrap_or_default();
             info.push((
                 with(
@@ -497,6 +606,13 @@ impl UsageMetrics {
         self.replace("processes", &self.processes, procs);
         self.replace("device_util", &self.device_util, util);
         self.replace("last_active", &self.last_active, active);
+        self.replace("peak_used", &self.peak_used, peak);
+        self.replace("p95_used", &self.p95_used, p95);
+        self.replace("peak_sm", &self.peak_sm, peak_sm);
+        self.replace("p95_sm", &self.p95_sm, p95_sm);
+        self.replace("history_samples", &self.history_samples, count);
+        self.replace("first_sample", &self.first_sample, first);
+        self.replace("last_sample", &self.last_sample, last);
     }
 }
 
@@ -570,6 +686,15 @@ pub struct Sampler {
     /// [`MAX_STRANGERS`] per claim; gone with the claim.
     strangers: HashMap<String, BTreeSet<String>>,
     last_active: HashMap<(String, String), i64>,
+    pod_source: Option<Arc<dyn PodSource>>,
+    /// Per pod UID (of the pods in `pods`), container ID -> name from its last read.
+    names: HashMap<String, HashMap<String, String>>,
+    /// Per pod UID, container IDs a read of the pod did not name (not read again for them);
+    /// bounded by [`MAX_STRANGERS`] per pod.
+    unnamed: HashMap<String, BTreeSet<String>>,
+    history: History,
+    history_file: Option<PathBuf>,
+    since_write: u64,
 }
 
 /// The most pods outside a claim's `reservedFor` remembered per claim; past it, further
@@ -595,6 +720,68 @@ impl Sampler {
             pods: HashMap::new(),
             strangers: HashMap::new(),
             last_active: HashMap::new(),
+            pod_source: None,
+            names: HashMap::new(),
+            unnamed: HashMap::new(),
+            history: History::default(),
+            history_file: None,
+            since_write: 0,
+        }
+    }
+
+    /// Names containers that cgroups name by ID only, from the pods read through `source`
+    /// (see [`pods`]).
+    pub fn with_pods(mut self, source: Arc<dyn PodSource>) -> Self {
+        self.pod_source = Some(source);
+        self
+    }
+
+    /// Keeps the usage history in `path` (see [`history`]): reads what it holds now (a file
+    /// that cannot be read is reported and history starts empty) and writes it every
+    /// [`history::WRITE_EVERY`] samples and from [`Sampler::save`].
+    pub fn with_history_file(mut self, path: PathBuf) -> Self {
+        match std::fs::read(&path) {
+            Ok(bytes) => match History::from_bytes(&bytes) {
+                Ok(h) => {
+                    debug!(path = %path.display(), entries = h.len(), "usage history loaded");
+                    self.history = h;
+                }
+                Err(e) => {
+                    warn!(path = %path.display(), error = %e, "usage history not loaded; it starts empty");
+                }
+            },
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => {
+                warn!(path = %path.display(), error = %e, "usage history not read; it starts empty");
+            }
+        }
+        self.history_file = Some(path);
+        self
+    }
+
+    /// The usage history so far.
+    pub fn history(&self) -> &History {
+        &self.history
+    }
+
+    /// Writes the usage history to its file now (when one is set); a failure is reported,
+    /// and the next write tries again.
+    pub async fn save(&mut self) {
+        self.since_write = 0;
+        let Some(path) = self.history_file.clone() else {
+            return;
+        };
+        let bytes = self.history.to_bytes();
+        let written = tokio::task::spawn_blocking(move || {
+            gpu_dra_fsutil::replace_atomic(&path, &bytes, 0o600).map_err(|e| (path, e))
+        })
+        .await;
+        match written {
+            Ok(Ok(())) => {}
+            Ok(Err((path, e))) => {
+                warn!(path = %path.display(), error = %e, "cannot write the usage history");
+            }
+            Err(e) => warn!(error = %e, "cannot write the usage history"),
         }
     }
 
@@ -634,7 +821,7 @@ impl Sampler {
             })
         };
         metrics.samples.inc();
-        let reading = match reading {
+        let mut reading = match reading {
             Ok(r) => r,
             Err(e) => {
                 metrics.errors.inc();
@@ -643,6 +830,7 @@ impl Sampler {
             }
         };
         self.refresh_pods(&devices, &reading).await;
+        self.name_containers(&devices, &mut reading.owners).await;
         let usage = attribute(&devices, &reading.samples, &reading.owners, &self.pods);
         let now = SystemTime::now()
             .duration_since(UNIX_EPOCH)
@@ -660,7 +848,12 @@ impl Sampler {
                 self.last_active.entry(key).or_insert(now);
             }
         }
-        metrics.publish(&usage, &self.last_active);
+        self.history.record(&usage, now);
+        metrics.publish(&usage, &self.last_active, &self.history);
+        self.since_write += 1;
+        if self.since_write >= history::WRITE_EVERY {
+            self.save().await;
+        }
         if let Some(cpu) = reading.cpu {
             metrics.cpu.set(cpu.as_secs_f64());
         }
@@ -671,6 +864,76 @@ impl Sampler {
             "usage sampled"
         );
         usage
+    }
+
+    /// Names the containers of `owners` whose cgroup gave an ID only, from their pods'
+    /// `containerStatuses`: a pod is read when one of its processes shows a container ID not
+    /// seen before (one read per pod and new container, e.g. after a restart), and only pods
+    /// that a claim prepared here is reserved for (known from [`Sampler::refresh_pods`]).
+    async fn name_containers(&mut self, devices: &[ClaimDevice], owners: &mut HashMap<u32, Owner>) {
+        // Pod UID -> (namespace, name) of the pods the prepared claims are reserved for.
+        let mut known: HashMap<String, (String, String)> = HashMap::new();
+        for d in devices {
+            for p in self.pods.get(&d.claim_uid).into_iter().flatten() {
+                known.insert(p.uid.clone(), (d.namespace.clone(), p.name.clone()));
+            }
+        }
+        self.names.retain(|uid, _| known.contains_key(uid));
+        self.unnamed.retain(|uid, _| known.contains_key(uid));
+        if let Some(source) = self.pod_source.clone() {
+            let mut to_read: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+            for o in owners.values() {
+                if !o.container.is_empty() || o.container_id.is_empty() {
+                    continue;
+                }
+                let named = self
+                    .names
+                    .get(&o.pod_uid)
+                    .is_some_and(|n| n.contains_key(&o.container_id));
+                let tried = self
+                    .unnamed
+                    .get(&o.pod_uid)
+                    .is_some_and(|n| n.contains(&o.container_id) || n.len() >= MAX_STRANGERS);
+                if known.contains_key(&o.pod_uid) && !named && !tried {
+                    to_read
+                        .entry(o.pod_uid.clone())
+                        .or_default()
+                        .insert(o.container_id.clone());
+                }
+            }
+            for (uid, ids) in to_read {
+                let Some((namespace, name)) = known.get(&uid) else {
+                    continue;
+                };
+                let names = match source.get(namespace, name).await {
+                    Ok(Some(pod)) if pod.metadata.uid.as_deref() == Some(uid.as_str()) => {
+                        pods::container_names(&pod)
+                    }
+                    Ok(_) => HashMap::new(),
+                    Err(e) => {
+                        debug!(pod = %format!("{namespace}/{name}"), error = %e, "cannot read the pod's containers");
+                        continue;
+                    }
+                };
+                let unnamed = self.unnamed.entry(uid.clone()).or_default();
+                for id in ids {
+                    if !names.contains_key(&id) && unnamed.len() < MAX_STRANGERS {
+                        unnamed.insert(id);
+                    }
+                }
+                self.names.insert(uid, names);
+            }
+        }
+        for o in owners.values_mut() {
+            if o.container.is_empty()
+                && let Some(name) = self
+                    .names
+                    .get(&o.pod_uid)
+                    .and_then(|n| n.get(&o.container_id))
+            {
+                o.container = name.clone();
+            }
+        }
     }
 
     /// Reads `status.reservedFor` of the claims on whose device a process of a pod none of
@@ -745,9 +1008,13 @@ pub async fn run(
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
-        tokio::select! {
-            _ = tick.tick() => {}
-            _ = stop.wait_for(|s| *s) => return,
+        let stopped = tokio::select! {
+            _ = tick.tick() => false,
+            _ = stop.wait_for(|s| *s) => true,
+        };
+        if stopped {
+            sampler.save().await;
+            return;
         }
         let cp = checkpoint();
         let inv = inventory();

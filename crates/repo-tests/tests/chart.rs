@@ -253,6 +253,9 @@ fn default_values() {
             ),
             // Its Node, watched for the partitioning annotations (`publish::node_watch`).
             ("".into(), "nodes".into(), vec!["get", "list", "watch"]),
+            // The pods of claims it prepared, by name only (`usage::pods`): the names of
+            // their containers.
+            ("".into(), "pods".into(), vec!["get"]),
             // Device data in the status of the claims it prepares (`claim_status`): the
             // status subresource, and this driver's entries of claims on its node (the API
             // server's check on the synthetic `driver` subresource).
@@ -269,7 +272,7 @@ fn default_values() {
         ]
     );
     assert_eq!(
-        role["rules"][4]["resourceNames"],
+        role["rules"][5]["resourceNames"],
         serde_json::json!(["gpu.nvidia.com"]),
         "the driver subresource only for this driver"
     );

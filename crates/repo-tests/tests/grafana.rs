@@ -47,7 +47,9 @@ fn populated() -> gpu_dra_kubelet_plugin::metrics::Metrics {
         active: true,
     };
     let last = std::collections::HashMap::from([(("u".to_string(), "GPU-0".to_string()), 5)]);
-    m.usage.publish(&[usage], &last);
+    let mut history = gpu_dra_kubelet_plugin::usage::history::History::default();
+    history.record(std::slice::from_ref(&usage), 5);
+    m.usage.publish(&[usage], &last, &history);
     m
 }
 

@@ -679,7 +679,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         ))
     });
     let (publisher_stop, publisher_stopped) = tokio::sync::watch::channel(false);
-    let publisher = client.map(|client| {
+    let publisher = client.clone().map(|client| {
         let mut config = crate::publish::PublisherConfig::new(&args.node_name, &args.driver_name);
         config.rediscover_interval = Duration::from_secs(args.rediscover_interval_seconds.max(1));
         config.partitioning = partitioning_flags.clone();
@@ -699,7 +699,15 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             }
         })
     });
-    let usage_sampler = usage_sampler(&args, &backends, claims, &driver, &live, &metrics, &stop_rx);
+    let usage_sampler = usage_sampler(
+        &args,
+        &backends,
+        (claims, client.as_ref()),
+        &driver,
+        &live,
+        &metrics,
+        &stop_rx,
+    );
     ready.store(true, Ordering::Relaxed);
     server.await.context("gRPC servers")??;
     cleanup.abort();
@@ -707,7 +715,13 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     if let Err(e) = driver.compact_checkpoint().await {
         warn!(error = %e, "cannot fold the checkpoint journal into the checkpoint at stop; the next start does");
     }
-    if let Some(sampler) = usage_sampler {
+    // The sampler writes its usage history when it sees the stop; a sample in flight (NVML
+    // out of reach) is not waited for long.
+    if let Some(mut sampler) = usage_sampler
+        && tokio::time::timeout(Duration::from_secs(5), &mut sampler)
+            .await
+            .is_err()
+    {
         sampler.abort();
     }
     let _ = publisher_stop.send(true);
@@ -745,7 +759,7 @@ fn pod_claims(args: &RunArgs) -> Option<Arc<dyn crate::pod_resources::PodClaims>
 fn usage_sampler(
     args: &RunArgs,
     backends: &Backends,
-    claims: Arc<dyn ClaimSource>,
+    (claims, client): (Arc<dyn ClaimSource>, Option<&kube::Client>),
     driver: &Arc<Driver>,
     live: &Arc<LiveInventory>,
     metrics: &Arc<Metrics>,
@@ -760,12 +774,16 @@ fn usage_sampler(
         return None;
     };
     let every = Duration::from_secs(args.usage_interval_seconds);
-    let sampler = crate::usage::Sampler::new(
+    let mut sampler = crate::usage::Sampler::new(
         Arc::new(gpu_dra_nvml::usage::NvmlUsage::new(library)),
         claims,
         args.proc_root.clone(),
         every,
-    );
+    )
+    .with_history_file(args.folders.usage_history());
+    if let Some(client) = client {
+        sampler = sampler.with_pods(Arc::new(crate::usage::pods::KubePods::new(client.clone())));
+    }
     info!(interval_s = args.usage_interval_seconds, proc_root = %args.proc_root.display(), "sampling per-claim GPU usage");
     let (driver, live) = (driver.clone(), live.clone());
     Some(tokio::spawn(crate::usage::run(

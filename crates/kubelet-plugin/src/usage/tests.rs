@@ -44,6 +44,14 @@ fn owner(pod: &str, container: &str) -> Owner {
     Owner {
         pod_uid: pod.into(),
         container: container.into(),
+        container_id: String::new(),
+    }
+}
+
+fn owner_id(pod: &str, id: &str) -> Owner {
+    Owner {
+        container_id: id.into(),
+        ..owner(pod, "")
     }
 }
 
@@ -52,19 +60,28 @@ fn cgroups_of_every_driver_name_the_pod() {
     let cases = [
         (
             "0::/kubepods/burstable/pod0f1e2d3c-4b5a-4978-8695-a4b3c2d1e0f1/4f9c0d0e8d1b2f",
-            Some(owner(POD_A, "")),
+            Some(owner_id(POD_A, "4f9c0d0e8d1b2f")),
         ),
         (
             "0::/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod0f1e2d3c_4b5a_4978_8695_a4b3c2d1e0f1.slice/cri-containerd-4f9c.scope",
-            Some(owner(POD_A, "")),
+            Some(owner_id(POD_A, "4f9c")),
         ),
         (
             "12:memory:/kubepods/pod0f1e2d3c-4b5a-4978-8695-a4b3c2d1e0f1/abc\n0::/",
-            Some(owner(POD_A, "")),
+            Some(owner_id(POD_A, "abc")),
         ),
         (
             "0::/1a2b3c4d-5e6f-4a7b-8c9d-0e1f2a3b4c5d_trainer",
             Some(owner(POD_B, "trainer")),
+        ),
+        (
+            "0::/kubepods.slice/kubepods-pod0f1e2d3c_4b5a_4978_8695_a4b3c2d1e0f1.slice/crio-77aa.scope",
+            Some(owner_id(POD_A, "77aa")),
+        ),
+        // The pod's own cgroup (its sandbox): no container.
+        (
+            "0::/kubepods/pod0f1e2d3c-4b5a-4978-8695-a4b3c2d1e0f1",
+            Some(owner(POD_A, "")),
         ),
         ("0::/user.slice/user-0.slice/session-1.scope", None),
         ("0::/kubepods/podnot-a-uuid/abc", None),
@@ -401,6 +418,200 @@ impl Reads {
     fn reads(&self) -> usize {
         self.claims.reads.load(std::sync::atomic::Ordering::SeqCst)
     }
+
+    /// A fresh sampler over the same node, as a restarted plugin has: pods from `pods`,
+    /// history in `history` where given.
+    fn restart(&mut self, pods: Option<Arc<CountedPods>>, history: Option<&Path>) {
+        let mut sampler = Sampler::new(
+            self.source.clone(),
+            self.claims.clone(),
+            self._proc_root.path().to_path_buf(),
+            Duration::from_secs(15),
+        );
+        if let Some(pods) = pods {
+            sampler = sampler.with_pods(pods);
+        }
+        if let Some(path) = history {
+            sampler = sampler.with_history_file(path.to_path_buf());
+        }
+        self.sampler = sampler;
+    }
+
+    /// Process `pid` of `pod` now runs in the container with ID `id` (a CRI runtime's cgroup).
+    fn container(&self, pid: u32, pod: &str, id: &str) {
+        std::fs::write(
+            self._proc_root.path().join(format!("{pid}/cgroup")),
+            format!(
+                "0::/kubepods.slice/kubepods-pod{}.slice/cri-containerd-{id}.scope\n",
+                pod.replace('-', "_")
+            ),
+        )
+        .expect("cgroup");
+    }
+}
+
+/// Pods in memory that count the reads.
+#[derive(Default)]
+struct CountedPods {
+    pods: std::sync::Mutex<Vec<k8s_openapi::api::core::v1::Pod>>,
+    reads: std::sync::atomic::AtomicUsize,
+}
+
+impl CountedPods {
+    /// Pod `ns/name` (UID `uid`) with `containers` as (name, container ID).
+    fn set(&self, name: &str, uid: &str, containers: &[(&str, &str)]) {
+        let statuses: Vec<serde_json::Value> = containers
+            .iter()
+            .map(|(n, id)| serde_json::json!({"name": n, "containerID": format!("containerd://{id}"), "image": "", "imageID": "", "ready": true, "restartCount": 0}))
+            .collect();
+        let pod = serde_json::from_value(serde_json::json!({
+            "metadata": {"namespace": "ns", "name": name, "uid": uid},
+            "status": {"containerStatuses": statuses},
+        }))
+        .expect("pod");
+        *self.pods.lock().expect("lock") = vec![pod];
+    }
+
+    fn reads(&self) -> usize {
+        self.reads.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+impl pods::PodSource for CountedPods {
+    fn get<'a>(
+        &'a self,
+        namespace: &'a str,
+        name: &'a str,
+    ) -> futures::future::BoxFuture<'a, Result<Option<k8s_openapi::api::core::v1::Pod>, kube::Error>>
+    {
+        self.reads.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let found = self
+            .pods
+            .lock()
+            .expect("lock")
+            .iter()
+            .find(|p| {
+                p.metadata.namespace.as_deref() == Some(namespace)
+                    && p.metadata.name.as_deref() == Some(name)
+            })
+            .cloned();
+        Box::pin(async move { Ok(found) })
+    }
+}
+
+#[tokio::test]
+async fn container_ids_get_their_names_from_the_pod_once_per_container_start() {
+    let mut r = Reads::new(&[(7, POD_A)]);
+    let pods = Arc::new(CountedPods::default());
+    pods.set(
+        "trainer-0",
+        POD_A,
+        &[("trainer", "4f9c"), ("sidecar", "5e5e")],
+    );
+    r.restart(Some(pods.clone()), None);
+    r.container(7, POD_A, "4f9c");
+    r.set(vec![process(7, 1 << 30, Some(5))], Some(5));
+    let usage = r.sample().await;
+    assert_eq!(
+        (
+            usage[0].pods[0].pod.as_str(),
+            usage[0].pods[0].container.as_str()
+        ),
+        ("trainer-0", "trainer")
+    );
+    assert_eq!(pods.reads(), 1);
+    for _ in 0..3 {
+        r.sample().await;
+    }
+    assert_eq!(pods.reads(), 1, "a named container makes no further read");
+    assert!(
+        r.metrics
+            .render()
+            .contains(r#"pod="trainer-0",container="trainer"} 1"#),
+        "{}",
+        r.metrics.render()
+    );
+
+    // The container restarts: a new ID, one read.
+    pods.set("trainer-0", POD_A, &[("trainer", "99bb")]);
+    r.container(7, POD_A, "99bb");
+    let usage = r.sample().await;
+    assert_eq!(usage[0].pods[0].container, "trainer");
+    assert_eq!(pods.reads(), 2);
+
+    // An ID the pod does not list: read once, then left unnamed.
+    r.container(7, POD_A, "dead");
+    for _ in 0..3 {
+        let usage = r.sample().await;
+        assert_eq!(usage[0].pods[0].container, "");
+    }
+    assert_eq!(
+        pods.reads(),
+        3,
+        "an unknown ID makes one read, not one per sample"
+    );
+}
+
+#[tokio::test]
+async fn history_survives_a_restart_and_goes_with_the_claim() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = dir.path().join("usage-history.json");
+    let mut r = Reads::new(&[(7, POD_A)]);
+    r.restart(None, Some(&file));
+    r.set(vec![process(7, 3 << 30, Some(40))], Some(40));
+    for _ in 0..history::WRITE_EVERY + 2 {
+        r.sample().await;
+    }
+    let on_disk = History::from_bytes(&std::fs::read(&file).expect("written")).expect("parse");
+    assert_eq!(
+        on_disk.get("c1", "GPU-4").map(|h| h.samples),
+        Some(history::WRITE_EVERY),
+        "written every {} samples",
+        history::WRITE_EVERY
+    );
+    r.sampler.save().await;
+
+    // A restarted plugin goes on from what was written.
+    r.restart(None, Some(&file));
+    assert_eq!(
+        r.sampler.history().get("c1", "GPU-4").map(|h| h.samples),
+        Some(history::WRITE_EVERY + 2)
+    );
+    r.set(vec![process(7, 5 << 30, Some(90))], Some(90));
+    r.sample().await;
+    let text = r.metrics.render();
+    let labels = r#"namespace="ns",claim="train",claim_namespace="ns",device="gpu-4",pool="node-a",uuid="GPU-4""#;
+    for series in [
+        format!(
+            "gpu_dra_claim_usage_samples{{{labels}}} {}",
+            history::WRITE_EVERY + 3
+        ),
+        format!(
+            "gpu_dra_claim_memory_used_peak_bytes{{{labels}}} {}",
+            5u64 << 30
+        ),
+        format!("gpu_dra_claim_memory_used_p95_bytes{{{labels}}} "),
+        format!("gpu_dra_claim_sm_utilization_p95_percent{{{labels}}} 40"),
+        format!("gpu_dra_claim_sm_utilization_peak_percent{{{labels}}} 90"),
+        format!("gpu_dra_claim_first_sample_timestamp_seconds{{{labels}}} "),
+        format!("gpu_dra_claim_last_sample_timestamp_seconds{{{labels}}} "),
+    ] {
+        assert!(text.contains(&series), "{series} missing:\n{text}");
+    }
+
+    // Unprepared: gone from memory and, at the next write, from the file.
+    r.sampler
+        .sample(&Checkpoint::default(), &r.inv, &r.metrics.usage)
+        .await;
+    assert!(r.sampler.history().is_empty());
+    r.sampler.save().await;
+    let on_disk = History::from_bytes(&std::fs::read(&file).expect("written")).expect("parse");
+    assert!(on_disk.is_empty());
+
+    // A damaged file is reported and history starts empty.
+    std::fs::write(&file, b"{not json").expect("write");
+    r.restart(None, Some(&file));
+    assert!(r.sampler.history().is_empty());
 }
 
 #[tokio::test]
