@@ -93,7 +93,10 @@ impl NodeEvents for KubeNodeEvents {
 /// (two GPUs' kept instances, two feature gates off) would show as one. The action carries a
 /// digest of the note: the same finding repeated is still one series.
 fn action(note: &str) -> String {
-    format!("Reconcile-{}", &crate::digest::sha256_hex(note.as_bytes())[..12])
+    format!(
+        "Reconcile-{}",
+        &crate::digest::sha256_hex(note.as_bytes())[..12]
+    )
 }
 
 /// `note` cut to [`NOTE_MAX`] bytes at a character boundary, marked with an ellipsis.
