@@ -4,7 +4,8 @@
 //! [`GpuInventory`]; the node binary picks one at startup and nothing else knows which:
 //! [`fixture`] serves an inventory held in memory, and the health seam ([`health`]) carries what
 //! a backend observes about GPU health. [`names`] holds the naming rules every backend shares
-//! (MIG profile names, PCI bus IDs, brands). [`usage`] is the seam for what devices are used for
+//! (MIG profile names, PCI bus IDs, brands); [`mig_tables`] the real MIG profile tables per GPU
+//! model. [`usage`] is the seam for what devices are used for
 //! now (processes, memory, utilisation). [`testing`] (feature `testing`) builds inventories
 //! for tests and benchmarks. This
 //! crate does no I/O and links no NVML: the NVML backend lives in `gpu-dra-nvml`, so the pure
