@@ -14,6 +14,8 @@
 //! - [`partitioning`]: how each GPU is offered (static, dynamic MIG, memory shares) from flags
 //!   and Node annotations.
 //! - [`health`]: health observations -> device taints and the health the kubelet reports.
+//! - [`feature_gates`]: the Kubernetes feature gates the driver's features need and the
+//!   release from which each is on by default.
 //! - [`topology`]: NVLink domains (sets of GPUs that are pairwise NVLink peers) from the
 //!   inventory, published as `nvlinkDomain`.
 //! - [`list_forms`]: the list-type forms of `nvlinkDomain` and `numaNode`, for clusters with
@@ -25,6 +27,7 @@ pub mod cdi;
 pub mod checkpoint;
 pub mod consumable_shares;
 pub mod dynamic_mig;
+pub mod feature_gates;
 pub mod health;
 pub mod ldcache;
 pub mod list_forms;

@@ -3147,7 +3147,7 @@ fn the_charts_feature_gate_table_is_the_clis() {
             (name.to_owned(), nums[0], nums[1])
         })
         .collect();
-    let cli: Vec<(String, u32, u32)> = gpu_dra_cli::check::gates::GATES
+    let cli: Vec<(String, u32, u32)> = gpu_dra_core::feature_gates::GATES
         .iter()
         .map(|g| {
             (

@@ -12,7 +12,7 @@
 pub mod cert;
 pub mod checks;
 pub mod facts;
-pub mod gates;
+pub use gpu_dra_core::feature_gates as gates;
 
 use std::io::Write;
 

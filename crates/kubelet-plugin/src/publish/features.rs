@@ -77,14 +77,12 @@ impl Feature {
         }
     }
 
-    /// The first Kubernetes release with the gate on by default.
-    pub fn on_by_default_since(self) -> &'static str {
-        match self {
-            Feature::ConsumableCapacity
-            | Feature::PartitionableDevices
-            | Feature::DeviceTaints
-            | Feature::BindingConditions => "1.36",
-        }
+    /// From which release the gate is on by default, in words
+    /// ([`gpu_dra_core::feature_gates`]).
+    pub fn default_text(self) -> String {
+        gpu_dra_core::feature_gates::gate(self.gate())
+            .map(gpu_dra_core::feature_gates::default_text)
+            .unwrap_or_else(|| "not known to this driver".into())
     }
 
     /// What of ours needs it, and what the node offers without it.
@@ -246,9 +244,9 @@ pub fn missing_message(feature: Feature, evidence: &str, server_version: Option<
         .map(|v| format!(" (the API server is {v})"))
         .unwrap_or_default();
     format!(
-        "the API server drops {evidence} from ResourceSlices: feature gate {} is off{server}; it is on by default from Kubernetes {}. Until it is on: {}. Turn {} on in the API server, scheduler and kubelets, or configure the driver without what needs it.",
+        "the API server drops {evidence} from ResourceSlices: feature gate {} is off{server}; it is {}. Until it is on: {}. Turn {} on in the API server, scheduler and kubelets, or configure the driver without what needs it.",
         feature.gate(),
-        feature.on_by_default_since(),
+        feature.default_text(),
         feature.fallback(),
         feature.gate(),
     )
@@ -442,6 +440,17 @@ mod tests {
         served.learn(&compare(&slice(), &slice()));
         assert!(!served.is_missing(Feature::DeviceTaints));
         assert!(served.kept.contains(&Feature::DeviceTaints));
+    }
+
+    #[test]
+    fn every_feature_has_its_gate_in_the_drivers_table() {
+        for f in Feature::ALL {
+            assert!(
+                gpu_dra_core::feature_gates::gate(f.gate()).is_some(),
+                "{}",
+                f.gate()
+            );
+        }
     }
 
     #[test]

@@ -190,7 +190,7 @@ which it first exists (alpha) and from which it is on by default (onByDefault: 0
 default in every release up to 1.37). Source: the versioned defaults of
 pkg/features/kube_features.go (Kubernetes 1.37.1); the table per release, with links, is in
 docs/kubernetes-versions.md. `gpu-dra check` keeps the same table
-(crates/cli/src/check/gates.rs); a repository test keeps the two equal.
+(crates/core/src/feature_gates.rs); a repository test keeps the two equal.
 */}}
 {{- define "gpu-dra.clusterGates" -}}
 DRAConsumableCapacity: {alpha: 34, onByDefault: 36}

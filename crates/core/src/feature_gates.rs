@@ -1,5 +1,6 @@
 //! The Kubernetes feature gates the driver's features need, and from which release each is on
-//! by default: the one table `gpu-dra check` judges a cluster by.
+//! by default: the one table `gpu-dra check` judges a cluster by and the node plugin names in
+//! its messages when the API server drops a feature's fields.
 //!
 //! Source: the versioned defaults in `pkg/features/kube_features.go` of Kubernetes 1.37.1
 //! (each gate lists the release of each stage), confirmed against the feature gate reference
