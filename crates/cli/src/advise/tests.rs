@@ -607,3 +607,21 @@ fn the_yaml_says_how_to_apply_it_and_what_was_left() {
             .contains("nothing to change")
     );
 }
+
+#[test]
+fn json_fields_of_the_advice_are_camel_case_like_the_rest() {
+    let v = serde_json::to_value(advised(
+        "ns/a",
+        Offering::Mps {
+            memory_bytes: 4 * GIB,
+            active_thread_percentage: 6,
+        },
+    ))
+    .expect("json");
+    assert_eq!(
+        v["advice"],
+        json!({"kind": "mps", "memoryBytes": 4 * GIB, "activeThreadPercentage": 6})
+    );
+    let held = serde_json::to_value(Holding::Share { bytes: GIB }).expect("json");
+    assert_eq!(held, json!({"kind": "share", "bytes": GIB}));
+}
