@@ -166,7 +166,11 @@ pub struct Evidence {
 
 /// What a claim holds now, in the terms packing needs.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "camelCase", rename_all_fields = "camelCase", tag = "kind")]
+#[serde(
+    rename_all = "camelCase",
+    rename_all_fields = "camelCase",
+    tag = "kind"
+)]
 pub enum Holding {
     /// A whole GPU.
     Gpu,
@@ -184,7 +188,11 @@ pub enum Holding {
 
 /// The advice for one claim.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "camelCase", rename_all_fields = "camelCase", tag = "kind")]
+#[serde(
+    rename_all = "camelCase",
+    rename_all_fields = "camelCase",
+    tag = "kind"
+)]
 pub enum Offering {
     /// A MIG device.
     Mig {
