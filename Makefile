@@ -8,7 +8,7 @@ TOOLS := $(CURDIR)/.tools
 HELM_VERSION ?= v3.22.0
 HELM := $(TOOLS)/bin/helm
 
-.PHONY: help build release unit test lint fmt fuzz bench bench-check generate chart-package chart-check cdi-check e2e e2e-build e2e-bins e2e-tools e2e-runtime e2e-node-tools e2e-image e2e-kubectl e2e-specs demo bench-e2e bench-mps toolkit image-rootfs image-rootfs-arm64 image image-push image-digest image-tool image-arm64-run image-cross-deps kubectl-plugin selftest-bundle selftest-check
+.PHONY: help build release unit test lint fmt fuzz bench bench-check generate chart-package chart-check cdi-check e2e e2e-build e2e-bins e2e-tools e2e-runtime e2e-node-tools e2e-image e2e-kubectl e2e-specs demo bench-e2e bench-mps advise-demo toolkit image-rootfs image-rootfs-arm64 image image-push image-digest image-tool image-arm64-run image-cross-deps kubectl-plugin selftest-bundle selftest-check
 
 help: ## list targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | sort
@@ -126,6 +126,15 @@ bench-e2e: toolkit ## scale benchmark: 100 nodes x 8 GPUs, 800 one-GPU pods, BEN
 
 bench-mps: e2e-bins e2e-tools e2e-image toolkit ## MPS claim created -> pod Running, p50/p99 over 24 claims, against whole-GPU claims (root: runs containers)
 	cd e2e && $(E2E_ENV) $(GO) run ./cmd/bench-mps
+
+# The wasteful cluster of e2e/tests/advise_test.go at full size: 8 nodes x 4 A100-SXM4-80GB,
+# 4 training jobs of 4 GPUs, 12 inference services and 8 notebooks of 1 (36 GPUs asked for 32);
+# gpu-dra advise over their usage, its templates applied, the workloads re-run; prints the
+# before/after table (kept in target/advise-demo.txt).
+advise-demo: e2e-bins e2e-node-tools e2e-kubectl e2e-image ## the wasteful-cluster scenario at full size, right-sized by gpu-dra advise; prints the before/after table (not in CI)
+	cd e2e && E2E_ADVISE_SCENARIO=full E2E_ADVISE_TABLE=$(CURDIR)/target/advise-demo.txt $(E2E_ENV) \
+		$(GO) test -count=1 -timeout 60m -run '^TestWastefulClusterAdvice$$' ./tests
+	@cat $(CURDIR)/target/advise-demo.txt
 
 generate: ## regenerate committed generated files (protobuf bindings, JSON schema)
 	UPDATE_GENERATED=1 $(CARGO) test --workspace --locked generated_

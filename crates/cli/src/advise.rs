@@ -27,8 +27,12 @@
 //! `-o yaml` prints the ResourceClaimTemplate each claim came from (its
 //! `resource.kubernetes.io/pod-claim-name` annotation, its owning pod's
 //! `spec.resourceClaims[].resourceClaimTemplateName`) with the advised request and config; a
-//! claim made without a template is printed itself (a claim's spec cannot change: recreate
-//! it).
+//! claim made without a template is printed itself. A template serves every claim made from
+//! it, so it gets the largest of their advice ([`merge`]); it is left as it is (and a comment
+//! says why) when one of them keeps its GPU, has no advice, or was advised another kind of
+//! offering. The spec of a template (and of a claim) is immutable, so `kubectl apply` of a
+//! changed one is refused: the output opens with a comment naming `kubectl replace --force`
+//! (delete and create), after which the workloads' pods are recreated to get new claims.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::Write;
@@ -56,7 +60,8 @@ pub enum AdviseFormat {
     /// The advice per claim and the fleet summary as one JSON object, for tools.
     Json,
     /// The ResourceClaimTemplates (or claims made without one) changed to apply the advice,
-    /// ready for `kubectl apply`.
+    /// for `kubectl replace --force -f` (their spec is immutable: `kubectl apply` is refused);
+    /// comments name what was left unchanged and why.
     Yaml,
 }
 
@@ -161,7 +166,11 @@ pub struct Evidence {
 
 /// What a claim holds now, in the terms packing needs.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "camelCase", tag = "kind")]
+#[serde(
+    rename_all = "camelCase",
+    rename_all_fields = "camelCase",
+    tag = "kind"
+)]
 pub enum Holding {
     /// A whole GPU.
     Gpu,
@@ -179,7 +188,11 @@ pub enum Holding {
 
 /// The advice for one claim.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "camelCase", tag = "kind")]
+#[serde(
+    rename_all = "camelCase",
+    rename_all_fields = "camelCase",
+    tag = "kind"
+)]
 pub enum Offering {
     /// A MIG device.
     Mig {
@@ -750,14 +763,9 @@ fn seconds(s: u64) -> String {
     }
 }
 
-/// One line of advice, as people read it.
-pub fn advice_text(a: &ClaimAdvice, margin: u32) -> String {
-    let holds = match &a.holding {
-        Holding::Gpu => "whole GPU".to_owned(),
-        Holding::Mig { profile } => format!("MIG {profile}"),
-        Holding::Share { bytes } => format!("memory {}", human(*bytes)),
-    };
-    let advice = match &a.advice {
+/// An offering, as people read it.
+pub fn offering_text(o: &Offering) -> String {
+    match o {
         Offering::Mig { profile, .. } => format!("MIG {profile}"),
         Offering::Share { memory_bytes } => format!("memory share {}", human(*memory_bytes)),
         Offering::Mps {
@@ -772,7 +780,17 @@ pub fn advice_text(a: &ClaimAdvice, margin: u32) -> String {
         }
         Offering::Keep { reason } => format!("keep: {reason}"),
         Offering::Refused { reason } => format!("no advice: {reason}"),
+    }
+}
+
+/// One line of advice, as people read it.
+pub fn advice_text(a: &ClaimAdvice, margin: u32) -> String {
+    let holds = match &a.holding {
+        Holding::Gpu => "whole GPU".to_owned(),
+        Holding::Mig { profile } => format!("MIG {profile}"),
+        Holding::Share { bytes } => format!("memory {}", human(*bytes)),
     };
+    let advice = offering_text(&a.advice);
     let evidence = a.evidence.as_ref().map_or_else(String::new, |e| {
         format!(
             " [peak {} (+{margin}%), p95 {}, SM p95 {}, {} samples over {}]",
@@ -961,12 +979,8 @@ async fn run_async(args: &AdviseArgs, out: &mut dyn Write) -> Result<Outcome, Cl
             writeln!(out)?;
         }
         AdviseFormat::Yaml => {
-            let docs = templates(&client, &claims, &advice, args).await?;
-            for doc in docs {
-                let text =
-                    serde_saphyr::to_string(&doc).map_err(|e| CliError::Yaml(e.to_string()))?;
-                write!(out, "---\n{text}")?;
-            }
+            let (docs, notes) = templates(&client, &claims, &advice, args).await?;
+            write!(out, "{}", yaml_output(&docs, &notes)?)?;
         }
     }
     Ok(Outcome::Valid)
@@ -1000,19 +1014,126 @@ fn request_names(
     out
 }
 
-/// The templates (or claims) changed by the advice, one document each; a template that
-/// several claims come from is changed once, by the first claim's advice.
+/// The advice a template (or a claim made without one) gets from the claims made from it,
+/// for one request: the largest of theirs, so that none gets less than its own peak plus the
+/// margin. `Err` says why it is left unchanged: a claim keeps its GPU or has no advice (the
+/// template serves it too), or the claims were advised different kinds of offering. Pure.
+pub fn merge(advice: &[&ClaimAdvice]) -> Result<Offering, String> {
+    let Some(first) = advice.first() else {
+        return Err("no claim made from it holds a device".into());
+    };
+    if let Some(a) = advice.iter().find(|a| !a.advice.changes()) {
+        let why = match &a.advice {
+            Offering::Keep { reason } => format!("keeps its GPU: {reason}"),
+            Offering::Refused { reason } => format!("has no advice: {reason}"),
+            _ => String::new(),
+        };
+        return Err(format!("claim {} made from it {why}", a.claim));
+    }
+    let kind = |o: &Offering| std::mem::discriminant(o);
+    if let Some(a) = advice
+        .iter()
+        .find(|a| kind(&a.advice) != kind(&first.advice))
+    {
+        return Err(format!(
+            "claims made from it were advised different offerings ({} and {}); apply one by hand",
+            offering_text(&first.advice),
+            offering_text(&a.advice)
+        ));
+    }
+    let mut merged = first.advice.clone();
+    for a in &advice[1..] {
+        merged = match (merged, &a.advice) {
+            (
+                Offering::Mig {
+                    profile,
+                    memory_bytes,
+                    compute_slices,
+                },
+                Offering::Mig {
+                    profile: p,
+                    memory_bytes: m,
+                    compute_slices: c,
+                },
+            ) => {
+                if *m >= memory_bytes && *c >= compute_slices {
+                    a.advice.clone()
+                } else if memory_bytes >= *m && compute_slices >= *c {
+                    Offering::Mig {
+                        profile,
+                        memory_bytes,
+                        compute_slices,
+                    }
+                } else {
+                    // Neither holds both needs (1g.20gb's memory, 2g.10gb's compute).
+                    return Err(format!(
+                        "claims made from it were advised MIG {profile} and MIG {p}, neither holds both"
+                    ));
+                }
+            }
+            (Offering::Share { memory_bytes }, Offering::Share { memory_bytes: m }) => {
+                Offering::Share {
+                    memory_bytes: memory_bytes.max(*m),
+                }
+            }
+            (Offering::TimeSlicing { memory_bytes }, Offering::TimeSlicing { memory_bytes: m }) => {
+                Offering::TimeSlicing {
+                    memory_bytes: memory_bytes.max(*m),
+                }
+            }
+            (
+                Offering::Mps {
+                    memory_bytes,
+                    active_thread_percentage,
+                },
+                Offering::Mps {
+                    memory_bytes: m,
+                    active_thread_percentage: t,
+                },
+            ) => Offering::Mps {
+                memory_bytes: memory_bytes.max(*m),
+                active_thread_percentage: active_thread_percentage.max(*t),
+            },
+            (other, _) => other,
+        };
+    }
+    Ok(merged)
+}
+
+/// Where the claims of one printed document come from.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+enum Source {
+    /// A ResourceClaimTemplate (namespace, name).
+    Template(String, String),
+    /// A claim made without a template (namespace, name).
+    Claim(String, String),
+}
+
+impl std::fmt::Display for Source {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Source::Template(ns, name) => write!(f, "ResourceClaimTemplate {ns}/{name}"),
+            Source::Claim(ns, name) => write!(f, "ResourceClaim {ns}/{name}"),
+        }
+    }
+}
+
+/// The templates (or claims) changed by the advice, one document each, each request changed by
+/// the [`merge`] of the advice of every claim made from it; and a note for each one left as it
+/// is.
 async fn templates(
     client: &kube::Client,
     claims: &[ResourceClaim],
     advice: &[ClaimAdvice],
     args: &AdviseArgs,
-) -> Result<Vec<Value>, CliError> {
+) -> Result<(Vec<Value>, Vec<String>), CliError> {
     use k8s_openapi::api::core::v1::Pod;
     use k8s_openapi::api::resource::v1::ResourceClaimTemplate;
-    let mut docs = Vec::new();
-    let mut done: BTreeSet<String> = BTreeSet::new();
-    for a in advice.iter().filter(|a| a.advice.changes()) {
+    // Every advised claim's source, so that a template whose other claim keeps its GPU is
+    // seen as such.
+    let mut groups: BTreeMap<Source, BTreeMap<String, Vec<&ClaimAdvice>>> = BTreeMap::new();
+    let mut claim_of: BTreeMap<Source, &ResourceClaim> = BTreeMap::new();
+    for a in advice {
         let Some(claim) = claims.iter().find(|c| {
             format!(
                 "{}/{}",
@@ -1042,13 +1163,43 @@ async fn templates(
             }
             None => None,
         };
-        let (mut doc, pointer) = match &template {
-            Some(name) => {
-                if !done.insert(format!("{ns}/{name}")) {
-                    continue;
+        let source = match template {
+            Some(name) => Source::Template(ns, name),
+            None => {
+                let s = Source::Claim(ns, claim.metadata.name.clone().unwrap_or_default());
+                claim_of.insert(s.clone(), claim);
+                s
+            }
+        };
+        groups
+            .entry(source)
+            .or_default()
+            .entry(a.request.clone())
+            .or_default()
+            .push(a);
+    }
+    let mut docs = Vec::new();
+    let mut notes = Vec::new();
+    for (source, requests) in groups {
+        let mut changes = Vec::new();
+        for (request, advice) in &requests {
+            match merge(advice) {
+                Ok(o) => changes.push((request, o)),
+                Err(why) => {
+                    // A template none of whose claims is advised a change is not worth a note.
+                    if advice.iter().any(|a| a.advice.changes()) {
+                        notes.push(format!("{source} request {request} not changed: {why}"));
+                    }
                 }
+            }
+        }
+        if changes.is_empty() {
+            continue;
+        }
+        let (mut doc, pointer) = match &source {
+            Source::Template(ns, name) => {
                 let api: kube::Api<ResourceClaimTemplate> =
-                    kube::Api::namespaced(client.clone(), &ns);
+                    kube::Api::namespaced(client.clone(), ns);
                 let Some(t) = api
                     .get_opt(name)
                     .await
@@ -1057,6 +1208,7 @@ async fn templates(
                         source,
                     })?
                 else {
+                    notes.push(format!("{source} not changed: it no longer exists"));
                     continue;
                 };
                 let mut v = serde_json::to_value(&t)?;
@@ -1064,7 +1216,10 @@ async fn templates(
                 v["kind"] = json!("ResourceClaimTemplate");
                 (v, "/spec/spec")
             }
-            None => {
+            Source::Claim(..) => {
+                let Some(claim) = claim_of.get(&source) else {
+                    continue;
+                };
                 let mut v = serde_json::to_value(claim)?;
                 v["apiVersion"] = json!("resource.k8s.io/v1");
                 v["kind"] = json!("ResourceClaim");
@@ -1081,28 +1236,61 @@ async fn templates(
                 "creationTimestamp",
                 "managedFields",
                 "generation",
+                "finalizers",
             ] {
                 meta.remove(k);
             }
         }
-        let Some(spec) = doc.pointer(pointer) else {
-            continue;
-        };
-        let Some(changed) = apply(
-            spec,
-            &a.request,
-            &a.advice,
-            &args.mig_device_class,
-            &args.driver_name,
-        ) else {
-            continue;
-        };
-        if let Some(slot) = doc.pointer_mut(pointer) {
-            *slot = changed;
+        let mut changed = 0;
+        for (request, offering) in &changes {
+            let Some(spec) = doc.pointer(pointer) else {
+                break;
+            };
+            match apply(
+                spec,
+                request,
+                offering,
+                &args.mig_device_class,
+                &args.driver_name,
+            ) {
+                Some(spec) => {
+                    if let Some(slot) = doc.pointer_mut(pointer) {
+                        *slot = spec;
+                        changed += 1;
+                    }
+                }
+                None => notes.push(format!(
+                    "{source} request {request} not changed: it has no such exact request"
+                )),
+            }
         }
-        docs.push(doc);
+        if changed > 0 {
+            docs.push(doc);
+        }
     }
-    Ok(docs)
+    Ok((docs, notes))
+}
+
+/// What `-o yaml` prints: how to apply it, the notes as comments, then the documents. Pure.
+pub fn yaml_output(docs: &[Value], notes: &[String]) -> Result<String, CliError> {
+    let mut out = String::from(
+        "# gpu-dra advise: the ResourceClaimTemplates (and claims made without one) that apply the\n\
+         # advice. Their spec is immutable, so `kubectl apply` is refused: use\n\
+         #   kubectl replace --force -f <this file>\n\
+         # then recreate the workloads' pods (claims already made keep their devices).\n",
+    );
+    for n in notes {
+        out.push_str(&format!("# {n}\n"));
+    }
+    if docs.is_empty() {
+        out.push_str("# nothing to change\n");
+    }
+    for doc in docs {
+        let text = serde_saphyr::to_string(doc).map_err(|e| CliError::Yaml(e.to_string()))?;
+        out.push_str("---\n");
+        out.push_str(&text);
+    }
+    Ok(out)
 }
 
 /// The pod and its claim entry a claim was generated for: the pod from the claim's owner

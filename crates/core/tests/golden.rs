@@ -17,7 +17,7 @@ use gpu_dra_device::{GpuInventory, Inventory};
 use gpu_dra_nvml::{NvmlInventory, NvmlOptions};
 use gpu_dra_sim::testing::SimHost;
 
-const PROFILES: [&str; 10] = [
+const PROFILES: [&str; 11] = [
     "t4",
     "rtx4090",
     "p4",
@@ -28,6 +28,7 @@ const PROFILES: [&str; 10] = [
     "h100-pcie-x8-nvlink",
     "l40s-x8",
     "dgx1-v100",
+    "hgx-a100-80gb-x4",
 ];
 
 const SIM_NODE: SliceParams<'static> = SliceParams {

@@ -39,6 +39,10 @@ const BUILTIN: &[(&str, &str)] = &[
     ),
     ("l40s-x8", include_str!("../profiles/l40s-x8.json")),
     ("dgx1-v100", include_str!("../profiles/dgx1-v100.json")),
+    (
+        "hgx-a100-80gb-x4",
+        include_str!("../profiles/hgx-a100-80gb-x4.json"),
+    ),
 ];
 
 /// Names of the built-in profiles, in listing order.

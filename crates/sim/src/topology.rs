@@ -345,6 +345,21 @@ mod tests {
     }
 
     #[test]
+    fn hgx_a100_80gb_x4_is_nv4_all_to_all_without_switches() {
+        // The HGX A100 4-GPU board: each GPU's 12 links go 4 to each peer, no NVSwitch.
+        let m = rows("hgx-a100-80gb-x4");
+        assert_eq!(row(&m[0]), "X NV4 NV4 NV4");
+        assert_eq!(row(&m[3]), "NV4 NV4 NV4 X");
+        let p = Profile::load("hgx-a100-80gb-x4").expect("profile");
+        for g in &p.gpus {
+            assert_eq!(link_count(g), 12, "{}", g.pci_bus_id);
+            assert_eq!(g.memory_mib, 81920);
+            assert!(!g.mig_enabled);
+        }
+        assert!(p.nvswitches.is_empty());
+    }
+
+    #[test]
     fn links_are_symmetric_and_mig_mode_stops_peer_to_peer() {
         for name in crate::profile::builtin_names() {
             let p = Profile::load(name).expect(name);

@@ -456,7 +456,8 @@ fn gpu_sim_setup_builds_a_host_from_the_build_directory() {
             "a100-pcie-x4-nvlink",
             "h100-pcie-x8-nvlink",
             "l40s-x8",
-            "dgx1-v100"
+            "dgx1-v100",
+            "hgx-a100-80gb-x4"
         ]
     );
 

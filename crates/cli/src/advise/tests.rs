@@ -491,3 +491,137 @@ fn a_generated_claim_names_its_pod_and_pod_claim() {
     plain.metadata.annotations = None;
     assert_eq!(template_of(&plain), None);
 }
+
+fn advised(claim: &str, advice: Offering) -> ClaimAdvice {
+    ClaimAdvice {
+        claim: claim.into(),
+        node: "n".into(),
+        device: "gpu-0".into(),
+        request: "gpu".into(),
+        model: "NVIDIA A100-SXM4-80GB".into(),
+        holding: Holding::Gpu,
+        evidence: None,
+        advice,
+    }
+}
+
+#[test]
+fn a_template_gets_the_largest_advice_of_its_claims() {
+    let mps = |gib: u64, pct: u32| Offering::Mps {
+        memory_bytes: gib * GIB,
+        active_thread_percentage: pct,
+    };
+    let (a, b, c) = (
+        advised("ns/a", mps(12, 18)),
+        advised("ns/b", mps(14, 16)),
+        advised("ns/c", mps(4, 6)),
+    );
+    // Memory and threads each the largest: no claim gets less than its own advice.
+    assert_eq!(merge(&[&c, &a, &b]), Ok(mps(14, 18)));
+    let share = |gib: u64| Offering::Share {
+        memory_bytes: gib * GIB,
+    };
+    assert_eq!(
+        merge(&[&advised("ns/a", share(4)), &advised("ns/b", share(9))]),
+        Ok(share(9))
+    );
+    let mig = |p: &str, mib: u64, c: u32| Offering::Mig {
+        profile: p.into(),
+        memory_bytes: mib * MIB,
+        compute_slices: c,
+    };
+    assert_eq!(
+        merge(&[
+            &advised("ns/a", mig("2g.20gb", 19968, 2)),
+            &advised("ns/b", mig("1g.10gb", 9728, 1)),
+        ]),
+        Ok(mig("2g.20gb", 19968, 2))
+    );
+    let err = merge(&[
+        &advised("ns/a", mig("1g.20gb", 19968, 1)),
+        &advised("ns/b", mig("2g.10gb", 10240, 2)),
+    ])
+    .expect_err("neither holds both");
+    assert!(err.contains("neither holds both"), "{err}");
+}
+
+#[test]
+fn a_template_one_of_whose_claims_keeps_its_gpu_or_differs_is_not_changed() {
+    let keep = advised(
+        "ns/big",
+        Offering::Keep {
+            reason: "SM p95 90% is at or above the threshold 50%".into(),
+        },
+    );
+    let small = advised(
+        "ns/small",
+        Offering::Share {
+            memory_bytes: 4 * GIB,
+        },
+    );
+    let err = merge(&[&small, &keep]).expect_err("kept");
+    assert!(
+        err.contains("ns/big") && err.contains("keeps its GPU") && err.contains("threshold"),
+        "{err}"
+    );
+    let refused = advised(
+        "ns/new",
+        Offering::Refused {
+            reason: "too little history".into(),
+        },
+    );
+    let err = merge(&[&small, &refused]).expect_err("refused");
+    assert!(err.contains("ns/new made from it has no advice"), "{err}");
+    let timeslice = advised(
+        "ns/t",
+        Offering::TimeSlicing {
+            memory_bytes: 4 * GIB,
+        },
+    );
+    let err = merge(&[&small, &timeslice]).expect_err("kinds differ");
+    assert!(err.contains("different offerings"), "{err}");
+    assert!(merge(&[]).is_err());
+}
+
+#[test]
+fn the_yaml_says_how_to_apply_it_and_what_was_left() {
+    let doc = template();
+    let out = yaml_output(
+        std::slice::from_ref(&doc),
+        &["ResourceClaimTemplate ns/train not changed: claim ns/x keeps its GPU".into()],
+    )
+    .expect("yaml");
+    // `kubectl apply` of a changed template is refused (its spec is immutable).
+    assert!(
+        out.starts_with("# gpu-dra advise:")
+            && out.contains("kubectl replace --force -f")
+            && out.contains("# ResourceClaimTemplate ns/train not changed"),
+        "{out}"
+    );
+    let body = out.split_once("---\n").expect("a document").1;
+    let back: Value = serde_saphyr::from_str(body).expect("parses back");
+    assert_eq!(back, doc);
+    assert!(
+        yaml_output(&[], &[])
+            .expect("yaml")
+            .contains("nothing to change")
+    );
+}
+
+#[test]
+fn json_fields_of_the_advice_are_camel_case_like_the_rest() {
+    let v = serde_json::to_value(advised(
+        "ns/a",
+        Offering::Mps {
+            memory_bytes: 4 * GIB,
+            active_thread_percentage: 6,
+        },
+    ))
+    .expect("json");
+    assert_eq!(
+        v["advice"],
+        json!({"kind": "mps", "memoryBytes": 4 * GIB, "activeThreadPercentage": 6})
+    );
+    let held = serde_json::to_value(Holding::Share { bytes: GIB }).expect("json");
+    assert_eq!(held, json!({"kind": "share", "bytes": GIB}));
+}
