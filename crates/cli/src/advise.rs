@@ -125,16 +125,9 @@ pub struct AdviseArgs {
         default_value = "mig.nvidia.com"
     )]
     pub mig_device_class: String,
-    /// Read the plugins' metrics from these URLs (as `gpu-dra usage --metrics-url`).
-    #[arg(long, env = "USAGE_METRICS_URLS", value_delimiter = ',')]
-    pub metrics_url: Vec<String>,
-    /// Label selector of the node plugin pods whose metrics are read through the pod proxy.
-    #[arg(
-        long,
-        env = "USAGE_PLUGIN_SELECTOR",
-        default_value = "app.kubernetes.io/component=kubelet-plugin"
-    )]
-    pub plugin_selector: String,
+    /// Where the plugins' metrics are read (as for `gpu-dra usage`).
+    #[command(flatten)]
+    pub metrics: crate::usage::MetricsSource,
 }
 
 /// What the decision needs to know about the GPU model.
@@ -904,13 +897,7 @@ pub fn run(args: &AdviseArgs, out: &mut dyn Write) -> Result<Outcome, CliError> 
 async fn run_async(args: &AdviseArgs, out: &mut dyn Write) -> Result<Outcome, CliError> {
     let client = crate::explain::cluster_client().await?;
     let (slices, claims) = crate::explain::slices_and_claims(&client).await?;
-    let metrics = crate::usage::read_metrics(
-        &client,
-        &args.metrics_url,
-        &args.plugin_selector,
-        args.node.as_deref(),
-    )
-    .await;
+    let metrics = crate::usage::read_metrics(&client, &args.metrics, args.node.as_deref()).await;
     let mut samples = Vec::new();
     let mut errors = Vec::new();
     for m in metrics {

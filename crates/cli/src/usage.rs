@@ -37,6 +37,22 @@ pub enum UsageFormat {
     Json,
 }
 
+/// Where the node plugins' metrics are read (`gpu-dra usage`, `gpu-dra advise`).
+#[derive(Debug, Clone, Args)]
+pub struct MetricsSource {
+    /// Read the plugins' metrics from these URLs (`http://host:port/metrics`, comma-separated
+    /// or repeated) instead of through the API server's pod proxy.
+    #[arg(long, env = "USAGE_METRICS_URLS", value_delimiter = ',')]
+    pub metrics_url: Vec<String>,
+    /// Label selector of the node plugin pods whose metrics are read through the pod proxy.
+    #[arg(
+        long,
+        env = "USAGE_PLUGIN_SELECTOR",
+        default_value = "app.kubernetes.io/component=kubelet-plugin"
+    )]
+    pub plugin_selector: String,
+}
+
 /// `gpu-dra usage` arguments.
 #[derive(Debug, Args)]
 pub struct UsageArgs {
@@ -49,17 +65,9 @@ pub struct UsageArgs {
     /// Output format.
     #[arg(short, long, env = "OUTPUT_FORMAT", value_enum, default_value_t = UsageFormat::Text)]
     pub output: UsageFormat,
-    /// Read the plugins' metrics from these URLs (`http://host:port/metrics`, comma-separated
-    /// or repeated) instead of through the API server's pod proxy.
-    #[arg(long, env = "USAGE_METRICS_URLS", value_delimiter = ',')]
-    pub metrics_url: Vec<String>,
-    /// Label selector of the node plugin pods whose metrics are read through the pod proxy.
-    #[arg(
-        long,
-        env = "USAGE_PLUGIN_SELECTOR",
-        default_value = "app.kubernetes.io/component=kubelet-plugin"
-    )]
-    pub plugin_selector: String,
+    /// Where the plugins' metrics are read.
+    #[command(flatten)]
+    pub metrics: MetricsSource,
     /// Do not read the plugins' metrics: holders only.
     #[arg(long, env = "USAGE_NO_METRICS")]
     pub no_metrics: bool,
@@ -624,13 +632,7 @@ async fn fetch(
     let metrics = if args.no_metrics {
         Vec::new()
     } else {
-        read_metrics(
-            &client,
-            &args.metrics_url,
-            &args.plugin_selector,
-            args.node.as_deref(),
-        )
-        .await
+        read_metrics(&client, &args.metrics, args.node.as_deref()).await
     };
     Ok((slices, claims, metrics))
 }
@@ -639,15 +641,14 @@ async fn fetch(
 /// when given, else through the API server's pod proxy for the pods `selector` names.
 pub async fn read_metrics(
     client: &kube::Client,
-    urls: &[String],
-    selector: &str,
+    source: &MetricsSource,
     node: Option<&str>,
 ) -> Vec<Result<String, String>> {
-    if urls.is_empty() {
-        return through_pod_proxy(client, selector, node).await;
+    if source.metrics_url.is_empty() {
+        return through_pod_proxy(client, &source.plugin_selector, node).await;
     }
     let mut out = Vec::new();
-    for url in urls {
+    for url in &source.metrics_url {
         out.push(http_get(url).await.map_err(|e| format!("{url}: {e}")));
     }
     out
