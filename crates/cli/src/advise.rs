@@ -118,6 +118,16 @@ pub struct AdviseArgs {
         default_value = "mig,share,mps,timeslicing"
     )]
     pub offerings: Vec<OfferingKind>,
+    /// Advise only offerings the cluster publishes for the GPU's model (MIG devices of that
+    /// model, or GPUs of that model allowing multiple allocations for shares, MPS and
+    /// time-slicing); `--offered-only=false` also advises those that need GPUs set up first.
+    #[arg(
+        long,
+        env = "ADVISE_OFFERED_ONLY",
+        default_value_t = true,
+        action = clap::ArgAction::Set
+    )]
+    pub offered_only: bool,
     /// DeviceClass of MIG devices in the printed templates.
     #[arg(
         long,
@@ -139,6 +149,27 @@ pub struct GpuModel {
     pub memory_bytes: u64,
     /// Its MIG profile table, when the model has MIG.
     pub mig: Option<&'static [GiProfile]>,
+    /// The offering kinds the cluster publishes for this model (MIG: some GPU of the model
+    /// offers MIG devices; shares, MPS and time-slicing shares: some GPU of the model allows
+    /// multiple allocations); `None`: not known, every kind considered.
+    pub offered: Option<BTreeSet<OfferingKind>>,
+}
+
+impl GpuModel {
+    fn offers(&self, kind: OfferingKind) -> bool {
+        self.offered.as_ref().is_none_or(|o| o.contains(&kind))
+    }
+}
+
+/// What a GPU must be set up for before a claim can get `kind` (for the reason when the
+/// cluster offers none).
+fn setup_needed(kind: OfferingKind) -> &'static str {
+    match kind {
+        OfferingKind::Mig => "GPUs of this model in MIG mode (static or dynamic MIG)",
+        OfferingKind::Share | OfferingKind::Mps | OfferingKind::Timeslicing => {
+            "GPUs of this model offered as memory shares or consumable shares"
+        }
+    }
 }
 
 /// What a claim was seen to use on one device.
@@ -348,7 +379,12 @@ pub fn decide(
     }
     let share = need_mem.div_ceil(GIB).max(1) * GIB;
     let proportion = |bytes: u64| (u128::from(bytes) * 100 / u128::from(model.memory_bytes)) as u32;
+    let mut not_offered: Vec<OfferingKind> = Vec::new();
     for kind in &opts.offerings {
+        if !model.offers(*kind) {
+            not_offered.push(*kind);
+            continue;
+        }
         match kind {
             OfferingKind::Mig => {
                 let Some(table) = model.mig else { continue };
@@ -387,19 +423,31 @@ pub fn decide(
             _ => {}
         }
     }
-    Offering::Keep {
-        reason: format!(
-            "no offering of {:?} fits {} and {}% SM on {}",
-            opts.offerings,
-            human(need_mem),
-            need_sm,
-            if model.product.is_empty() {
-                "this GPU"
-            } else {
-                &model.product
-            }
-        ),
+    let offered: Vec<OfferingKind> = opts
+        .offerings
+        .iter()
+        .copied()
+        .filter(|k| !not_offered.contains(k))
+        .collect();
+    let mut reason = format!(
+        "no offering of {offered:?} fits {} and {}% SM on {}",
+        human(need_mem),
+        need_sm,
+        if model.product.is_empty() {
+            "this GPU"
+        } else {
+            &model.product
+        }
+    );
+    if !not_offered.is_empty() {
+        let mut needs: Vec<&str> = not_offered.iter().map(|k| setup_needed(*k)).collect();
+        needs.dedup();
+        reason.push_str(&format!(
+            "; the cluster does not offer {not_offered:?} on this model (needs {}; --offered-only=false advises them anyway)",
+            needs.join("; ")
+        ));
     }
+    Offering::Keep { reason }
 }
 
 /// What one claim needs of a GPU once advice is applied, for packing.
@@ -585,6 +633,30 @@ fn attr<'a>(d: &'a k8s_openapi::api::resource::v1::Device, name: &str) -> Option
 
 /// GPU models by (pool, GPU UUID), from the slices.
 pub fn models(slices: &[ResourceSlice], driver: &str) -> BTreeMap<(String, String), GpuModel> {
+    // What the cluster offers per product: MIG devices (static or dynamic placements), and
+    // GPUs several claims may hold (memory or consumable shares).
+    let mut offered: BTreeMap<String, BTreeSet<OfferingKind>> = BTreeMap::new();
+    for d in slices
+        .iter()
+        .filter(|s| s.spec.driver == driver)
+        .flat_map(|s| s.spec.devices.iter().flatten())
+    {
+        let product = attr(d, "productName").unwrap_or_default().to_owned();
+        let kinds = offered.entry(product).or_default();
+        match attr(d, "type") {
+            Some("mig") => {
+                kinds.insert(OfferingKind::Mig);
+            }
+            Some("gpu") if d.allow_multiple_allocations == Some(true) => {
+                kinds.extend([
+                    OfferingKind::Share,
+                    OfferingKind::Mps,
+                    OfferingKind::Timeslicing,
+                ]);
+            }
+            _ => {}
+        }
+    }
     let mut out = BTreeMap::new();
     for s in slices.iter().filter(|s| s.spec.driver == driver) {
         for d in s.spec.devices.iter().flatten() {
@@ -606,6 +678,7 @@ pub fn models(slices: &[ResourceSlice], driver: &str) -> BTreeMap<(String, Strin
                 (s.spec.pool.name.clone(), uuid.to_owned()),
                 GpuModel {
                     mig: mig_tables::table_for_product(&product),
+                    offered: Some(offered.get(&product).cloned().unwrap_or_default()),
                     product,
                     memory_bytes,
                 },
@@ -674,6 +747,7 @@ pub fn advise(
         product: String::new(),
         memory_bytes: 0,
         mig: None,
+        offered: None,
     };
     let mut out = Vec::new();
     let mut held: BTreeSet<(String, String)> = BTreeSet::new();
@@ -928,7 +1002,15 @@ async fn run_async(args: &AdviseArgs, out: &mut dyn Write) -> Result<Outcome, Cl
     };
     let (advice, fleet) = advise(
         &rows,
-        &models(&slices, &args.driver_name),
+        &models(&slices, &args.driver_name)
+            .into_iter()
+            .map(|(k, mut m)| {
+                if !args.offered_only {
+                    m.offered = None;
+                }
+                (k, m)
+            })
+            .collect(),
         &evidence(&samples),
         &requests,
         &opts,

@@ -8,6 +8,7 @@ fn a100_80() -> GpuModel {
         product: "NVIDIA A100-SXM4-80GB".into(),
         memory_bytes: 80 * GIB,
         mig: mig_tables::table_for_product("NVIDIA A100-SXM4-80GB"),
+        offered: None,
     }
 }
 
@@ -16,6 +17,7 @@ fn t4() -> GpuModel {
         product: "Tesla T4".into(),
         memory_bytes: 16 * GIB,
         mig: mig_tables::table_for_product("Tesla T4"),
+        offered: None,
     }
 }
 
@@ -624,4 +626,85 @@ fn json_fields_of_the_advice_are_camel_case_like_the_rest() {
     );
     let held = serde_json::to_value(Holding::Share { bytes: GIB }).expect("json");
     assert_eq!(held, json!({"kind": "share", "bytes": GIB}));
+}
+
+/// A slice of node `node` with `devices` (JSON), as the node plugin publishes them.
+fn slice_of(node: &str, devices: serde_json::Value) -> ResourceSlice {
+    serde_json::from_value(serde_json::json!({
+        "metadata": {"name": format!("{node}-gpu-nvidia-com-0")},
+        "spec": {"driver": "gpu.nvidia.com", "nodeName": node,
+                 "pool": {"name": node, "generation": 1, "resourceSliceCount": 1},
+                 "devices": devices}
+    }))
+    .unwrap()
+}
+
+fn gpu_device(name: &str, uuid: &str, product: &str, shared: bool) -> serde_json::Value {
+    let mut d = serde_json::json!({
+        "name": name,
+        "attributes": {"type": {"string": "gpu"}, "uuid": {"string": uuid},
+                       "productName": {"string": product}},
+        "capacity": {"memory": {"value": "80Gi"}}
+    });
+    if shared {
+        d["allowMultipleAllocations"] = serde_json::json!(true);
+    }
+    d
+}
+
+#[test]
+fn only_what_the_cluster_offers_for_the_model_is_advised() {
+    const A100: &str = "NVIDIA A100-SXM4-80GB";
+    let whole_only = [slice_of(
+        "node-a",
+        serde_json::json!([gpu_device("gpu-0", "GPU-a", A100, false)]),
+    )];
+    let m = models(&whole_only, "gpu.nvidia.com");
+    let model = &m[&("node-a".to_string(), "GPU-a".to_string())];
+    assert_eq!(model.offered, Some(BTreeSet::new()));
+    // A notebook that MIG or a share would fit: nothing is offered on this model, so the
+    // whole GPU stays, and the reason says what the GPUs would need.
+    match decide_gpu(&seen(3 * GIB, Some(5)), model, &opts()) {
+        Offering::Keep { reason } => {
+            assert!(
+                reason.contains("does not offer") && reason.contains("MIG mode"),
+                "{reason}"
+            );
+        }
+        other => panic!("advised {other:?} on a cluster that offers only whole GPUs"),
+    }
+
+    // Another GPU of the model offered as memory shares: shares are advised (MIG still not).
+    let with_shares = [
+        whole_only[0].clone(),
+        slice_of(
+            "node-b",
+            serde_json::json!([gpu_device("gpu-0", "GPU-b", A100, true)]),
+        ),
+    ];
+    let m = models(&with_shares, "gpu.nvidia.com");
+    let model = &m[&("node-a".to_string(), "GPU-a".to_string())];
+    // (4 GiB of 80 is 5 % of the threads, under the 6 % needed: MPS with its own percentage.)
+    assert_eq!(
+        decide_gpu(&seen(3 * GIB, Some(5)), model, &opts()),
+        Offering::Mps {
+            memory_bytes: 4 * GIB,
+            active_thread_percentage: 6
+        }
+    );
+
+    // A MIG device of the model published anywhere: MIG is advised first again.
+    let mut with_mig = with_shares.to_vec();
+    with_mig.push(slice_of(
+        "node-c",
+        serde_json::json!([{"name": "gpu-0-mig-1g10gb-19-0", "attributes": {
+            "type": {"string": "mig"}, "productName": {"string": A100},
+            "uuid": {"string": "MIG-c"}}}]),
+    ));
+    let m = models(&with_mig, "gpu.nvidia.com");
+    let model = &m[&("node-a".to_string(), "GPU-a".to_string())];
+    assert!(matches!(
+        decide_gpu(&seen(3 * GIB, Some(5)), model, &opts()),
+        Offering::Mig { .. }
+    ));
 }
