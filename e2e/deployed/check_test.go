@@ -29,15 +29,15 @@ type checkReport struct {
 	} `json:"checks"`
 }
 
-// runCheck runs `gpu-dra check -o json` against the cluster and returns its
-// report and exit status.
-func runCheck(t *testing.T) (checkReport, int) {
+// runCheck runs `gpu-dra check -o json` (with the extra flags) against the
+// cluster and returns its report and exit status.
+func runCheck(t *testing.T, flags ...string) (checkReport, int) {
 	t.Helper()
 	bin, err := harness.Binary("gpu-dra")
 	if err != nil {
 		t.Fatalf("no gpu-dra CLI: %v", err)
 	}
-	cmd := exec.Command(bin, "check", "--namespace", harness.DriverNamespace, "-o", "json")
+	cmd := exec.Command(bin, append([]string{"check", "--namespace", harness.DriverNamespace, "-o", "json"}, flags...)...)
 	cmd.Env = append(os.Environ(), "KUBECONFIG="+cluster.Kubeconfig)
 	var stderr strings.Builder
 	cmd.Stderr = &stderr
@@ -55,6 +55,57 @@ func runCheck(t *testing.T) (checkReport, int) {
 	}
 	t.Logf("gpu-dra check: exit %d, status %s\n%s", code, report.Status, out)
 	return report, code
+}
+
+// checkWorkload runs `gpu-dra check --workload --node node` and expects the
+// workload check passed on that node with the UUID of the device its claim
+// got, and its namespace gone afterwards.
+func checkWorkload(ctx context.Context, t *testing.T, node string) {
+	t.Helper()
+	report, code := runCheck(t, "--workload", "--node", node, "--workload-timeout", "90s")
+	if code != 0 {
+		t.Errorf("gpu-dra check --workload on a healthy install: exit %d, want 0", code)
+	}
+	var detail []string
+	found := false
+	for _, c := range report.Checks {
+		if c.Name != "workload" {
+			continue
+		}
+		found = true
+		detail = c.Detail
+		if c.Status != "passed" {
+			t.Errorf("workload: %q, want passed: %v; fix: %s", c.Status, c.Detail, c.Fix)
+		}
+	}
+	if !found {
+		t.Fatal("no workload check in the report of gpu-dra check --workload")
+	}
+	joined := strings.Join(detail, "\n")
+	if !strings.Contains(joined, "node "+node) {
+		t.Errorf("workload detail %v does not name node %s", detail, node)
+	}
+	// The device line's UUID is the one the pod saw.
+	var device, seen string
+	for _, l := range detail {
+		if _, rest, ok := strings.Cut(l, "(UUID "); ok && strings.HasPrefix(l, "device ") {
+			device = strings.TrimSuffix(rest, ")")
+		}
+		if rest, ok := strings.CutPrefix(l, "UUID seen "); ok {
+			seen = rest
+		}
+	}
+	if !strings.HasPrefix(device, "GPU-") || device != seen {
+		t.Errorf("workload detail %v: allocated UUID %q, seen %q; want the same GPU-... UUID", detail, device, seen)
+	}
+	// The check deletes its namespace.
+	err := wait.PollUntilContextTimeout(ctx, 500*time.Millisecond, 60*time.Second, true, func(ctx context.Context) (bool, error) {
+		l, err := cluster.Client.CoreV1().Namespaces().List(ctx, metav1.ListOptions{LabelSelector: "app.kubernetes.io/managed-by=gpu-dra-check"})
+		return err == nil && len(l.Items) == 0, nil
+	})
+	if err != nil {
+		t.Errorf("the workload's namespace stays after gpu-dra check: %v", err)
+	}
 }
 
 // waitSlices waits until each node has our ResourceSlices.
@@ -77,7 +128,10 @@ func waitSlices(ctx context.Context, t *testing.T, nodes ...string) {
 }
 
 // TestCheck: `gpu-dra check` on a healthy install (two nodes with the
-// deployed plugin) fails no check and exits 0; with the plugin gone from one
+// deployed plugin) fails no check and exits 0; `--workload --node` runs a
+// one-GPU pod on that node, on the chart's plugin image (the default: no shell,
+// nvidia-smi from the claim's CDI spec), which lists exactly the GPU its claim
+// was allocated, and removes its namespace; with the plugin gone from one
 // GPU node (no longer selected by the DaemonSet, labeled as a GPU node as
 // NVIDIA's GPU feature discovery labels them), `plugin-pods` fails naming
 // the node, with its fix, and it exits 1.
@@ -121,6 +175,7 @@ func TestCheck(t *testing.T) {
 	if status["webhook-reachable"] != "warning" {
 		t.Errorf("check webhook-reachable without a webhook: %q, want warning", status["webhook-reachable"])
 	}
+	checkWorkload(ctx, t, a.Name)
 
 	// Broken: node b is a GPU node the DaemonSet no longer selects.
 	patch := fmt.Sprintf(`{"metadata":{"labels":{"nvidia.com/gpu.present":"true",%q:null}}}`, harness.DeployedPluginLabel)

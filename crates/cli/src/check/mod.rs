@@ -6,12 +6,16 @@
 //! the table of Kubernetes releases and the DRA feature gates they turn on by default;
 //! [`cert`] judges the webhook's certificate as the API server does.
 //!
+//! With `--workload`, one more check runs last ([`workload`]): a one-GPU claim and a pod that
+//! lists the GPUs it sees, in a namespace the check creates and deletes.
+//!
 //! Exit status: 0 when no check failed (warnings allowed), 1 when one failed, 2 when the
 //! cluster could not be reached or the flags are wrong.
 
 pub mod cert;
 pub mod checks;
 pub mod facts;
+pub mod workload;
 pub use gpu_dra_core::feature_gates as gates;
 
 use std::io::Write;
@@ -50,6 +54,43 @@ pub struct CheckArgs {
     /// server keeps (it needs `create` on resourceslices; nothing is stored).
     #[arg(long, env = "CHECK_NO_PROBE")]
     pub no_probe: bool,
+    /// Also run a workload: a claim for one device of `--gpu-class` and a pod using it that
+    /// runs `--workload-command`, in a namespace the check creates and deletes; passes when
+    /// the pod lists exactly the GPU its claim was allocated.
+    #[arg(long, env = "CHECK_WORKLOAD")]
+    pub workload: bool,
+    /// Node the workload runs on (by a node selector); any node with a free GPU when unset.
+    #[arg(long, env = "CHECK_NODE", requires = "workload")]
+    pub node: Option<String>,
+    /// Image of the workload's pod; default: the image of the chart's node plugin DaemonSet,
+    /// which its nodes can pull.
+    #[arg(long, env = "CHECK_WORKLOAD_IMAGE", requires = "workload")]
+    pub workload_image: Option<String>,
+    /// The workload's command, split into words as a shell does and run without one (the
+    /// driver's image has none): its output must be `nvidia-smi -L`'s. In an image with a
+    /// shell: `sh -c '...'`.
+    #[arg(long, env = "CHECK_WORKLOAD_COMMAND", default_value = workload::DEFAULT_COMMAND,
+        value_parser = parse_command)]
+    pub workload_command: WorkloadCommand,
+    /// How long the workload's pod may take to complete: `90s`, `2m`.
+    #[arg(long, env = "CHECK_WORKLOAD_TIMEOUT", default_value = "120s", value_parser = parse_timeout)]
+    pub workload_timeout: u64,
+}
+
+/// The words of `--workload-command`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WorkloadCommand(pub Vec<String>);
+
+fn parse_command(s: &str) -> Result<WorkloadCommand, String> {
+    workload::split_command(s).map(WorkloadCommand)
+}
+
+/// A timeout in seconds, at least one.
+fn parse_timeout(s: &str) -> Result<u64, String> {
+    match crate::usage::parse_duration(s)? {
+        0 => Err(format!("{s:?}: the timeout must be at least 1s")),
+        n => Ok(n),
+    }
 }
 
 /// A gate name `--cluster-feature-gates` knows.
@@ -93,11 +134,15 @@ pub fn run(args: &CheckArgs, out: &mut dyn Write) -> Result<Outcome, CliError> {
         ],
         probe: !args.no_probe,
     };
-    let facts = runtime.block_on(async {
+    let (facts, client) = runtime.block_on(async {
         let client = crate::explain::cluster_client().await?;
-        facts::gather(&client, &opts).await
+        let facts = facts::gather(&client, &opts).await?;
+        Ok::<_, CliError>((facts, client))
     })?;
-    let results = checks::all(&facts);
+    let mut results = checks::all(&facts);
+    if args.workload {
+        results.push(run_workload(args, &facts, &client, &runtime));
+    }
     let worst = results
         .iter()
         .map(|r| r.status)
@@ -121,6 +166,50 @@ pub fn run(args: &CheckArgs, out: &mut dyn Write) -> Result<Outcome, CliError> {
     } else {
         Outcome::Valid
     })
+}
+
+/// The workload check, or why it could not run.
+fn run_workload(
+    args: &CheckArgs,
+    facts: &facts::Facts,
+    client: &kube::Client,
+    runtime: &tokio::runtime::Runtime,
+) -> CheckResult {
+    let not_run = |why: String, fix: &str| CheckResult {
+        name: workload::NAME,
+        title: workload::TITLE,
+        status: Status::Failed,
+        detail: vec![format!("not run: {why}")],
+        fix: Some(fix.to_owned()),
+    };
+    if !facts.resource_versions.iter().any(|v| v == "v1") {
+        return not_run(
+            "the API server serves no resource.k8s.io/v1".into(),
+            "see the resource-api check",
+        );
+    }
+    let image = match (&args.workload_image, &facts.plugin) {
+        (Some(image), _) => image.clone(),
+        (None, Some(plugin)) if !plugin.image.is_empty() => plugin.image.clone(),
+        _ => {
+            return not_run(
+                format!(
+                    "no node plugin DaemonSet in namespace {} to take the image from",
+                    args.namespace
+                ),
+                "pass --workload-image, or --namespace of the driver's release",
+            );
+        }
+    };
+    let opts = workload::WorkloadOptions {
+        driver: args.driver_name.clone(),
+        gpu_class: args.gpu_class.clone(),
+        node: args.node.clone(),
+        image,
+        command: args.workload_command.0.clone(),
+        timeout: std::time::Duration::from_secs(args.workload_timeout),
+    };
+    runtime.block_on(workload::run(client, &opts))
 }
 
 /// One line per check (`√`, `‼` or `×`, its title), its findings indented under it, the fix
@@ -185,6 +274,47 @@ mod tests {
              × node plugins [plugin-pods]\n    node node-b: no plugin pod\n    fix: start it\n\
              \nStatus check results are × (2 checks: 1 failed, 0 warnings)\n"
         );
+    }
+
+    #[derive(clap::Parser)]
+    struct Cli {
+        #[command(flatten)]
+        check: CheckArgs,
+    }
+
+    fn parse(args: &[&str]) -> Result<CheckArgs, clap::Error> {
+        use clap::Parser;
+        Cli::try_parse_from(std::iter::once("check").chain(args.iter().copied())).map(|c| c.check)
+    }
+
+    #[test]
+    fn workload_flags_are_read_and_checked() {
+        let a = parse(&[]).expect("defaults");
+        assert!(!a.workload);
+        assert_eq!(a.workload_command.0, ["nvidia-smi", "-L"]);
+        assert_eq!(a.workload_timeout, 120);
+        let a = parse(&[
+            "--workload",
+            "--node",
+            "n1",
+            "--workload-image",
+            "busybox",
+            "--workload-command",
+            "sh -c 'nvidia-smi -L'",
+            "--workload-timeout",
+            "2m",
+        ])
+        .expect("flags");
+        assert_eq!(a.node.as_deref(), Some("n1"));
+        assert_eq!(a.workload_image.as_deref(), Some("busybox"));
+        assert_eq!(a.workload_command.0, ["sh", "-c", "nvidia-smi -L"]);
+        assert_eq!(a.workload_timeout, 120);
+        let err = parse(&["--workload", "--workload-timeout", "0s"]).unwrap_err();
+        assert!(err.to_string().contains("at least 1s"), "{err}");
+        let err = parse(&["--workload", "--workload-command", "sh -c 'x"]).unwrap_err();
+        assert!(err.to_string().contains("single quote"), "{err}");
+        // --node means nothing without --workload.
+        assert!(parse(&["--node", "n1"]).is_err());
     }
 
     #[test]
