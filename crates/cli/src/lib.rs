@@ -29,7 +29,8 @@
 //! of the cluster the driver runs in (Kubernetes version, DRA features served, DeviceClasses,
 //! the webhook and its certificate, a ready plugin on every GPU node, slices, device taints,
 //! MPS daemons, claims stuck in prepare), each passed or failed with its fix (see [`check`]);
-//! exit 1 when one failed.
+//! with `--workload [--node N]` also a one-GPU claim and pod run to completion that must see
+//! exactly its GPU (then removed); exit 1 when one failed.
 //!
 //! Exit codes: 0 all valid (or explained); 1 something is invalid (including malformed
 //! YAML/JSON, reported with file, line and column); 2 usage errors (bad flags, unreadable
