@@ -59,6 +59,29 @@ func TestControlPlaneWithReferenceDriver(t *testing.T) {
 	if _, err := c.Client.ResourceV1().ResourceSlices().Create(ctx, slice, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
+	// The kubelet wipes the node's slices of every driver once at its start, in the
+	// background, as soon as it can read its Node: on a loaded machine that can come after the
+	// slice above was created. The slice is made again when it went, until the pod runs (a
+	// real driver's publisher does the same).
+	keep, stopKeeping := context.WithCancel(ctx)
+	kept := make(chan struct{})
+	defer func() {
+		stopKeeping()
+		<-kept
+	}()
+	go func() {
+		defer close(kept)
+		for keep.Err() == nil {
+			if _, err := c.Client.ResourceV1().ResourceSlices().Get(keep, slice.Name, metav1.GetOptions{}); apierrors.IsNotFound(err) {
+				t.Logf("slice %s was wiped by the kubelet's start; creating it again", slice.Name)
+				_, _ = c.Client.ResourceV1().ResourceSlices().Create(keep, slice, metav1.CreateOptions{})
+			}
+			select {
+			case <-keep.Done():
+			case <-time.After(200 * time.Millisecond):
+			}
+		}
+	}()
 	class := &resourceapi.DeviceClass{
 		ObjectMeta: metav1.ObjectMeta{Name: "ref"},
 		Spec: resourceapi.DeviceClassSpec{Selectors: []resourceapi.DeviceSelector{{
@@ -111,6 +134,7 @@ func TestControlPlaneWithReferenceDriver(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	stopKeeping()
 	if running.Spec.NodeName != n.Name {
 		t.Fatalf("pod on %q, want %q", running.Spec.NodeName, n.Name)
 	}
