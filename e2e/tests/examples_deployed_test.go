@@ -10,6 +10,7 @@ import (
 
 	admissionv1 "k8s.io/api/admissionregistration/v1"
 	appsv1 "k8s.io/api/apps/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/types"
@@ -218,6 +219,19 @@ func deployedNode(t *testing.T, name string, layout harness.Layout, profile stri
 	// reset the webhook registration that the suite points at its local
 	// webhook).
 	applyPluginDaemonSet(t, layout.HelmValues()...)
+	// The DaemonSet already placed a pod on the node when it joined, before its driver was
+	// set up: that pod found no driver, exited, and may wait out a long crash backoff on a
+	// loaded machine. Deleted, the DaemonSet makes it again at once.
+	for _, p := range n.DaemonPods() {
+		if !strings.HasSuffix(p.DaemonSet, "-kubelet-plugin") {
+			continue
+		}
+		zero := int64(0)
+		err := cluster.Client.CoreV1().Pods(p.Pod.Namespace).Delete(ctx, p.Pod.Name, metav1.DeleteOptions{GracePeriodSeconds: &zero})
+		if err != nil && !apierrors.IsNotFound(err) {
+			t.Fatalf("delete plugin pod %s started before the node's driver: %v", p.Pod.Name, err)
+		}
+	}
 	var plugin *harness.DaemonPod
 	err = wait.PollUntilContextTimeout(ctx, 200*time.Millisecond, 90*time.Second, true, func(ctx context.Context) (bool, error) {
 		pods := n.DaemonPods()
