@@ -2,7 +2,6 @@ package gatesoff
 
 import (
 	"context"
-	"errors"
 	"os/exec"
 	"path/filepath"
 	"strings"
@@ -25,49 +24,24 @@ import (
 // Warning event per feature on the Node, naming the gate and the release that
 // has it on by default.
 func TestMemorySharesAndDynamicMIGWithoutTheirGates(t *testing.T) {
-	if setupErr != nil {
-		if errors.Is(setupErr, harness.ErrMissing) {
-			t.Fatalf("driver binaries not built: %v", setupErr)
-		}
-		t.Fatal(setupErr)
-	}
 	ctx := context.Background()
 	const name = "node-gates-off"
-	n, err := cluster.AddNode(ctx, harness.NodeOptions{Name: name})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		if err := cluster.RemoveNode(context.Background(), name); err != nil {
-			t.Errorf("remove node %s: %v", name, err)
-		}
-	})
-	const profile = "dgx-a100-40gb"
-	if err := n.SetupSim(profile); err != nil {
-		t.Fatal(err)
-	}
-	if err := n.WriteBootID(harness.NewBootID()); err != nil {
-		t.Fatal(err)
-	}
 	// GPU 0 emptied by the admin, as for dynamic MIG on a cluster that has it.
-	smi := filepath.Join(n.SimRoot(), "usr", "bin", "nvidia-smi")
-	for _, op := range []string{"-dci", "-dgi"} {
-		if out, err := exec.Command(smi, "mig", "-i", "0", op).CombinedOutput(); err != nil {
-			t.Fatalf("nvidia-smi mig -i 0 %s: %v: %s", op, err, out)
+	emptied := func(n *harness.Node) {
+		smi := filepath.Join(n.SimRoot(), "usr", "bin", "nvidia-smi")
+		for _, op := range []string{"-dci", "-dgi"} {
+			if out, err := exec.Command(smi, "mig", "-i", "0", op).CombinedOutput(); err != nil {
+				t.Fatalf("nvidia-smi mig -i 0 %s: %v: %s", op, err, out)
+			}
 		}
 	}
-	if _, err := n.StartPlugin(ctx, harness.PluginOptions{
-		Profile:    profile,
-		BootIDFile: n.BootIDFile(),
-		ExtraArgs:  []string{"--memory-share-gpus=gpu-4", "--dynamic-mig-gpus=gpu-0"},
-	}); err != nil {
-		t.Fatal(err)
-	}
+	n := cluster.AddSimNode(ctx, t, setupErr, name, "dgx-a100-40gb", emptied,
+		"--memory-share-gpus=gpu-4", "--dynamic-mig-gpus=gpu-0")
 
 	// Published, complete (all eight GPUs' devices), and without the fields of
 	// the features that are off.
 	var slices []resourceapi.ResourceSlice
-	err = wait.PollUntilContextTimeout(ctx, 200*time.Millisecond, 90*time.Second, true, func(ctx context.Context) (bool, error) {
+	err := wait.PollUntilContextTimeout(ctx, 200*time.Millisecond, 90*time.Second, true, func(ctx context.Context) (bool, error) {
 		list, err := cluster.Client.ResourceV1().ResourceSlices().List(ctx, metav1.ListOptions{FieldSelector: "spec.nodeName=" + name})
 		if err != nil {
 			return false, nil

@@ -7,8 +7,6 @@
 package gatesoff
 
 import (
-	"context"
-	"fmt"
 	"os"
 	"testing"
 
@@ -32,31 +30,7 @@ var (
 )
 
 func TestMain(m *testing.M) {
-	os.Exit(run(m))
-}
-
-func run(m *testing.M) int {
-	ctx := context.Background()
-	logf := func(format string, args ...any) { fmt.Fprintf(os.Stderr, "e2e gatesoff: "+format+"\n", args...) }
-	c, err := harness.Start(ctx, harness.Options{Logf: logf, FeatureGates: gatesOff})
-	if err != nil {
-		fmt.Fprintln(os.Stderr, "e2e gatesoff: start control plane:", err)
-		return 1
-	}
-	defer c.Stop()
-	cluster = c
-	if _, err := c.InstallDriver(ctx, harness.InstallOptions{}); err != nil {
-		fmt.Fprintln(os.Stderr, "e2e gatesoff: install driver:", err)
-		return 1
-	}
-	for _, bin := range []string{"gpu-kubelet-plugin", "gpu-sim"} {
-		if _, err := harness.Binary(bin); err != nil && setupErr == nil {
-			setupErr = err
-		}
-	}
-	code := m.Run()
-	for _, n := range c.Nodes() {
-		n.Stop()
-	}
-	return code
+	os.Exit(harness.RunWithFeatureGates(m, "gatesoff", gatesOff, func(c *harness.Cluster, missing error) {
+		cluster, setupErr = c, missing
+	}))
 }

@@ -23,40 +23,15 @@ import (
 // the mesh that shares no scalar domain, allocatable only by the lists. The
 // pod runs: the plugin prepares what it published.
 func TestListFormsOnACubeMesh(t *testing.T) {
-	if setupErr != nil {
-		if errors.Is(setupErr, harness.ErrMissing) {
-			t.Fatalf("driver binaries not built: %v", setupErr)
-		}
-		t.Fatal(setupErr)
-	}
 	ctx := context.Background()
-	const name, profile = "node-lists", "dgx1-v100"
-	n, err := cluster.AddNode(ctx, harness.NodeOptions{Name: name})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		if err := cluster.RemoveNode(context.Background(), name); err != nil {
-			t.Errorf("remove node %s: %v", name, err)
-		}
-	})
-	if err := n.SetupSim(profile); err != nil {
-		t.Fatal(err)
-	}
-	if err := n.WriteBootID(harness.NewBootID()); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := n.StartPlugin(ctx, harness.PluginOptions{
-		Profile: profile, BootIDFile: n.BootIDFile(), ExtraArgs: []string{"--list-type-attributes=true"},
-	}); err != nil {
-		t.Fatal(err)
-	}
+	const name = "node-lists"
+	n := cluster.AddSimNode(ctx, t, setupErr, name, "dgx1-v100", nil, "--list-type-attributes=true")
 
 	// Stored with their lists (read untyped: the typed API has no list fields).
 	slicesGVR := schema.GroupVersionResource{Group: "resource.k8s.io", Version: "v1", Resource: "resourceslices"}
 	uuids := map[string]string{}
 	var lists int
-	err = wait.PollUntilContextTimeout(ctx, 200*time.Millisecond, 90*time.Second, true, func(ctx context.Context) (bool, error) {
+	err := wait.PollUntilContextTimeout(ctx, 200*time.Millisecond, 90*time.Second, true, func(ctx context.Context) (bool, error) {
 		if !n.Plugin.Running() {
 			return false, errors.New("the plugin exited")
 		}
