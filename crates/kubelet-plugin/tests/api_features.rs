@@ -126,19 +126,6 @@ fn slice_writes(api: &FakeApi) -> Vec<bool> {
         .collect()
 }
 
-async fn wait_for(api: &FakeApi, what: &str, cond: impl Fn(&[Value]) -> bool) {
-    for _ in 0..1000 {
-        if cond(&api.list(SLICES)) {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    panic!(
-        "timed out waiting for {what}; slices: {:#?}",
-        api.list(SLICES)
-    );
-}
-
 fn devices(slices: &[Value]) -> Vec<Value> {
     slices
         .iter()
@@ -150,7 +137,8 @@ fn devices(slices: &[Value]) -> Vec<Value> {
 async fn without_consumable_capacity_memory_share_gpus_are_offered_whole_and_nothing_is_stripped() {
     let (api, had) = server(&["allowMultipleAllocations", "requestPolicy"]);
     let publisher = Publisher::start(&api, true);
-    wait_for(&api, "the slice", |s| devices(s).len() == 2).await;
+    api.wait_for(SLICES, "the slice", |s| devices(s).len() == 2)
+        .await;
     tokio::time::sleep(Duration::from_millis(200)).await;
 
     // One dry run showed the drop; the real write carried nothing the server strips.
@@ -183,7 +171,8 @@ async fn without_consumable_capacity_memory_share_gpus_are_offered_whole_and_not
 
     // A slice deleted by someone: restored without another dry run, still without shares.
     api.remove(SLICES, "node-a-gpu-nvidia-com-0");
-    wait_for(&api, "the restored slice", |s| devices(s).len() == 2).await;
+    api.wait_for(SLICES, "the restored slice", |s| devices(s).len() == 2)
+        .await;
     assert_eq!(slice_writes(&api), vec![true, false, false]);
     assert_eq!(publisher.events.taken().len(), 1, "said once");
     publisher.stop().await;
@@ -193,7 +182,8 @@ async fn without_consumable_capacity_memory_share_gpus_are_offered_whole_and_not
 async fn without_device_taints_an_unhealthy_gpu_is_withheld() {
     let (api, had) = server(&["taints"]);
     let publisher = Publisher::start(&api, false);
-    wait_for(&api, "the slice", |s| devices(s).len() == 2).await;
+    api.wait_for(SLICES, "the slice", |s| devices(s).len() == 2)
+        .await;
     // Nothing of a feature written yet: no dry run.
     assert_eq!(slice_writes(&api), vec![false]);
 
@@ -203,7 +193,7 @@ async fn without_device_taints_an_unhealthy_gpu_is_withheld() {
         event: HealthEvent::Xid(79),
         instance: None,
     });
-    wait_for(&api, "gpu-0 withheld", |s| {
+    api.wait_for(SLICES, "gpu-0 withheld", |s| {
         let d = devices(s);
         d.len() == 1 && d[0]["name"] == "gpu-1"
     })
@@ -226,7 +216,8 @@ async fn without_device_taints_an_unhealthy_gpu_is_withheld() {
 async fn a_server_that_keeps_the_fields_is_dry_run_once_and_gets_them() {
     let (api, had) = server(&[]);
     let publisher = Publisher::start(&api, true);
-    wait_for(&api, "the slice", |s| devices(s).len() == 2).await;
+    api.wait_for(SLICES, "the slice", |s| devices(s).len() == 2)
+        .await;
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert_eq!(slice_writes(&api), vec![true, false]);
     assert!(had.lock().unwrap().iter().all(|h| !h));
@@ -238,7 +229,8 @@ async fn a_server_that_keeps_the_fields_is_dry_run_once_and_gets_them() {
     assert_eq!(publisher.missing("DRAConsumableCapacity"), 0);
     assert!(publisher.events.taken().is_empty());
     api.remove(SLICES, "node-a-gpu-nvidia-com-0");
-    wait_for(&api, "the restored slice", |s| devices(s).len() == 2).await;
+    api.wait_for(SLICES, "the restored slice", |s| devices(s).len() == 2)
+        .await;
     assert_eq!(slice_writes(&api), vec![true, false, false], "learnt once");
     publisher.stop().await;
 }

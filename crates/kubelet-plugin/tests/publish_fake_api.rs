@@ -33,21 +33,6 @@ fn fake() -> FakeApi {
     api
 }
 
-/// Waits until `cond` holds for the store's slices (up to 10 s).
-async fn wait_for(fake: &FakeApi, what: &str, cond: impl Fn(&[Value]) -> bool) {
-    for _ in 0..1000 {
-        let snap = fake.list(SLICES);
-        if cond(&snap) {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    panic!(
-        "timed out waiting for {what}; slices: {:#?}",
-        fake.list(SLICES)
-    );
-}
-
 fn generations(slices: &[Value]) -> Vec<i64> {
     slices
         .iter()
@@ -88,7 +73,7 @@ async fn publisher_publishes_restores_and_republishes() {
     }));
 
     // Initial publication: one slice, generation 1, owned by the Node.
-    wait_for(&fake, "first publication", |s| {
+    fake.wait_for(SLICES, "first publication", |s| {
         s.len() == 1 && device_count(s) == 2
     })
     .await;
@@ -107,14 +92,15 @@ async fn publisher_publishes_restores_and_republishes() {
 
     // Someone deletes our only slice: restored (the pool was gone, so with a new generation).
     fake.remove(SLICES, "node-a-gpu-nvidia-com-0");
-    wait_for(&fake, "restored slice", |s| s.len() == 1).await;
+    fake.wait_for(SLICES, "restored slice", |s| s.len() == 1)
+        .await;
     assert_eq!(generations(&fake.list(SLICES)), [2]);
 
     // Someone edits it: rewritten, with a new generation.
     fake.mutate(SLICES, "node-a-gpu-nvidia-com-0", |o| {
         o["spec"]["devices"][0]["name"] = json!("gpu-99");
     });
-    wait_for(&fake, "repaired slice", |s| {
+    fake.wait_for(SLICES, "repaired slice", |s| {
         s.len() == 1 && s[0]["spec"]["devices"][0]["name"] == "gpu-0" && generations(s) == [3]
     })
     .await;
@@ -122,7 +108,7 @@ async fn publisher_publishes_restores_and_republishes() {
     // The inventory grows past one slice: two slices, one new generation.
     fixture.set(inventory(130));
     refresh.notify_one();
-    wait_for(&fake, "two slices", |s| {
+    fake.wait_for(SLICES, "two slices", |s| {
         s.len() == 2 && generations(s) == [4, 4]
     })
     .await;
@@ -131,7 +117,8 @@ async fn publisher_publishes_restores_and_republishes() {
     // One of two slices deleted: restored at the same generation, the other one untouched.
     let untouched = fake.list(SLICES)[0]["metadata"]["resourceVersion"].clone();
     fake.remove(SLICES, "node-a-gpu-nvidia-com-1");
-    wait_for(&fake, "restored second slice", |s| s.len() == 2).await;
+    fake.wait_for(SLICES, "restored second slice", |s| s.len() == 2)
+        .await;
     assert_eq!(generations(&fake.list(SLICES)), [4, 4]);
     assert_eq!(
         fake.list(SLICES)[0]["metadata"]["resourceVersion"],
@@ -142,7 +129,7 @@ async fn publisher_publishes_restores_and_republishes() {
     fake.fail_writes(3);
     fixture.set(inventory(1));
     refresh.notify_one();
-    wait_for(&fake, "shrunk pool", |s| {
+    fake.wait_for(SLICES, "shrunk pool", |s| {
         s.len() == 1 && generations(s) == [5]
     })
     .await;
@@ -201,7 +188,7 @@ async fn list_type_attributes_reach_the_server_and_converge() {
     let task = tokio::spawn(publish::run(fake.client(), config, live, async {
         let _ = stop_rx.await;
     }));
-    wait_for(&fake, "first publication", |s| {
+    fake.wait_for(SLICES, "first publication", |s| {
         s.len() == 1 && device_count(s) == 3
     })
     .await;

@@ -206,6 +206,22 @@ impl FakeApi {
         self.lock().on_write = Some(Arc::new(hook));
     }
 
+    /// Waits until `cond` holds for the objects of collection `path` (up to 10 s); panics
+    /// naming `what` and showing them when it does not.
+    #[allow(dead_code)]
+    pub async fn wait_for(&self, path: &str, what: &str, cond: impl Fn(&[Value]) -> bool) {
+        for _ in 0..1000 {
+            if cond(&self.list(path)) {
+                return;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        panic!(
+            "timed out waiting for {what}; {path}: {:#?}",
+            self.list(path)
+        );
+    }
+
     /// Answers `GET /version` with `git_version`.
     #[allow(dead_code)]
     pub fn set_version(&self, git_version: &str) {
