@@ -8,10 +8,10 @@ TOOLS := $(CURDIR)/.tools
 HELM_VERSION ?= v3.22.0
 HELM := $(TOOLS)/bin/helm
 
-.PHONY: help build release unit test lint fmt fuzz bench bench-check generate chart-package chart-check cdi-check e2e e2e-build e2e-bins e2e-tools e2e-runtime e2e-node-tools e2e-image e2e-kubectl e2e-specs demo bench-e2e bench-mps advise-demo toolkit image-rootfs image-rootfs-arm64 image image-push image-digest image-tool image-arm64-run image-cross-deps kubectl-plugin selftest-bundle selftest-check
+.PHONY: help build release unit test lint fmt fuzz bench bench-check generate chart-package chart-check cdi-check e2e e2e-build e2e-bins e2e-tools e2e-runtime e2e-node-tools e2e-image e2e-kubectl e2e-specs e2e-1.34 e2e-1.34-tools demo bench-e2e bench-mps advise-demo toolkit image-rootfs image-rootfs-arm64 image image-push image-digest image-tool image-arm64-run image-cross-deps kubectl-plugin selftest-bundle selftest-check
 
 help: ## list targets
-	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | sort
+	@grep -E '^[a-z0-9.-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | sort
 
 build: ## debug build of every crate
 	$(CARGO) build --workspace --all-targets
@@ -109,9 +109,32 @@ e2e: e2e-bins e2e-tools e2e-kubectl e2e-node-tools e2e-image image ## end-to-end
 
 # Other people's specs as written: every YAML file of DIR, one at a time, on real nodes
 # (e2e/tests/specs_test.go, e2e/harness/specs.go; e2e/README.md says what is checked).
+# SPECS_TESTS: the tests of e2e/tests run with them (a Go -run alternation).
+SPECS_TESTS ?= TestSpecFolder
 e2e-specs: e2e-bins e2e-tools e2e-node-tools e2e-image image ## run every YAML file of a spec folder (DIR=<folder>) on real nodes and check what holds for any spec
 	@test -n "$(DIR)" || { echo "make e2e-specs: name the spec folder: DIR=<folder>" >&2; exit 2; }
-	cd e2e && E2E_SPECS_DIR=$(abspath $(DIR)) $(E2E_ENV) $(GO) test -count=1 -timeout $(E2E_TIMEOUT) -run '^TestSpecFolder$$' -v ./tests
+	cd e2e && E2E_SPECS_DIR=$(abspath $(DIR)) $(if $(E2E_K8S_RELEASE_DIR),E2E_K8S_RELEASE_DIR=$(abspath $(E2E_K8S_RELEASE_DIR))) \
+		$(E2E_ENV) $(GO) test -count=1 -timeout $(E2E_TIMEOUT) -run '^($(SPECS_TESTS))$$' -v ./tests
+
+# An older supported release: the control plane and kubelet of the newest Kubernetes 1.34 patch,
+# built from e2e/release-1.34 (its own module, the release's pins) into .tools/k8s-1.34/bin, and
+# the examples that must work there (whole GPUs, static MIG, time-slicing, MPS) run through
+# e2e-specs on it, with the test of what the plugin does where device taints are dropped (e2e/harness/external.go runs the release's binaries as processes). Not in CI:
+# a cold build of the four binaries does not fit its budget (docs/STATUS.md has the figures).
+K8S_134_BIN := $(TOOLS)/k8s-1.34/bin
+E2E_134_EXAMPLES ?= whole-gpu mig-1g5gb time-slicing-shared mps
+e2e-1.34-tools: $(K8S_134_BIN)/kubelet ## kube-apiserver, kube-controller-manager, kube-scheduler and kubelet of the newest 1.34 patch into .tools/k8s-1.34/bin
+
+$(K8S_134_BIN)/kubelet: e2e/release-1.34/go.mod e2e/release-1.34/go.sum
+	cd e2e/release-1.34 && v=$$($(GO) list -m -f '{{.Version}}' k8s.io/kubernetes) && $(K8S_VERSION_FLAGS) && \
+		$(GO) build -o $(K8S_134_BIN)/ -ldflags "$$flags" \
+		$(foreach b,kube-apiserver kube-controller-manager kube-scheduler kubelet,k8s.io/kubernetes/cmd/$(b))
+
+e2e-1.34: e2e-1.34-tools ## the examples that must work on Kubernetes 1.34 (whole GPUs, static MIG, time-slicing, MPS), on its own control plane and kubelet (not in CI)
+	rm -rf target/e2e-1.34 && mkdir -p target/e2e-1.34
+	for e in $(E2E_134_EXAMPLES); do for f in examples/$$e/*.yaml; do cp $$f target/e2e-1.34/$$e-$$(basename $$f); done; done
+	$(MAKE) e2e-specs DIR=target/e2e-1.34 E2E_K8S_RELEASE_DIR=$(K8S_134_BIN) \
+		SPECS_TESTS='TestSpecFolder|TestUnhealthyGPUWithheldWithoutDeviceTaints'
 
 demo: e2e-bins e2e-tools e2e-node-tools e2e-image toolkit ## local cluster with real A100 (static and dynamic MIG) and T4 nodes, a short tour, then up for kubectl until Ctrl-C
 	cd e2e && $(E2E_ENV) $(GO) run ./cmd/demo

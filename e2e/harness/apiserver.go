@@ -103,14 +103,17 @@ plugins:
               values: ["system-node-critical", "system-cluster-critical"]
 `
 
-// startAPIServer starts kube-apiserver in this process, configured like a
-// production control plane as far as our driver can tell: Node+RBAC
-// authorization, service-account tokens signed with a fresh key (bound
-// tokens carry the node name), the default admission chain (which includes
-// NodeRestriction, ResourceQuota, ValidatingAdmissionWebhook and
-// ValidatingAdmissionPolicy) with ResourceQuota configured as on GKE
-// (admissionConfig), and every GA resource.k8s.io API.
-func startAPIServer(ctx context.Context, dir, etcdURL string, ca *CA, gates map[string]bool) (*apiserver, error) {
+// apiServerArgs writes what kube-apiserver needs under dir (serving and
+// kubelet-client certificates, the service-account signing key, the admin
+// token, the admission configuration) and returns its flags, the same for
+// the in-process server and one of another release run as a process
+// (external.go): Node+RBAC authorization, service-account tokens signed with
+// a fresh key (bound tokens carry the node name), the default admission
+// chain (which includes NodeRestriction, ResourceQuota,
+// ValidatingAdmissionWebhook and ValidatingAdmissionPolicy) with
+// ResourceQuota configured as on GKE (admissionConfig), and the given
+// feature gates.
+func apiServerArgs(dir, etcdURL string, ca *CA, gates map[string]bool) ([]string, error) {
 	// Pods of real nodes reach it as the `kubernetes` Service (podnet.go).
 	certFile, keyFile, err := ca.issue(dir, "apiserver", certRequest{
 		commonName: "apiserver", server: true,
@@ -147,20 +150,6 @@ func startAPIServer(ctx context.Context, dir, etcdURL string, ca *CA, gates map[
 	if err := os.WriteFile(admission, []byte(admissionConfig), 0o600); err != nil {
 		return nil, err
 	}
-
-	s := options.NewServerRunOptions()
-	fs := pflag.NewFlagSet("kube-apiserver", pflag.ContinueOnError)
-	for _, f := range s.Flags().FlagSets {
-		fs.AddFlagSet(f)
-	}
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		return nil, err
-	}
-	port := ln.Addr().(*net.TCPAddr).Port
-	s.SecureServing.Listener = ln
-	s.SecureServing.BindPort = port
-	s.SecureServing.ExternalAddress = net.ParseIP("127.0.0.1")
 	args := []string{
 		"--etcd-servers=" + etcdURL,
 		"--etcd-prefix=/registry",
@@ -189,14 +178,47 @@ func startAPIServer(ctx context.Context, dir, etcdURL string, ca *CA, gates map[
 		"--endpoint-reconciler-type=none",
 		"--enable-priority-and-fairness=false",
 	}
-	if len(gates) > 0 {
-		var set []string
-		for name, on := range gates {
-			set = append(set, fmt.Sprintf("%s=%t", name, on))
-		}
-		sort.Strings(set)
-		args = append(args, "--feature-gates="+strings.Join(set, ","))
+	if flag := featureGatesFlag(gates); flag != "" {
+		args = append(args, flag)
 	}
+	return args, nil
+}
+
+// featureGatesFlag is `--feature-gates=A=true,B=false` for gates, sorted; ""
+// for none.
+func featureGatesFlag(gates map[string]bool) string {
+	if len(gates) == 0 {
+		return ""
+	}
+	var set []string
+	for name, on := range gates {
+		set = append(set, fmt.Sprintf("%s=%t", name, on))
+	}
+	sort.Strings(set)
+	return "--feature-gates=" + strings.Join(set, ",")
+}
+
+// startAPIServer starts kube-apiserver in this process, configured like a
+// production control plane as far as our driver can tell (apiServerArgs),
+// with every GA resource.k8s.io API.
+func startAPIServer(ctx context.Context, dir, etcdURL string, ca *CA, gates map[string]bool) (*apiserver, error) {
+	args, err := apiServerArgs(dir, etcdURL, ca, gates)
+	if err != nil {
+		return nil, err
+	}
+	s := options.NewServerRunOptions()
+	fs := pflag.NewFlagSet("kube-apiserver", pflag.ContinueOnError)
+	for _, f := range s.Flags().FlagSets {
+		fs.AddFlagSet(f)
+	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return nil, err
+	}
+	port := ln.Addr().(*net.TCPAddr).Port
+	s.SecureServing.Listener = ln
+	s.SecureServing.BindPort = port
+	s.SecureServing.ExternalAddress = net.ParseIP("127.0.0.1")
 	if err := fs.Parse(args); err != nil {
 		return nil, fmt.Errorf("kube-apiserver flags: %w", err)
 	}

@@ -65,6 +65,12 @@ type Options struct {
 	// the scheduler and controller manager see the same, and so does every
 	// other cluster of the process (a package of tests sets them once).
 	FeatureGates map[string]bool
+	// ReleaseDir holds another Kubernetes release's kube-apiserver,
+	// kube-controller-manager, kube-scheduler and kubelet (external.go):
+	// the control plane runs them as processes, real nodes that kubelet.
+	// Empty: $E2E_K8S_RELEASE_DIR; neither: the in-process control plane
+	// and .tools/bin/kubelet.
+	ReleaseDir string
 }
 
 // Cluster is a running in-process control plane.
@@ -97,6 +103,9 @@ type Cluster struct {
 	apiserver *apiserver
 	logFile   *os.File
 	ownsKlog  bool
+	// releaseDir holds the binaries of the release the cluster runs as
+	// processes (external.go); "" for the in-process control plane.
+	releaseDir string
 
 	mu            sync.Mutex
 	imageRegistry *imageRegistry // registry.go; nil until a real node needs it
@@ -116,7 +125,18 @@ type Cluster struct {
 // kube-controller-manager's default controllers, and writes an admin
 // kubeconfig.
 func Start(ctx context.Context, opts Options) (c *Cluster, err error) {
-	c = &Cluster{Dir: opts.Dir, logf: opts.Logf, nodes: map[string]*Node{}}
+	c = &Cluster{Dir: opts.Dir, logf: opts.Logf, nodes: map[string]*Node{}, releaseDir: opts.ReleaseDir}
+	if c.releaseDir == "" {
+		c.releaseDir = os.Getenv(ReleaseDirEnv)
+	}
+	if c.releaseDir != "" {
+		if c.releaseDir, err = filepath.Abs(c.releaseDir); err != nil {
+			return nil, err
+		}
+		if err := checkReleaseDir(c.releaseDir); err != nil {
+			return nil, err
+		}
+	}
 	if c.logf == nil {
 		c.logf = func(string, ...any) {}
 	}
@@ -187,7 +207,11 @@ func Start(ctx context.Context, opts Options) (c *Cluster, err error) {
 	if err := os.MkdirAll(apiDir, 0o700); err != nil {
 		return nil, err
 	}
-	c.apiserver, err = startAPIServer(ctx, apiDir, etcdURL, c.CA, opts.FeatureGates)
+	if c.releaseDir != "" {
+		c.apiserver, err = c.startExternalAPIServer(apiDir, etcdURL, opts.FeatureGates)
+	} else {
+		c.apiserver, err = startAPIServer(ctx, apiDir, etcdURL, c.CA, opts.FeatureGates)
+	}
 	if err != nil {
 		return nil, err
 	}
@@ -209,11 +233,20 @@ func Start(ctx context.Context, opts Options) (c *Cluster, err error) {
 	}
 	c.logf("control plane: apiserver %s up in %s", c.Host, time.Since(started).Round(time.Millisecond))
 
-	if err := c.startControllerManager(ctx); err != nil { // controllermanager.go
-		return nil, err
-	}
-	if err := c.startScheduler(ctx); err != nil {
-		return nil, err
+	if c.releaseDir != "" {
+		if err := c.startExternalControllers(opts.FeatureGates); err != nil {
+			return nil, err
+		}
+		if err := c.waitControllersUp(ctx); err != nil {
+			return nil, err
+		}
+	} else {
+		if err := c.startControllerManager(ctx); err != nil { // controllermanager.go
+			return nil, err
+		}
+		if err := c.startScheduler(ctx); err != nil {
+			return nil, err
+		}
 	}
 	c.logf("control plane: scheduler and controllers running (%s)", time.Since(started).Round(time.Millisecond))
 	return c, nil
@@ -231,8 +264,12 @@ func quietKlog() {
 
 // APIRequests is how many requests the API server has served since it
 // started, by user agent, verb and resource (APIRequestKind); subtract two
-// snapshots for the requests of a window.
+// snapshots for the requests of a window. Empty for a release run as
+// processes (external.go), whose requests are not counted.
 func (c *Cluster) APIRequests() map[APIRequestKind]int {
+	if c.apiserver.requests == nil {
+		return map[APIRequestKind]int{}
+	}
 	return c.apiserver.requests.snapshot()
 }
 

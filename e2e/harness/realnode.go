@@ -148,13 +148,19 @@ type nodeTools struct {
 	kubelet, containerd, shim, ctr, runc, cniDir string
 }
 
-func findNodeTools() (nodeTools, error) {
+// findNodeTools finds the real node's binaries; the kubelet is releaseDir's
+// if given (a cluster of another release, external.go).
+func findNodeTools(releaseDir string) (nodeTools, error) {
 	var t nodeTools
 	var err error
 	for _, x := range []struct {
 		name string
 		dst  *string
 	}{{"kubelet", &t.kubelet}, {"containerd", &t.containerd}, {"containerd-shim-runc-v2", &t.shim}, {"ctr", &t.ctr}} {
+		if x.name == "kubelet" && releaseDir != "" {
+			t.kubelet = filepath.Join(releaseDir, "kubelet")
+			continue
+		}
 		if *x.dst, err = Tool(x.name); err != nil {
 			return t, fmt.Errorf("%w (`make e2e-node-tools` builds the real nodes' kubelet and containerd)", err)
 		}
@@ -174,7 +180,7 @@ func findNodeTools() (nodeTools, error) {
 // startReal starts the node's containerd and kubelet and waits until the
 // kubelet registered the Node and reports it Ready.
 func (n *Node) startReal(ctx context.Context, seq int) (err error) {
-	tools, err := findNodeTools()
+	tools, err := findNodeTools(n.cluster.releaseDir)
 	if err != nil {
 		return err
 	}
@@ -572,14 +578,21 @@ func (r *realNode) startKubelet(ctx context.Context, tools nodeTools) error {
 		"imageGCLowThresholdPercent":    99,
 		"localStorageCapacityIsolation": false,
 		"nodeStatusReportFrequency":     "10s",
-		// The kubelet's restart back-off (10 s, doubling) capped at 2 s:
-		// a test watching restarts sees them within seconds.
-		"crashLoopBackOff": map[string]any{"maxContainerRestartPeriod": "2s"},
 		// The kubelet retries a pod whose DRA prepare failed only at its
 		// periodic sync (default 1 min): 10 s lets a test see the retry
 		// (the next claim's error, the prepare after a plugin restart).
 		"syncFrequency":       "10s",
 		"serializeImagePulls": false,
+	}
+	// The kubelet's restart back-off (10 s, doubling) capped at 2 s: a
+	// test watching restarts sees them within seconds. The setting needs
+	// KubeletCrashLoopBackOffMax, on by default from 1.35; an older
+	// release's kubelet keeps its default back-off (a node of that release
+	// as users run it).
+	if _, minor, err := releaseVersionOf(tools.kubelet); err != nil {
+		return err
+	} else if minor >= 35 {
+		config["crashLoopBackOff"] = map[string]any{"maxContainerRestartPeriod": "2s"}
 	}
 	data, err := yaml.Marshal(config)
 	if err != nil {

@@ -206,7 +206,7 @@ func (n *Node) PoweredOffLeftovers() []string {
 // reported the Node Ready again and the plugin runs.
 func (r *realNode) powerOn(ctx context.Context) error {
 	n := r.n
-	tools, err := findNodeTools()
+	tools, err := findNodeTools(n.cluster.releaseDir)
 	if err != nil {
 		return err
 	}

@@ -197,7 +197,7 @@ func requireNodeTools(t *testing.T) {
 	if os.Geteuid() != 0 {
 		t.Fatal("runs containers and real nodes: run as root")
 	}
-	if _, err := findNodeTools(); err != nil {
+	if _, err := findNodeTools(""); err != nil {
 		t.Fatal(err)
 	}
 	for _, b := range []string{"gpu-kubelet-plugin", "gpu-sim"} {

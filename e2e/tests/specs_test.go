@@ -92,6 +92,7 @@ func TestSpecFolder(t *testing.T) {
 	}
 	ctx := context.Background()
 	addSpecNodes(ctx, t)
+	checkRelease(ctx, t)
 	units := make([][]harness.SpecFile, 0, len(files))
 	if os.Getenv("E2E_SPECS_TOGETHER") == "1" {
 		units = append(units, files)
@@ -116,6 +117,40 @@ func TestSpecFolder(t *testing.T) {
 		summary = append(summary, verdict+" "+name)
 	}
 	t.Logf("spec folder %s:\n%s", dir, strings.Join(summary, "\n"))
+}
+
+// checkRelease says which Kubernetes release the specs run on and, for a
+// release run from its own binaries (`make e2e-1.34`), that the API server
+// and the real nodes' kubelets (spec nodes and the suite's) are that release
+// and not the harness's.
+func checkRelease(ctx context.Context, t *testing.T) {
+	t.Helper()
+	release, err := cluster.Release(ctx)
+	if err != nil {
+		t.Fatalf("API server version: %v", err)
+	}
+	var kubelets []string
+	for _, n := range cluster.Nodes() {
+		if !n.IsReal() {
+			continue
+		}
+		name := n.Name
+		node, err := cluster.Client.CoreV1().Nodes().Get(ctx, name, metav1.GetOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		v := node.Status.NodeInfo.KubeletVersion
+		kubelets = append(kubelets, name+" "+v)
+		if v != release {
+			t.Errorf("node %s runs kubelet %s, the control plane %s", name, v, release)
+		}
+	}
+	t.Logf("Kubernetes %s (control plane), kubelets: %s", release, strings.Join(kubelets, ", "))
+	if dir := cluster.ReleaseDir(); dir != "" {
+		if want := harness.ModuleKubernetesVersion(); release == want {
+			t.Errorf("the control plane reports %s, the harness's own release, though %s runs the release of %s", release, harness.ReleaseDirEnv, dir)
+		}
+	}
 }
 
 // runSpecUnit applies one spec unit through the runner (opts: its
