@@ -372,6 +372,9 @@ pub fn usage(
     // Devices by (pool, name); GPUs by (pool, uuid).
     let mut devices: BTreeMap<(String, String), &Device> = BTreeMap::new();
     let mut gpus: BTreeMap<(String, String), GpuUsage> = BTreeMap::new();
+    // Each GPU's first device name in natural order (`gpu-2` before `gpu-10`, a MIG device
+    // `gpu-3-mig-...` with GPU 3): the rows follow the GPUs' order on the node, not their UUIDs'.
+    let mut order: BTreeMap<(String, String), Vec<NamePart>> = BTreeMap::new();
     for s in slices.iter().filter(|s| s.spec.driver == driver) {
         let pool = &s.spec.pool.name;
         if node.is_some_and(|n| n != pool) {
@@ -386,6 +389,15 @@ pub fn usage(
                 attr(d, "uuid")
             };
             let Some(gpu_uuid) = gpu_uuid else { continue };
+            let key = natural_key(&d.name);
+            order
+                .entry((pool.clone(), gpu_uuid.to_string()))
+                .and_modify(|k| {
+                    if key < *k {
+                        k.clone_from(&key);
+                    }
+                })
+                .or_insert_with(|| key.clone());
             let entry = gpus
                 .entry((pool.clone(), gpu_uuid.to_string()))
                 .or_insert_with(|| GpuUsage {
@@ -476,13 +488,43 @@ pub fn usage(
             });
         }
     }
-    let mut out: Vec<GpuUsage> = gpus.into_values().collect();
-    for g in &mut out {
+    let mut out: Vec<(Vec<NamePart>, GpuUsage)> = gpus
+        .into_iter()
+        .map(|(k, g)| (order.remove(&k).unwrap_or_default(), g))
+        .collect();
+    for (_, g) in &mut out {
         g.holders
             .sort_by(|a, b| (&a.device, &a.claim).cmp(&(&b.device, &b.claim)));
     }
-    out.sort_by(|a, b| (&a.node, &a.gpu).cmp(&(&b.node, &b.gpu)));
-    out
+    out.sort_by(|(ka, a), (kb, b)| (&a.node, ka, &a.gpu).cmp(&(&b.node, kb, &b.gpu)));
+    out.into_iter().map(|(_, g)| g).collect()
+}
+
+/// A run of a name for [`natural_key`]: digits compare as numbers.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+enum NamePart {
+    Number(u64),
+    Text(String),
+}
+
+/// `name` split into runs of digits and of other characters, so that `gpu-2` sorts before
+/// `gpu-10`.
+fn natural_key(name: &str) -> Vec<NamePart> {
+    let mut parts = Vec::new();
+    let mut rest = name;
+    while let Some(c) = rest.chars().next() {
+        let digit = c.is_ascii_digit();
+        let end = rest
+            .find(|c: char| c.is_ascii_digit() != digit)
+            .unwrap_or(rest.len());
+        let (run, tail) = rest.split_at(end);
+        parts.push(match run.parse() {
+            Ok(n) if digit => NamePart::Number(n),
+            _ => NamePart::Text(run.to_owned()),
+        });
+        rest = tail;
+    }
+    parts
 }
 
 /// The table people read.
@@ -942,6 +984,25 @@ mod tests {
         ] {
             assert!(text.contains(line), "missing {line:?} in\n{text}");
         }
+    }
+
+    #[test]
+    fn rows_follow_the_gpus_device_names_not_their_uuids() {
+        let slice: ResourceSlice = serde_json::from_value(json!({
+            "metadata": {"name": "node-a-gpu-nvidia-com-0"},
+            "spec": {"driver": "gpu.nvidia.com", "nodeName": "node-a",
+                "pool": {"name": "node-a", "generation": 1, "resourceSliceCount": 1},
+                "devices": [
+                    {"name": "gpu-10", "attributes": {"type": {"string": "gpu"}, "uuid": {"string": "GPU-a"}}},
+                    {"name": "gpu-2", "attributes": {"type": {"string": "gpu"}, "uuid": {"string": "GPU-z"}}},
+                    {"name": "gpu-1-mig-1g5gb-19-0", "attributes": {"type": {"string": "mig"},
+                     "parentUUID": {"string": "GPU-m"}, "profile": {"string": "1g.5gb"}}}
+                ]}
+        }))
+        .expect("slice");
+        let rows = usage(&[slice], &[], "gpu.nvidia.com", None);
+        let gpus: Vec<&str> = rows.iter().map(|g| g.gpu.as_str()).collect();
+        assert_eq!(gpus, ["GPU-m", "GPU-z", "GPU-a"]);
     }
 
     #[test]
