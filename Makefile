@@ -8,7 +8,7 @@ TOOLS := $(CURDIR)/.tools
 HELM_VERSION ?= v3.22.0
 HELM := $(TOOLS)/bin/helm
 
-.PHONY: help build release unit test lint fmt fuzz bench bench-check generate chart-package chart-check cdi-check e2e e2e-build e2e-bins e2e-tools e2e-runtime e2e-node-tools e2e-image e2e-kubectl e2e-specs e2e-1.34 e2e-1.34-tools demo bench-e2e bench-mps advise-demo toolkit image-rootfs image-rootfs-arm64 image image-push image-digest image-tool image-arm64-run image-cross-deps kubectl-plugin selftest-bundle selftest-check
+.PHONY: help build release unit test lint fmt fuzz bench bench-check generate chart-package chart-check cdi-check e2e e2e-build e2e-bins e2e-tools e2e-runtime e2e-node-tools e2e-image e2e-kubectl e2e-specs e2e-1.34 e2e-1.34-tools demo demo-helm bench-e2e bench-mps advise-demo toolkit image-rootfs image-rootfs-arm64 image image-push image-digest image-tool image-arm64-run image-cross-deps kubectl-plugin selftest-bundle selftest-check
 
 help: ## list targets
 	@grep -E '^[a-z0-9.-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | sort
@@ -138,6 +138,12 @@ e2e-1.34: e2e-1.34-tools ## the examples that must work on Kubernetes 1.34 (whol
 
 demo: e2e-bins e2e-tools e2e-node-tools e2e-image toolkit ## local cluster with real A100 (static and dynamic MIG) and T4 nodes, a short tour, then up for kubectl until Ctrl-C
 	cd e2e && $(E2E_ENV) $(GO) run ./cmd/demo
+
+# The same nodes as real nodes with no driver, then the user's commands printed and run: helm
+# install of the chart (the DaemonSet's plugin pods on the image `make image` built), the tour,
+# helm upgrade, kubectl logs/exec, gpu-dra check and usage (e2e/demo/helm.go).
+demo-helm: e2e-bins e2e-tools e2e-kubectl e2e-node-tools e2e-image image ## the driver installed as a user does: helm install onto real A100 and T4 nodes, helm upgrade, kubectl logs/exec, gpu-dra check and usage, then up for kubectl until Ctrl-C
+	cd e2e && $(E2E_ENV) $(GO) run ./cmd/demo --helm
 
 # BENCH_PROFILE: the cargo profile of the plugins and the simulator the benchmark runs
 # (debug or release); the figures depend on it and the output names it.

@@ -28,6 +28,11 @@ func (c *Cluster) Helm(ctx context.Context, args ...string) (string, error) {
 	}
 	home := filepath.Join(c.Dir, "helm")
 	cmd := exec.CommandContext(ctx, helm, append(args, "--kubeconfig", c.Kubeconfig)...)
+	// In the repository's root, as its README's commands are typed: the
+	// chart is its folder there (ChartCommand).
+	if root, err := RepoRoot(); err == nil {
+		cmd.Dir = root
+	}
 	cmd.Env = append(os.Environ(),
 		"HELM_CACHE_HOME="+filepath.Join(home, "cache"),
 		"HELM_CONFIG_HOME="+filepath.Join(home, "config"),
@@ -58,21 +63,34 @@ func (c *Cluster) HelmUninstall(ctx context.Context) error {
 }
 
 func (c *Cluster) helmChart(ctx context.Context, verb string, set []string) error {
-	chart, err := RepoPath(ChartPath)
-	if err != nil {
-		return err
-	}
-	args := []string{verb, HelmRelease, chart, "--namespace", DriverNamespace}
-	if verb == "install" {
-		args = append(args, "--create-namespace")
-	}
 	// The plugin's DaemonSet on the nodes whose plugin runs deployed only
 	// (realnode_ns.go), as admins select their GPU nodes; a later --set of
 	// the caller wins.
-	args = append(args, "--set", DeployedPluginSelector)
+	args, err := c.ChartCommand(ctx, verb, HelmRelease, DriverNamespace, append([]string{DeployedPluginSelector}, set...)...)
+	if err != nil {
+		return err
+	}
+	_, err = c.Helm(ctx, args...)
+	return err
+}
+
+// ChartCommand is the `helm install` or `helm upgrade` (verb) of the chart as
+// a user types it in the repository's root, without the kubeconfig (Helm
+// adds it): the release, the chart's folder, the namespace (created by
+// install), the image this cluster's nodes are served, then each of set as
+// a --set.
+func (c *Cluster) ChartCommand(ctx context.Context, verb, release, namespace string, set ...string) ([]string, error) {
+	if _, err := RepoPath(ChartPath); err != nil {
+		return nil, err
+	}
+	args := []string{verb, release, ChartPath, "-n", namespace}
+	if verb == "install" {
+		args = append(args, "--create-namespace")
+	}
 	// The image `make image` built, pushed to the cluster's registry and
-	// pinned by digest as a release pins it (imagepods.go). Without it
-	// (not built) the chart names its default tag, which the registry
+	// pinned by digest as a release pins it (imagepods.go): the nodes'
+	// containerd pulls the chart's repository from that registry. Without
+	// it (not built) the chart names its default tag, which the registry
 	// does not have: the deployed plugin's pods fail to pull, and the
 	// deployed tests say to run `make image` (DriverImage).
 	ref, err := c.DriverImage(ctx)
@@ -81,11 +99,10 @@ func (c *Cluster) helmChart(ctx context.Context, verb string, set []string) erro
 		_, digest, _ := strings.Cut(ref, "@")
 		args = append(args, "--set", "image.digest="+digest)
 	case !errors.Is(err, ErrMissing):
-		return err
+		return nil, err
 	}
 	for _, s := range set {
 		args = append(args, "--set", s)
 	}
-	_, err = c.Helm(ctx, args...)
-	return err
+	return args, nil
 }

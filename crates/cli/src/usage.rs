@@ -29,7 +29,7 @@ use crate::{CliError, Outcome};
 /// Output of `gpu-dra usage`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum UsageFormat {
-    /// For people: one line per GPU and holder (node, GPU, device, claim, what it holds, UUID,
+    /// For people: one line per GPU and holder (node, GPU UUID, device, claim, what it holds, UUID,
     /// and from the metrics memory allocated and used, SM, processes, idle time, a note when
     /// near its memory limit), then the cluster summary.
     Text,
@@ -107,11 +107,15 @@ pub fn parse_duration(s: &str) -> Result<u64, String> {
 pub struct GpuUsage {
     /// Node (pool) name.
     pub node: String,
-    /// The whole GPU's device name (`gpu-<minor>`), or its UUID when no whole-GPU device is
-    /// published (a GPU with static MIG devices only).
+    /// The GPU, named by its UUID on every row: a GPU with static MIG devices only has no
+    /// whole-GPU device, one offered as dynamic MIG has both, so only the UUID names each GPU
+    /// the same way.
     pub gpu: String,
     /// GPU UUID.
     pub uuid: String,
+    /// The whole GPU's device name (`gpu-<minor>`), when one is published (not for a GPU with
+    /// static MIG devices only).
+    pub device: Option<String>,
     /// Memory of the GPU as published (e.g. `40Gi`), when known.
     pub memory: Option<String>,
     /// Allocations on it.
@@ -136,6 +140,9 @@ pub struct Holder {
     /// claim's status, else the slice's `uuid` attribute; `None` before the claim is
     /// prepared for a device whose slice has none (a dynamic MIG device).
     pub uuid: Option<String>,
+    /// Memory the allocation gives the claim, from the API: its memory share, else the
+    /// device's published memory (`None` when the slice publishes none).
+    pub memory_bytes: Option<u64>,
     /// What the claim uses of the device, from its node plugin's metrics (`None`: no metrics
     /// read, or the plugin reports none for it yet).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -179,7 +186,8 @@ pub struct Summary {
     pub idle_claims: usize,
     /// Claim devices near their memory limit.
     pub near_limit_claims: usize,
-    /// Memory allocated to claims with usage figures, in bytes.
+    /// Memory allocated to claims, in bytes: the plugins' figure of each claim, else its
+    /// allocation's memory from the slices (so it does not depend on the metrics being read).
     pub memory_allocated_bytes: u64,
     /// Memory their processes hold, in bytes.
     pub memory_used_bytes: u64,
@@ -296,14 +304,34 @@ pub fn summary(rows: &[GpuUsage], idle_threshold: u64) -> Summary {
         {
             s.gpus_busy += 1;
         }
+        for h in &users {
+            s.memory_allocated_bytes += h.allocated_bytes().unwrap_or(0);
+        }
         for u in users.iter().filter_map(|h| h.usage.as_ref()) {
             s.idle_claims += usize::from(u.idle);
             s.near_limit_claims += usize::from(u.near_limit);
-            s.memory_allocated_bytes += u.memory_allocated_bytes.unwrap_or(0);
             s.memory_used_bytes += u.memory_used_bytes.unwrap_or(0);
         }
     }
     s
+}
+
+impl Holder {
+    /// Memory allocated to the claim: its plugin's figure, else the allocation's.
+    fn allocated_bytes(&self) -> Option<u64> {
+        self.usage
+            .as_ref()
+            .and_then(|u| u.memory_allocated_bytes)
+            .or(self.memory_bytes)
+    }
+}
+
+/// Bytes of a quantity (`40Gi`, `4864Mi`); `None` for one that is not a byte count.
+fn quantity_bytes(q: &str) -> Option<u64> {
+    q.parse::<gpu_dra_api::quantity::Quantity>()
+        .ok()?
+        .to_bytes_ceil()
+        .ok()
 }
 
 /// Bytes as a person reads them: `10.0Gi`, `512Mi`.
@@ -344,6 +372,9 @@ pub fn usage(
     // Devices by (pool, name); GPUs by (pool, uuid).
     let mut devices: BTreeMap<(String, String), &Device> = BTreeMap::new();
     let mut gpus: BTreeMap<(String, String), GpuUsage> = BTreeMap::new();
+    // Each GPU's first device name in natural order (`gpu-2` before `gpu-10`, a MIG device
+    // `gpu-3-mig-...` with GPU 3): the rows follow the GPUs' order on the node, not their UUIDs'.
+    let mut order: BTreeMap<(String, String), Vec<NamePart>> = BTreeMap::new();
     for s in slices.iter().filter(|s| s.spec.driver == driver) {
         let pool = &s.spec.pool.name;
         if node.is_some_and(|n| n != pool) {
@@ -358,17 +389,27 @@ pub fn usage(
                 attr(d, "uuid")
             };
             let Some(gpu_uuid) = gpu_uuid else { continue };
+            let key = natural_key(&d.name);
+            order
+                .entry((pool.clone(), gpu_uuid.to_string()))
+                .and_modify(|k| {
+                    if key < *k {
+                        k.clone_from(&key);
+                    }
+                })
+                .or_insert_with(|| key.clone());
             let entry = gpus
                 .entry((pool.clone(), gpu_uuid.to_string()))
                 .or_insert_with(|| GpuUsage {
                     node: pool.clone(),
                     gpu: gpu_uuid.to_string(),
                     uuid: gpu_uuid.to_string(),
+                    device: None,
                     memory: None,
                     holders: Vec::new(),
                 });
             if !mig {
-                entry.gpu = d.name.clone();
+                entry.device = Some(d.name.clone());
                 entry.memory = d
                     .capacity
                     .as_ref()
@@ -413,6 +454,12 @@ pub fn usage(
                 .as_ref()
                 .and_then(|c| c.get("memory"))
                 .map(|q| q.0.clone());
+            let device_memory = d
+                .capacity
+                .as_ref()
+                .and_then(|c| c.get("memory"))
+                .map(|c| c.value.0.as_str());
+            let memory_bytes = share.as_deref().or(device_memory).and_then(quantity_bytes);
             let (kind, detail) = match (mig, share) {
                 (true, _) => ("mig", attr(d, "profile").unwrap_or_default().to_string()),
                 (false, Some(mem)) => (
@@ -436,17 +483,48 @@ pub fn usage(
                 detail,
                 admin_access: r.admin_access == Some(true),
                 uuid: reported.or_else(|| attr(d, "uuid").map(str::to_owned)),
+                memory_bytes,
                 usage: None,
             });
         }
     }
-    let mut out: Vec<GpuUsage> = gpus.into_values().collect();
-    for g in &mut out {
+    let mut out: Vec<(Vec<NamePart>, GpuUsage)> = gpus
+        .into_iter()
+        .map(|(k, g)| (order.remove(&k).unwrap_or_default(), g))
+        .collect();
+    for (_, g) in &mut out {
         g.holders
             .sort_by(|a, b| (&a.device, &a.claim).cmp(&(&b.device, &b.claim)));
     }
-    out.sort_by(|a, b| (&a.node, &a.gpu).cmp(&(&b.node, &b.gpu)));
-    out
+    out.sort_by(|(ka, a), (kb, b)| (&a.node, ka, &a.gpu).cmp(&(&b.node, kb, &b.gpu)));
+    out.into_iter().map(|(_, g)| g).collect()
+}
+
+/// A run of a name for [`natural_key`]: digits compare as numbers.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+enum NamePart {
+    Number(u64),
+    Text(String),
+}
+
+/// `name` split into runs of digits and of other characters, so that `gpu-2` sorts before
+/// `gpu-10`.
+fn natural_key(name: &str) -> Vec<NamePart> {
+    let mut parts = Vec::new();
+    let mut rest = name;
+    while let Some(c) = rest.chars().next() {
+        let digit = c.is_ascii_digit();
+        let end = rest
+            .find(|c: char| c.is_ascii_digit() != digit)
+            .unwrap_or(rest.len());
+        let (run, tail) = rest.split_at(end);
+        parts.push(match run.parse() {
+            Ok(n) if digit => NamePart::Number(n),
+            _ => NamePart::Text(run.to_owned()),
+        });
+        rest = tail;
+    }
+    parts
 }
 
 /// The table people read.
@@ -474,7 +552,7 @@ pub fn to_text(rows: &[GpuUsage]) -> String {
             lines.push([
                 g.node.clone(),
                 g.gpu.clone(),
-                "-".into(),
+                g.device.clone().unwrap_or_else(|| "-".into()),
                 "-".into(),
                 "free".into(),
                 String::new(),
@@ -506,8 +584,7 @@ pub fn to_text(rows: &[GpuUsage]) -> String {
                 h.claim.clone(),
                 holds,
                 h.uuid.clone().unwrap_or_else(dash),
-                u.and_then(|u| u.memory_allocated_bytes)
-                    .map_or_else(dash, human_bytes),
+                h.allocated_bytes().map_or_else(dash, human_bytes),
                 u.and_then(|u| u.memory_used_bytes)
                     .map_or_else(dash, human_bytes),
                 u.and_then(|u| u.sm_utilization_percent)
@@ -800,6 +877,9 @@ mod tests {
                 "devices": [
                     {"name": "gpu-0", "attributes": {"type": {"string": "gpu"}, "uuid": {"string": "GPU-0"}},
                      "capacity": {"memory": {"value": "40Gi"}}},
+                    {"name": "gpu-0-mig-1g5gb-0", "attributes": {"type": {"string": "mig"},
+                     "parentUUID": {"string": "GPU-0"}, "profile": {"string": "1g.5gb"}},
+                     "capacity": {"memory": {"value": "4864Mi"}}},
                     {"name": "gpu-1", "attributes": {"type": {"string": "gpu"}, "uuid": {"string": "GPU-1"}},
                      "capacity": {"memory": {"value": "40Gi"}}, "allowMultipleAllocations": true},
                     {"name": "gpu-2-mig-3g20gb-9-4", "attributes": {"type": {"string": "mig"},
@@ -848,12 +928,12 @@ mod tests {
         let rows = usage(&[slice()], &claims, "gpu.nvidia.com", None);
         let text = to_text(&rows);
         let expect = [
+            "node-a  GPU-0  gpu-0                 ns/train  whole GPU",
+            "node-a  GPU-0  gpu-0                 ns/watch  whole GPU (admin access)",
+            "node-a  GPU-1  gpu-1                 ns/a      memory 10Gi of 40Gi",
+            "node-a  GPU-1  gpu-1                 ns/b      memory 20Gi of 40Gi",
             "node-a  GPU-2  gpu-2-mig-3g20gb-9-4  ns/part   MIG 3g.20gb",
-            "node-a  gpu-0  gpu-0                 ns/train  whole GPU",
-            "node-a  gpu-0  gpu-0                 ns/watch  whole GPU (admin access)",
-            "node-a  gpu-1  gpu-1                 ns/a      memory 10Gi of 40Gi",
-            "node-a  gpu-1  gpu-1                 ns/b      memory 20Gi of 40Gi",
-            "node-a  gpu-3  -                     -         free",
+            "node-a  GPU-3  gpu-3                 -         free",
         ];
         for line in expect {
             assert!(text.contains(line), "missing {line:?} in\n{text}");
@@ -873,6 +953,92 @@ mod tests {
         );
         assert!(usage(&[slice()], &claims, "gpu.nvidia.com", Some("node-b")).is_empty());
         assert!(usage(&[slice()], &claims, "other.example.com", None).is_empty());
+    }
+
+    #[test]
+    fn every_gpu_is_named_by_its_uuid_with_static_or_dynamic_mig() {
+        // GPU-0 is offered as dynamic MIG (its whole device and its partitions published),
+        // GPU-2 has static MIG devices only.
+        let claims = [
+            claim("dyn", "gpu-0-mig-1g5gb-0", None, false),
+            claim("part", "gpu-2-mig-3g20gb-9-4", None, false),
+        ];
+        let rows = usage(&[slice()], &claims, "gpu.nvidia.com", None);
+        let names: Vec<(&str, Option<&str>)> = rows
+            .iter()
+            .map(|g| (g.gpu.as_str(), g.device.as_deref()))
+            .collect();
+        assert_eq!(
+            names,
+            [
+                ("GPU-0", Some("gpu-0")),
+                ("GPU-1", Some("gpu-1")),
+                ("GPU-2", None),
+                ("GPU-3", Some("gpu-3"))
+            ]
+        );
+        let text = to_text(&rows);
+        for line in [
+            "node-a  GPU-0  gpu-0-mig-1g5gb-0     ns/dyn   MIG 1g.5gb",
+            "node-a  GPU-2  gpu-2-mig-3g20gb-9-4  ns/part  MIG 3g.20gb",
+        ] {
+            assert!(text.contains(line), "missing {line:?} in\n{text}");
+        }
+    }
+
+    #[test]
+    fn rows_follow_the_gpus_device_names_not_their_uuids() {
+        let slice: ResourceSlice = serde_json::from_value(json!({
+            "metadata": {"name": "node-a-gpu-nvidia-com-0"},
+            "spec": {"driver": "gpu.nvidia.com", "nodeName": "node-a",
+                "pool": {"name": "node-a", "generation": 1, "resourceSliceCount": 1},
+                "devices": [
+                    {"name": "gpu-10", "attributes": {"type": {"string": "gpu"}, "uuid": {"string": "GPU-a"}}},
+                    {"name": "gpu-2", "attributes": {"type": {"string": "gpu"}, "uuid": {"string": "GPU-z"}}},
+                    {"name": "gpu-1-mig-1g5gb-19-0", "attributes": {"type": {"string": "mig"},
+                     "parentUUID": {"string": "GPU-m"}, "profile": {"string": "1g.5gb"}}}
+                ]}
+        }))
+        .expect("slice");
+        let rows = usage(&[slice], &[], "gpu.nvidia.com", None);
+        let gpus: Vec<&str> = rows.iter().map(|g| g.gpu.as_str()).collect();
+        assert_eq!(gpus, ["GPU-m", "GPU-z", "GPU-a"]);
+    }
+
+    #[test]
+    fn without_metrics_memory_allocated_is_each_allocation_s_memory() {
+        // A whole GPU, a memory share, a dynamic MIG device, and an admin's access (not
+        // counted); no plugin's metrics read.
+        let claims = [
+            claim("train", "gpu-3", None, false),
+            claim("a", "gpu-1", Some("10Gi"), false),
+            claim("dyn", "gpu-0-mig-1g5gb-0", None, false),
+            claim("watch", "gpu-3", None, true),
+        ];
+        let mut slice = slice();
+        let gpu3 = &mut slice.spec.devices.as_mut().expect("devices")[4];
+        assert_eq!(gpu3.name, "gpu-3");
+        gpu3.capacity = serde_json::from_value(json!({"memory": {"value": "16Gi"}})).ok();
+        let rows = usage(&[slice], &claims, "gpu.nvidia.com", None);
+        let memory_of = |claim: &str| {
+            rows.iter()
+                .flat_map(|g| &g.holders)
+                .find(|h| h.claim == claim)
+                .and_then(|h| h.memory_bytes)
+        };
+        assert_eq!(memory_of("ns/train"), Some(16 << 30));
+        assert_eq!(memory_of("ns/a"), Some(10 << 30));
+        assert_eq!(memory_of("ns/dyn"), Some(4864 << 20));
+        let s = summary(&rows, 3600);
+        assert_eq!(
+            s.memory_allocated_bytes,
+            (16 << 30) + (10 << 30) + (4864 << 20)
+        );
+        assert!(
+            summary_text(&s).contains("memory allocated 30.8Gi, used 0Mi"),
+            "{}",
+            summary_text(&s)
+        );
     }
 
     /// The series a plugin serves for claim `ns/name` on `device`.

@@ -306,8 +306,9 @@ fn rows_and_evidence() -> (Vec<GpuUsage>, Models, EvidenceMap) {
         let gpu = format!("gpu-{i}");
         rows.push(GpuUsage {
             node: "node-a".into(),
-            gpu: gpu.clone(),
+            gpu: format!("GPU-{i}"),
             uuid: format!("GPU-{i}"),
+            device: Some(gpu.clone()),
             memory: Some("80Gi".into()),
             holders: vec![Holder {
                 claim: (*claim).into(),
@@ -316,6 +317,7 @@ fn rows_and_evidence() -> (Vec<GpuUsage>, Models, EvidenceMap) {
                 detail: "whole GPU".into(),
                 admin_access: false,
                 uuid: None,
+                memory_bytes: Some(80 * GIB),
                 usage: None,
             }],
         });
