@@ -2975,6 +2975,30 @@ fn list_type_attributes_are_off_unless_asked_for() {
     }
 }
 
+/// `kubeletPlugin.deviceMetadata` is off by default (as in Kubernetes' Go helper library) and
+/// reaches the plugin as its `DEVICE_METADATA`, which the plugin's flag parser accepts.
+#[test]
+fn device_metadata_is_off_unless_asked_for() {
+    let Some(helm) = helm() else { return };
+    for (sets, want) in [
+        (&[][..], "false"),
+        (&["kubeletPlugin.deviceMetadata=true"][..], "true"),
+    ] {
+        let objects = render(&helm, sets);
+        let ds = find(&objects, "DaemonSet", "rel-gpu-dra-driver-kubelet-plugin");
+        assert_eq!(plugin_env(ds, "DEVICE_METADATA"), Some(want), "{sets:?}");
+        let line = [
+            "gpu-kubelet-plugin",
+            "run",
+            "--node-name=n",
+            &format!("--device-metadata={want}"),
+        ];
+        if let Err(e) = gpu_dra_kubelet_plugin::cmd::command().try_get_matches_from(line) {
+            panic!("{sets:?}: the plugin refuses {want:?}: {e}");
+        }
+    }
+}
+
 #[test]
 fn the_plugins_network_policy_can_restrict_who_reads_its_metrics() {
     let Some(helm) = helm() else { return };
