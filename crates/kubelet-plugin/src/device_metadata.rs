@@ -140,31 +140,21 @@ impl MetadataFiles {
 #[cfg(test)]
 mod tests {
     use gpu_dra_core::device_metadata::{self, Rendering};
-    use gpu_dra_core::plan::{AllocatedDevice, ClaimInput};
+    use gpu_dra_core::plan::claim_input;
     use gpu_dra_device::testing::a100_inventory;
 
     use super::*;
+    use crate::testing::allocated_claim;
 
     fn files(uid: &str, requests: &[&str]) -> Vec<RequestFile> {
-        let claim = ClaimInput {
-            uid: uid.into(),
-            namespace: "ns".into(),
-            name: "c".into(),
-            devices: requests
-                .iter()
-                .enumerate()
-                .map(|(i, r)| AllocatedDevice {
-                    index: i,
-                    request: (*r).into(),
-                    device: format!("gpu-{i}"),
-                    admin_access: false,
-                    share_id: None,
-                    consumed_memory: None,
-                    consumed_shares: None,
-                })
-                .collect(),
-            configs: Vec::new(),
-        };
+        let devices: Vec<String> = (0..requests.len()).map(|i| format!("gpu-{i}")).collect();
+        let results: Vec<(&str, &str)> = requests
+            .iter()
+            .zip(&devices)
+            .map(|(r, d)| (*r, d.as_str()))
+            .collect();
+        let rc = allocated_claim("ns", "c", uid, "gpu.nvidia.com", "node", &results, &[]);
+        let claim = claim_input(&rc, uid, "gpu.nvidia.com", "node").expect("claim input");
         device_metadata::request_files(
             &claim,
             None,
