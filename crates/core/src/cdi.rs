@@ -46,6 +46,49 @@ pub fn cdi_device_id(claim_uid: &str, device: &str) -> String {
     format!("{}={}", cdi_kind(), cdi_device_name(claim_uid, device))
 }
 
+/// CDI device name of the device metadata file of request `request` of a claim
+/// (`crate::device_metadata`): `<claimUID>_metadata_<request>`. A device name in a pool is a
+/// DNS label, which has no `_`, so this never names a prepared device of [`cdi_device_name`].
+pub fn metadata_cdi_device_name(claim_uid: &str, request: &str) -> String {
+    format!("{claim_uid}_metadata_{request}")
+}
+
+/// Fully qualified CDI device ID of [`metadata_cdi_device_name`].
+pub fn metadata_cdi_device_id(claim_uid: &str, request: &str) -> String {
+    format!(
+        "{}={}",
+        cdi_kind(),
+        metadata_cdi_device_name(claim_uid, request)
+    )
+}
+
+/// The request whose metadata device `cdi_id` of claim `claim_uid` is
+/// ([`metadata_cdi_device_id`]), if it is one.
+pub fn metadata_request_of(claim_uid: &str, cdi_id: &str) -> Option<String> {
+    cdi_id
+        .strip_prefix(&metadata_cdi_device_id(claim_uid, ""))
+        .filter(|r| !r.is_empty())
+        .map(str::to_owned)
+}
+
+/// The CDI device that mounts a request's device metadata file read-only into the containers
+/// that get it: the kubelet gives a container the CDI devices of the requests it uses, so
+/// each request's file is a device of its own, named by [`metadata_cdi_device_name`].
+pub fn metadata_device(
+    claim_uid: &str,
+    request: &str,
+    host_path: String,
+    container_path: String,
+) -> Device {
+    Device {
+        name: metadata_cdi_device_name(claim_uid, request),
+        container_edits: ContainerEdits {
+            mounts: vec![Mount::read_only(host_path, container_path)],
+            ..ContainerEdits::default()
+        },
+    }
+}
+
 /// Spec file name of a claim: `k8s.gpu.nvidia.com-claim_<claimUID>.json`.
 pub fn spec_file_name(claim_uid: &str) -> String {
     format!("{CDI_VENDOR}-{CDI_CLASS}_{claim_uid}.json")
@@ -550,5 +593,24 @@ mod tests {
         assert!(library_links("/d", "nvidia_icd.json", &host).is_empty());
         assert_eq!(so_link_name("libcuda.so.1"), Some("libcuda.so"));
         assert_eq!(so_link_name("libfoo.sox"), None);
+    }
+
+    #[test]
+    fn metadata_devices_are_told_apart_from_prepared_devices_by_name() {
+        let id = metadata_cdi_device_id("uid-1", "gpus");
+        assert_eq!(id, "k8s.gpu.nvidia.com/claim=uid-1_metadata_gpus");
+        assert_eq!(metadata_request_of("uid-1", &id).as_deref(), Some("gpus"));
+        assert_eq!(metadata_request_of("uid-2", &id), None, "another claim's");
+        assert_eq!(
+            metadata_request_of("uid-1", &cdi_device_id("uid-1", "gpu-0")),
+            None
+        );
+        assert_eq!(
+            metadata_request_of("uid-1", &metadata_cdi_device_id("uid-1", "")),
+            None
+        );
+        let device = metadata_device("uid-1", "gpus", "/host/f.json".into(), "/c/f.json".into());
+        assert_eq!(device.name, "uid-1_metadata_gpus");
+        assert_eq!(device.container_edits.mounts[0].options[0], "ro");
     }
 }

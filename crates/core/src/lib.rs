@@ -20,12 +20,16 @@
 //!   inventory, published as `nvlinkDomain`.
 //! - [`list_forms`]: the list-type forms of `nvlinkDomain` and `numaNode`, for clusters with
 //!   `DRAListTypeAttributes`.
+//! - [`device_metadata`]: the device metadata file Kubernetes mounts into a claim's
+//!   containers (KEP-5304): its format, its path in containers, its content from the slices'
+//!   attributes.
 //! - [`ldcache`]: a reader of glibc's `ld.so.cache`, to find the driver's libraries as the
 //!   container toolkit does.
 
 pub mod cdi;
 pub mod checkpoint;
 pub mod consumable_shares;
+pub mod device_metadata;
 pub mod dynamic_mig;
 pub mod feature_gates;
 pub mod health;

@@ -104,25 +104,7 @@ pub fn apply(rendered: &mut Rendered, inventory: &Inventory, params: &SliceParam
             let Some(attributes) = device.attributes.as_mut() else {
                 continue;
             };
-            let uuid = attributes
-                .get(attr::UUID)
-                .and_then(|a| a.string.clone())
-                .unwrap_or_default();
-            let mut device_lists = BTreeMap::new();
-            if let Some(node) = attributes.get(attr::NUMA_NODE).and_then(|a| a.int) {
-                device_lists.insert(attr::NUMA_NODE.to_string(), ListValue::Ints(vec![node]));
-            }
-            // Whole GPUs only (MIG devices have no peer-to-peer), and also those the scalar
-            // partition left without a domain because their peers were taken by a larger set.
-            let whole_gpu = attributes.get(attr::TYPE).and_then(|a| a.string.as_deref())
-                == Some(DeviceKind::Gpu.as_str());
-            let cliques = domains.cliques_of(&uuid);
-            if whole_gpu && !cliques.is_empty() {
-                device_lists.insert(
-                    attr::NVLINK_DOMAIN.to_string(),
-                    ListValue::Strings(cliques.to_vec()),
-                );
-            }
+            let device_lists = device_lists(attributes, &domains);
             for key in device_lists.keys() {
                 attributes.insert(key.clone(), DeviceAttribute::default());
             }
@@ -140,6 +122,36 @@ pub fn apply(rendered: &mut Rendered, inventory: &Inventory, params: &SliceParam
         }
     }
     rendered.slices = slices;
+}
+
+/// The list forms of one rendered device's list-capable attributes (attribute name -> list),
+/// from its scalar `attributes` as [`crate::slices`] renders them and the node's NVLink
+/// domains: what [`apply`] publishes for the device, and what device metadata tells its
+/// containers ([`crate::device_metadata`]).
+pub fn device_lists(
+    attributes: &BTreeMap<String, DeviceAttribute>,
+    domains: &NvlinkDomains,
+) -> BTreeMap<String, ListValue> {
+    let uuid = attributes
+        .get(attr::UUID)
+        .and_then(|a| a.string.as_deref())
+        .unwrap_or_default();
+    let mut lists = BTreeMap::new();
+    if let Some(node) = attributes.get(attr::NUMA_NODE).and_then(|a| a.int) {
+        lists.insert(attr::NUMA_NODE.to_string(), ListValue::Ints(vec![node]));
+    }
+    // Whole GPUs only (MIG devices have no peer-to-peer), and also those the scalar
+    // partition left without a domain because their peers were taken by a larger set.
+    let whole_gpu = attributes.get(attr::TYPE).and_then(|a| a.string.as_deref())
+        == Some(DeviceKind::Gpu.as_str());
+    let cliques = domains.cliques_of(uuid);
+    if whole_gpu && !cliques.is_empty() {
+        lists.insert(
+            attr::NVLINK_DOMAIN.to_string(),
+            ListValue::Strings(cliques.to_vec()),
+        );
+    }
+    lists
 }
 
 /// The list values `slice` carries in [`ANNOTATION`] (empty without it).

@@ -29,6 +29,11 @@ pub const STEPS: &[&str] = &[
 /// instance was created, before its IDs are in the checkpoint.
 pub const DYNAMIC_MIG_STEPS: &[&str] = &["prepare.after_mig_create"];
 
+/// Failpoints of device metadata only (`--device-metadata`), reached by claims with files:
+/// `prepare.after_metadata` is right after the files were written, before the CDI spec that
+/// mounts them.
+pub const METADATA_STEPS: &[&str] = &["prepare.after_metadata"];
+
 /// What a failpoint does.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Action {
@@ -60,11 +65,15 @@ impl Failpoints {
             let (name, action) = item
                 .split_once('=')
                 .ok_or_else(|| format!("failpoint {item:?}: expected name=action"))?;
-            if !STEPS.contains(&name) && !DYNAMIC_MIG_STEPS.contains(&name) {
+            if ![STEPS, DYNAMIC_MIG_STEPS, METADATA_STEPS]
+                .iter()
+                .any(|steps| steps.contains(&name))
+            {
                 return Err(format!(
-                    "failpoint {name:?}: unknown; known: {}, {}",
+                    "failpoint {name:?}: unknown; known: {}, {}, {}",
                     STEPS.join(", "),
-                    DYNAMIC_MIG_STEPS.join(", ")
+                    DYNAMIC_MIG_STEPS.join(", "),
+                    METADATA_STEPS.join(", ")
                 ));
             }
             let action = match action {

@@ -17,7 +17,8 @@
 //!   node's containers use, from the kubelet), [`claim_status`] (device data in the
 //!   claims' status), [`checkpoint_file`] (checkpoint
 //!   migration and NVIDIA import), [`cdi_io`] (CDI on the host), [`cdi_hook`] (the hook
-//!   binary our specs name), [`sharing`] (time-slicing and MPS), [`mig`] (dynamic MIG's
+//!   binary our specs name), [`device_metadata`] (the device metadata files a claim's
+//!   containers read), [`sharing`] (time-slicing and MPS), [`mig`] (dynamic MIG's
 //!   hardware seam).
 //! - Operations and tests: [`metrics`] and [`http`], [`node_events`] (events on the node for
 //!   findings that need a person), [`usage`] (per-claim GPU usage), [`failpoint`] (fault injection),
@@ -36,6 +37,7 @@ pub mod claim_locks;
 pub mod claim_status;
 pub mod claims;
 pub mod cmd;
+pub mod device_metadata;
 pub mod digest;
 pub mod driver;
 pub mod driver_swap;

@@ -19,6 +19,8 @@
 //! - `failpoint.reached`: the step a test failpoint stopped at;
 //! - `mps/<daemon>/`: pipe and log folders of MPS control daemons;
 //! - `bin/nvidia-cdi-hook-<digest>`: copies of the hook our CDI specs name (`cdi_hook`);
+//! - `device-metadata/<claim UID>_<request>.json`: the device metadata file of a prepared
+//!   claim's request, which its CDI spec mounts into containers (`device_metadata`);
 //! - `checkpoint.json` only when it is in our format (this plugin's former checkpoint name).
 //!
 //! Ours elsewhere: `<driver>-reg.sock` (or a per-pod name, [`rolling_registrar_socket`]) in the
@@ -53,6 +55,8 @@ const MPS_DIR: &str = "mps";
 const HOOK_DIR: &str = "bin";
 /// File name prefix of an installed `nvidia-cdi-hook` copy.
 pub const HOOK_COPY_PREFIX: &str = "nvidia-cdi-hook-";
+/// The folder of device metadata files.
+const DEVICE_METADATA_DIR: &str = "device-metadata";
 /// The DRA socket's name without rolling updates.
 const DRA_SOCKET: &str = "dra.sock";
 
@@ -125,6 +129,26 @@ pub fn hook_dir_in(plugin_dir: &Path) -> PathBuf {
     plugin_dir.join(HOOK_DIR)
 }
 
+/// The folder of the device metadata files in `plugin_dir`; the chart mounts the plugin folder
+/// at its host path, so a file's path is the same on the host, where the container runtime
+/// mounts it from, and in the plugin's container.
+pub fn device_metadata_dir_in(plugin_dir: &Path) -> PathBuf {
+    plugin_dir.join(DEVICE_METADATA_DIR)
+}
+
+/// The device metadata file of request `request` of claim `claim_uid` in `dir`
+/// ([`device_metadata_dir_in`]): `<claim UID>_<request>.json`. Neither a UID nor a request
+/// name (a DNS label) has a `_`, so the name tells both.
+pub fn device_metadata_file(dir: &Path, claim_uid: &str, request: &str) -> PathBuf {
+    dir.join(format!("{claim_uid}_{request}.json"))
+}
+
+/// The claim UID of a file name [`device_metadata_file`] gives, if it is one.
+pub fn claim_uid_of_device_metadata_file(name: &str) -> Option<&str> {
+    let (uid, request) = name.strip_suffix(".json")?.split_once('_')?;
+    (!uid.is_empty() && !request.is_empty()).then_some(uid)
+}
+
 /// The two sockets of a plugin instance.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Sockets {
@@ -186,6 +210,11 @@ impl NodeFolders {
         hook_dir_in(&self.plugin_dir)
     }
 
+    /// The folder of device metadata files.
+    pub fn device_metadata_dir(&self) -> PathBuf {
+        device_metadata_dir_in(&self.plugin_dir)
+    }
+
     /// The sockets of driver `driver`: `<driver>-reg.sock` and `dra.sock` when `pod_uid` is
     /// empty, else the per-pod names of the kubelet's DRA plugin helper, so that a new
     /// instance registers while the old one still serves (`<driver>-<uid>-reg.sock` or a
@@ -233,6 +262,11 @@ impl NodeFolders {
                     names: Names::ClaimSpecs,
                 },
                 Family {
+                    dir: self.device_metadata_dir(),
+                    kind: EntryKind::File,
+                    names: Names::DeviceMetadata,
+                },
+                Family {
                     dir: self.hook_dir(),
                     kind: EntryKind::File,
                     names: Names::Affixes {
@@ -257,7 +291,12 @@ impl NodeFolders {
                     },
                 },
             ],
-            folders: vec![self.mps_root(), self.hook_dir(), self.plugin_dir.clone()],
+            folders: vec![
+                self.mps_root(),
+                self.hook_dir(),
+                self.device_metadata_dir(),
+                self.plugin_dir.clone(),
+            ],
         }
     }
 }
@@ -313,6 +352,8 @@ pub enum Names {
     },
     /// Our CDI claim specs ([`gpu_dra_core::cdi::spec_file_name`]).
     ClaimSpecs,
+    /// Device metadata files ([`device_metadata_file`]).
+    DeviceMetadata,
 }
 
 impl Names {
@@ -321,6 +362,7 @@ impl Names {
         match self {
             Names::Affixes { prefix, suffix } => name.starts_with(prefix) && name.ends_with(suffix),
             Names::ClaimSpecs => cdi::claim_uid_of_spec_file(name).is_some(),
+            Names::DeviceMetadata => claim_uid_of_device_metadata_file(name).is_some(),
         }
     }
 
@@ -329,6 +371,8 @@ impl Names {
         match self {
             Names::Affixes { prefix, .. } => prefix.clone(),
             Names::ClaimSpecs => format!("{}-{}_", cdi::CDI_VENDOR, cdi::CDI_CLASS),
+            // The folder holds nothing else: every temp file in it is one of ours.
+            Names::DeviceMetadata => String::new(),
         }
     }
 }
@@ -454,6 +498,24 @@ mod tests {
         assert!(covered(&hook));
         let spec = f.cdi_root.join(cdi::spec_file_name(UID));
         assert!(covered(&spec));
+        let metadata = device_metadata_file(&f.device_metadata_dir(), UID, "gpus");
+        assert_eq!(
+            metadata,
+            f.plugin_dir
+                .join(format!("device-metadata/{UID}_gpus.json"))
+        );
+        assert!(covered(&metadata));
+        assert_eq!(
+            claim_uid_of_device_metadata_file(
+                &metadata.file_name().expect("name").to_string_lossy()
+            ),
+            Some(UID)
+        );
+        assert_eq!(claim_uid_of_device_metadata_file("notes.json"), None);
+        assert_eq!(
+            claim_uid_of_device_metadata_file(&format!("{UID}_.json")),
+            None
+        );
         for record in [f.sharing_state(), f.checkpoint(), f.checkpoint_journal()] {
             assert!(owned.records.contains(&record) && !covered(&record));
         }

@@ -4,6 +4,8 @@
 //!
 //! Each failpoint is set to `pause`, so the process stops exactly at that step; the test then
 //! kills it with SIGKILL (`Child::kill`). Prints steps x runs and the inconsistencies found.
+//! Run once as the plugin runs by default and once with `--device-metadata`, whose files must
+//! be exactly those the specs mount.
 //!
 //! The checkpoint's durable state is the file with its journal's records replayed over it
 //! (the driver's `journal`): the checks read both. Two more cases aim at the journal: a kill
@@ -15,7 +17,7 @@ use std::path::Path;
 
 use gpu_dra_core::checkpoint::{Checkpoint, PrepareState};
 use gpu_dra_device::testing::a100_inventory;
-use gpu_dra_kubelet_plugin::failpoint::STEPS;
+use gpu_dra_kubelet_plugin::failpoint::{METADATA_STEPS, STEPS};
 use gpu_dra_kubelet_plugin::testing::{PluginCommand, allocated_claim, connect_dra, simulate_host};
 use gpu_dra_proto::dra::v1;
 
@@ -77,6 +79,35 @@ fn specs_on_disk(cmd: &PluginCommand) -> BTreeSet<String> {
         .unwrap_or_default()
 }
 
+/// The device metadata files in the plugin folder, by host path.
+fn metadata_on_disk(cmd: &PluginCommand) -> BTreeSet<String> {
+    let dir = gpu_dra_kubelet_plugin::node_layout::device_metadata_dir_in(&cmd.plugin_dir());
+    std::fs::read_dir(dir)
+        .map(|d| {
+            d.filter_map(|e| e.ok())
+                .map(|e| e.path().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// The host paths the metadata devices of a spec mount.
+fn metadata_mounted(spec: &serde_json::Value) -> BTreeSet<String> {
+    spec["devices"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|d| d["name"].as_str().is_some_and(|n| n.contains("_metadata_")))
+        .flat_map(|d| {
+            d["containerEdits"]["mounts"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default()
+        })
+        .filter_map(|m| m["hostPath"].as_str().map(str::to_owned))
+        .collect()
+}
+
 fn checkpoint(cmd: &PluginCommand) -> Checkpoint {
     gpu_dra_kubelet_plugin::driver::durable_checkpoint(&checkpoint_path(cmd))
         .expect("checkpoint and journal parse")
@@ -109,6 +140,7 @@ fn journal_records(cmd: &PluginCommand) -> Vec<Vec<u8>> {
 fn check_prepared(cmd: &PluginCommand, answer: &v1::NodePrepareResourcesResponse) -> Vec<String> {
     let mut problems = Vec::new();
     let cp = checkpoint(cmd);
+    let mut mounted = BTreeSet::new();
     for c in claims() {
         let Some(r) = answer.claims.get(&c.uid) else {
             problems.push(format!("{}: missing from the answer", c.uid));
@@ -130,6 +162,7 @@ fn check_prepared(cmd: &PluginCommand, answer: &v1::NodePrepareResourcesResponse
             continue;
         };
         let spec: serde_json::Value = serde_json::from_slice(&bytes).expect("spec is JSON");
+        mounted.extend(metadata_mounted(&spec));
         let in_spec: BTreeSet<String> = spec["devices"]
             .as_array()
             .into_iter()
@@ -159,6 +192,21 @@ fn check_prepared(cmd: &PluginCommand, answer: &v1::NodePrepareResourcesResponse
     if specs_on_disk(cmd).len() != 2 {
         problems.push(format!("CDI root holds {:?}", specs_on_disk(cmd)));
     }
+    // Every file a spec mounts is there and reads as metadata; no other file is.
+    for path in &mounted {
+        let read = std::fs::read(path)
+            .map_err(|e| e.to_string())
+            .and_then(|b| gpu_dra_core::device_metadata::decode(&b).map_err(|e| e.to_string()));
+        if let Err(e) = read {
+            problems.push(format!("metadata file {path}: {e}"));
+        }
+    }
+    if metadata_on_disk(cmd) != mounted {
+        problems.push(format!(
+            "metadata files {:?}, specs mount {mounted:?}",
+            metadata_on_disk(cmd)
+        ));
+    }
     problems
 }
 
@@ -182,6 +230,12 @@ fn check_unprepared(
     }
     if !specs_on_disk(cmd).is_empty() {
         problems.push(format!("CDI root still holds {:?}", specs_on_disk(cmd)));
+    }
+    if !metadata_on_disk(cmd).is_empty() {
+        problems.push(format!(
+            "metadata files still there: {:?}",
+            metadata_on_disk(cmd)
+        ));
     }
     problems
 }
@@ -222,21 +276,47 @@ fn node(dir: &Path) -> PluginCommand {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigkill_at_every_step_leaves_cdi_and_checkpoint_consistent() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let cmd = node(dir.path());
+    kill_at_every_step(&node(dir.path()), STEPS, RUNS).await;
+}
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigkill_at_every_step_with_device_metadata_leaves_files_that_the_specs_mount() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cmd = node(dir.path()).env("DEVICE_METADATA", "true");
+    // Once each: the test without metadata runs the common steps more often.
+    let steps: Vec<&str> = METADATA_STEPS.iter().chain(STEPS).copied().collect();
+    kill_at_every_step(&cmd, &steps, 1).await;
+    // The files are there while the claims are prepared.
+    let mut plugin = cmd.respawn("").expect("plugin starts");
+    cmd.wait_for(&cmd.socket(), "socket");
+    let answer = prepare(&cmd).await.expect("prepare");
+    assert!(check_prepared(&cmd, &answer).is_empty());
+    assert_eq!(metadata_on_disk(&cmd).len(), 2, "one request per claim");
+    unprepare(&cmd).await.expect("unprepare");
+    plugin.kill().expect("kill");
+    plugin.wait().expect("wait");
+}
+
+/// Kills the plugin of `cmd` at each of `steps`, `runs_wanted` times, and checks the node after the
+/// kubelet's repeated call.
+#[expect(
+    clippy::print_stdout,
+    reason = "a helper of two tests, printing their figures as the tests themselves may"
+)]
+async fn kill_at_every_step(cmd: &PluginCommand, steps: &[&str], runs_wanted: usize) {
     let mut inconsistencies = Vec::new();
     let mut runs = 0;
-    for run in 0..RUNS {
-        for step in STEPS {
+    for run in 0..runs_wanted {
+        for step in steps {
             runs += 1;
             let is_prepare = step.starts_with("prepare.");
             if !is_prepare {
                 // Start from a prepared state.
                 let mut plugin = cmd.respawn("").expect("plugin starts");
                 cmd.wait_for(&cmd.socket(), "socket");
-                let answer = prepare(&cmd).await.expect("setup prepare");
+                let answer = prepare(cmd).await.expect("setup prepare");
                 inconsistencies.extend(
-                    check_prepared(&cmd, &answer)
+                    check_prepared(cmd, &answer)
                         .into_iter()
                         .map(|p| format!("{step} setup: {p}")),
                 );
@@ -266,13 +346,13 @@ async fn sigkill_at_every_step_leaves_cdi_and_checkpoint_consistent() {
             let mut plugin = cmd.respawn("").expect("plugin starts");
             cmd.wait_for(&cmd.socket(), "socket after restart");
             let problems = if is_prepare {
-                match prepare(&cmd).await {
-                    Ok(answer) => check_prepared(&cmd, &answer),
+                match prepare(cmd).await {
+                    Ok(answer) => check_prepared(cmd, &answer),
                     Err(e) => vec![format!("retry failed: {e}")],
                 }
             } else {
-                match unprepare(&cmd).await {
-                    Ok(answer) => check_unprepared(&cmd, &answer),
+                match unprepare(cmd).await {
+                    Ok(answer) => check_unprepared(cmd, &answer),
                     Err(e) => vec![format!("retry failed: {e}")],
                 }
             };
@@ -283,9 +363,9 @@ async fn sigkill_at_every_step_leaves_cdi_and_checkpoint_consistent() {
             );
             // Back to a clean node for the next step.
             if is_prepare {
-                let answer = unprepare(&cmd).await.expect("cleanup unprepare");
+                let answer = unprepare(cmd).await.expect("cleanup unprepare");
                 inconsistencies.extend(
-                    check_unprepared(&cmd, &answer)
+                    check_unprepared(cmd, &answer)
                         .into_iter()
                         .map(|p| format!("run {run} {step} cleanup: {p}")),
                 );
@@ -295,8 +375,8 @@ async fn sigkill_at_every_step_leaves_cdi_and_checkpoint_consistent() {
         }
     }
     println!(
-        "crash consistency: {} steps x {RUNS} runs = {runs} kills, {} inconsistencies",
-        STEPS.len(),
+        "crash consistency: {} steps x {runs_wanted} runs = {runs} kills, {} inconsistencies",
+        steps.len(),
         inconsistencies.len()
     );
     for i in &inconsistencies {

@@ -2941,38 +2941,52 @@ fn consumable_shares_take_nvidias_values() {
     }
 }
 
-/// `kubeletPlugin.listTypeAttributes` is off by default and reaches the plugin as its
-/// `LIST_TYPE_ATTRIBUTES`, which the plugin's flag parser accepts.
-#[test]
-fn list_type_attributes_are_off_unless_asked_for() {
-    let Some(helm) = helm() else { return };
-    for (sets, want) in [
-        (&[][..], "false"),
-        (
-            &[
-                "kubeletPlugin.listTypeAttributes=true",
-                "clusterFeatureGates={DRAListTypeAttributes}",
-            ][..],
-            "true",
-        ),
-    ] {
-        let objects = render(&helm, sets);
+/// A boolean plugin value, off by default, reaches the plugin as env `env` ("false" without
+/// `on`, "true" with it), which the plugin's flag parser accepts as `--flag`.
+fn plugin_switch_off_unless_asked_for(helm: &Path, on: &[&str], env: &str, flag: &str) {
+    for (sets, want) in [(&[][..], "false"), (on, "true")] {
+        let objects = render(helm, sets);
         let ds = find(&objects, "DaemonSet", "rel-gpu-dra-driver-kubelet-plugin");
-        assert_eq!(
-            plugin_env(ds, "LIST_TYPE_ATTRIBUTES"),
-            Some(want),
-            "{sets:?}"
-        );
+        assert_eq!(plugin_env(ds, env), Some(want), "{sets:?}");
         let line = [
             "gpu-kubelet-plugin",
             "run",
             "--node-name=n",
-            &format!("--list-type-attributes={want}"),
+            &format!("--{flag}={want}"),
         ];
         if let Err(e) = gpu_dra_kubelet_plugin::cmd::command().try_get_matches_from(line) {
             panic!("{sets:?}: the plugin refuses {want:?}: {e}");
         }
     }
+}
+
+/// `kubeletPlugin.listTypeAttributes` is off by default and reaches the plugin as its
+/// `LIST_TYPE_ATTRIBUTES`, which the plugin's flag parser accepts.
+#[test]
+fn list_type_attributes_are_off_unless_asked_for() {
+    let Some(helm) = helm() else { return };
+    plugin_switch_off_unless_asked_for(
+        &helm,
+        &[
+            "kubeletPlugin.listTypeAttributes=true",
+            "clusterFeatureGates={DRAListTypeAttributes}",
+        ],
+        "LIST_TYPE_ATTRIBUTES",
+        "list-type-attributes",
+    );
+}
+
+/// `kubeletPlugin.deviceMetadata` is off by default (as in Kubernetes' Go helper library) and
+/// reaches the plugin as its `DEVICE_METADATA`, which the plugin's flag parser accepts.
+#[test]
+fn device_metadata_is_off_unless_asked_for() {
+    let Some(helm) = helm() else { return };
+    plugin_switch_off_unless_asked_for(
+        &helm,
+        &["kubeletPlugin.deviceMetadata=true"],
+        "DEVICE_METADATA",
+        "device-metadata",
+    );
 }
 
 #[test]

@@ -159,6 +159,13 @@ pub struct RunArgs {
     /// it the API server refuses the slices.
     #[arg(long, env = "LIST_TYPE_ATTRIBUTES", default_value_t = false, action = clap::ArgAction::Set)]
     pub list_type_attributes: bool,
+    /// Device metadata for workloads (Kubernetes KEP-5304): at prepare, write a JSON file per
+    /// request of the claim naming its devices with the attributes the node publishes for
+    /// them, and mount it read-only into the claim's containers under
+    /// `/var/run/kubernetes.io/dra-device-attributes/`. Off by default, as in Kubernetes' Go
+    /// helper library; needs no feature gate.
+    #[arg(long, env = "DEVICE_METADATA", default_value_t = false, action = clap::ArgAction::Set)]
+    pub device_metadata: bool,
     /// Seconds between rediscoveries of the GPUs (a MIG layout changed by hand); prepare also
     /// checks its claim's devices before every claim, and rediscovers when one changed.
     /// Formerly `--rediscover-interval`
@@ -566,6 +573,11 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             node_name: args.node_name.clone(),
             checkpoint_path: args.folders.checkpoint(),
             boot_id,
+            device_metadata: crate::driver::DeviceMetadataSettings {
+                dir: args.folders.device_metadata_dir(),
+                enabled: args.device_metadata,
+                list_forms: args.list_type_attributes,
+            },
         },
         inventory: live.clone(),
         claims: claims.clone(),

@@ -17,11 +17,13 @@
 //! - per claim UID one operation at a time (a per-UID async lock, kept only while an
 //!   operation holds or waits for it: [`crate::claim_locks`]); different claims proceed
 //!   concurrently, also within one kubelet call;
-//! - order of effects: checkpoint `PrepareStarted` (with the devices) -> sharing -> CDI spec
-//!   -> checkpoint `PrepareCompleted`. Unprepare and rollback undo in reverse (sharing, spec,
-//!   entry). So after a crash at any step the checkpoint names every side effect that may
-//!   exist, besides a CDI spec (a spec no entry names is stray: the reconcile removes it), and
-//!   a retry or the startup reconcile cleans it up. Hence `PrepareStarted` is durable only
+//! - order of effects: checkpoint `PrepareStarted` (with the devices) -> sharing -> device
+//!   metadata files -> CDI spec -> checkpoint `PrepareCompleted`. Unprepare and rollback undo
+//!   in reverse (sharing, spec, metadata files, entry). So after a crash at any step the
+//!   checkpoint names every side effect that may exist, besides a CDI spec and metadata files
+//!   (files of a claim no entry names are stray: the reconcile removes them, and undoing a
+//!   claim removes its files by UID alone), and a retry or the startup reconcile cleans it
+//!   up; a spec never names a metadata file that is not there. Hence `PrepareStarted` is durable only
 //!   when sharing follows it, and spec writes and removals skip the directory fsync
 //!   ([`crate::cdi_io`]);
 //! - the holder table and the checkpoint agree: it is rebuilt from the checkpoint at start, a
@@ -38,6 +40,8 @@ mod dynamic;
 mod fixtures;
 mod holders;
 mod journal;
+#[cfg(test)]
+mod metadata_tests;
 mod prepare;
 mod reconcile;
 mod respec;
@@ -58,6 +62,8 @@ use crate::checkpoint_file::CheckpointFileError;
 use crate::claim_locks::ClaimLocks;
 use crate::claim_status::ClaimStatusSink;
 use crate::claims::{ClaimSource, ClaimSourceError};
+pub use crate::device_metadata::DeviceMetadataSettings;
+use crate::device_metadata::{MetadataFiles, MetadataIoError};
 use crate::failpoint::{Failpoints, Fired};
 use crate::inventory::{LiveInventory, ResolveError};
 use crate::metrics::Metrics;
@@ -97,6 +103,12 @@ pub enum DriverError {
     /// A CDI step failed.
     #[error(transparent)]
     Cdi(#[from] CdiError),
+    /// The claim's device metadata cannot be made (its pod claim name annotation).
+    #[error(transparent)]
+    Metadata(#[from] gpu_dra_core::device_metadata::MetadataError),
+    /// Writing or removing a device metadata file failed.
+    #[error(transparent)]
+    MetadataIo(#[from] MetadataIoError),
     /// Reading the checkpoint at start failed (or it is not a checkpoint of ours), or writing
     /// it failed.
     #[error(transparent)]
@@ -143,6 +155,8 @@ pub struct DriverSettings {
     /// The node's current boot ID (`None`: unknown, reboots are then detected only through
     /// missing CDI specs).
     pub boot_id: Option<String>,
+    /// Device metadata files ([`crate::device_metadata`]).
+    pub device_metadata: DeviceMetadataSettings,
 }
 
 /// The prepare/unprepare engine behind the gRPC services.
@@ -153,6 +167,8 @@ pub struct Driver {
     sharing: Arc<dyn SharingExecutor>,
     decoder: Arc<dyn ConfigDecoder + Send + Sync>,
     cdi: Arc<CdiHost>,
+    /// The device metadata files (in `settings.device_metadata.dir`).
+    metadata: Arc<MetadataFiles>,
     failpoints: Failpoints,
     metrics: Arc<Metrics>,
     mig: Arc<dyn MigControl>,
@@ -246,6 +262,9 @@ impl Driver {
             .nvidia
             .identify(&parts.settings.driver_name, &parts.settings.node_name);
         let driver = Driver {
+            metadata: Arc::new(MetadataFiles::new(
+                parts.settings.device_metadata.dir.clone(),
+            )),
             journal: journal.counted_in(parts.metrics.clone()),
             settings: parts.settings,
             inventory: parts.inventory,

@@ -27,10 +27,15 @@
 
 use std::time::Instant;
 
-use gpu_dra_core::cdi::{SpecDevice, cdi_device_id};
+use gpu_dra_core::cdi::{
+    SpecDevice, cdi_device_id, metadata_cdi_device_id, metadata_device, metadata_request_of,
+};
 use gpu_dra_core::checkpoint::{ClaimEntry, DynamicMigInstance, PrepareState, PreparedDevice};
 use gpu_dra_core::consumable_shares;
-use gpu_dra_core::plan::{self, Plan, PlanError};
+use gpu_dra_core::device_metadata::{self, Rendering, RequestFile};
+use gpu_dra_core::plan::{self, ClaimInput, Plan, PlanError};
+use gpu_dra_device::Inventory;
+use k8s_openapi::api::resource::v1::ResourceClaim;
 use serde_json::Value;
 use tracing::{info, warn};
 
@@ -160,10 +165,44 @@ impl Driver {
             .imported
             .is_some()
             .then(|| self.cdi.nvidia_spec_path(uid));
-        if ours.exists() || theirs.is_some_and(|p| p.exists()) {
-            return None;
+        if !(ours.exists() || theirs.is_some_and(|p| p.exists())) {
+            return Some(format!("its CDI spec {} is missing", ours.display()));
         }
-        Some(format!("its CDI spec {} is missing", ours.display()))
+        // The device metadata files its spec mounts (whether or not the plugin writes them
+        // now: the answer names them).
+        entry
+            .devices
+            .iter()
+            .flat_map(|d| &d.cdi_device_ids)
+            .filter_map(|id| metadata_request_of(uid, id))
+            .find_map(|request| self.metadata.missing(uid, &request))
+            .map(|path| format!("its device metadata file {} is missing", path.display()))
+    }
+
+    /// The device metadata files of a claim ([`device_metadata`]), when the plugin writes
+    /// them: one per request, its devices' attributes from `inventory`, the one the claim is
+    /// prepared against.
+    fn metadata_files(
+        &self,
+        rc: &ResourceClaim,
+        input: &ClaimInput,
+        inventory: &Inventory,
+    ) -> Result<Vec<RequestFile>, DriverError> {
+        let settings = &self.settings.device_metadata;
+        if !settings.enabled {
+            return Ok(Vec::new());
+        }
+        let pod_claim_name = device_metadata::pod_claim_name(rc)?;
+        Ok(device_metadata::request_files(
+            input,
+            pod_claim_name.as_deref(),
+            inventory,
+            Rendering {
+                driver: &self.settings.driver_name,
+                pool: &self.settings.node_name,
+                list_forms: settings.list_forms,
+            },
+        ))
     }
 
     /// Prepares a claim that has no entry (or only the MIG instances in `kept`).
@@ -208,12 +247,13 @@ impl Driver {
             .await?;
         let plan = plan::plan(&input, &inventory, self.decoder.as_ref())?;
         refuse_sharing_with_admin_access(&plan)?;
+        let metadata = self.metadata_files(&rc, &input, &inventory)?;
         self.failpoints.hit("prepare.after_plan").await?;
         // On refusal nothing else is done yet: only MIG instances (if any), which the caller
         // undoes.
         let shareable = self.inventory.partitioning().shareable_devices(&inventory);
         lock(&self.holders).reserve(claim, &plan, &shareable)?;
-        let result = self.apply_plan(claim, &plan).await;
+        let result = self.apply_plan(claim, &plan, &metadata).await;
         if result.is_err() && self.journal.entry(&claim.uid).is_none() {
             // The entry's first write failed: the reservation is all there is to undo.
             lock(&self.holders).release(&claim.uid);
@@ -225,8 +265,9 @@ impl Driver {
         &self,
         claim: &ClaimRef,
         plan: &Plan,
+        metadata: &[RequestFile],
     ) -> Result<Vec<PreparedDevice>, DriverError> {
-        let devices: Vec<PreparedDevice> = plan
+        let mut devices: Vec<PreparedDevice> = plan
             .devices
             .iter()
             .map(|d| PreparedDevice {
@@ -246,6 +287,18 @@ impl Driver {
                 extra: Default::default(),
             })
             .collect();
+        // A request's metadata device goes with the first of its devices: the kubelet gives a
+        // container the CDI devices of the requests it uses, so a container that uses one
+        // request of the claim sees that request's file only.
+        for file in metadata {
+            if let Some(d) = devices
+                .iter_mut()
+                .find(|d| d.request_names.contains(&file.request))
+            {
+                d.cdi_device_ids
+                    .push(metadata_cdi_device_id(&claim.uid, &file.request));
+            }
+        }
         let entry = ClaimEntry {
             state: PrepareState::PrepareStarted,
             namespace: claim.namespace.clone(),
@@ -297,6 +350,18 @@ impl Driver {
         // so an entry that lost it in a crash is still undone completely.
         let sharing = (!sharing_states.is_empty()).then(|| Value::Array(sharing_states));
         self.failpoints.hit("prepare.after_sharing").await?;
+        // With the boot recorded in the entry the content of the spec and the metadata files
+        // needs no fsync: after a power loss the next boot prepares the claim again before
+        // trusting them.
+        let sync_content = self.settings.boot_id.is_none();
+        // Before the spec that mounts them.
+        if !metadata.is_empty() {
+            let store = self.metadata.clone();
+            let files = metadata.to_vec();
+            let uid = claim.uid.clone();
+            blocking(move || store.write(&uid, &files, sync_content)).await??;
+            self.failpoints.hit("prepare.after_metadata").await?;
+        }
 
         let mut spec_devices = Vec::with_capacity(plan.devices.len());
         for d in &plan.devices {
@@ -325,15 +390,23 @@ impl Driver {
                 ce.hooks.extend(edits.hooks);
             }
         }
+        spec.devices.extend(metadata.iter().map(|f| {
+            metadata_device(
+                &claim.uid,
+                &f.request,
+                self.metadata
+                    .path(&claim.uid, &f.request)
+                    .to_string_lossy()
+                    .into_owned(),
+                f.container_path.clone(),
+            )
+        }));
         // MPS clients get no control tool (the operator's front end, `quit` included).
         let spec = gpu_dra_core::sharing::without_control_tool(spec);
         // The spec and the completed entry are written at once (their fsyncs overlap): a
         // completed entry whose spec is missing is prepared again by the next prepare
         // (`stale_reason`), and a spec without a completed entry is undone, so either may
         // reach the disk first. Both are there before the kubelet is answered.
-        // With the boot recorded in the entry the spec's content needs no fsync: after a
-        // power loss the next boot prepares the claim again before trusting it.
-        let sync_content = self.settings.boot_id.is_none();
         let cdi = self.cdi.clone();
         let uid = claim.uid.clone();
         let (written, completed) = tokio::join!(

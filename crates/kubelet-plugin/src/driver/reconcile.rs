@@ -242,7 +242,7 @@ impl Driver {
     }
 
     /// The local part of the cleanup: half-prepared claims, temp files, MIG instances, stray
-    /// CDI specs.
+    /// CDI specs and device metadata files.
     async fn reconcile_local(&self) {
         let entries: Vec<(String, ClaimEntry)> = self.journal.read(|doc| {
             doc.claims
@@ -270,6 +270,7 @@ impl Driver {
             }
         }
         let temps = self.cdi.remove_stale_temps()
+            + self.metadata.remove_stale_temps()
             + self
                 .settings
                 .checkpoint_path
@@ -294,6 +295,21 @@ impl Driver {
                     info!(claim.uid = %uid, "removing CDI spec of unknown claim");
                     if let Err(e) = self.cdi.remove(&uid) {
                         warn!(claim.uid = %uid, error = %e, "cannot remove stale CDI spec");
+                    }
+                }
+            }
+        }
+        // After the specs, which may mount them.
+        for uid in self.metadata.claims() {
+            if self.journal.entry(&uid).is_none() {
+                let user = self.claim_locks.join(&uid);
+                let Some(_guard) = user.try_lock() else {
+                    continue;
+                };
+                if self.journal.entry(&uid).is_none() && !self.cdi.spec_path(&uid).exists() {
+                    info!(claim.uid = %uid, "removing device metadata files of unknown claim");
+                    if let Err(e) = self.metadata.remove(&uid) {
+                        warn!(claim.uid = %uid, error = %e, "cannot remove stale device metadata files");
                     }
                 }
             }

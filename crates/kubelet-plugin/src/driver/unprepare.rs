@@ -6,11 +6,13 @@
 //!
 //! Invariants:
 //! - effects are undone in the reverse order of prepare: sharing, CDI spec (ours and, for a
-//!   claim imported from NVIDIA's driver, theirs), MIG instances, checkpoint entry. The entry
+//!   claim imported from NVIDIA's driver, theirs), device metadata files, MIG instances,
+//!   checkpoint entry. The entry
 //!   goes last, so after a crash at any step it still names every effect that may be left,
 //!   and the next unprepare, prepare or reconcile finishes the job. Our own spec is the
-//!   exception: a spec no entry names is stray and the cleanup removes it, so for a claim
-//!   with neither NVIDIA's spec nor MIG instances the spec and the entry are removed at once;
+//!   exception: a spec (or metadata file) no entry names is stray and the cleanup removes it, so
+//!   for a claim with neither NVIDIA's spec nor MIG instances the spec, the files and the
+//!   entry are removed at once;
 //! - every step succeeds when what it undoes is already gone, so undoing is idempotent and an
 //!   unknown claim unprepares successfully;
 //! - the claim's devices are released from the holder table only once its entry is gone (or
@@ -83,10 +85,9 @@ impl Driver {
             // Only a spec of ours to remove: removed while the entry's removal is written
             // (their costs overlap). A spec that outlives its entry in a crash is stray: the
             // cleanup at start removes it, and so does the kubelet's retry.
-            let cdi = self.cdi.clone();
-            let owned = uid.to_owned();
+            let undo = self.spec_and_metadata_removal(uid);
             let (removed, persisted) = tokio::join!(
-                blocking(move || cdi.remove(&owned).and_then(|()| cdi.remove_nvidia(&owned))),
+                blocking(undo),
                 self.journal.persist(|cp| {
                     cp.claims.remove(uid);
                 })
@@ -101,11 +102,9 @@ impl Driver {
             self.failpoints.hit("unprepare.after_checkpoint").await?;
             return Ok(());
         }
-        let cdi = self.cdi.clone();
-        let owned = uid.to_owned();
         // NVIDIA's spec of an imported claim too (also without an entry: a crash may have
         // removed the entry's sharing but not yet the file).
-        blocking(move || cdi.remove(&owned).and_then(|()| cdi.remove_nvidia(&owned))).await??;
+        blocking(self.spec_and_metadata_removal(uid)).await??;
         self.failpoints.hit("unprepare.after_cdi_remove").await?;
         if let Some(e) = entry {
             let keep_mig = keep == Keep::MigInstances && !e.dynamic_mig.is_empty();
@@ -135,6 +134,22 @@ impl Driver {
         lock(&self.holders).release(uid);
         self.failpoints.hit("unprepare.after_checkpoint").await?;
         Ok(())
+    }
+
+    /// Removes claim `uid`'s CDI spec, NVIDIA's spec of it, then its device metadata files
+    /// (after the spec that mounts them; found by UID alone, so also those of a claim whose
+    /// entry is gone or that the plugin no longer writes files for).
+    fn spec_and_metadata_removal(
+        &self,
+        uid: &str,
+    ) -> impl FnOnce() -> Result<(), DriverError> + Send + 'static {
+        let (cdi, metadata, owned) = (self.cdi.clone(), self.metadata.clone(), uid.to_owned());
+        move || {
+            cdi.remove(&owned)?;
+            cdi.remove_nvidia(&owned)?;
+            metadata.remove(&owned)?;
+            Ok(())
+        }
     }
 
     async fn release_sharing(&self, uid: &str, state: Option<&Value>) -> Result<(), DriverError> {

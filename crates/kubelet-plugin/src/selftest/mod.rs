@@ -393,6 +393,11 @@ fn build_plugin(opts: &Options, live: &Arc<LiveInventory>) -> anyhow::Result<Plu
             node_name: opts.node_name.clone(),
             checkpoint_path: crate::node_layout::checkpoint_in(&plugin_dir),
             boot_id: None,
+            device_metadata: crate::device_metadata::DeviceMetadataSettings {
+                dir: crate::node_layout::device_metadata_dir_in(&plugin_dir),
+                enabled: false,
+                list_forms: false,
+            },
         },
         inventory: live.clone(),
         claims: claims.clone(),

@@ -35,12 +35,14 @@ pub struct DriverBuilder {
     claim_status: Option<Arc<dyn crate::claim_status::ClaimStatusSink>>,
     node_events: Option<Arc<dyn crate::node_events::NodeEvents>>,
     host: Option<PathBuf>,
+    device_metadata: crate::device_metadata::DeviceMetadataSettings,
 }
 
 impl DriverBuilder {
     /// A driver for `inventory` on node [`NODE_NAME`], with claims in memory (empty), CDI specs
     /// in `<root>/cdi`, the checkpoint in `<root>/plugin/gpu-dra-checkpoint.json`, sharing
-    /// refused ([`ExclusiveOnly`]) and no boot ID. Call [`simulate_host`] on `<root>/host`
+    /// refused ([`ExclusiveOnly`]), no boot ID and no device metadata files (their folder is
+    /// `<root>/plugin/device-metadata`). Call [`simulate_host`] on `<root>/host`
     /// first for specs that point at existing files.
     pub fn new(root: &Path, inventory: Inventory) -> Self {
         DriverBuilder {
@@ -61,7 +63,20 @@ impl DriverBuilder {
             claim_status: None,
             node_events: None,
             host: None,
+            device_metadata: crate::device_metadata::DeviceMetadataSettings {
+                dir: crate::node_layout::device_metadata_dir_in(&root.join("plugin")),
+                enabled: false,
+                list_forms: false,
+            },
         }
+    }
+
+    /// Writes device metadata files at prepare (`--device-metadata`), with the list forms of
+    /// attributes when `list_forms` (`--list-type-attributes`).
+    pub fn device_metadata(mut self, list_forms: bool) -> Self {
+        self.device_metadata.enabled = true;
+        self.device_metadata.list_forms = list_forms;
+        self
     }
 
     /// Sets the inventory backend that prepare checks and rediscovers through (e.g. the NVML
@@ -162,6 +177,7 @@ impl DriverBuilder {
                 node_name: self.node_name,
                 checkpoint_path: self.checkpoint_path,
                 boot_id: self.boot_id,
+                device_metadata: self.device_metadata,
             },
             inventory: {
                 let backend = self.backend.unwrap_or_else(|| {
