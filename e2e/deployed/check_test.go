@@ -2,15 +2,24 @@ package deployed
 
 import (
 	"context"
+	"crypto/ecdsa"
+	"crypto/elliptic"
+	"crypto/rand"
+	"crypto/x509"
+	"crypto/x509/pkix"
+	"encoding/base64"
 	"encoding/json"
-	"errors"
+	"encoding/pem"
 	"fmt"
-	"os"
-	"os/exec"
+	"math/big"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
 
+	authv1 "k8s.io/api/authentication/v1"
+	v1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/wait"
@@ -18,51 +27,12 @@ import (
 	"github.com/gpu-dra/e2e/harness"
 )
 
-// checkReport is the part of `gpu-dra check -o json` the test reads.
-type checkReport struct {
-	Status string `json:"status"`
-	Checks []struct {
-		Name   string   `json:"name"`
-		Status string   `json:"status"`
-		Detail []string `json:"detail"`
-		Fix    string   `json:"fix"`
-	} `json:"checks"`
-}
-
-// runCheck runs `gpu-dra check -o json` (with the extra flags) against the
-// cluster and returns its report and exit status.
-func runCheck(t *testing.T, flags ...string) (checkReport, int) {
-	t.Helper()
-	bin, err := harness.Binary("gpu-dra")
-	if err != nil {
-		t.Fatalf("no gpu-dra CLI: %v", err)
-	}
-	cmd := exec.Command(bin, append([]string{"check", "--namespace", harness.DriverNamespace, "-o", "json"}, flags...)...)
-	cmd.Env = append(os.Environ(), "KUBECONFIG="+cluster.Kubeconfig)
-	var stderr strings.Builder
-	cmd.Stderr = &stderr
-	out, err := cmd.Output()
-	code := 0
-	var exit *exec.ExitError
-	if errors.As(err, &exit) {
-		code = exit.ExitCode()
-	} else if err != nil {
-		t.Fatalf("gpu-dra check: %v", err)
-	}
-	var report checkReport
-	if err := json.Unmarshal(out, &report); err != nil {
-		t.Fatalf("gpu-dra check (exit %d): %v; stdout:\n%s\nstderr:\n%s", code, err, out, stderr.String())
-	}
-	t.Logf("gpu-dra check: exit %d, status %s\n%s", code, report.Status, out)
-	return report, code
-}
-
 // checkWorkload runs `gpu-dra check --workload --node node` and expects the
 // workload check passed on that node with the UUID of the device its claim
 // got, and its namespace gone afterwards.
-func checkWorkload(ctx context.Context, t *testing.T, node string) {
+func checkWorkload(ctx context.Context, t *testing.T, kubeconfig, node string) {
 	t.Helper()
-	report, code := runCheck(t, "--workload", "--node", node, "--workload-timeout", "90s")
+	report, code := cluster.CheckWith(t, kubeconfig, "--workload", "--node", node, "--workload-timeout", "90s")
 	if code != 0 {
 		t.Errorf("gpu-dra check --workload on a healthy install: exit %d, want 0", code)
 	}
@@ -128,13 +98,17 @@ func waitSlices(ctx context.Context, t *testing.T, nodes ...string) {
 }
 
 // TestCheck: `gpu-dra check` on a healthy install (two nodes with the
-// deployed plugin) fails no check and exits 0; `--workload --node` runs a
-// one-GPU pod on that node, on the chart's plugin image (the default: no shell,
-// nvidia-smi from the claim's CDI spec), which lists exactly the GPU its claim
-// was allocated, and removes its namespace; with the plugin gone from one
-// GPU node (no longer selected by the DaemonSet, labeled as a GPU node as
-// NVIDIA's GPU feature discovery labels them), `plugin-pods` fails naming
-// the node, with its fix, and it exits 1.
+// deployed plugin), run as a service account with only the chart's check
+// role (checkRole, with workload), fails no check and exits 0 (the role
+// grants no write for the dry-run feature probe: the check says so and
+// judges by the release); `--workload --node`, as that account too, runs a
+// one-GPU pod on that node, on the chart's plugin image (the default: no
+// shell, nvidia-smi from the claim's CDI spec), which lists exactly the GPU
+// its claim was allocated, and removes its namespace; a pod whose claim the
+// plugin refuses to prepare fails `stuck-claims` (checkStuckClaim); with the
+// plugin gone from one GPU node (no longer selected by the DaemonSet, labeled
+// as a GPU node as NVIDIA's GPU feature discovery labels them), `plugin-pods`
+// fails naming the node, with its fix, and it exits 1.
 //
 // The webhook is not installed: the suite's in-process API server cannot
 // reach in-cluster Services (docs/STATUS.md), so `webhook-reachable` would
@@ -144,17 +118,22 @@ func TestCheck(t *testing.T) {
 	layout := harness.LayoutHostDriver
 	a := addNode(t, "node-check-a", layout, "t4")
 	b := addNode(t, "node-check-b", layout, "t4")
-	install(t, append(layout.HelmValues(), "webhook.enabled=false")...)
+	install(t, append(layout.HelmValues(), "webhook.enabled=false",
+		// The chart's role for the check, bound to an account of the test's.
+		"checkRole.enabled=true", "checkRole.workload=true",
+		"checkRole.subjects[0].kind=ServiceAccount", "checkRole.subjects[0].name="+checkerAccount,
+		"checkRole.subjects[0].namespace="+checkerNamespace)...)
+	checker := checkerKubeconfig(ctx, t)
 	waitPlugin(ctx, t, a, "")
 	waitPlugin(ctx, t, b, "")
 	waitSlices(ctx, t, a.Name, b.Name)
 
 	// Healthy: every check passed or warned (the webhook is absent).
-	var report checkReport
+	var report harness.CheckReport
 	var code int
 	// A plugin pod's readiness can trail its registration by a probe period.
 	err := wait.PollUntilContextTimeout(ctx, 2*time.Second, 60*time.Second, true, func(context.Context) (bool, error) {
-		report, code = runCheck(t)
+		report, code = cluster.CheckWith(t, checker)
 		return code == 0, nil
 	})
 	if err != nil {
@@ -175,7 +154,15 @@ func TestCheck(t *testing.T) {
 	if status["webhook-reachable"] != "warning" {
 		t.Errorf("check webhook-reachable without a webhook: %q, want warning", status["webhook-reachable"])
 	}
-	checkWorkload(ctx, t, a.Name)
+	// The role grants no create on ResourceSlices: the dry-run probe is
+	// refused and the check judges the features by the release, saying so.
+	for _, c := range report.Checks {
+		if c.Name == "dra-features" && !strings.Contains(strings.Join(c.Detail, "\n"), "no dry-run write") {
+			t.Errorf("dra-features as %s: %v, want the probe refused", checkerAccount, c.Detail)
+		}
+	}
+	checkWorkload(ctx, t, checker, a.Name)
+	checkStuckClaim(ctx, t, a.Name)
 
 	// Broken: node b is a GPU node the DaemonSet no longer selects.
 	patch := fmt.Sprintf(`{"metadata":{"labels":{"nvidia.com/gpu.present":"true",%q:null}}}`, harness.DeployedPluginLabel)
@@ -192,7 +179,7 @@ func TestCheck(t *testing.T) {
 	if err != nil {
 		t.Fatalf("the plugin pod on %s stays: %v", b.Name, err)
 	}
-	report, code = runCheck(t)
+	report, code = cluster.Check(t)
 	if code != 1 {
 		t.Errorf("gpu-dra check with the plugin gone from %s: exit %d, want 1", b.Name, code)
 	}
@@ -221,5 +208,243 @@ func TestCheck(t *testing.T) {
 	}
 	if !found {
 		t.Error("no plugin-pods check in the report")
+	}
+}
+
+// The account TestCheck runs the healthy checks as, with only the chart's
+// check role (checkRole) bound to it.
+const checkerNamespace, checkerAccount = "check-rbac", "checker"
+
+// checkerKubeconfig writes a kubeconfig for a token of the checker account.
+func checkerKubeconfig(ctx context.Context, t *testing.T) string {
+	t.Helper()
+	if err := cluster.CreateNamespace(ctx, checkerNamespace); err != nil {
+		t.Fatal(err)
+	}
+	accounts := cluster.Client.CoreV1().ServiceAccounts(checkerNamespace)
+	if _, err := accounts.Create(ctx, &v1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Name: checkerAccount}}, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = accounts.Delete(context.Background(), checkerAccount, metav1.DeleteOptions{}) })
+	tr, err := accounts.CreateToken(ctx, checkerAccount, &authv1.TokenRequest{}, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	path := filepath.Join(t.TempDir(), "kubeconfig")
+	if err := cluster.WriteKubeconfig(path, checkerAccount, tr.Status.Token); err != nil {
+		t.Fatal(err)
+	}
+	return path
+}
+
+// checkStuckClaim: a pod on node whose claim carries a GPU config the plugin
+// refuses at prepare (the webhook that would refuse it at admission is not
+// installed) waits in Pending while the kubelet reports
+// FailedPrepareDynamicResources; `gpu-dra check --only stuck-claims` fails
+// naming the pod, its claim, the node and the kubelet's message (the
+// plugin's error), with its fix, and exits 1. Once the pod is deleted
+// the check passes again: the events stay, but no pod waits on them.
+func checkStuckClaim(ctx context.Context, t *testing.T, node string) {
+	t.Helper()
+	const ns, name = "check-stuck", "stuck"
+	if err := cluster.CreateNamespace(ctx, ns); err != nil {
+		t.Fatal(err)
+	}
+	params, err := json.Marshal(map[string]any{
+		"apiVersion": "resource.nvidia.com/v1beta1", "kind": "GpuConfig",
+		"sharing": map[string]any{"strategy": "MPS", "mpsConfig": map[string]any{
+			"defaultActiveThreadPercentage": 150,
+		}},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	pod, err := createClaimPod(ctx, ns, name, node, params)
+	if err != nil {
+		t.Fatal(err)
+	}
+	deleted := false
+	deletePod := func() {
+		if deleted {
+			return
+		}
+		deleted = true
+		_ = cluster.Client.CoreV1().Pods(ns).Delete(ctx, name, metav1.DeleteOptions{})
+		if err := cluster.WaitPodGone(ctx, ns, name, 60*time.Second); err != nil {
+			t.Errorf("the stuck pod stays: %v", err)
+		}
+		_ = cluster.Client.ResourceV1().ResourceClaims(ns).Delete(ctx, name, metav1.DeleteOptions{})
+	}
+	t.Cleanup(deletePod)
+
+	// The kubelet's first attempt comes once the claim is allocated and the
+	// pod bound; its event a moment later.
+	var r harness.CheckResult
+	var code int
+	err = wait.PollUntilContextTimeout(ctx, time.Second, 60*time.Second, true, func(context.Context) (bool, error) {
+		r, code = cluster.CheckOnly(t, "stuck-claims")
+		return r.Status != "passed", nil
+	})
+	if err != nil {
+		t.Fatalf("stuck-claims still passes with pod %s/%s refused at prepare: %v", ns, name, r.Detail)
+	}
+	harness.ExpectCheckFailed(t, r, code,
+		[]string{"pod " + ns + "/" + pod.Name + " on " + node + " (claim " + name + "):", "defaultActiveThreadPercentage: 150 is out of range"},
+		[]string{"gpu-dra explain", "kubectl describe pod"})
+
+	deletePod()
+	r, code = cluster.CheckOnly(t, "stuck-claims")
+	harness.ExpectCheckPassed(t, r, code)
+}
+
+// TestCheckWebhookCertificate: `gpu-dra check --only webhook-certificate` on
+// the chart's webhook in its default TLS mode (helm: the chart generates a
+// CA and a serving certificate, keeps them in a Secret across upgrades and
+// registers that CA as the caBundle). It passes as installed, and fails, with
+// the fix for each fault, when the Secret holds
+//   - an expired pair (its CA registered by `helm upgrade`, as the chart
+//     does with the Secret it keeps): a new certificate is needed;
+//   - a valid certificate of another CA than the registered one;
+//   - a certificate of the registered CA for another name than the Service's;
+//
+// and passes again after the fix it names for helm mode: delete the Secret
+// and `helm upgrade`. No node: the webhook's pods stay Pending, which
+// webhook-reachable reports, not this check (and --only keeps the exit
+// status to this one).
+func TestCheckWebhookCertificate(t *testing.T) {
+	ctx := context.Background()
+	const check = "webhook-certificate"
+	// The webhook alone: no node plugin, so no uninstall Job, whose pod could
+	// not run without a node (`helm uninstall` would wait for it).
+	values := []string{"kubeletPlugin.enabled=false"}
+	install(t, values...)
+	r, code := cluster.CheckOnly(t, check)
+	harness.ExpectCheckPassed(t, r, code)
+
+	svc := harness.HelmRelease + "-gpu-dra-driver-webhook"
+	dns := svc + "." + harness.DriverNamespace + ".svc"
+	secretRef := "Secret " + harness.DriverNamespace + "/" + webhookSecret
+	now := time.Now()
+	ca := newTestCA(t)
+	setSecret := func(pair testPair, caPEM []byte) {
+		t.Helper()
+		data := map[string]string{
+			"tls.crt": base64.StdEncoding.EncodeToString(pair.cert),
+			"tls.key": base64.StdEncoding.EncodeToString(pair.key),
+		}
+		if caPEM != nil {
+			data["ca.crt"] = base64.StdEncoding.EncodeToString(caPEM)
+		}
+		patch, err := json.Marshal(map[string]any{"data": data})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := cluster.Client.CoreV1().Secrets(harness.DriverNamespace).Patch(ctx, webhookSecret, types.MergePatchType, patch, metav1.PatchOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+
+	// Expired a day ago, its CA registered by `helm upgrade`.
+	setSecret(ca.issue(t, dns, now.Add(-48*time.Hour), now.Add(-24*time.Hour)), ca.pem)
+	if err := cluster.HelmUpgrade(ctx, values...); err != nil {
+		t.Fatal(err)
+	}
+	r, code = cluster.CheckOnly(t, check)
+	harness.ExpectCheckFailed(t, r, code,
+		[]string{"certificate for " + dns + " expired 1 days ago", "it has expired"},
+		[]string{"issue a new certificate", "delete " + secretRef + " and run `helm upgrade`", "renewed certificate for " + dns})
+	if strings.Contains(r.Fix, "caBundle") {
+		t.Errorf("the fix for an expired certificate points at the caBundle: %s", r.Fix)
+	}
+
+	// Valid, but signed by a CA the registration does not trust.
+	setSecret(newTestCA(t).issue(t, dns, now.Add(-time.Hour), now.Add(24*time.Hour)), nil)
+	r, code = cluster.CheckOnly(t, check)
+	harness.ExpectCheckFailed(t, r, code,
+		[]string{"it is not signed by the caBundle's CA"},
+		[]string{"caBundle the CA that signed the certificate", "delete " + secretRef})
+
+	// Signed by the registered CA, for another name.
+	setSecret(ca.issue(t, "other."+harness.DriverNamespace+".svc", now.Add(-time.Hour), now.Add(24*time.Hour)), nil)
+	r, code = cluster.CheckOnly(t, check)
+	harness.ExpectCheckFailed(t, r, code,
+		[]string{"it does not name " + dns},
+		[]string{"issue a certificate for " + dns, "delete " + secretRef})
+
+	// The fix for helm mode: the chart issues a new pair.
+	if err := cluster.Client.CoreV1().Secrets(harness.DriverNamespace).Delete(ctx, webhookSecret, metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if err := cluster.HelmUpgrade(ctx, values...); err != nil {
+		t.Fatal(err)
+	}
+	r, code = cluster.CheckOnly(t, check)
+	harness.ExpectCheckPassed(t, r, code)
+}
+
+// testCA signs the certificates a test puts in the webhook's Secret, with
+// validity periods of the test's choosing.
+type testCA struct {
+	cert *x509.Certificate
+	key  *ecdsa.PrivateKey
+	pem  []byte
+}
+
+// testPair is a PEM certificate and its PEM key.
+type testPair struct{ cert, key []byte }
+
+func newTestCA(t *testing.T) *testCA {
+	t.Helper()
+	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tmpl := &x509.Certificate{
+		SerialNumber:          big.NewInt(1),
+		Subject:               pkix.Name{CommonName: "check-test-ca"},
+		NotBefore:             time.Now().Add(-72 * time.Hour),
+		NotAfter:              time.Now().Add(72 * time.Hour),
+		KeyUsage:              x509.KeyUsageCertSign | x509.KeyUsageDigitalSignature,
+		BasicConstraintsValid: true,
+		IsCA:                  true,
+	}
+	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &key.PublicKey, key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cert, err := x509.ParseCertificate(der)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return &testCA{cert: cert, key: key, pem: pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der})}
+}
+
+// issue is a serving certificate for dnsName valid from notBefore to notAfter.
+func (ca *testCA) issue(t *testing.T, dnsName string, notBefore, notAfter time.Time) testPair {
+	t.Helper()
+	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tmpl := &x509.Certificate{
+		SerialNumber: big.NewInt(2),
+		Subject:      pkix.Name{CommonName: dnsName},
+		DNSNames:     []string{dnsName},
+		NotBefore:    notBefore,
+		NotAfter:     notAfter,
+		KeyUsage:     x509.KeyUsageDigitalSignature,
+		ExtKeyUsage:  []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth},
+	}
+	der, err := x509.CreateCertificate(rand.Reader, tmpl, ca.cert, &key.PublicKey, ca.key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	keyDER, err := x509.MarshalECPrivateKey(key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return testPair{
+		cert: pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der}),
+		key:  pem.EncodeToMemory(&pem.Block{Type: "EC PRIVATE KEY", Bytes: keyDER}),
 	}
 }

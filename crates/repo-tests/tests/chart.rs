@@ -841,6 +841,8 @@ fn bad_values_are_refused_by_the_schema() {
         ),
         ("priorityClassQuota.pods=0", "pods"),
         ("openshift.enabled=maybe", "openshift"),
+        ("checkRole.subjects[0].kind=Robot", "subjects"),
+        ("checkRole.workload=maybe", "workload"),
         ("image.digest=0123abcd", "digest"),
         ("image.digest=sha256:0123", "digest"),
         ("openshift.scc=privileged", "openshift"),
@@ -3205,4 +3207,179 @@ fn notes_say_when_device_health_lacks_its_features() {
         let notes = render_notes(&helm, args);
         assert!(!notes.contains("Device health"), "{args:?}: {notes}");
     }
+}
+
+/// Whether the rules of the ClusterRoles and (in `namespace`) the Roles rendered allow `verb`
+/// on `resource` of `group`, for the object `name` (`""`: a list or create).
+fn rbac_allows(
+    objects: &[Value],
+    (group, resource, verb): (&str, &str, &str),
+    namespace: Option<&str>,
+    name: &str,
+) -> bool {
+    let has = |list: &Value, want: &str| {
+        list.as_array()
+            .is_some_and(|l| l.iter().any(|v| v == want || v == "*"))
+    };
+    objects
+        .iter()
+        .filter(|o| {
+            o["kind"] == "ClusterRole"
+                || (o["kind"] == "Role"
+                    && namespace.is_some_and(|ns| o["metadata"]["namespace"] == ns))
+        })
+        .flat_map(|o| o["rules"].as_array().into_iter().flatten())
+        .any(|r| {
+            has(&r["apiGroups"], group)
+                && has(&r["resources"], resource)
+                && has(&r["verbs"], verb)
+                && (r["resourceNames"].is_null() || has(&r["resourceNames"], name))
+        })
+}
+
+/// The check's role: off by default; on, it grants every request `gpu-dra check` makes (the
+/// table follows `crates/cli/src/check/facts.rs`) and nothing that writes; `workload` adds what
+/// `--workload` creates (`check/workload.rs`), `webhookSecret` the webhook's Secret by name;
+/// `subjects` are bound to both roles.
+#[test]
+fn the_check_role_grants_what_gpu_dra_check_reads_and_writes_only_when_asked() {
+    let Some(helm) = helm() else { return };
+    let check_objects = |objects: Vec<Value>| -> Vec<Value> {
+        objects
+            .into_iter()
+            .filter(|o| o["metadata"]["labels"]["app.kubernetes.io/component"] == "check")
+            .collect()
+    };
+    assert!(check_objects(render(&helm, &[])).is_empty());
+
+    let other_ns = Some("team");
+    let release_ns = Some(NAMESPACE);
+    // (group, resource, verb), the namespace of the request (None: cluster-scoped), the name.
+    let reads = [
+        (("resource.k8s.io", "deviceclasses", "list"), None, ""),
+        (("resource.k8s.io", "resourceslices", "list"), None, ""),
+        (("", "nodes", "list"), None, ""),
+        (("", "events", "list"), None, ""),
+        (("", "pods", "get"), other_ns, "stuck"),
+        (
+            (
+                "admissionregistration.k8s.io",
+                "validatingwebhookconfigurations",
+                "list",
+            ),
+            None,
+            "",
+        ),
+        (("apps", "daemonsets", "list"), release_ns, ""),
+        (("", "pods", "list"), release_ns, ""),
+        (
+            ("apps", "deployments", "get"),
+            release_ns,
+            "rel-gpu-dra-driver-webhook",
+        ),
+        (
+            ("discovery.k8s.io", "endpointslices", "list"),
+            release_ns,
+            "",
+        ),
+        (
+            ("", "services/proxy", "get"),
+            release_ns,
+            "https:rel-gpu-dra-driver-webhook:443",
+        ),
+    ];
+    let workload = [
+        (("", "namespaces", "create"), None, ""),
+        (("", "namespaces", "delete"), None, "gpu-dra-check-x7k2q"),
+        (("", "serviceaccounts", "get"), other_ns, "default"),
+        (
+            ("resource.k8s.io", "resourceclaims", "create"),
+            other_ns,
+            "",
+        ),
+        (
+            ("resource.k8s.io", "resourceclaims", "get"),
+            other_ns,
+            "gpu",
+        ),
+        (("", "pods", "create"), other_ns, ""),
+        (("", "pods/log", "get"), other_ns, "workload"),
+    ];
+    let secret = (
+        ("", "secrets", "get"),
+        release_ns,
+        "rel-gpu-dra-driver-webhook-tls",
+    );
+    // The dry-run probe's create would publish devices if it were not a dry run.
+    let probe = (("resource.k8s.io", "resourceslices", "create"), None, "");
+
+    let objects = check_objects(render(&helm, &["checkRole.enabled=true"]));
+    for (request, ns, name) in reads {
+        assert!(
+            rbac_allows(&objects, request, ns, name),
+            "{request:?} in {ns:?}"
+        );
+    }
+    for (request, ns, name) in workload.into_iter().chain([secret, probe]) {
+        assert!(
+            !rbac_allows(&objects, request, ns, name),
+            "{request:?} in {ns:?}"
+        );
+    }
+    // Only reads, and no binding without subjects.
+    for o in &objects {
+        for r in o["rules"].as_array().into_iter().flatten() {
+            assert!(
+                strs(&r["verbs"])
+                    .iter()
+                    .all(|v| ["get", "list"].contains(v)),
+                "{r}"
+            );
+        }
+        assert!(
+            !o["kind"].as_str().unwrap_or_default().ends_with("Binding"),
+            "{o}"
+        );
+    }
+
+    let objects = check_objects(render(
+        &helm,
+        &[
+            "checkRole.enabled=true",
+            "checkRole.workload=true",
+            "checkRole.webhookSecret=true",
+            "checkRole.subjects[0].kind=Group",
+            "checkRole.subjects[0].name=gpu-operators",
+            "checkRole.subjects[0].apiGroup=rbac.authorization.k8s.io",
+        ],
+    ));
+    for (request, ns, name) in reads.into_iter().chain(workload).chain([secret]) {
+        assert!(
+            rbac_allows(&objects, request, ns, name),
+            "{request:?} in {ns:?}"
+        );
+    }
+    // The Secret by its name only, and the probe's create still not.
+    let other_secret = (("", "secrets", "get"), release_ns, "other");
+    for (request, ns, name) in [other_secret, probe] {
+        assert!(
+            !rbac_allows(&objects, request, ns, name),
+            "{request:?} {name}"
+        );
+    }
+    let subjects = serde_json::json!([
+        {"kind": "Group", "name": "gpu-operators", "apiGroup": "rbac.authorization.k8s.io"}]);
+    for (kind, role_kind) in [
+        ("ClusterRoleBinding", "ClusterRole"),
+        ("RoleBinding", "Role"),
+    ] {
+        let b = find(&objects, kind, "rel-gpu-dra-driver-check");
+        assert_eq!(b["subjects"], subjects, "{kind}");
+        assert_eq!(b["roleRef"]["kind"], role_kind);
+        assert_eq!(b["roleRef"]["name"], "rel-gpu-dra-driver-check");
+    }
+    assert_eq!(
+        find(&objects, "RoleBinding", "rel-gpu-dra-driver-check")["metadata"]["namespace"],
+        NAMESPACE
+    );
 }

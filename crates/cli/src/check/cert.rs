@@ -19,9 +19,29 @@ use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CertVerdict {
     /// `None`: it chains to the CA bundle and names the Service; `Some`: why not.
-    pub problem: Option<String>,
+    pub problem: Option<CertProblem>,
     /// `notAfter`, Unix seconds, when readable.
     pub not_after: Option<i64>,
+}
+
+/// Why the API server would refuse the certificate.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CertProblem {
+    /// What kind of fault: each has its own fix.
+    pub kind: CertFault,
+    /// The refusal in words, with the verifier's error.
+    pub text: String,
+}
+
+/// The kinds of [`CertProblem`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CertFault {
+    /// Past its `notAfter` (or before its `notBefore`): a new certificate is needed.
+    Expired,
+    /// Valid, but not for the Service's DNS name.
+    WrongName,
+    /// Not signed by the caBundle's CA, or the caBundle or certificate cannot be used.
+    Untrusted,
 }
 
 /// Judges the PEM certificate chain `serving` (leaf first) against the PEM `ca_bundle` for
@@ -32,7 +52,10 @@ pub fn judge(serving: &[u8], ca_bundle: &[u8], dns_name: &str, now: i64) -> Cert
         .collect();
     let Some((leaf, intermediates)) = chain.split_first() else {
         return CertVerdict {
-            problem: Some("the serving certificate is not PEM (no CERTIFICATE block)".into()),
+            problem: Some(CertProblem {
+                kind: CertFault::Untrusted,
+                text: "the serving certificate is not PEM (no CERTIFICATE block)".into(),
+            }),
             not_after: None,
         };
     };
@@ -47,22 +70,30 @@ fn verify(
     ca_bundle: &[u8],
     dns_name: &str,
     now: i64,
-) -> Result<(), String> {
+) -> Result<(), CertProblem> {
+    let untrusted = |text: String| CertProblem {
+        kind: CertFault::Untrusted,
+        text,
+    };
     let mut roots = RootCertStore::empty();
     for ca in CertificateDer::pem_slice_iter(ca_bundle).filter_map(Result::ok) {
-        roots
-            .add(ca)
-            .map_err(|e| format!("the caBundle holds a certificate that is not a CA: {e}"))?;
+        roots.add(ca).map_err(|e| {
+            untrusted(format!(
+                "the caBundle holds a certificate that is not a CA: {e}"
+            ))
+        })?;
     }
     if roots.is_empty() {
-        return Err("the caBundle holds no PEM certificate".into());
+        return Err(untrusted("the caBundle holds no PEM certificate".into()));
     }
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let verifier = WebPkiServerVerifier::builder_with_provider(Arc::new(roots), provider)
         .build()
-        .map_err(|e| format!("cannot use the caBundle: {e}"))?;
-    let name = ServerName::try_from(dns_name.to_owned())
-        .map_err(|e| format!("{dns_name:?} is not a DNS name: {e}"))?;
+        .map_err(|e| untrusted(format!("cannot use the caBundle: {e}")))?;
+    let name = ServerName::try_from(dns_name.to_owned()).map_err(|e| CertProblem {
+        kind: CertFault::WrongName,
+        text: format!("{dns_name:?} is not a DNS name: {e}"),
+    })?;
     let now = UnixTime::since_unix_epoch(std::time::Duration::from_secs(
         u64::try_from(now).unwrap_or(0),
     ));
@@ -71,19 +102,26 @@ fn verify(
         .map(|_| ())
         .map_err(|e| {
             use rustls::CertificateError as C;
-            let why = match &e {
+            let (kind, why) = match &e {
                 rustls::Error::InvalidCertificate(C::Expired | C::ExpiredContext { .. }) => {
-                    "it has expired".to_owned()
+                    (CertFault::Expired, "it has expired".to_owned())
                 }
                 rustls::Error::InvalidCertificate(
+                    C::NotValidYet | C::NotValidYetContext { .. },
+                ) => (CertFault::Expired, "it is not valid yet".to_owned()),
+                rustls::Error::InvalidCertificate(
                     C::NotValidForName | C::NotValidForNameContext { .. },
-                ) => format!("it does not name {dns_name}"),
-                rustls::Error::InvalidCertificate(C::UnknownIssuer | C::BadSignature) => {
-                    "it is not signed by the caBundle's CA".to_owned()
-                }
-                other => other.to_string(),
+                ) => (CertFault::WrongName, format!("it does not name {dns_name}")),
+                rustls::Error::InvalidCertificate(C::UnknownIssuer | C::BadSignature) => (
+                    CertFault::Untrusted,
+                    "it is not signed by the caBundle's CA".to_owned(),
+                ),
+                other => (CertFault::Untrusted, other.to_string()),
             };
-            format!("the API server would refuse the serving certificate: {why} ({e:?})")
+            CertProblem {
+                kind,
+                text: format!("the API server would refuse the serving certificate: {why} ({e:?})"),
+            }
         })
 }
 
@@ -216,41 +254,58 @@ pub(crate) mod tests {
     }
 
     #[test]
-    fn expired_wrong_name_and_wrong_ca_are_refused() {
-        let (ca, serving) = ca_and_serving("svc.ns.svc", (2025, 1, 1), (2026, 1, 1));
-        let v = judge(serving.as_bytes(), ca.as_bytes(), "svc.ns.svc", JUNE_2026);
-        assert!(
-            v.problem.as_deref().unwrap().contains("it has expired"),
-            "{v:?}"
-        );
-
-        let (ca, serving) = ca_and_serving("other.ns.svc", (2026, 1, 1), (2026, 7, 1));
-        let v = judge(serving.as_bytes(), ca.as_bytes(), "svc.ns.svc", JUNE_2026);
-        assert!(
-            v.problem
-                .as_deref()
-                .unwrap()
-                .contains("does not name svc.ns.svc"),
-            "{v:?}"
-        );
-
-        let (_, serving) = ca_and_serving("svc.ns.svc", (2026, 1, 1), (2026, 7, 1));
-        let (other_ca, _) = ca_and_serving("svc.ns.svc", (2026, 1, 1), (2026, 7, 1));
-        let v = judge(
-            serving.as_bytes(),
-            other_ca.as_bytes(),
-            "svc.ns.svc",
-            JUNE_2026,
-        );
-        assert!(
-            v.problem
-                .as_deref()
-                .unwrap()
-                .contains("not signed by the caBundle's CA"),
-            "{v:?}"
-        );
-
-        let v = judge(b"not pem", other_ca.as_bytes(), "svc.ns.svc", JUNE_2026);
-        assert!(v.problem.as_deref().unwrap().contains("not PEM"), "{v:?}");
+    fn expired_wrong_name_and_wrong_ca_are_refused_each_with_its_kind() {
+        let svc = "svc.ns.svc";
+        let (_, other_ca_serving) = ca_and_serving(svc, (2026, 1, 1), (2026, 7, 1));
+        // (certificate name, validity, signed by the bundle's CA, kind, text)
+        let cases = [
+            (
+                svc,
+                ((2025, 1, 1), (2026, 1, 1)),
+                true,
+                CertFault::Expired,
+                "it has expired",
+            ),
+            (
+                svc,
+                ((2026, 7, 1), (2027, 1, 1)),
+                true,
+                CertFault::Expired,
+                "not valid yet",
+            ),
+            (
+                "other.ns.svc",
+                ((2026, 1, 1), (2026, 7, 1)),
+                true,
+                CertFault::WrongName,
+                "does not name svc.ns.svc",
+            ),
+            (
+                svc,
+                ((2026, 1, 1), (2026, 7, 1)),
+                false,
+                CertFault::Untrusted,
+                "not signed by the caBundle's CA",
+            ),
+        ];
+        for (name, (from, to), same_ca, kind, text) in cases {
+            let (ca, serving) = ca_and_serving(name, from, to);
+            let serving = if same_ca {
+                serving
+            } else {
+                other_ca_serving.clone()
+            };
+            let p = judge(serving.as_bytes(), ca.as_bytes(), svc, JUNE_2026)
+                .problem
+                .expect("a problem");
+            assert_eq!(p.kind, kind, "{p:?}");
+            assert!(p.text.contains(text), "{p:?}");
+        }
+        let (ca, _) = ca_and_serving(svc, (2026, 1, 1), (2026, 7, 1));
+        let p = judge(b"not pem", ca.as_bytes(), svc, JUNE_2026)
+            .problem
+            .expect("a problem");
+        assert_eq!(p.kind, CertFault::Untrusted);
+        assert!(p.text.contains("not PEM"), "{p:?}");
     }
 }

@@ -5,7 +5,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use serde::Serialize;
 
-use super::cert;
+use super::cert::{self, CertFault};
 use super::facts::{Facts, NodeFact, PodFact};
 use super::gates::{self, GATES, Gate};
 
@@ -77,6 +77,21 @@ impl CheckResult {
         self
     }
 }
+
+/// The names of the checks [`all`] runs, in print order (what `--only` takes).
+pub const NAMES: [&str; 11] = [
+    "api-server",
+    "resource-api",
+    "dra-features",
+    "device-classes",
+    "webhook-reachable",
+    "webhook-certificate",
+    "plugin-pods",
+    "resource-slices",
+    "device-taints",
+    "mps-daemons",
+    "stuck-claims",
+];
 
 /// Every check, in print order.
 pub fn all(f: &Facts) -> Vec<CheckResult> {
@@ -234,15 +249,22 @@ pub fn gate_state(f: &Facts, gate: &Gate) -> (bool, String) {
         return (true, "declared on with --cluster-feature-gates".into());
     }
     match &f.server {
+        // Assumed, not seen: a cluster can turn any gate that is not locked either way, and
+        // the fields of some (ResourceHealthStatus: pod status) no dry-run write can show.
         Some(v) => {
             let on = gates::on_by_default(gate, v.minor);
             (
                 on,
                 format!(
-                    "{} by default in 1.{} ({})",
+                    "not observed: {} by default in 1.{} ({}), unless the cluster turned it {}",
                     if on { "on" } else { "off" },
                     v.minor,
-                    gates::default_text(gate)
+                    gates::default_text(gate),
+                    if on {
+                        "off"
+                    } else {
+                        "on (say so with --cluster-feature-gates)"
+                    }
                 ),
             )
         }
@@ -363,17 +385,20 @@ pub fn check_webhook_reachable(f: &Facts) -> CheckResult {
                 "no webhook pod is ready: `kubectl -n {ns} get pods -l app.kubernetes.io/component=webhook` and \
                  `kubectl -n {ns} logs deploy/{svc}`"
             )),
-        (_, Err(e)) => r.line(format!("GET /readyz through the API server failed: {e}")).fail(
+        (_, Some(Err(e))) => r.line(format!("GET /readyz through the API server failed: {e}")).fail(
             format!(
                 "let the API server reach the webhook's pods on its port (a firewall rule for \
                  private control planes, webhook.networkPolicy.apiServerCIDRs); check \
                  `kubectl -n {ns} get endpointslices -l kubernetes.io/service-name={svc}`"
             ),
         ),
-        (n, Ok(())) => r.line(format!(
+        (n, Some(Ok(()))) => r.line(format!(
             "/readyz answered{}",
             n.map_or(String::new(), |n| format!(" ({n} ready endpoints)"))
         )),
+        (_, None) => r
+            .line("/readyz not asked")
+            .warn("run the check without --only, or with webhook-reachable in it"),
     }
 }
 
@@ -385,12 +410,9 @@ pub fn check_webhook_certificate(f: &Facts) -> CheckResult {
         return r.line("no webhook installed");
     };
     let (svc, ns, _) = &w.service;
-    let fix_ca = format!(
-        "helm mode: `helm upgrade` keeps the Secret; delete Secret {ns}/{svc}-tls and run `helm \
-         upgrade` to issue a new CA and certificate; certManager mode: check the Certificate \
-         {ns}/{svc} and cert-manager's CA injector; secret mode: set webhook.tls.secret.caBundle \
-         to the CA that signed the Secret"
-    );
+    let dns = format!("{svc}.{ns}.svc");
+    // The chart's name for the Secret where the Deployment could not be read.
+    let secret = w.tls_secret.clone().unwrap_or_else(|| format!("{svc}-tls"));
     if w.ca_bundles.len() != 1 || w.ca_bundles[0].trim().is_empty() {
         return r
             .line(format!(
@@ -398,7 +420,7 @@ pub fn check_webhook_certificate(f: &Facts) -> CheckResult {
                 w.config,
                 w.ca_bundles.len()
             ))
-            .fail(fix_ca);
+            .fail(cert_fix(CertFault::Untrusted, ns, svc, &secret, &dns));
     }
     let pem =
         match &w.serving_cert {
@@ -408,7 +430,6 @@ pub fn check_webhook_certificate(f: &Facts) -> CheckResult {
              Deployment mounts its TLS Secret"
             )),
         };
-    let dns = format!("{svc}.{ns}.svc");
     let verdict = cert::judge(pem.as_bytes(), w.ca_bundles[0].as_bytes(), &dns, f.now);
     let left = verdict.not_after.map(|t| t - f.now);
     let r = match left {
@@ -423,14 +444,44 @@ pub fn check_webhook_certificate(f: &Facts) -> CheckResult {
         None => r.line("certificate validity unreadable"),
     };
     if let Some(p) = verdict.problem {
-        return r.line(p).fail(fix_ca);
+        return r
+            .line(p.text)
+            .fail(cert_fix(p.kind, ns, svc, &secret, &dns));
     }
     match left {
-        Some(s) if s < CERT_WARN_SECONDS => r.warn(
+        Some(s) if s < CERT_WARN_SECONDS => r.warn(format!(
             "renew it before it expires: certManager mode renews by itself (check the \
-             Certificate's status); helm mode: delete the Secret and `helm upgrade`",
-        ),
+             Certificate's status); helm mode: delete Secret {ns}/{secret} and `helm upgrade`"
+        )),
         _ => r,
+    }
+}
+
+/// What to do about a webhook certificate the API server refuses, in each of the chart's TLS
+/// modes (`webhook.tls.mode`): the Secret `secret` in `ns` is the one the webhook's Deployment
+/// mounts, `svc` its Service (and the chart's Certificate), `dns` the name it must carry.
+fn cert_fix(fault: CertFault, ns: &str, svc: &str, secret: &str, dns: &str) -> String {
+    let helm = format!(
+        "helm mode: `helm upgrade` keeps the Secret; delete Secret {ns}/{secret} and run `helm \
+         upgrade` to issue a new CA and certificate"
+    );
+    match fault {
+        CertFault::Expired => format!(
+            "issue a new certificate: {helm}; certManager mode: `kubectl -n {ns} describe \
+             certificate {svc}` says why cert-manager did not renew it; secret mode: put a \
+             renewed certificate for {dns} in Secret {ns}/{secret}"
+        ),
+        CertFault::WrongName => format!(
+            "issue a certificate for {dns}: {helm}; certManager mode: the Certificate {ns}/{svc} \
+             must list {dns} in its dnsNames; secret mode: put a certificate whose \
+             subjectAltName names {dns} in Secret {ns}/{secret}"
+        ),
+        CertFault::Untrusted => format!(
+            "make the registration's caBundle the CA that signed the certificate: {helm}; \
+             certManager mode: check the Certificate {ns}/{svc} and cert-manager's CA injector; \
+             secret mode: set webhook.tls.secret.caBundle to the CA that signed Secret \
+             {ns}/{secret}"
+        ),
     }
 }
 
@@ -716,8 +767,13 @@ pub fn check_stuck_claims(f: &Facts) -> CheckResult {
             continue;
         }
         stuck += 1;
+        let claims = match e.claims.as_slice() {
+            [] => String::new(),
+            [one] => format!(" (claim {one})"),
+            many => format!(" (claims {})", many.join(", ")),
+        };
         r = r.line(format!(
-            "pod {} on {}: {} ({} times, last {} ago)",
+            "pod {} on {}{claims}: {} ({} times, last {} ago)",
             e.pod,
             e.node.as_deref().unwrap_or("?"),
             e.message,
@@ -840,9 +896,10 @@ mod tests {
                     "gpu-dra".into(),
                     443,
                 ),
+                tls_secret: Some("gpu-dra-gpu-dra-driver-webhook-tls".into()),
                 serving_cert: Ok(serving),
                 ready_endpoints: Some(2),
-                reach: Ok(()),
+                reach: Some(Ok(())),
             }),
             mps_daemons: vec![PodFact {
                 name: "gpu-dra/mps-1".into(),
@@ -858,6 +915,7 @@ mod tests {
                 count: 1,
                 last_seen: cert::tests::JUNE_2026 - 60,
                 pod_phase: Some("Running".into()),
+                claims: vec!["gpu".into()],
             }],
         }
     }
@@ -865,7 +923,7 @@ mod tests {
     #[test]
     fn a_healthy_cluster_passes_every_check() {
         let results = all(&healthy());
-        assert_eq!(results.len(), 11);
+        assert_eq!(results.iter().map(|r| r.name).collect::<Vec<_>>(), NAMES);
         for r in &results {
             assert_eq!(r.status, Status::Passed, "{r:?}");
             assert!(r.fix.is_none());
@@ -941,6 +999,34 @@ mod tests {
     }
 
     #[test]
+    fn a_gate_judged_by_the_release_default_is_said_to_be_assumed() {
+        // The healthy fixture's probe shows no ResourceHealthStatus (pod status fields): its
+        // state is the release's default, which a cluster can have turned off.
+        let r = check_dra_features(&healthy());
+        assert_eq!(r.status, Status::Passed);
+        let line = |gate: &str| {
+            r.detail
+                .iter()
+                .find(|l| l.starts_with(&format!("{gate}: ")))
+                .unwrap_or_else(|| panic!("no {gate} line: {r:?}"))
+        };
+        let health = line("ResourceHealthStatus");
+        assert!(
+            health.contains("not observed: on by default in 1.37")
+                && health.contains("unless the cluster turned it off"),
+            "{health}"
+        );
+        let lists = line("DRAListTypeAttributes");
+        assert!(
+            lists.contains("turned it on (say so with --cluster-feature-gates)"),
+            "{lists}"
+        );
+        // Seen by the probe: not assumed.
+        let capacity = line("DRAConsumableCapacity");
+        assert!(!capacity.contains("not observed"), "{capacity}");
+    }
+
+    #[test]
     fn node_annotations_need_their_gates_too() {
         let mut f = healthy();
         f.plugin.as_mut().unwrap().env.clear();
@@ -973,7 +1059,7 @@ mod tests {
         f.webhook.as_mut().unwrap().ready_endpoints = Some(0);
         assert_eq!(check_webhook_reachable(&f).status, Status::Failed);
         let mut f = healthy();
-        f.webhook.as_mut().unwrap().reach = Err("dial tcp: i/o timeout".into());
+        f.webhook.as_mut().unwrap().reach = Some(Err("dial tcp: i/o timeout".into()));
         let r = check_webhook_reachable(&f);
         assert_eq!(r.status, Status::Failed);
         assert!(r.fix.unwrap().contains("firewall"));
@@ -981,11 +1067,16 @@ mod tests {
         f.webhook = None;
         assert_eq!(check_webhook_reachable(&f).status, Status::Warning);
         assert_eq!(check_webhook_certificate(&f).status, Status::Passed);
+        // Not asked (`--only` without this check): not a pass.
+        let mut f = healthy();
+        f.webhook.as_mut().unwrap().reach = None;
+        assert_eq!(check_webhook_reachable(&f).status, Status::Warning);
     }
 
     #[test]
     fn an_expired_wrong_or_expiring_webhook_certificate_is_reported() {
         let svc = "gpu-dra-gpu-dra-driver-webhook.gpu-dra.svc";
+        let secret = "Secret gpu-dra/gpu-dra-gpu-dra-driver-webhook-tls";
         let mut f = healthy();
         let (ca, serving) = cert::tests::ca_and_serving(svc, (2025, 1, 1), (2026, 1, 1));
         let w = f.webhook.as_mut().unwrap();
@@ -997,16 +1088,57 @@ mod tests {
             r.detail.iter().any(|l| l.contains("expired 151 days ago")),
             "{r:?}"
         );
+        // An expired certificate needs a new one, not another caBundle.
+        let fix = r.fix.unwrap();
+        assert!(fix.starts_with("issue a new certificate"), "{fix}");
+        assert!(fix.contains(&format!("delete {secret}")), "{fix}");
+        assert!(
+            fix.contains(&format!("renewed certificate for {svc} in {secret}")),
+            "{fix}"
+        );
+        assert!(!fix.contains("caBundle"), "{fix}");
 
         let mut f = healthy();
         let (other_ca, _) = cert::tests::ca_and_serving(svc, (2026, 1, 1), (2027, 1, 1));
         f.webhook.as_mut().unwrap().ca_bundles = vec![other_ca];
         let r = check_webhook_certificate(&f);
         assert_eq!(r.status, Status::Failed);
+        let fix = r.fix.unwrap();
+        assert!(fix.contains(&format!("delete {secret}")), "{fix}");
         assert!(
-            r.fix
-                .unwrap()
-                .contains("Secret gpu-dra/gpu-dra-gpu-dra-driver-webhook-tls")
+            fix.contains(&format!(
+                "set webhook.tls.secret.caBundle to the CA that signed {secret}"
+            )),
+            "{fix}"
+        );
+
+        // Valid and trusted, but for another name.
+        let mut f = healthy();
+        let (ca, serving) =
+            cert::tests::ca_and_serving("other.gpu-dra.svc", (2026, 1, 1), (2027, 1, 1));
+        let w = f.webhook.as_mut().unwrap();
+        w.ca_bundles = vec![ca];
+        w.serving_cert = Ok(serving);
+        // The Secret a secret-mode release mounts is named in the fix.
+        w.tls_secret = Some("own-tls".into());
+        let r = check_webhook_certificate(&f);
+        assert_eq!(r.status, Status::Failed);
+        assert!(
+            r.detail
+                .iter()
+                .any(|l| l.contains(&format!("does not name {svc}"))),
+            "{r:?}"
+        );
+        let fix = r.fix.unwrap();
+        assert!(
+            fix.starts_with(&format!("issue a certificate for {svc}")),
+            "{fix}"
+        );
+        assert!(
+            fix.contains(
+                "names gpu-dra-gpu-dra-driver-webhook.gpu-dra.svc in Secret gpu-dra/own-tls"
+            ),
+            "{fix}"
         );
 
         let mut f = healthy();
@@ -1141,7 +1273,16 @@ mod tests {
         f.prepare_failures[0].message = "prepare: GPU-1 is gone".into();
         let r = check_stuck_claims(&f);
         assert_eq!(r.status, Status::Failed);
-        assert!(r.detail[0].contains("pod team/recovered on node-a: prepare: GPU-1 is gone"));
+        assert!(
+            r.detail[0]
+                .contains("pod team/recovered on node-a (claim gpu): prepare: GPU-1 is gone"),
+            "{r:?}"
+        );
+        f.prepare_failures[0].claims.push("gpu-2".into());
+        assert!(
+            check_stuck_claims(&f).detail[0].contains("(claims gpu, gpu-2)"),
+            "{r:?}"
+        );
         // Old failures of a pod that still waits are history, not a stuck prepare.
         f.prepare_failures[0].last_seen = f.now - 2 * RECENT_SECONDS;
         assert_eq!(check_stuck_claims(&f).status, Status::Passed);

@@ -184,12 +184,16 @@ pub struct WebhookFacts {
     pub ca_bundles: Vec<String>,
     /// Service name, namespace and port the entries call.
     pub service: (String, String, i32),
+    /// Name of the Secret the webhook's Deployment mounts; `None` when the Deployment could
+    /// not be read or mounts none.
+    pub tls_secret: Option<String>,
     /// The serving certificate (PEM chain), or why it could not be read.
     pub serving_cert: Result<String, String>,
     /// Ready endpoints of the Service; `None` when they could not be listed.
     pub ready_endpoints: Option<usize>,
-    /// The answer of `/readyz` through the API server's service proxy.
-    pub reach: Result<(), String>,
+    /// The answer of `/readyz` through the API server's service proxy; `None` when not asked
+    /// ([`GatherOptions::webhook_readyz`]).
+    pub reach: Option<Result<(), String>>,
 }
 
 /// A kubelet's `FailedPrepareDynamicResources` Event and the pod it names.
@@ -207,6 +211,9 @@ pub struct PrepareFailure {
     pub last_seen: i64,
     /// The pod's phase now; `None` when the pod is gone.
     pub pod_phase: Option<String>,
+    /// Names of the pod's ResourceClaims (in its namespace): those it names and those made
+    /// for it from templates; empty when the pod is gone.
+    pub claims: Vec<String>,
 }
 
 /// Settings of a gathering.
@@ -222,6 +229,12 @@ pub struct GatherOptions {
     pub expected_classes: Vec<(String, String)>,
     /// Make the dry-run write of the feature probe.
     pub probe: bool,
+    /// Read the webhook (registration, Secret, endpoints); without it [`Facts::webhook`] is
+    /// `None`.
+    pub webhook: bool,
+    /// Also ask the webhook's `/readyz` through the API server, which can take
+    /// [`PROXY_TIMEOUT`] where the API server cannot reach the Service.
+    pub webhook_readyz: bool,
 }
 
 /// How long the webhook's `/readyz` may take through the service proxy.
@@ -326,7 +339,9 @@ pub async fn gather(client: &kube::Client, opts: &GatherOptions) -> Result<Facts
         .iter()
         .map(pod_fact)
         .collect();
-    facts.webhook = webhook(client, ns).await?;
+    if opts.webhook {
+        facts.webhook = webhook(client, ns, opts.webhook_readyz).await?;
+    }
     facts.prepare_failures = prepare_failures(client, facts.now).await?;
     Ok(facts)
 }
@@ -538,7 +553,11 @@ async fn dry_run_create(client: &kube::Client, object: &Value) -> Result<Value, 
 }
 
 /// The ValidatingWebhookConfiguration calling a Service in `ns`, and what stands behind it.
-async fn webhook(client: &kube::Client, ns: &str) -> Result<Option<WebhookFacts>, CliError> {
+async fn webhook(
+    client: &kube::Client,
+    ns: &str,
+    ask_readyz: bool,
+) -> Result<Option<WebhookFacts>, CliError> {
     let configs = Api::<ValidatingWebhookConfiguration>::all(client.clone())
         .list(&ListParams::default())
         .await
@@ -588,37 +607,48 @@ async fn webhook(client: &kube::Client, ns: &str) -> Result<Option<WebhookFacts>
                 .filter(|e| e.conditions.as_ref().and_then(|c| c.ready) != Some(false))
                 .count()
         });
-    let serving_cert = serving_cert(client, &svc_ns, &svc).await;
-    let url = format!("/api/v1/namespaces/{svc_ns}/services/https:{svc}:{port}/proxy/readyz");
-    let reach = match http::Request::get(&url).body(Vec::new()) {
-        Ok(req) => match tokio::time::timeout(PROXY_TIMEOUT, client.request_text(req)).await {
-            Ok(Ok(_)) => Ok(()),
-            Ok(Err(e)) => Err(e.to_string()),
-            Err(_) => Err(format!(
-                "no answer within {}s through the API server's service proxy",
-                PROXY_TIMEOUT.as_secs()
-            )),
-        },
-        Err(e) => Err(e.to_string()),
+    let (tls_secret, serving_cert) = match tls_secret(client, &svc_ns, &svc).await {
+        Ok(secret) => {
+            let cert = serving_cert(client, &svc_ns, &secret).await;
+            (Some(secret), cert)
+        }
+        Err(e) => (None, Err(e)),
+    };
+    let reach = if ask_readyz {
+        let url = format!("/api/v1/namespaces/{svc_ns}/services/https:{svc}:{port}/proxy/readyz");
+        Some(match http::Request::get(&url).body(Vec::new()) {
+            Ok(req) => match tokio::time::timeout(PROXY_TIMEOUT, client.request_text(req)).await {
+                Ok(Ok(_)) => Ok(()),
+                Ok(Err(e)) => Err(e.to_string()),
+                Err(_) => Err(format!(
+                    "no answer within {}s through the API server's service proxy",
+                    PROXY_TIMEOUT.as_secs()
+                )),
+            },
+            Err(e) => Err(e.to_string()),
+        })
+    } else {
+        None
     };
     Ok(Some(WebhookFacts {
         config: config.metadata.name.clone().unwrap_or_default(),
         ca_bundles,
         service,
+        tls_secret,
         serving_cert,
         ready_endpoints,
         reach,
     }))
 }
 
-/// The PEM chain in the Secret the webhook's Deployment (same name as its Service, as the
-/// chart names them) mounts as `tls`, key `tls.crt`.
-async fn serving_cert(client: &kube::Client, ns: &str, svc: &str) -> Result<String, String> {
+/// The Secret the webhook's Deployment (same name as its Service, as the chart names them)
+/// mounts.
+async fn tls_secret(client: &kube::Client, ns: &str, svc: &str) -> Result<String, String> {
     let deployment = Api::<Deployment>::namespaced(client.clone(), ns)
         .get(svc)
         .await
         .map_err(|e| format!("cannot read Deployment {ns}/{svc}: {e}"))?;
-    let secret = deployment
+    deployment
         .spec
         .as_ref()
         .and_then(|s| s.template.spec.as_ref())
@@ -626,9 +656,13 @@ async fn serving_cert(client: &kube::Client, ns: &str, svc: &str) -> Result<Stri
         .into_iter()
         .flatten()
         .find_map(|v| v.secret.as_ref().and_then(|s| s.secret_name.clone()))
-        .ok_or_else(|| format!("Deployment {ns}/{svc} mounts no Secret"))?;
+        .ok_or_else(|| format!("Deployment {ns}/{svc} mounts no Secret"))
+}
+
+/// The PEM chain in key `tls.crt` of Secret `secret`.
+async fn serving_cert(client: &kube::Client, ns: &str, secret: &str) -> Result<String, String> {
     let secret_obj = Api::<Secret>::namespaced(client.clone(), ns)
-        .get(&secret)
+        .get(secret)
         .await
         .map_err(|e| format!("cannot read Secret {ns}/{secret}: {e}"))?;
     secret_obj
@@ -653,7 +687,8 @@ async fn prepare_failures(
             source,
         })?;
     let mut out = Vec::new();
-    let mut phases: BTreeMap<String, Option<String>> = BTreeMap::new();
+    // Per pod: its phase and claims now, `None` when it is gone (or another pod of its name).
+    let mut pods: BTreeMap<String, Option<(String, Vec<String>)>> = BTreeMap::new();
     for e in &events.items {
         let last_seen = e
             .series
@@ -668,18 +703,26 @@ async fn prepare_failures(
         let ns = e.involved_object.namespace.clone().unwrap_or_default();
         let name = e.involved_object.name.clone().unwrap_or_default();
         let pod = format!("{ns}/{name}");
-        if !phases.contains_key(&pod) {
-            let phase = match Api::<Pod>::namespaced(client.clone(), &ns)
+        if !pods.contains_key(&pod) {
+            let now = match Api::<Pod>::namespaced(client.clone(), &ns)
                 .get_opt(&name)
                 .await
             {
-                Ok(Some(p)) if p.metadata.uid == e.involved_object.uid => {
-                    Some(p.status.and_then(|s| s.phase).unwrap_or_default())
-                }
+                Ok(Some(p)) if p.metadata.uid == e.involved_object.uid => Some((
+                    p.status
+                        .as_ref()
+                        .and_then(|s| s.phase.clone())
+                        .unwrap_or_default(),
+                    pod_claims(&p),
+                )),
                 _ => None,
             };
-            phases.insert(pod.clone(), phase);
+            pods.insert(pod.clone(), now);
         }
+        let (pod_phase, claims) = match pods.get(&pod).cloned().flatten() {
+            Some((phase, claims)) => (Some(phase), claims),
+            None => (None, Vec::new()),
+        };
         out.push(PrepareFailure {
             pod: pod.clone(),
             node: e
@@ -695,10 +738,30 @@ async fn prepare_failures(
                 .or(e.count)
                 .unwrap_or(1),
             last_seen,
-            pod_phase: phases.get(&pod).cloned().flatten(),
+            pod_phase,
+            claims,
         });
     }
     Ok(out)
+}
+
+/// The ResourceClaims a pod uses: those its spec names and those the resourceclaim
+/// controller made for it from templates (its status names them), sorted.
+pub fn pod_claims(p: &Pod) -> Vec<String> {
+    let named = p
+        .spec
+        .iter()
+        .flat_map(|s| s.resource_claims.iter().flatten())
+        .filter_map(|c| c.resource_claim_name.clone());
+    let generated = p
+        .status
+        .iter()
+        .flat_map(|s| s.resource_claim_statuses.iter().flatten())
+        .filter_map(|c| c.resource_claim_name.clone());
+    let mut claims: Vec<String> = named.chain(generated).collect();
+    claims.sort();
+    claims.dedup();
+    claims
 }
 
 #[cfg(test)]
@@ -783,6 +846,8 @@ mod tests {
             declared_gates: Vec::new(),
             expected_classes: Vec::new(),
             probe: true,
+            webhook: true,
+            webhook_readyz: true,
         };
         let f = gather(&client, &opts).await.expect("facts");
         assert_eq!(f.server.as_ref().map(|s| s.minor), Some(35));
@@ -807,6 +872,20 @@ mod tests {
         // The memory shares the plugin uses need the gate the server dropped.
         let r = super::super::checks::check_dra_features(&f);
         assert_eq!(r.status, super::super::checks::Status::Failed, "{r:?}");
+    }
+
+    #[test]
+    fn a_pods_claims_are_those_it_names_and_those_made_from_its_templates() {
+        let pod: Pod = serde_json::from_value(json!({
+            "metadata": {"name": "p", "namespace": "team"},
+            "spec": {"containers": [], "resourceClaims": [
+                {"name": "gpu", "resourceClaimName": "shared-gpu"},
+                {"name": "mps", "resourceClaimTemplateName": "mps-template"}]},
+            "status": {"resourceClaimStatuses": [{"name": "mps", "resourceClaimName": "p-mps-x7k2q"}]}
+        }))
+        .expect("a pod");
+        assert_eq!(pod_claims(&pod), ["p-mps-x7k2q", "shared-gpu"]);
+        assert!(pod_claims(&Pod::default()).is_empty());
     }
 
     #[test]

@@ -9,6 +9,12 @@
 //! With `--workload`, one more check runs last ([`workload`]): a one-GPU claim and a pod that
 //! lists the GPUs it sees, in a namespace the check creates and deletes.
 //!
+//! `--only` keeps the report (and so the exit status) to the checks it names: a script that
+//! watches one thing, or a cluster where other checks are known to fail, is not answered by
+//! the others. The cluster is read in full all the same, but for the webhook: not read when no
+//! webhook check is named, its `/readyz` through the API server (which can take seconds to
+//! time out) asked only for `webhook-reachable`.
+//!
 //! Exit status: 0 when no check failed (warnings allowed), 1 when one failed, 2 when the
 //! cluster could not be reached or the flags are wrong.
 
@@ -44,6 +50,13 @@ pub struct CheckArgs {
     /// where the dry-run write cannot tell (ResourceHealthStatus) or is not made.
     #[arg(long, env = "CLUSTER_FEATURE_GATES", value_delimiter = ',', value_parser = parse_gate)]
     pub cluster_feature_gates: Vec<String>,
+    /// Report only these checks (comma-separated names, e.g. webhook-certificate,stuck-claims);
+    /// the exit status then counts only them. A failed resource-api is reported whatever
+    /// this says (the checks after it did not run); `--workload` adds the workload check. The
+    /// webhook is read only when a webhook check is named, its /readyz asked only for
+    /// webhook-reachable.
+    #[arg(long, env = "CHECK_ONLY", value_delimiter = ',', value_parser = parse_check_name)]
+    pub only: Vec<String>,
     /// Name of the DeviceClass for whole GPUs (the chart's deviceClasses.gpu.name).
     #[arg(long, env = "GPU_DEVICE_CLASS", default_value = "gpu.nvidia.com")]
     pub gpu_class: String,
@@ -93,6 +106,33 @@ fn parse_timeout(s: &str) -> Result<u64, String> {
     }
 }
 
+/// A check name `--only` knows.
+fn parse_check_name(s: &str) -> Result<String, String> {
+    let s = s.trim();
+    match checks::NAMES.iter().find(|n| **n == s) {
+        Some(n) => Ok((*n).to_owned()),
+        None => Err(format!(
+            "unknown check {s:?}; valid: {} (the workload check runs with --workload)",
+            checks::NAMES.join(", ")
+        )),
+    }
+}
+
+/// The results `only` names (all when it is empty), and a failed `resource-api` in any case:
+/// without it the checks after it did not run, and the report would not say why.
+pub fn select(results: Vec<CheckResult>, only: &[String]) -> Vec<CheckResult> {
+    if only.is_empty() {
+        return results;
+    }
+    results
+        .into_iter()
+        .filter(|r| {
+            only.iter().any(|n| n == r.name)
+                || (r.name == "resource-api" && r.status == Status::Failed)
+        })
+        .collect()
+}
+
 /// A gate name `--cluster-feature-gates` knows.
 fn parse_gate(s: &str) -> Result<String, String> {
     let s = s.trim();
@@ -124,6 +164,7 @@ pub fn run(args: &CheckArgs, out: &mut dyn Write) -> Result<Outcome, CliError> {
         .enable_all()
         .build()
         .map_err(CliError::Runtime)?;
+    let wanted = |check: &str| args.only.is_empty() || args.only.iter().any(|n| n == check);
     let opts = facts::GatherOptions {
         driver: args.driver_name.clone(),
         namespace: args.namespace.clone(),
@@ -133,13 +174,15 @@ pub fn run(args: &CheckArgs, out: &mut dyn Write) -> Result<Outcome, CliError> {
             (args.mig_class.clone(), "mig".into()),
         ],
         probe: !args.no_probe,
+        webhook: wanted("webhook-reachable") || wanted("webhook-certificate"),
+        webhook_readyz: wanted("webhook-reachable"),
     };
     let (facts, client) = runtime.block_on(async {
         let client = crate::explain::cluster_client().await?;
         let facts = facts::gather(&client, &opts).await?;
         Ok::<_, CliError>((facts, client))
     })?;
-    let mut results = checks::all(&facts);
+    let mut results = select(checks::all(&facts), &args.only);
     if args.workload {
         results.push(run_workload(args, &facts, &client, &runtime));
     }
@@ -315,6 +358,35 @@ mod tests {
         assert!(err.to_string().contains("single quote"), "{err}");
         // --node means nothing without --workload.
         assert!(parse(&["--node", "n1"]).is_err());
+    }
+
+    #[test]
+    fn only_keeps_the_named_checks_and_a_failed_resource_api() {
+        let result = |name: &'static str, status| CheckResult {
+            name,
+            title: "t",
+            status,
+            detail: Vec::new(),
+            fix: None,
+        };
+        let results = vec![
+            result("resource-api", Status::Passed),
+            result("plugin-pods", Status::Failed),
+            result("stuck-claims", Status::Passed),
+        ];
+        assert_eq!(select(results.clone(), &[]), results);
+        let only = |names: &[&str]| names.iter().map(|n| (*n).to_owned()).collect::<Vec<_>>();
+        let kept = select(results.clone(), &only(&["stuck-claims"]));
+        assert_eq!(kept, vec![results[2].clone()]);
+        // Nothing after a failed resource-api ran: it stays, saying why.
+        let failed = vec![result("resource-api", Status::Failed)];
+        assert_eq!(select(failed.clone(), &only(&["stuck-claims"])), failed);
+
+        let a = parse(&["--only", "stuck-claims, webhook-certificate"]).expect("names");
+        assert_eq!(a.only, ["stuck-claims", "webhook-certificate"]);
+        let err = parse(&["--only", "stuck"]).unwrap_err().to_string();
+        assert!(err.contains("unknown check \"stuck\""), "{err}");
+        assert!(err.contains("dra-features"), "{err}");
     }
 
     #[test]
