@@ -117,10 +117,12 @@ e2e-specs: e2e-bins e2e-tools e2e-node-tools e2e-image image ## run every YAML f
 		$(E2E_ENV) $(GO) test -count=1 -timeout $(E2E_TIMEOUT) -run '^($(SPECS_TESTS))$$' -v ./tests
 
 # An older supported release: the control plane and kubelet of the newest Kubernetes 1.34 patch,
-# built from e2e/release-1.34 (its own module, the release's pins) into .tools/k8s-1.34/bin, and
-# the examples that must work there (whole GPUs, static MIG, time-slicing, MPS) run through
-# e2e-specs on it, with the test of what the plugin does where device taints are dropped (e2e/harness/external.go runs the release's binaries as processes). Not in CI:
-# a cold build of the four binaries does not fit its budget (docs/STATUS.md has the figures).
+# built from e2e/release-1.34 (its own module, the release's pins) into .tools/k8s-1.34/bin
+# (e2e/harness/external.go runs them as processes). On it: the examples that must work there
+# (whole GPUs, static MIG, time-slicing, MPS) through e2e-specs, what the plugin does where device
+# taints are dropped, and the chart installed with helm (refusing values that need a gate that
+# is off). Not in CI: a cold build of the four binaries does not fit its budget (docs/STATUS.md
+# has the figures).
 K8S_134_BIN := $(TOOLS)/k8s-1.34/bin
 E2E_134_EXAMPLES ?= whole-gpu mig-1g5gb time-slicing-shared mps
 e2e-1.34-tools: $(K8S_134_BIN)/kubelet ## kube-apiserver, kube-controller-manager, kube-scheduler and kubelet of the newest 1.34 patch into .tools/k8s-1.34/bin
@@ -130,11 +132,13 @@ $(K8S_134_BIN)/kubelet: e2e/release-1.34/go.mod e2e/release-1.34/go.sum
 		$(GO) build -o $(K8S_134_BIN)/ -ldflags "$$flags" \
 		$(foreach b,kube-apiserver kube-controller-manager kube-scheduler kubelet,k8s.io/kubernetes/cmd/$(b))
 
-e2e-1.34: e2e-1.34-tools ## the examples that must work on Kubernetes 1.34 (whole GPUs, static MIG, time-slicing, MPS), on its own control plane and kubelet (not in CI)
+e2e-1.34: e2e-1.34-tools ## the examples that must work on Kubernetes 1.34 (whole GPUs, static MIG, time-slicing, MPS) and the chart, on its own control plane and kubelet (not in CI)
 	rm -rf target/e2e-1.34 && mkdir -p target/e2e-1.34
 	for e in $(E2E_134_EXAMPLES); do for f in examples/$$e/*.yaml; do cp $$f target/e2e-1.34/$$e-$$(basename $$f); done; done
 	$(MAKE) e2e-specs DIR=target/e2e-1.34 E2E_K8S_RELEASE_DIR=$(K8S_134_BIN) \
 		SPECS_TESTS='TestSpecFolder|TestUnhealthyGPUWithheldWithoutDeviceTaints'
+	cd e2e && E2E_K8S_RELEASE_DIR=$(K8S_134_BIN) $(E2E_ENV) $(GO) test -count=1 -timeout $(E2E_TIMEOUT) \
+		-run '^TestChartOnAnOlderRelease$$' -v ./deployed
 
 demo: e2e-bins e2e-tools e2e-node-tools e2e-image toolkit ## local cluster with real A100 (static and dynamic MIG) and T4 nodes, a short tour, then up for kubectl until Ctrl-C
 	cd e2e && $(E2E_ENV) $(GO) run ./cmd/demo

@@ -191,14 +191,8 @@ pub fn needed_gates(f: &Facts) -> BTreeMap<&'static str, Vec<String>> {
             );
         }
         if env("DEVICE_HEALTH") == "true" {
-            add(
-                "DRADeviceTaints",
-                "kubeletPlugin.deviceHealth.enabled=true".into(),
-            );
-            add(
-                "ResourceHealthStatus",
-                "kubeletPlugin.deviceHealth.enabled=true".into(),
-            );
+            add("DRADeviceTaints", DEVICE_HEALTH.into());
+            add("ResourceHealthStatus", DEVICE_HEALTH.into());
         }
         if env("LIST_TYPE_ATTRIBUTES") == "true" {
             add(
@@ -277,22 +271,40 @@ pub fn check_dra_features(f: &Facts) -> CheckResult {
     let mut r = CheckResult::new("dra-features", "DRA features the driver's settings need");
     let need = needed_gates(f);
     let mut fixes = Vec::new();
+    let mut degraded = Vec::new();
     for gate in GATES {
         let (on, how) = gate_state(f, gate);
         let users = need.get(gate.name);
         let used = users.map_or(String::new(), |u| format!("; needed by {}", u.join(", ")));
         let mark = if on { "on" } else { "off" };
         r = r.line(format!("{}: {mark} ({how}){used}", gate.name));
-        if let (false, Some(users)) = (on, users) {
-            fixes.push(format!(
-                "{} ({}) is off: turn the feature gate {} on in the API server, scheduler, \
-                 controller manager and kubelets ({}), or turn off {}",
+        let Some(users) = users.filter(|_| !on) else {
+            continue;
+        };
+        let turn_on = format!(
+            "turn the feature gate {} on in the API server, scheduler, controller manager and \
+             kubelets ({})",
+            gate.name,
+            gates::default_text(gate)
+        );
+        // A setting whose feature the plugin replaces by an honest fallback (as the chart
+        // installs it on such a release) works with less: a warning that says what is lost.
+        match users
+            .iter()
+            .all(|u| u == DEVICE_HEALTH)
+            .then(|| fallback(gate.name))
+            .flatten()
+        {
+            Some(instead) => degraded.push(format!(
+                "{} ({}) is off, so {instead}: {turn_on} for the full behaviour",
+                gate.feature, gate.name
+            )),
+            None => fixes.push(format!(
+                "{} ({}) is off: {turn_on}, or turn off {}",
                 gate.feature,
                 gate.name,
-                gate.name,
-                gates::default_text(gate),
                 users.join(" and ")
-            ));
+            )),
         }
     }
     if let Some(e) = &f.probe_error {
@@ -303,10 +315,29 @@ pub fn check_dra_features(f: &Facts) -> CheckResult {
     if f.plugin.is_none() {
         r = r.line("no node plugin DaemonSet found: no setting read");
     }
-    if fixes.is_empty() {
-        r
-    } else {
+    if !fixes.is_empty() {
+        fixes.extend(degraded);
         r.fail(fixes.join("; "))
+    } else if !degraded.is_empty() {
+        r.warn(degraded.join("; "))
+    } else {
+        r
+    }
+}
+
+/// The chart value that turns device health reporting on, as [`needed_gates`] names it.
+const DEVICE_HEALTH: &str = "kubeletPlugin.deviceHealth.enabled=true";
+
+/// What the plugin does for device health where `gate` is off (the plugin's fallbacks,
+/// `publish/features.rs`); `None`: no fallback, the setting does not work without it.
+fn fallback(gate: &str) -> Option<&'static str> {
+    match gate {
+        "DRADeviceTaints" => Some(
+            "unhealthy GPUs are withheld from the ResourceSlices instead of tainted (new \
+             claims avoid them; pods already running on them are not evicted)",
+        ),
+        "ResourceHealthStatus" => Some("pods' status shows no health of their devices"),
+        _ => None,
     }
 }
 
@@ -996,6 +1027,36 @@ mod tests {
             "ResourceHealthStatus".into(),
         ];
         assert_eq!(check_dra_features(&f).status, Status::Passed);
+    }
+
+    #[test]
+    fn device_health_without_its_gates_warns_with_the_fallback_and_does_not_fail() {
+        // A default install on 1.34: device health on, its gates off, nothing else needed.
+        let mut f = healthy();
+        f.plugin.as_mut().unwrap().env.remove("MEMORY_SHARE_GPUS");
+        f.server.as_mut().unwrap().minor = 34;
+        f.probe.insert("DRAConsumableCapacity".into(), false);
+        f.probe.insert("DRADeviceTaints".into(), false);
+        let r = check_dra_features(&f);
+        assert_eq!(r.status, Status::Warning, "{r:?}");
+        let fix = r.fix.unwrap();
+        assert!(fix.contains("withheld from the ResourceSlices"), "{fix}");
+        assert!(fix.contains("feature gate DRADeviceTaints"), "{fix}");
+        assert!(fix.contains("ResourceHealthStatus"), "{fix}");
+        // Memory shares have no such fallback: failed, the health warnings said with it.
+        f.plugin
+            .as_mut()
+            .unwrap()
+            .env
+            .insert("MEMORY_SHARE_GPUS".into(), "all".into());
+        let r = check_dra_features(&f);
+        assert_eq!(r.status, Status::Failed, "{r:?}");
+        let fix = r.fix.unwrap();
+        assert!(
+            fix.contains("or turn off kubeletPlugin.partitioning.memoryShareGpus"),
+            "{fix}"
+        );
+        assert!(fix.contains("withheld from the ResourceSlices"), "{fix}");
     }
 
     #[test]
