@@ -24,7 +24,6 @@ import (
 	"fmt"
 	"os"
 	"os/signal"
-	"path/filepath"
 	"sort"
 	"strconv"
 	"strings"
@@ -105,62 +104,44 @@ func run(ctx context.Context, nodeCount, podCount, parallel int, rest time.Durat
 		return err
 	}
 
-	if err := ensureInotifyInstances(nodeCount); err != nil {
-		return err
-	}
-
 	start := time.Now()
 	var mu sync.Mutex
-	var nodes []*harness.Node
-	var firstErr error
 	var refs []*harness.RefDriver
 	defer func() {
 		for _, r := range refs {
 			r.Stop()
 		}
 	}()
-	sem := make(chan struct{}, 8)
-	var wg sync.WaitGroup
 	asked := nodeCount
-	for i := range asked {
+	nodes, err := c.AddFleet(ctx, harness.FleetOptions{
+		Count: nodeCount,
+		Node: func(i int) harness.NodeOptions {
+			return harness.NodeOptions{Name: fmt.Sprintf("node-%03d", i), NoContainers: true}
+		},
+		Start: func(ctx context.Context, _ int, n *harness.Node) error {
+			if driver == "plugin" {
+				_, err := n.StartPlugin(ctx, harness.PluginOptions{Profile: profile, ExtraArgs: pluginArgs})
+				return err
+			}
+			ref, err := n.StartRefDriver(ctx, harness.DefaultDriver, gpus)
+			if err == nil {
+				mu.Lock()
+				refs = append(refs, ref)
+				mu.Unlock()
+			}
+			return err
+		},
 		// Every node costs a plugin process: stop adding nodes before the
 		// machine runs short of memory, and measure with those that fit.
-		if free := memAvailableMiB(); free >= 0 && free < minFreeMiB {
-			wg.Wait()
-			nodeCount = len(nodes)
-			fmt.Printf("stopped adding nodes at %d of %d: %d MiB of memory available, BENCH_MIN_FREE_MIB is %d\n", nodeCount, asked, free, minFreeMiB)
-			break
-		}
-		wg.Add(1)
-		sem <- struct{}{}
-		go func() {
-			defer wg.Done()
-			defer func() { <-sem }()
-			n, err := c.AddNode(ctx, harness.NodeOptions{Name: fmt.Sprintf("node-%03d", i), NoContainers: true})
-			if err == nil && driver == "plugin" {
-				_, err = n.StartPlugin(ctx, harness.PluginOptions{Profile: profile, ExtraArgs: pluginArgs})
-			} else if err == nil {
-				var ref *harness.RefDriver
-				ref, err = n.StartRefDriver(ctx, harness.DefaultDriver, gpus)
-				if err == nil {
-					mu.Lock()
-					refs = append(refs, ref)
-					mu.Unlock()
-				}
-			}
-			mu.Lock()
-			defer mu.Unlock()
-			if err != nil && firstErr == nil {
-				firstErr = err
-			}
-			if n != nil {
-				nodes = append(nodes, n)
-			}
-		}()
+		MinFreeMiB: minFreeMiB,
+		Logf:       func(f string, a ...any) { fmt.Printf(f+"\n", a...) },
+	})
+	if err != nil {
+		return err
 	}
-	wg.Wait()
-	if firstErr != nil {
-		return firstErr
+	nodeCount = len(nodes)
+	if nodeCount < asked {
+		fmt.Printf("measuring with the %d nodes of %d that fit (BENCH_MIN_FREE_MIB is %d)\n", nodeCount, asked, minFreeMiB)
 	}
 	fmt.Printf("%d nodes with plugins started in %s\n", nodeCount, time.Since(start).Round(time.Millisecond))
 	if podCount > nodeCount*gpus {
@@ -171,34 +152,9 @@ func run(ctx context.Context, nodeCount, podCount, parallel int, rest time.Durat
 	// Registration and publishing take longer the more plugins start at once on
 	// this machine: 5 minutes, and a further minute per 100 nodes above 100.
 	registerWait := 5*time.Minute + time.Duration(max(nodeCount-100, 0))*600*time.Millisecond
-	var devices, registered, published int
-	lastReport := time.Now()
-	err = wait.PollUntilContextTimeout(ctx, 500*time.Millisecond, registerWait, true, func(ctx context.Context) (bool, error) {
-		registered = 0
-		for _, n := range nodes {
-			if n.DriverRegistered(harness.DefaultDriver) {
-				registered++
-			}
-		}
-		list, err := c.Client.ResourceV1().ResourceSlices().List(ctx, metav1.ListOptions{FieldSelector: "spec.driver=" + harness.DefaultDriver})
-		if err != nil {
-			return false, nil
-		}
-		devices = 0
-		pools := map[string]bool{}
-		for _, s := range list.Items {
-			devices += len(s.Spec.Devices)
-			pools[s.Spec.Pool.Name] = true
-		}
-		published = len(pools)
-		if time.Since(lastReport) >= 30*time.Second {
-			lastReport = time.Now()
-			fmt.Printf("  %s after start: %d of %d plugins registered, %d pools published\n", time.Since(start).Round(time.Second), registered, nodeCount, published)
-		}
-		return registered == nodeCount && published >= nodeCount, nil
-	})
+	devices, err := c.WaitFleetPublished(ctx, nodes, harness.DefaultDriver, registerWait, func(f string, a ...any) { fmt.Printf(f+"\n", a...) })
 	if err != nil {
-		return fmt.Errorf("plugins not all registered with slices after %s: %d of %d registered with their node's kubelet side, %d pools published: %w", registerWait, registered, nodeCount, published, err)
+		return err
 	}
 	fmt.Printf("all %d plugins registered and published (%d devices) %s after start\n", nodeCount, devices, time.Since(start).Round(time.Millisecond))
 	reportSlices(ctx, c)
@@ -501,69 +457,9 @@ func reportSlices(ctx context.Context, c *harness.Cluster) {
 		len(list.Items), len(pools), devices, bytes/1024, listTook.Round(time.Millisecond))
 }
 
-// ensureInotifyInstances makes room for the inotify instances the nodes take:
-// every simulated node's kubelet side watches its registration folder (the
-// kubelet's plugin watcher, fsnotify), one instance each, and all run in this
-// process, under one user, whose instances the kernel caps at
-// fs.inotify.max_user_instances (often 128 or 512; a real node has a kernel of
-// its own). A node past the cap never sees its plugin register. The cap is
-// raised when this process may write it; otherwise the error says what to run.
-func ensureInotifyInstances(nodes int) error {
-	const knob = "/proc/sys/fs/inotify/max_user_instances"
-	data, err := os.ReadFile(knob)
-	if err != nil {
-		return nil // not Linux's procfs: nothing to check
-	}
-	limit, err := strconv.Atoi(strings.TrimSpace(string(data)))
-	if err != nil {
-		return fmt.Errorf("%s: %q is not a number", knob, strings.TrimSpace(string(data)))
-	}
-	// What the machine's processes hold now, and some room for what starts
-	// meanwhile (the test binaries' own watchers, other tools).
-	need := inotifyInstancesInUse() + nodes + 128
-	if limit >= need {
-		return nil
-	}
-	if err := os.WriteFile(knob, []byte(strconv.Itoa(need)), 0o644); err != nil {
-		return fmt.Errorf("%d nodes need %d inotify instances (one per node's plugin watcher, plus those in use) and fs.inotify.max_user_instances is %d: run `sysctl -w fs.inotify.max_user_instances=%d` as root, or ask for fewer nodes (%v)", nodes, need, limit, need, err)
-	}
-	fmt.Printf("raised fs.inotify.max_user_instances from %d to %d: every simulated node's plugin watcher holds one instance\n", limit, need)
-	return nil
-}
-
-// inotifyInstancesInUse counts the inotify instances open in the processes
-// this one can see, all users together (an upper bound of this user's).
-func inotifyInstancesInUse() int {
-	links, _ := filepath.Glob("/proc/[0-9]*/fd/*")
-	n := 0
-	for _, l := range links {
-		if target, err := os.Readlink(l); err == nil && target == "anon_inode:inotify" {
-			n++
-		}
-	}
-	return n
-}
-
 // minFreeMiB is the memory (MemAvailable) below which no further node is
 // added (env BENCH_MIN_FREE_MIB, default 3072).
 var minFreeMiB = envInt("BENCH_MIN_FREE_MIB", 3072)
-
-// memAvailableMiB is the kernel's MemAvailable in MiB, -1 when unknown.
-func memAvailableMiB() int {
-	data, err := os.ReadFile("/proc/meminfo")
-	if err != nil {
-		return -1
-	}
-	for _, line := range strings.Split(string(data), "\n") {
-		if rest, ok := strings.CutPrefix(line, "MemAvailable:"); ok {
-			var kb int
-			if _, err := fmt.Sscanf(strings.TrimSpace(rest), "%d", &kb); err == nil {
-				return kb / 1024
-			}
-		}
-	}
-	return -1
-}
 
 // pluginCPU is the CPU time (user and system) the running node plugins have
 // used so far, from /proc/<pid>/stat in clock ticks (100 per second on Linux).
