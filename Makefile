@@ -8,7 +8,7 @@ TOOLS := $(CURDIR)/.tools
 HELM_VERSION ?= v3.22.0
 HELM := $(TOOLS)/bin/helm
 
-.PHONY: help build release unit test lint fmt fuzz bench bench-check generate chart-package chart-check cdi-check e2e e2e-build e2e-bins e2e-tools e2e-runtime e2e-node-tools e2e-image e2e-kubectl e2e-specs e2e-1.34 e2e-1.34-tools demo demo-helm bench-e2e bench-mps advise-demo toolkit image-rootfs image-rootfs-arm64 image image-push image-digest image-tool image-arm64-run image-cross-deps kubectl-plugin selftest-bundle selftest-check
+.PHONY: help build release unit test lint fmt fuzz bench bench-check generate chart-package chart-check cdi-check e2e e2e-build e2e-bins e2e-tools e2e-runtime e2e-node-tools e2e-image e2e-kubectl e2e-specs e2e-1.34 e2e-1.34-tools demo demo-helm bench-e2e bench-topology bench-mps advise-demo toolkit image-rootfs image-rootfs-arm64 image image-push image-digest image-tool image-arm64-run image-cross-deps kubectl-plugin selftest-bundle selftest-check
 
 help: ## list targets
 	@grep -E '^[a-z0-9.-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | sort
@@ -156,6 +156,14 @@ bench-e2e: toolkit ## scale benchmark: 100 nodes x 8 GPUs, 800 one-GPU pods, BEN
 	@case "$(BENCH_PROFILE)" in debug|release) ;; *) echo "make bench-e2e: BENCH_PROFILE=$(BENCH_PROFILE): want debug or release" >&2; exit 2;; esac
 	$(CARGO) build --locked $(if $(filter release,$(BENCH_PROFILE)),--release) -p gpu-dra-kubelet-plugin -p gpu-dra-sim -p gpu-dra-sim-cuda -p gpu-dra-webhook
 	cd e2e && $(E2E_ENV) E2E_BIN_DIR=$(CURDIR)/target/$(BENCH_PROFILE) BENCH_PROFILE=$(BENCH_PROFILE) $(GO) run ./cmd/bench-e2e
+
+# NVLink placement on the real scheduler: a fleet of bridged-pair, PCIe-only and cube-mesh hosts,
+# rounds of 4-GPU and 2-GPU claims with and without matchAttribute on nvlinkDomain; the table is
+# kept in target/bench-topology.txt.
+bench-topology: toolkit ## NVLink placement on kube-scheduler: share of claims on NVLink sets, Pending claims and pods/s, with the nvlinkDomain constraint and without (not in CI)
+	@case "$(BENCH_PROFILE)" in debug|release) ;; *) echo "make bench-topology: BENCH_PROFILE=$(BENCH_PROFILE): want debug or release" >&2; exit 2;; esac
+	$(CARGO) build --locked $(if $(filter release,$(BENCH_PROFILE)),--release) -p gpu-dra-kubelet-plugin -p gpu-dra-sim -p gpu-dra-sim-cuda -p gpu-dra-webhook
+	cd e2e && $(E2E_ENV) E2E_BIN_DIR=$(CURDIR)/target/$(BENCH_PROFILE) BENCH_PROFILE=$(BENCH_PROFILE) BENCH_OUT=$(CURDIR)/target/bench-topology.txt $(GO) run ./cmd/bench-topology
 
 bench-mps: e2e-bins e2e-tools e2e-image toolkit ## MPS claim created -> pod Running, p50/p99 over 24 claims, against whole-GPU claims (root: runs containers)
 	cd e2e && $(E2E_ENV) $(GO) run ./cmd/bench-mps
