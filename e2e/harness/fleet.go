@@ -179,3 +179,18 @@ func MemAvailableMiB() int {
 	}
 	return -1
 }
+
+// EnvInt is the integer in environment variable name, or def when it is
+// unset (the benchmarks' BENCH_* settings); a value that is not an integer is
+// an error naming it.
+func EnvInt(name string, def int) (int, error) {
+	v := os.Getenv(name)
+	if v == "" {
+		return def, nil
+	}
+	n, err := strconv.Atoi(v)
+	if err != nil {
+		return 0, fmt.Errorf("%s=%q: want an integer", name, v)
+	}
+	return n, nil
+}

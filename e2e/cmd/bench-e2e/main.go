@@ -62,16 +62,12 @@ func main() {
 	}
 }
 
-// envInt is the integer in environment variable name, or def when it is unset;
-// a value that is not an integer stops the benchmark naming it.
+// envInt is harness.EnvInt; a value that is not an integer stops the
+// benchmark naming it.
 func envInt(name string, def int) int {
-	v := os.Getenv(name)
-	if v == "" {
-		return def
-	}
-	n, err := strconv.Atoi(v)
+	n, err := harness.EnvInt(name, def)
 	if err != nil {
-		fmt.Fprintf(os.Stderr, "bench-e2e: %s=%q: want an integer\n", name, v)
+		fmt.Fprintln(os.Stderr, "bench-e2e:", err)
 		os.Exit(2)
 	}
 	return n

@@ -28,6 +28,7 @@ import (
 	"os"
 	"os/signal"
 	"path/filepath"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
@@ -38,11 +39,11 @@ import (
 )
 
 func main() {
-	fleet := flag.String("fleet", envString("BENCH_FLEET", "a100-pcie-x4-nvlink=6,h100-pcie-x8-nvlink=6,l40s-x8=4,dgx1-v100=2"),
+	fleet := flag.String("fleet", envString("BENCH_FLEET", "a100-pcie-x4-nvlink=12,h100-pcie-x8-nvlink=12,l40s-x8=8,dgx1-v100=4"),
 		"simulated hosts, profile=count,... (env BENCH_FLEET)")
-	quads := flag.Int("quads", envInt("BENCH_QUADS", 8), "4-GPU claims per round, created first (env BENCH_QUADS)")
-	pairs := flag.Int("pairs", envInt("BENCH_PAIRS", 32), "2-GPU claims per round, created after the 4-GPU ones (env BENCH_PAIRS)")
-	rounds := flag.Int("rounds", envInt("BENCH_ROUNDS", 3), "rounds with the constraint, and as many without (env BENCH_ROUNDS)")
+	quads := flag.Int("quads", envInt("BENCH_QUADS", 16), "4-GPU claims per round, created first (env BENCH_QUADS)")
+	pairs := flag.Int("pairs", envInt("BENCH_PAIRS", 64), "2-GPU claims per round, created after the 4-GPU ones (env BENCH_PAIRS)")
+	rounds := flag.Int("rounds", envInt("BENCH_ROUNDS", 5), "rounds with the constraint, and as many without (env BENCH_ROUNDS)")
 	parallel := flag.Int("parallel", 16, "concurrent pod creations")
 	out := flag.String("out", os.Getenv("BENCH_OUT"), "file the figures are written to as well (env BENCH_OUT; empty: none)")
 	flag.Parse()
@@ -69,16 +70,12 @@ func envString(name, def string) string {
 	return def
 }
 
-// envInt is the integer in environment variable name, or def when it is unset;
-// a value that is not an integer stops the benchmark naming it.
+// envInt is harness.EnvInt; a value that is not an integer stops the
+// benchmark naming it.
 func envInt(name string, def int) int {
-	v := os.Getenv(name)
-	if v == "" {
-		return def
-	}
-	n, err := strconv.Atoi(v)
+	n, err := harness.EnvInt(name, def)
 	if err != nil {
-		fmt.Fprintf(os.Stderr, "bench-topology: %s=%q: want an integer\n", name, v)
+		fmt.Fprintln(os.Stderr, "bench-topology:", err)
 		os.Exit(2)
 	}
 	return n
@@ -98,6 +95,9 @@ func parseFleet(s string) ([]host, error) {
 		n, err := strconv.Atoi(count)
 		if !ok || profile == "" || err != nil || n < 1 {
 			return nil, fmt.Errorf("--fleet %q: entry %q: want profile=count with a count of at least 1", s, part)
+		}
+		if slices.ContainsFunc(out, func(h host) bool { return h.profile == profile }) {
+			return nil, fmt.Errorf("--fleet %q: profile %s named twice", s, profile)
 		}
 		out = append(out, host{profile, n})
 	}
@@ -128,19 +128,33 @@ func run(ctx context.Context, hosts []host, quads, pairs, rounds, parallel int, 
 		return err
 	}
 
-	var profiles []string // of node i
+	var profiles []string            // of node i
+	profileOf := map[string]string{} // node name -> profile
 	var fleetDesc []string
+	// Node i's profile goes round the hosts (a, b, c, a, b, c, a, ...): the
+	// scheduler breaks ties between equal nodes in an order of its own, and
+	// one host shape listed first must not get the claims for that alone.
+	left := map[string]int{}
 	for _, h := range hosts {
-		for range h.count {
-			profiles = append(profiles, h.profile)
-		}
+		left[h.profile] += h.count
 		fleetDesc = append(fleetDesc, fmt.Sprintf("%d x %s", h.count, h.profile))
+	}
+	for len(profiles) < sumCounts(hosts) {
+		for _, h := range hosts {
+			if left[h.profile] > 0 {
+				left[h.profile]--
+				profiles = append(profiles, h.profile)
+			}
+		}
+	}
+	for i, p := range profiles {
+		profileOf[nodeName(profiles, i)] = p
 	}
 	start := time.Now()
 	nodes, err := c.AddFleet(ctx, harness.FleetOptions{
 		Count: len(profiles),
 		Node: func(i int) harness.NodeOptions {
-			return harness.NodeOptions{Name: fmt.Sprintf("%s-%02d", profiles[i], i), NoContainers: true, Labels: map[string]string{fleetLabel: "topology"}}
+			return harness.NodeOptions{Name: nodeName(profiles, i), NoContainers: true, Labels: map[string]string{fleetLabel: "topology"}}
 		},
 		Start: func(ctx context.Context, i int, n *harness.Node) error {
 			_, err := n.StartPlugin(ctx, harness.PluginOptions{Profile: profiles[i]})
@@ -171,6 +185,7 @@ func run(ctx context.Context, hosts []host, quads, pairs, rounds, parallel int, 
 	// Rounds alternate, and which kind goes first alternates too, so neither
 	// always meets the control plane warmer.
 	results := map[bool][]*harness.PlacementResult{}
+	var roundLines []string
 	for i := range 2 * rounds {
 		nvlink := (i%2 == 0) != (i/2%2 == 1)
 		name := fmt.Sprintf("r%d-%s", i/2+1, kind(nvlink))
@@ -182,7 +197,8 @@ func run(ctx context.Context, hosts []host, quads, pairs, rounds, parallel int, 
 			return err
 		}
 		s := summarize([]*harness.PlacementResult{res})
-		fmt.Printf("round %-16s %s\n", name, s.line())
+		roundLines = append(roundLines, fmt.Sprintf("round %-22s %s", name, s.line()))
+		fmt.Println(roundLines[len(roundLines)-1])
 		results[nvlink] = append(results[nvlink], res)
 		if err := c.DeletePlacement(ctx, ns, 5*time.Minute); err != nil {
 			return err
@@ -215,6 +231,27 @@ func run(ctx context.Context, hosts []host, quads, pairs, rounds, parallel int, 
 		s := summarize(results[nvlink])
 		fmt.Fprintf(w, "%-28s %s\n", label, s.line())
 	}
+	fmt.Fprintf(w, "\n%s\n", strings.Join(roundLines, "\n"))
+	// Where the claims went explains the shares: a host shape's NVLink sets
+	// are taken only as far as claims land there.
+	fmt.Fprintf(w, "\nplaced on, by host (all rounds):\n")
+	for _, nvlink := range []bool{true, false} {
+		for _, size := range []int{4, 2} {
+			byHost := map[string]int{}
+			for _, r := range results[nvlink] {
+				for _, p := range r.Placed {
+					if p.GPUs == size {
+						byHost[profileOf[p.Node]]++
+					}
+				}
+			}
+			var parts []string
+			for _, h := range hosts {
+				parts = append(parts, fmt.Sprintf("%s %d", h.profile, byHost[h.profile]))
+			}
+			fmt.Fprintf(w, "  %-8s %d-GPU: %s\n", kind(nvlink), size, strings.Join(parts, ", "))
+		}
+	}
 	if file != nil {
 		if err := file.Close(); err != nil {
 			return err
@@ -222,6 +259,19 @@ func run(ctx context.Context, hosts []host, quads, pairs, rounds, parallel int, 
 		fmt.Printf("\nwritten to %s\n", outPath)
 	}
 	return nil
+}
+
+func sumCounts(hosts []host) int {
+	n := 0
+	for _, h := range hosts {
+		n += h.count
+	}
+	return n
+}
+
+// nodeName is the name of node i of the fleet.
+func nodeName(profiles []string, i int) string {
+	return fmt.Sprintf("%s-%02d", profiles[i], i)
 }
 
 func kind(nvlink bool) string {
