@@ -3,7 +3,8 @@ package demo
 // The driver installed as a user installs it: real nodes (kubelet and
 // containerd, realnode.go) with simulated GPUs and no DRA driver, then the
 // user's commands, each printed as typed and run: `helm install` of the
-// chart, the DaemonSet's plugin pods, an example claim, `helm upgrade` with
+// chart, the DaemonSet's plugin pods and the webhook's Deployment, a claim
+// with a bad GPU config refused by that webhook, example claims, `helm upgrade` with
 // a value that changes what the slices publish, `kubectl logs` and `kubectl
 // exec` on a plugin pod, `gpu-dra check` and `gpu-dra usage`. Nothing is
 // applied behind helm's back: the plugin pods run the driver's image (`make
@@ -82,6 +83,8 @@ type HelmResult struct {
 	// Shares and SharesUpgraded are the `shares` capacities of the T4
 	// node's devices before and after the upgrade, as kubectl printed them.
 	Shares, SharesUpgraded string
+	// Refusal is what `kubectl apply` of InvalidExample printed (it failed).
+	Refusal string
 	// Logs and Exec are the output of `kubectl logs` and `kubectl exec` on
 	// a plugin pod.
 	Logs, Exec string
@@ -128,11 +131,9 @@ func RunHelm(ctx context.Context, c *harness.Cluster, opts HelmOptions) (*HelmRe
 
 	say("")
 	say("== install the driver")
-	// The webhook stays off: this cluster's API server, a process on this
-	// machine, cannot reach in-cluster Services (docs/STATUS.md); the node
-	// plugin runs the same validation when it prepares a claim.
-	set := append(helmLayout.HelmValues(), "webhook.enabled=false")
-	install, err := c.ChartCommand(ctx, "install", opts.Release, opts.Namespace, set...)
+	// With the chart's webhook: the API server calls it at its pods'
+	// addresses (e2e/README.md).
+	install, err := c.ChartCommand(ctx, "install", opts.Release, opts.Namespace, helmLayout.HelmValues()...)
 	if err != nil {
 		return res, err
 	}
@@ -142,10 +143,34 @@ func RunHelm(ctx context.Context, c *harness.Cluster, opts HelmOptions) (*HelmRe
 	if res.Installed, err = waitPlugins(ctx, c, opts.Namespace, nodes, nil); err != nil {
 		return res, err
 	}
+	// Until a webhook replica is ready, claims are admitted unreviewed (the
+	// chart's failurePolicy Ignore).
+	if _, err := sh.kubectl(ctx, "wait", "deployment", "-n", opts.Namespace, "-l", "app.kubernetes.io/component=webhook",
+		"--for=condition=Available", "--timeout=3m"); err != nil {
+		return res, err
+	}
 	if _, err := sh.kubectl(ctx, "get", "pods", "-n", opts.Namespace, "-o", "wide"); err != nil {
 		return res, err
 	}
 	if _, err := sh.kubectl(ctx, "get", "resourceslices"); err != nil {
+		return res, err
+	}
+
+	say("")
+	say("== a claim with a bad GPU config: the webhook refuses it at create, naming the field")
+	ns, err := namespaceOf(InvalidExample)
+	if err != nil {
+		return res, err
+	}
+	if _, err := sh.kubectl(ctx, "create", "namespace", ns); err != nil {
+		return res, err
+	}
+	apply := []string{"apply", "-f", InvalidExample}
+	res.Refusal, err = sh.kubectl(ctx, apply...)
+	if err == nil {
+		return res, fmt.Errorf("kubectl %s: admitted, want refused by the webhook", quote(apply))
+	}
+	if _, err := sh.kubectl(ctx, "delete", "namespace", ns, "--wait=false"); err != nil {
 		return res, err
 	}
 
@@ -195,7 +220,7 @@ func RunHelm(ctx context.Context, c *harness.Cluster, opts HelmOptions) (*HelmRe
 	}
 
 	say("")
-	say("== is the driver healthy? (gpu-dra check; the webhook is off, so that check warns)")
+	say("== is the driver healthy? (gpu-dra check)")
 	// A plugin pod's readiness can trail its registration by a probe period.
 	err = wait.PollUntilContextTimeout(ctx, 2*time.Second, 60*time.Second, true, func(ctx context.Context) (bool, error) {
 		var runErr error
@@ -221,6 +246,31 @@ func RunHelm(ctx context.Context, c *harness.Cluster, opts HelmOptions) (*HelmRe
 		return res, fmt.Errorf("gpu-dra usage shows no usage columns: %w", err)
 	}
 	return res, nil
+}
+
+// InvalidExample is the claim the demo shows refused (a path in the
+// repository, as the user types it from its root).
+const InvalidExample = "examples/invalid/mps-zero-percent.yaml"
+
+// namespaceOf is the namespace of the first object of a YAML file in the
+// repository.
+func namespaceOf(rel string) (string, error) {
+	path, err := harness.RepoPath(rel)
+	if err != nil {
+		return "", err
+	}
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return "", err
+	}
+	objs, err := harness.ParseYAML(data)
+	if err != nil {
+		return "", fmt.Errorf("%s: %w", rel, err)
+	}
+	if len(objs) == 0 || objs[0].GetNamespace() == "" {
+		return "", fmt.Errorf("%s: its first object names no namespace", rel)
+	}
+	return objs[0].GetNamespace(), nil
 }
 
 // UsageHasColumns says whether `gpu-dra usage`'s text has its usage columns
@@ -324,6 +374,11 @@ func (s shell) quiet(ctx context.Context, args ...string) (string, error) {
 	}
 	cmd := exec.CommandContext(ctx, kubectl, args...)
 	cmd.Env = append(os.Environ(), "KUBECONFIG="+s.c.Kubeconfig)
+	// In the repository's root, as the commands are typed (the files they
+	// name are its).
+	if root, err := harness.RepoRoot(); err == nil {
+		cmd.Dir = root
+	}
 	out, err := cmd.CombinedOutput()
 	if err != nil {
 		return string(out), fmt.Errorf("kubectl %s: %v: %s", quote(args), err, out)

@@ -99,7 +99,7 @@ func waitSlices(ctx context.Context, t *testing.T, nodes ...string) {
 
 // TestCheck: `gpu-dra check` on a healthy install (two nodes with the
 // deployed plugin), run as a service account with only the chart's check
-// role (checkRole, with workload), fails no check and exits 0 (the role
+// role (checkRole, with workload and webhookSecret), fails no check and exits 0 (the role
 // grants no write for the dry-run feature probe: the check says so and
 // judges by the release); `--workload --node`, as that account too, runs a
 // one-GPU pod on that node, on the chart's plugin image (the default: no
@@ -110,17 +110,19 @@ func waitSlices(ctx context.Context, t *testing.T, nodes ...string) {
 // as a GPU node as NVIDIA's GPU feature discovery labels them), `plugin-pods`
 // fails naming the node, with its fix, and it exits 1.
 //
-// The webhook is not installed: the suite's in-process API server cannot
-// reach in-cluster Services (docs/STATUS.md), so `webhook-reachable` would
-// fail on every run; without it that check is a warning (exit 0).
+// The chart's webhook runs as installed (its Deployment on the two nodes):
+// `webhook-reachable` passes, the API server calling it at its pods'
+// addresses as it calls admission webhooks (e2e/README.md), and a claim with
+// a bad GPU config is refused at create by that Deployment
+// (checkWebhookRefuses).
 func TestCheck(t *testing.T) {
 	ctx := context.Background()
 	layout := harness.LayoutHostDriver
 	a := addNode(t, "node-check-a", layout, "t4")
 	b := addNode(t, "node-check-b", layout, "t4")
-	install(t, append(layout.HelmValues(), "webhook.enabled=false",
+	install(t, append(layout.HelmValues(),
 		// The chart's role for the check, bound to an account of the test's.
-		"checkRole.enabled=true", "checkRole.workload=true",
+		"checkRole.enabled=true", "checkRole.workload=true", "checkRole.webhookSecret=true",
 		"checkRole.subjects[0].kind=ServiceAccount", "checkRole.subjects[0].name="+checkerAccount,
 		"checkRole.subjects[0].namespace="+checkerNamespace)...)
 	checker := checkerKubeconfig(ctx, t)
@@ -128,7 +130,8 @@ func TestCheck(t *testing.T) {
 	waitPlugin(ctx, t, b, "")
 	waitSlices(ctx, t, a.Name, b.Name)
 
-	// Healthy: every check passed or warned (the webhook is absent).
+	// Healthy: every check passed or warned. The webhook's pods become
+	// ready after the plugin's: until then webhook-reachable fails.
 	var report harness.CheckReport
 	var code int
 	// A plugin pod's readiness can trail its registration by a probe period.
@@ -146,13 +149,10 @@ func TestCheck(t *testing.T) {
 			t.Errorf("check %s failed on a healthy install: %v; fix: %s", c.Name, c.Detail, c.Fix)
 		}
 	}
-	for _, name := range []string{"api-server", "resource-api", "dra-features", "device-classes", "plugin-pods", "resource-slices", "mps-daemons", "stuck-claims", "device-taints", "webhook-certificate"} {
+	for _, name := range []string{"api-server", "resource-api", "dra-features", "device-classes", "plugin-pods", "resource-slices", "mps-daemons", "stuck-claims", "device-taints", "webhook-reachable", "webhook-certificate"} {
 		if status[name] != "passed" {
 			t.Errorf("check %s: %q, want passed", name, status[name])
 		}
-	}
-	if status["webhook-reachable"] != "warning" {
-		t.Errorf("check webhook-reachable without a webhook: %q, want warning", status["webhook-reachable"])
 	}
 	// The role grants no create on ResourceSlices: the dry-run probe is
 	// refused and the check judges the features by the release, saying so.
@@ -162,6 +162,7 @@ func TestCheck(t *testing.T) {
 		}
 	}
 	checkWorkload(ctx, t, checker, a.Name)
+	checkWebhookRefuses(ctx, t)
 	checkStuckClaim(ctx, t, a.Name)
 
 	// Broken: node b is a GPU node the DaemonSet no longer selects.
@@ -237,9 +238,54 @@ func checkerKubeconfig(ctx context.Context, t *testing.T) string {
 	return path
 }
 
+// checkWebhookRefuses: a claim whose GPU config is invalid on any device
+// (150 % of the threads) is refused at create by the chart's webhook
+// Deployment, through the API server: the refusal names the chart's
+// registration, the object and the field path, with the `api` crate's
+// message, the one the node plugin gives at prepare. Nothing is stored.
+func checkWebhookRefuses(ctx context.Context, t *testing.T) {
+	t.Helper()
+	const ns, name = "check-webhook", "bad-threads"
+	if err := cluster.CreateNamespace(ctx, ns); err != nil {
+		t.Fatal(err)
+	}
+	claims := cluster.Client.ResourceV1().ResourceClaims(ns)
+	_, err := claims.Create(ctx, gpuClaim(ns, name, mpsParams(t, map[string]any{"defaultActiveThreadPercentage": 150})), metav1.CreateOptions{})
+	if err == nil {
+		t.Fatal("a claim with defaultActiveThreadPercentage 150 was admitted with the webhook installed")
+	}
+	for _, want := range []string{
+		`admission webhook "resourceclaims.opaque-config.` + harness.DefaultDriver + `" denied the request`,
+		"ResourceClaim " + ns + "/" + name + " is invalid (1 problem): " +
+			"spec.devices.config[0].opaque.parameters.sharing.mpsConfig.defaultActiveThreadPercentage: 150 is out of range 1..=100",
+	} {
+		if !strings.Contains(err.Error(), want) {
+			t.Errorf("refusal %q does not say %q", err, want)
+		}
+	}
+	if _, err := claims.Get(ctx, name, metav1.GetOptions{}); !apierrors.IsNotFound(err) {
+		t.Errorf("the refused claim: %v, want not found", err)
+	}
+}
+
+// mpsParams are the opaque parameters of a GpuConfig sharing with MPS with
+// the given mpsConfig.
+func mpsParams(t *testing.T, mps map[string]any) []byte {
+	t.Helper()
+	params, err := json.Marshal(map[string]any{
+		"apiVersion": "resource.nvidia.com/v1beta1", "kind": "GpuConfig",
+		"sharing": map[string]any{"strategy": "MPS", "mpsConfig": mps},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return params
+}
+
 // checkStuckClaim: a pod on node whose claim carries a GPU config the plugin
-// refuses at prepare (the webhook that would refuse it at admission is not
-// installed) waits in Pending while the kubelet reports
+// refuses at prepare (a pinned-memory limit for device index 1 of a
+// one-GPU claim: only the allocation shows the claim has no second device,
+// so the webhook admits it) waits in Pending while the kubelet reports
 // FailedPrepareDynamicResources; `gpu-dra check --only stuck-claims` fails
 // naming the pod, its claim, the node and the kubelet's message (the
 // plugin's error), with its fix, and exits 1. Once the pod is deleted
@@ -250,15 +296,7 @@ func checkStuckClaim(ctx context.Context, t *testing.T, node string) {
 	if err := cluster.CreateNamespace(ctx, ns); err != nil {
 		t.Fatal(err)
 	}
-	params, err := json.Marshal(map[string]any{
-		"apiVersion": "resource.nvidia.com/v1beta1", "kind": "GpuConfig",
-		"sharing": map[string]any{"strategy": "MPS", "mpsConfig": map[string]any{
-			"defaultActiveThreadPercentage": 150,
-		}},
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
+	params := mpsParams(t, map[string]any{"defaultPerDevicePinnedMemoryLimit": map[string]any{"1": "1Gi"}})
 	pod, err := createClaimPod(ctx, ns, name, node, params)
 	if err != nil {
 		t.Fatal(err)
@@ -289,7 +327,7 @@ func checkStuckClaim(ctx context.Context, t *testing.T, node string) {
 		t.Fatalf("stuck-claims still passes with pod %s/%s refused at prepare: %v", ns, name, r.Detail)
 	}
 	harness.ExpectCheckFailed(t, r, code,
-		[]string{"pod " + ns + "/" + pod.Name + " on " + node + " (claim " + name + "):", "defaultActiveThreadPercentage: 150 is out of range"},
+		[]string{"pod " + ns + "/" + pod.Name + " on " + node + " (claim " + name + "):", "defaultPerDevicePinnedMemoryLimit[1]: device index 1 is out of range: the config applies to 1 device(s)"},
 		[]string{"gpu-dra explain", "kubectl describe pod"})
 
 	deletePod()

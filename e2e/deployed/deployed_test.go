@@ -100,22 +100,7 @@ func gpuPod(ctx context.Context, t *testing.T, ns, name, node string) *v1.Pod {
 // driver when params is not nil) and a pod on the node whose one container
 // uses it.
 func createClaimPod(ctx context.Context, ns, name, node string, params []byte) (*v1.Pod, error) {
-	claim := &resourceapi.ResourceClaim{
-		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns},
-		Spec: resourceapi.ResourceClaimSpec{Devices: resourceapi.DeviceClaim{
-			Requests: []resourceapi.DeviceRequest{{Name: "gpu", Exactly: &resourceapi.ExactDeviceRequest{
-				DeviceClassName: "gpu.nvidia.com", AllocationMode: resourceapi.DeviceAllocationModeExactCount, Count: 1,
-			}}},
-		}},
-	}
-	if params != nil {
-		claim.Spec.Devices.Config = []resourceapi.DeviceClaimConfiguration{{
-			Requests: []string{"gpu"},
-			DeviceConfiguration: resourceapi.DeviceConfiguration{Opaque: &resourceapi.OpaqueDeviceConfiguration{
-				Driver: harness.DefaultDriver, Parameters: runtime.RawExtension{Raw: params},
-			}},
-		}}
-	}
+	claim := gpuClaim(ns, name, params)
 	if _, err := cluster.Client.ResourceV1().ResourceClaims(ns).Create(ctx, claim, metav1.CreateOptions{}); err != nil {
 		return nil, err
 	}
@@ -134,6 +119,28 @@ func createClaimPod(ctx context.Context, ns, name, node string, params []byte) (
 		},
 	}
 	return cluster.Client.CoreV1().Pods(ns).Create(ctx, pod, metav1.CreateOptions{})
+}
+
+// gpuClaim is a claim for one GPU, with an opaque config of our driver when
+// params is not nil.
+func gpuClaim(ns, name string, params []byte) *resourceapi.ResourceClaim {
+	claim := &resourceapi.ResourceClaim{
+		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns},
+		Spec: resourceapi.ResourceClaimSpec{Devices: resourceapi.DeviceClaim{
+			Requests: []resourceapi.DeviceRequest{{Name: "gpu", Exactly: &resourceapi.ExactDeviceRequest{
+				DeviceClassName: "gpu.nvidia.com", AllocationMode: resourceapi.DeviceAllocationModeExactCount, Count: 1,
+			}}},
+		}},
+	}
+	if params != nil {
+		claim.Spec.Devices.Config = []resourceapi.DeviceClaimConfiguration{{
+			Requests: []string{"gpu"},
+			DeviceConfiguration: resourceapi.DeviceConfiguration{Opaque: &resourceapi.OpaqueDeviceConfiguration{
+				Driver: harness.DefaultDriver, Parameters: runtime.RawExtension{Raw: params},
+			}},
+		}}
+	}
+	return claim
 }
 
 func envOf(d *harness.DaemonPod, key string) string {

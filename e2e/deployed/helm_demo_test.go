@@ -2,6 +2,7 @@ package deployed
 
 import (
 	"context"
+	"os"
 	"regexp"
 	"strings"
 	"testing"
@@ -11,15 +12,19 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/gpu-dra/e2e/demo"
+	"github.com/gpu-dra/e2e/harness"
 )
 
 // TestHelmDemo runs the steps of `make demo-helm` (package demo, as
 // cmd/demo --helm runs them) with NVIDIA's release name and namespace: the
 // GPU nodes join without a driver, `helm install` of the chart puts a
-// Running plugin pod on each, a whole-GPU example and a static MIG example
+// Running plugin pod on each and the webhook's Deployment up, `kubectl
+// apply` of a claim with a bad GPU config is refused by that webhook with
+// every message its example expects, a whole-GPU example and a static MIG example
 // run, `helm upgrade --reuse-values --set consumableShares=4` rolls the
 // plugins and their slices publish the shares, `kubectl logs` and `kubectl
-// exec` answer for a plugin pod, `gpu-dra check` passes and `gpu-dra usage`
+// exec` answer for a plugin pod, `gpu-dra check` passes (webhook-reachable
+// too, not a warning) and `gpu-dra usage`
 // shows its usage columns from the plugins' metrics (read through the API
 // server's pod proxy), memory allocated for the claims, and each GPU named
 // by its UUID.
@@ -111,7 +116,34 @@ func TestHelmDemo(t *testing.T) {
 	if res.CheckExit != 0 || strings.Contains(res.Check, "×") {
 		t.Errorf("gpu-dra check: exit %d:\n%s", res.CheckExit, res.Check)
 	}
+	if !strings.Contains(res.Check, "√ admission webhook reachable from the API server [webhook-reachable]") {
+		t.Errorf("gpu-dra check: webhook-reachable did not pass:\n%s", res.Check)
+	}
+	checkRefusal(t, res.Refusal)
 	checkUsage(t, res.Usage)
+}
+
+// checkRefusal asserts that `kubectl apply` of demo.InvalidExample was
+// refused as invalid with every line of the example's expected messages
+// (the webhook's; the API server's own validation knows nothing of opaque
+// parameters).
+func checkRefusal(t *testing.T, out string) {
+	t.Helper()
+	path, err := harness.RepoPath(strings.TrimSuffix(demo.InvalidExample, ".yaml") + ".expected.txt")
+	if err != nil {
+		t.Fatal(err)
+	}
+	expected, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// kubectl prints a 422 refusal's causes after "The request is invalid".
+	want := append([]string{"The request is invalid: "}, strings.Split(strings.TrimSpace(string(expected)), "\n")...)
+	for _, w := range want {
+		if !strings.Contains(out, w) {
+			t.Errorf("kubectl apply -f %s printed\n%s\nwithout %q", demo.InvalidExample, out, w)
+		}
+	}
 }
 
 // checkUsage asserts `gpu-dra usage`'s text: its usage columns, every

@@ -3,6 +3,7 @@ package deployed
 import (
 	"context"
 	"encoding/json"
+	"fmt"
 	"strings"
 	"testing"
 	"time"
@@ -222,4 +223,67 @@ func waitLog(ctx context.Context, t *testing.T, d *harness.DaemonPod, ok func(st
 	if err != nil {
 		t.Fatalf("plugin log never showed what was waited for: %v; log:\n%s", err, d.Log())
 	}
+}
+
+// TestMPSDaemonPodBound: with kubeletPlugin.nodeRestriction.maxPodsPerNode
+// set, the chart registers its pods-per-node webhook entry (failurePolicy
+// Fail) for the pods the plugin's credentials create, and its webhook
+// Deployment counts the release namespace's pods per node. One 4-GPU node
+// holds the plugin's pod and the webhook's (one replica); with the bound at
+// 3, the first MPS claim's control daemon pod is admitted (2 pods there) and
+// its workload runs; the second claim's daemon pod, on another GPU, is
+// refused through the API server: its pod stays Pending, the kubelet's
+// prepare error names the node, the count and the value to raise, and no
+// second daemon pod exists.
+func TestMPSDaemonPodBound(t *testing.T) {
+	ctx := context.Background()
+	layout := harness.LayoutContainerDriver
+	n := addNode(t, "node-mps-bound", layout, "a100-pcie-x4-nvlink")
+	const bound = 3
+	install(t, append(layout.HelmValues(), "webhook.replicas=1",
+		fmt.Sprintf("kubeletPlugin.nodeRestriction.maxPodsPerNode=%d", bound))...)
+	plugin := waitPlugin(ctx, t, n, "")
+	// Until a replica serves, the Fail entry refuses every daemon pod (the
+	// kubelet retries the prepare): wait for it, so the refusal below is the
+	// count's.
+	webhook := harness.HelmRelease + "-gpu-dra-driver-webhook"
+	err := wait.PollUntilContextTimeout(ctx, 500*time.Millisecond, 120*time.Second, true, func(ctx context.Context) (bool, error) {
+		d, err := cluster.Client.AppsV1().Deployments(harness.DriverNamespace).Get(ctx, webhook, metav1.GetOptions{})
+		return err == nil && d.Status.AvailableReplicas == 1, nil
+	})
+	if err != nil {
+		t.Fatalf("the webhook's Deployment %s has no available replica: %v", webhook, err)
+	}
+
+	first := mpsPod(ctx, t, "mps-bound-1", "mps", n.Name)
+	if _, err := cluster.WaitPodRunning(ctx, first.Namespace, first.Name, 90*time.Second); err != nil {
+		t.Fatalf("%v; prepare errors: %v; plugin log:\n%s", err, n.DRAErrors(), plugin.Log())
+	}
+	daemon := daemonPod(ctx, t, n.Name)
+
+	second := mpsPod(ctx, t, "mps-bound-2", "mps", n.Name)
+	want := fmt.Sprintf("node %s has %d pods of this namespace already", n.Name, bound)
+	var refused string
+	err = wait.PollUntilContextTimeout(ctx, time.Second, 60*time.Second, true, func(context.Context) (bool, error) {
+		for _, e := range n.DRAErrors() {
+			if strings.Contains(e, second.Namespace+"/"+second.Name) && strings.Contains(e, want) {
+				refused = e
+				return true, nil
+			}
+		}
+		return false, nil
+	})
+	if err != nil {
+		t.Fatalf("no prepare error of %s/%s saying %q: %v; errors: %v; plugin log:\n%s", second.Namespace, second.Name, want, err, n.DRAErrors(), plugin.Log())
+	}
+	t.Logf("refused: %s", refused)
+	for _, w := range []string{`admission webhook "pods-per-node.` + harness.DefaultDriver + `"`, fmt.Sprintf("kubeletPlugin.nodeRestriction.maxPodsPerNode=%d", bound)} {
+		if !strings.Contains(refused, w) {
+			t.Errorf("the prepare error does not say %q: %s", w, refused)
+		}
+	}
+	if p, err := cluster.Client.CoreV1().Pods(second.Namespace).Get(ctx, second.Name, metav1.GetOptions{}); err != nil || p.Status.Phase != v1.PodPending {
+		t.Errorf("the workload over the bound: %v, want Pending", err)
+	}
+	sameDaemon(ctx, t, n, daemon)
 }

@@ -111,7 +111,8 @@ plugins:
 // a fresh key (bound tokens carry the node name), the default admission
 // chain (which includes NodeRestriction, ResourceQuota,
 // ValidatingAdmissionWebhook and ValidatingAdmissionPolicy) with
-// ResourceQuota configured as on GKE (admissionConfig), and the given
+// ResourceQuota configured as on GKE (admissionConfig), Services it calls
+// reached at their endpoints (--enable-aggregator-routing), and the given
 // feature gates.
 func apiServerArgs(dir, etcdURL string, ca *CA, gates map[string]bool) ([]string, error) {
 	// Pods of real nodes reach it as the `kubernetes` Service (podnet.go).
@@ -176,6 +177,13 @@ func apiServerArgs(dir, etcdURL string, ca *CA, gates map[string]bool) ([]string
 		// DaemonSet is privileged.
 		"--allow-privileged=true",
 		"--endpoint-reconciler-type=none",
+		// No kube-proxy runs here, so a Service's cluster IP leads nowhere
+		// from this machine. As control planes without kube-proxy on their
+		// own hosts run it, the API server dials a Service it calls
+		// (admission webhooks, aggregated APIs) at the address of one of its
+		// ready endpoints instead: a pod IP on a real node's bridge, which
+		// this machine routes (podnet.go).
+		"--enable-aggregator-routing=true",
 		"--enable-priority-and-fairness=false",
 	}
 	if flag := featureGatesFlag(gates); flag != "" {
