@@ -46,7 +46,16 @@ package harness
 // namespace, so a container that mounts the driver root read-only (the
 // chart does) still reaches it writable, as processes reach a real driver
 // through its device files; every container also gets it read-only at
-// /etc/gpu-sim (realnode.go's base spec). The node's simulated PCI devices
+// /etc/gpu-sim (realnode.go's base spec). So is, on a container-driver node,
+// the driver's /proc/driver/nvidia/capabilities: the kernel adds and removes
+// the capability files of GPU and compute instances whatever a process's view
+// of procfs, and the simulator, which stands in for it, writes them from the
+// process that changed the MIG layout (the plugin, whose mount of the
+// driver's /proc/driver/nvidia the chart makes read-only). Without that
+// mount the write fails, the new instance's /dev/nvidia-caps nodes are never
+// made, the plugin no longer sees every instance of its GPUs and the
+// simulator refuses its next MIG change (NVML's NO_PERMISSION), as a real
+// driver refuses a process that cannot open every device. The node's simulated PCI devices
 // are every container's /sys/devices and /sys/bus/pci (base spec mounts over
 // the container's sysfs), where the plugin reads NUMA nodes and PCI roots.
 // What differs from a real host: procfs is this machine's kernel's, so a
@@ -124,7 +133,8 @@ func (r *realNode) startHostNamespace(ctx context.Context) error {
 	}
 	// Mount sources exist before the simulated driver is set up (SetupSim).
 	for _, d := range []string{filepath.Join(n.HostRoot, "var/lib/kubelet"), filepath.Join(n.HostRoot, "var/run/cdi"),
-		filepath.Join(n.SimRoot(), "etc", "gpu-sim"), filepath.Join(n.SimRoot(), "sys", "devices"), filepath.Join(n.SimRoot(), "sys", "bus", "pci")} {
+		filepath.Join(n.SimRoot(), "etc", "gpu-sim"), filepath.Join(n.SimRoot(), migCapabilities),
+		filepath.Join(n.SimRoot(), "sys", "devices"), filepath.Join(n.SimRoot(), "sys", "bus", "pci")} {
 		if err := os.MkdirAll(d, 0o755); err != nil {
 			return err
 		}
@@ -144,6 +154,7 @@ func (r *realNode) startHostNamespace(ctx context.Context) error {
 	case LayoutContainerDriver:
 		bind(n.SimRoot(), ContainerDriverRoot)
 		bind(state, filepath.Join(ContainerDriverRoot, "etc", "gpu-sim"))
+		bind(filepath.Join(n.SimRoot(), migCapabilities), filepath.Join(ContainerDriverRoot, migCapabilities))
 	case LayoutHostDriver:
 		if err := r.hostDriverMounts(&script); err != nil {
 			return err
@@ -157,6 +168,11 @@ func (r *realNode) startHostNamespace(ctx context.Context) error {
 	}
 	return nil
 }
+
+// migCapabilities is where, below a driver root, the simulated kernel keeps
+// the capability files of MIG instances (a mount of its own on a
+// container-driver node; see the file's doc).
+const migCapabilities = "proc/driver/nvidia/capabilities"
 
 // hostDriverMounts adds the mounts of a host-driver node: its /dev, and
 // the driver's files on this machine's /usr and /etc (see the file's doc).

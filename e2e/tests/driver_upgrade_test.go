@@ -93,7 +93,7 @@ type gpuWorkload struct {
 
 func upgradeInPlace(t *testing.T, name string, layout harness.Layout, profile string, swaps []driverSwap) {
 	ctx := context.Background()
-	n := deployedNode(t, name, layout, profile)
+	n := deployedNode(t, name, layout, profile, nil)
 	ns := newNamespace(ctx, t, "upgrade")
 	version, err := n.DriverVersion()
 	if err != nil {

@@ -2,6 +2,7 @@ package tests
 
 import (
 	"context"
+	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
@@ -37,7 +38,10 @@ import (
 //     host-layout plugin reads from its own procfs; here that is this
 //     machine's kernel, which has none.
 //   - containerized driver (`/run/nvidia/driver`, GPU Operator): an A100
-//     node with MIG on four GPUs, every scenario.
+//     node with MIG on four GPUs, every scenario; GPUs 0 and 1, emptied of
+//     their instances, are offered as dynamic MIG
+//     (`kubeletPlugin.partitioning.dynamicMigGpus`), as the dynamic-mig
+//     scenario asks.
 func TestExamplesDeployed(t *testing.T) {
 	requirePlugins(t)
 	requireChart(t)
@@ -57,13 +61,35 @@ func TestExamplesDeployed(t *testing.T) {
 		node    string
 		profile string
 		mig     bool
+		// dynamic is the example whose node this one also is: its GPUs are
+		// emptied and offered as dynamic MIG.
+		dynamic string
 	}{
-		{harness.LayoutHostDriver, "node-deployed-host", "dgx-h100", false},
-		{harness.LayoutContainerDriver, "node-deployed-operator", "dgx-a100-40gb", true},
+		{harness.LayoutHostDriver, "node-deployed-host", "dgx-h100", false, ""},
+		{harness.LayoutContainerDriver, "node-deployed-operator", "dgx-a100-40gb", true, "dynamic-mig"},
 	}
 	for _, l := range layouts {
 		t.Run(string(l.layout), func(t *testing.T) {
-			deployedNode(t, l.node, l.layout, l.profile)
+			var values []string
+			var empty func(*harness.Node)
+			if l.dynamic != "" {
+				ex := exampleNodes[l.dynamic]
+				if ex.profile != l.profile {
+					t.Fatalf("%s needs a %s node, not %s", l.dynamic, ex.profile, l.profile)
+				}
+				var gpus []string
+				for _, g := range ex.emptyGPUs {
+					gpus = append(gpus, fmt.Sprint(g))
+				}
+				// Escaped: --set reads a bare comma as the next value.
+				values = append(values, "kubeletPlugin.partitioning.dynamicMigGpus="+strings.Join(gpus, `\,`))
+				empty = func(n *harness.Node) {
+					for _, g := range ex.emptyGPUs {
+						destroyInstances(t, n, g)
+					}
+				}
+			}
+			deployedNode(t, l.node, l.layout, l.profile, empty, values...)
 			ran := 0
 			for _, d := range dirs {
 				if !d.IsDir() || d.Name() == "invalid" {
@@ -79,8 +105,8 @@ func TestExamplesDeployed(t *testing.T) {
 					t.Logf("%s: skipped, needs a memory-share GPU", d.Name())
 					continue
 				}
-				if _, ok := exampleNodes[d.Name()]; ok {
-					// Needs plugin flags (dynamic MIG GPUs) that the deployed
+				if _, ok := exampleNodes[d.Name()]; ok && d.Name() != l.dynamic {
+					// Needs plugin flags (dynamic MIG GPUs) that this
 					// node's chart values do not set; TestExamples runs it.
 					continue
 				}
@@ -198,7 +224,10 @@ func cordon(t *testing.T, names ...string) {
 
 // deployedNode adds a node whose plugin is the chart's DaemonSet pod and
 // waits until it registered and published; the test's end removes the node.
-func deployedNode(t *testing.T, name string, layout harness.Layout, profile string) *harness.Node {
+// prepare, when set, runs once the node's driver is set up and before the
+// plugin starts (as an admin empties the GPUs to offer as dynamic MIG), and
+// values are chart values besides the layout's.
+func deployedNode(t *testing.T, name string, layout harness.Layout, profile string, prepare func(*harness.Node), values ...string) *harness.Node {
 	t.Helper()
 	ctx := context.Background()
 	n, err := cluster.AddNode(ctx, harness.NodeOptions{Name: name, Layout: layout})
@@ -213,12 +242,15 @@ func deployedNode(t *testing.T, name string, layout harness.Layout, profile stri
 	if err := n.SetupSim(profile); err != nil {
 		t.Fatal(err)
 	}
+	if prepare != nil {
+		prepare(n)
+	}
 	// One release serves every node and its values name the layout: the
 	// plugin DaemonSet as the chart renders it with this layout's values,
 	// applied once the node's driver is in place (a `helm upgrade` would also
 	// reset the webhook registration that the suite points at its local
 	// webhook).
-	applyPluginDaemonSet(t, layout.HelmValues()...)
+	applyPluginDaemonSet(t, append(layout.HelmValues(), values...)...)
 	// The DaemonSet already placed a pod on the node when it joined, before its driver was
 	// set up: that pod found no driver, exited, and may wait out a long crash backoff on a
 	// loaded machine. Deleted, the DaemonSet makes it again at once.
