@@ -40,24 +40,24 @@ type HelmOptions struct {
 }
 
 // HelmNode is a GPU node of the demo: a real node with simulated GPUs of
-// the profile.
+// the profile, DynamicMIG emptied of their MIG instances and offered as
+// dynamic MIG (the node's gpu.nvidia.com/dynamic-mig-gpus annotation).
 type HelmNode struct {
 	Name, Profile string
+	DynamicMIG    []int
 }
 
-// HelmNodes are the demo's GPU nodes: an A100 node with static MIG on GPUs
-// 0-3 (the profile's) and whole GPUs 4-7, and a T4 node. No GPU is offered
-// as dynamic MIG: under the chart's plugin pod the simulator refuses to
-// create MIG instances (docs/STATUS.md), which `make demo` shows with its
-// plugins as processes.
+// HelmNodes are the demo's GPU nodes: an A100 node with dynamic MIG on GPUs
+// 0-1, static MIG on GPUs 2-3 (the profile's) and whole GPUs 4-7, and a T4
+// node.
 var HelmNodes = []HelmNode{
-	{Name: "gpu-node-a100", Profile: "dgx-a100-40gb"},
+	{Name: "gpu-node-a100", Profile: "dgx-a100-40gb", DynamicMIG: []int{0, 1}},
 	{Name: "gpu-node-t4", Profile: "t4"},
 }
 
 // HelmExamples are the tour's examples by default: a whole GPU, a static
-// MIG device, MPS, time-slicing.
-const HelmExamples = "whole-gpu,mig-1g5gb,mps,time-slicing-shared"
+// MIG device, a dynamic MIG device, MPS, time-slicing.
+const HelmExamples = "whole-gpu,mig-1g5gb,dynamic-mig,mps,time-slicing-shared"
 
 // helmLayout is where the demo's nodes have their NVIDIA driver: in the GPU
 // Operator's driver container (/run/nvidia/driver). A MIG device needs the
@@ -105,7 +105,7 @@ func AddHelmNodes(ctx context.Context, c *harness.Cluster, say Say) ([]*harness.
 			return nodes, err
 		}
 		nodes = append(nodes, n)
-		if err := n.SetupSim(spec.Profile); err != nil {
+		if err := EmptyGPUs(n, spec.Profile, spec.DynamicMIG); err != nil {
 			return nodes, err
 		}
 		say("== node %s: kubelet and containerd, simulated %s GPUs, driver at %s", spec.Name, spec.Profile, harness.ContainerDriverRoot)
@@ -127,6 +127,17 @@ func RunHelm(ctx context.Context, c *harness.Cluster, opts HelmOptions) (*HelmRe
 	examples := opts.Examples
 	if examples == "" {
 		examples = HelmExamples
+	}
+
+	for _, spec := range HelmNodes {
+		if len(spec.DynamicMIG) > 0 {
+			gpus := strings.Trim(strings.ReplaceAll(fmt.Sprint(spec.DynamicMIG), " ", ","), "[]")
+			say("")
+			say("== GPUs %s of %s as dynamic MIG (nvidia-smi emptied them of their MIG instances)", gpus, spec.Name)
+			if _, err := sh.kubectl(ctx, "annotate", "node", spec.Name, "gpu.nvidia.com/dynamic-mig-gpus="+gpus); err != nil {
+				return res, err
+			}
+		}
 	}
 
 	say("")
