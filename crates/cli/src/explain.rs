@@ -139,8 +139,16 @@ pub fn run(args: &ExplainArgs, out: &mut dyn Write) -> Result<Outcome, CliError>
 
 type Fetched = (Value, Vec<Value>, Vec<Value>, Vec<Value>);
 
+/// Makes ring the process's TLS provider, whatever features other crates of a build turn on in
+/// rustls: with two providers compiled in (a workspace build unifies them) rustls cannot pick
+/// one, and building the first TLS client panics.
+pub(crate) fn install_tls_provider() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+}
+
 /// A client from the usual places (`KUBECONFIG`, `~/.kube/config`, in-cluster).
 pub(crate) async fn cluster_client() -> Result<kube::Client, CliError> {
+    install_tls_provider();
     kube::Client::try_default()
         .await
         .map_err(|source| CliError::Cluster {
@@ -208,6 +216,15 @@ fn to_values<T: serde::Serialize>(items: Vec<T>) -> Result<Vec<Value>, serde_jso
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn a_tls_client_is_built_whatever_providers_the_build_compiled_in() {
+        // A workspace build compiles rustls with ring and aws-lc-rs (another member's
+        // dependency asks for it): without a provider chosen, this panics there.
+        install_tls_provider();
+        let config = kube::Config::new("https://127.0.0.1:1".parse().expect("uri"));
+        assert!(kube::Client::try_from(config).is_ok());
+    }
 
     #[test]
     fn prepared_devices_are_read_from_our_drivers_status_entries() {
