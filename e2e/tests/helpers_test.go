@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"os/exec"
 	"regexp"
 	"strings"
 	"testing"
@@ -246,4 +247,18 @@ func envValue(env []string, key string) (string, bool) {
 		}
 	}
 	return "", false
+}
+
+// gpuSim runs `gpu-sim <command> --root <the node's simulated host> <args...>`
+// (args[0] is the command: xid, ecc, reset, ...); the test fails if it fails.
+func gpuSim(t *testing.T, n *harness.Node, args ...string) {
+	t.Helper()
+	bin, err := harness.Binary("gpu-sim")
+	if err != nil {
+		t.Fatal(err)
+	}
+	full := append([]string{args[0], "--root", n.SimRoot()}, args[1:]...)
+	if out, err := exec.Command(bin, full...).CombinedOutput(); err != nil {
+		t.Fatalf("gpu-sim %v: %v: %s", full, err, out)
+	}
 }

@@ -324,17 +324,7 @@ func TestDeviceHealth(t *testing.T) {
 	const name = "node-health"
 	n := addPluginNode(ctx, t, name, "dgx-h100", []string{"--health-probe-interval-seconds=1"}, nil)
 	ns := newNamespace(ctx, t, "health")
-	sim := func(args ...string) {
-		t.Helper()
-		bin, err := harness.Binary("gpu-sim")
-		if err != nil {
-			t.Fatal(err)
-		}
-		full := append([]string{args[0], "--root", n.SimRoot()}, args[1:]...)
-		if out, err := exec.Command(bin, full...).CombinedOutput(); err != nil {
-			t.Fatalf("gpu-sim %v: %v: %s", full, err, out)
-		}
-	}
+	sim := func(args ...string) { t.Helper(); gpuSim(t, n, args...) }
 	deviceWith := func(device string, cond func(taints []string) bool) bool {
 		return eventually(ctx, 30*time.Second, func() bool {
 			return cond(taintsOf(poolDevices(ctx, t, name)[device]))

@@ -2,7 +2,6 @@ package tests
 
 import (
 	"context"
-	"os/exec"
 	"regexp"
 	"strconv"
 	"strings"
@@ -10,8 +9,6 @@ import (
 	"time"
 
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-
-	"github.com/gpu-dra/e2e/harness"
 )
 
 // TestUnhealthyGPUWithheldWithoutDeviceTaints runs on a release whose API
@@ -42,17 +39,7 @@ func TestUnhealthyGPUWithheldWithoutDeviceTaints(t *testing.T) {
 	if uuid == "" {
 		t.Fatalf("device %s has no uuid attribute: %+v", sick, devices[sick])
 	}
-	sim := func(args ...string) {
-		t.Helper()
-		bin, err := harness.Binary("gpu-sim")
-		if err != nil {
-			t.Fatal(err)
-		}
-		full := append([]string{args[0], "--root", n.SimRoot()}, args[1:]...)
-		if out, err := exec.Command(bin, full...).CombinedOutput(); err != nil {
-			t.Fatalf("gpu-sim %v: %v: %s", full, err, out)
-		}
-	}
+	sim := func(args ...string) { t.Helper(); gpuSim(t, n, args...) }
 
 	// XID 48 (a double-bit ECC error): the GPU would be tainted; here it
 	// leaves the slices, the other GPUs stay.
