@@ -6,7 +6,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use serde::Serialize;
 
 use super::cert::{self, CertFault};
-use super::facts::{Facts, NodeFact, PodFact};
+use super::facts::{Admission, Facts, NodeFact, PodFact};
 use super::gates::{self, GATES, Gate};
 
 /// Oldest and newest Kubernetes minor releases the driver is tested with or built for.
@@ -423,10 +423,33 @@ pub fn check_webhook_reachable(f: &Facts) -> CheckResult {
                  `kubectl -n {ns} get endpointslices -l kubernetes.io/service-name={svc}`"
             ),
         ),
-        (n, Some(Ok(()))) => r.line(format!(
-            "/readyz answered{}",
-            n.map_or(String::new(), |n| format!(" ({n} ready endpoints)"))
-        )),
+        (n, Some(Ok(()))) => {
+            let r = r.line(format!(
+                "/readyz answered{}",
+                n.map_or(String::new(), |n| format!(" ({n} ready endpoints)"))
+            ));
+            match &w.admission {
+                Some(Ok(Admission::Refused(_))) => r.line(
+                    "a dry-run claim with a GPU config the webhook refuses was refused by it: \
+                     admission reaches the webhook",
+                ),
+                Some(Ok(Admission::Admitted)) => r
+                    .line(
+                        "a dry-run claim with a GPU config the webhook refuses was admitted: \
+                         the API server's admission call did not reach the webhook (the \
+                         service proxy dials a pod, admission the Service's cluster IP)",
+                    )
+                    .fail(format!(
+                        "let the API server reach Service {ns}/{svc}'s cluster IP (kube-proxy or \
+                         its equivalent on the control-plane nodes), or run it with \
+                         --enable-aggregator-routing=true so that it calls the webhook's pods; \
+                         until then bad GPU configs are admitted and refused only when a node \
+                         prepares them"
+                    )),
+                Some(Err(e)) => r.line(format!("admission not probed: {e}")),
+                None => r,
+            }
+        }
         (_, None) => r
             .line("/readyz not asked")
             .warn("run the check without --only, or with webhook-reachable in it"),
@@ -931,6 +954,9 @@ mod tests {
                 serving_cert: Ok(serving),
                 ready_endpoints: Some(2),
                 reach: Some(Ok(())),
+                admission: Some(Ok(Admission::Refused(
+                    "admission webhook \"resourceclaims.opaque-config.gpu.nvidia.com\" denied the request".into(),
+                ))),
             }),
             mps_daemons: vec![PodFact {
                 name: "gpu-dra/mps-1".into(),
@@ -1132,6 +1158,35 @@ mod tests {
         let mut f = healthy();
         f.webhook.as_mut().unwrap().reach = None;
         assert_eq!(check_webhook_reachable(&f).status, Status::Warning);
+    }
+
+    #[test]
+    fn readyz_through_the_proxy_is_not_enough_when_admission_does_not_reach_the_webhook() {
+        let f = healthy();
+        let r = check_webhook_reachable(&f);
+        assert_eq!(r.status, Status::Passed, "{r:?}");
+        assert!(
+            r.detail
+                .iter()
+                .any(|l| l.contains("admission reaches the webhook"))
+        );
+        // /readyz answered through the service proxy, but a claim the webhook must refuse
+        // was admitted: the API server's admission calls do not reach it.
+        let mut f = healthy();
+        f.webhook.as_mut().unwrap().admission = Some(Ok(Admission::Admitted));
+        let r = check_webhook_reachable(&f);
+        assert_eq!(r.status, Status::Failed, "{r:?}");
+        assert!(r.fix.unwrap().contains("--enable-aggregator-routing=true"));
+        // No right to create claims: said, judged by /readyz alone.
+        let mut f = healthy();
+        f.webhook.as_mut().unwrap().admission = Some(Err("forbidden".into()));
+        let r = check_webhook_reachable(&f);
+        assert_eq!(r.status, Status::Passed);
+        assert!(
+            r.detail
+                .iter()
+                .any(|l| l.contains("admission not probed: forbidden"))
+        );
     }
 
     #[test]

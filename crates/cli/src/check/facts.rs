@@ -194,6 +194,19 @@ pub struct WebhookFacts {
     /// The answer of `/readyz` through the API server's service proxy; `None` when not asked
     /// ([`GatherOptions::webhook_readyz`]).
     pub reach: Option<Result<(), String>>,
+    /// What admission did with a dry-run claim carrying a config the webhook refuses (asked
+    /// with `/readyz`); `Err` when the probe could not be made (no right to create claims).
+    pub admission: Option<Result<Admission, String>>,
+}
+
+/// What the API server's admission did with a claim the webhook must refuse.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Admission {
+    /// Refused by the webhook: its message.
+    Refused(String),
+    /// Admitted: the API server did not get the webhook's answer (with the chart's
+    /// `failurePolicy: Ignore` a failed call admits).
+    Admitted,
 }
 
 /// A kubelet's `FailedPrepareDynamicResources` Event and the pod it names.
@@ -340,7 +353,7 @@ pub async fn gather(client: &kube::Client, opts: &GatherOptions) -> Result<Facts
         .map(pod_fact)
         .collect();
     if opts.webhook {
-        facts.webhook = webhook(client, ns, opts.webhook_readyz).await?;
+        facts.webhook = webhook(client, ns, &opts.driver, opts.webhook_readyz).await?;
     }
     facts.prepare_failures = prepare_failures(client, facts.now).await?;
     Ok(facts)
@@ -556,6 +569,7 @@ async fn dry_run_create(client: &kube::Client, object: &Value) -> Result<Value, 
 async fn webhook(
     client: &kube::Client,
     ns: &str,
+    driver: &str,
     ask_readyz: bool,
 ) -> Result<Option<WebhookFacts>, CliError> {
     let configs = Api::<ValidatingWebhookConfiguration>::all(client.clone())
@@ -630,6 +644,11 @@ async fn webhook(
     } else {
         None
     };
+    let admission = if ask_readyz {
+        Some(admission_probe(client, ns, driver).await)
+    } else {
+        None
+    };
     Ok(Some(WebhookFacts {
         config: config.metadata.name.clone().unwrap_or_default(),
         ca_bundles,
@@ -638,7 +657,46 @@ async fn webhook(
         serving_cert,
         ready_endpoints,
         reach,
+        admission,
     }))
+}
+
+/// Asks admission about a ResourceClaim whose GPU config the webhook refuses (an unknown
+/// sharing strategy), as a server-side dry run in `ns` (nothing is stored; the chart's entries
+/// have `sideEffects: None`, so the API server calls the webhook for dry runs too). `/readyz`
+/// through the service proxy can answer where admission calls cannot (the proxy dials a pod;
+/// admission dials the Service's cluster IP unless the API server routes to endpoints).
+async fn admission_probe(
+    client: &kube::Client,
+    ns: &str,
+    driver: &str,
+) -> Result<Admission, String> {
+    let claim = json!({
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaim",
+        "metadata": {"name": "gpu-dra-check-admission", "namespace": ns},
+        "spec": {"devices": {
+            "requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpu.nvidia.com"}}],
+            "config": [{"requests": ["gpu"], "opaque": {"driver": driver, "parameters": {
+                "apiVersion": "resource.nvidia.com/v1beta1", "kind": "GpuConfig",
+                "sharing": {"strategy": "gpu-dra-check-not-a-strategy"},
+            }}}],
+        }},
+    });
+    let body = serde_json::to_vec(&claim).map_err(|e| e.to_string())?;
+    let req = http::Request::post(format!(
+        "/apis/resource.k8s.io/v1/namespaces/{ns}/resourceclaims?dryRun=All"
+    ))
+    .header("content-type", "application/json")
+    .body(body)
+    .map_err(|e| e.to_string())?;
+    match client.request::<Value>(req).await {
+        Ok(_) => Ok(Admission::Admitted),
+        Err(kube::Error::Api(e)) if e.message.contains("admission webhook") => {
+            Ok(Admission::Refused(e.message))
+        }
+        Err(e) => Err(format!("dry-run create of a ResourceClaim in {ns}: {e}")),
+    }
 }
 
 /// The Secret the webhook's Deployment (same name as its Service, as the chart names them)
