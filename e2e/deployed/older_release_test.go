@@ -2,7 +2,6 @@ package deployed
 
 import (
 	"context"
-	"regexp"
 	"strconv"
 	"strings"
 	"testing"
@@ -28,10 +27,7 @@ func TestChartOnAnOlderRelease(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	minor := -1
-	if m := regexp.MustCompile(`^v1\.(\d+)\.`).FindStringSubmatch(release); m != nil {
-		minor, _ = strconv.Atoi(m[1])
-	}
+	minor := harness.ReleaseMinor(release)
 	if minor < 0 || minor >= 36 {
 		t.Skipf("Kubernetes %s has DRAConsumableCapacity on by default; `make e2e-1.34` runs this test on 1.34", release)
 	}

@@ -27,6 +27,7 @@ import (
 	"path/filepath"
 	"regexp"
 	"strconv"
+	"sync"
 	"time"
 )
 
@@ -109,20 +110,40 @@ func (c *Cluster) startReleaseProcess(name string, args []string) (*daemon, erro
 	return d, nil
 }
 
-// releaseVersionOf is the release a Kubernetes binary reports with
-// --version ("Kubernetes v1.34.12"): major and minor.
-func releaseVersionOf(binary string) (major, minor int, err error) {
+// releasePattern finds a Kubernetes 1.x release in a version string.
+var releasePattern = regexp.MustCompile(`v1\.(\d+)\.\d+`)
+
+// ReleaseMinor is the minor version of the Kubernetes release a version
+// string names ("v1.34.12", "Kubernetes v1.34.12" -> 34); -1 if it names none.
+func ReleaseMinor(version string) int {
+	m := releasePattern.FindStringSubmatch(version)
+	if m == nil {
+		return -1
+	}
+	minor, _ := strconv.Atoi(m[1])
+	return minor
+}
+
+// binaryMinors caches releaseMinorOf: a binary's release does not change
+// while the process runs, and every real node's start asks its kubelet's.
+var binaryMinors sync.Map // path -> int
+
+// releaseMinorOf is the minor version of the release a Kubernetes binary
+// reports with --version ("Kubernetes v1.34.12" -> 34).
+func releaseMinorOf(binary string) (int, error) {
+	if minor, ok := binaryMinors.Load(binary); ok {
+		return minor.(int), nil
+	}
 	out, err := exec.Command(binary, "--version").CombinedOutput()
 	if err != nil {
-		return 0, 0, fmt.Errorf("%s --version: %v: %s", binary, err, out)
+		return 0, fmt.Errorf("%s --version: %v: %s", binary, err, out)
 	}
-	m := regexp.MustCompile(`v(\d+)\.(\d+)\.`).FindSubmatch(out)
-	if m == nil {
-		return 0, 0, fmt.Errorf("%s --version: no release in %q", binary, out)
+	minor := ReleaseMinor(string(out))
+	if minor < 0 {
+		return 0, fmt.Errorf("%s --version: no Kubernetes 1.x release in %q", binary, out)
 	}
-	major, _ = strconv.Atoi(string(m[1]))
-	minor, _ = strconv.Atoi(string(m[2]))
-	return major, minor, nil
+	binaryMinors.Store(binary, minor)
+	return minor, nil
 }
 
 // waitControllersUp waits until the release's controller manager runs: its

@@ -589,7 +589,7 @@ func (r *realNode) startKubelet(ctx context.Context, tools nodeTools) error {
 	// KubeletCrashLoopBackOffMax, on by default from 1.35; an older
 	// release's kubelet keeps its default back-off (a node of that release
 	// as users run it).
-	if _, minor, err := releaseVersionOf(tools.kubelet); err != nil {
+	if minor, err := releaseMinorOf(tools.kubelet); err != nil {
 		return err
 	} else if minor >= 35 {
 		config["crashLoopBackOff"] = map[string]any{"maxContainerRestartPeriod": "2s"}

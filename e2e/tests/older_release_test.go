@@ -2,13 +2,13 @@ package tests
 
 import (
 	"context"
-	"regexp"
-	"strconv"
 	"strings"
 	"testing"
 	"time"
 
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/gpu-dra/e2e/harness"
 )
 
 // TestUnhealthyGPUWithheldWithoutDeviceTaints runs on a release whose API
@@ -25,7 +25,7 @@ func TestUnhealthyGPUWithheldWithoutDeviceTaints(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if minor := releaseMinor(release); minor >= 36 || minor < 0 {
+	if minor := harness.ReleaseMinor(release); minor >= 36 || minor < 0 {
 		t.Skipf("Kubernetes %s keeps device taints (DRADeviceTaints on by default from 1.36); `make e2e-1.34` runs this test on 1.34", release)
 	}
 	const name = "node-no-taints"
@@ -88,15 +88,4 @@ func TestUnhealthyGPUWithheldWithoutDeviceTaints(t *testing.T) {
 	}) {
 		t.Fatalf("device %s not offered again after the GPU reset; plugin log:\n%s", sick, n.Plugin.Log())
 	}
-}
-
-// releaseMinor is the minor version of a Kubernetes release ("v1.34.12" ->
-// 34); -1 if it is not one.
-func releaseMinor(release string) int {
-	m := regexp.MustCompile(`^v1\.(\d+)\.`).FindStringSubmatch(release)
-	if m == nil {
-		return -1
-	}
-	minor, _ := strconv.Atoi(m[1])
-	return minor
 }
