@@ -153,7 +153,15 @@ func Start(ctx context.Context, opts Options) (c *Cluster, err error) {
 	if err := os.MkdirAll(c.Dir, 0o755); err != nil {
 		return nil, err
 	}
+	if err := checkFreeSpace(c.Dir); err != nil { // diskspace.go
+		if c.ownDir {
+			os.Remove(c.Dir)
+		}
+		return nil, err
+	}
 	ctx, c.cancel = context.WithCancel(ctx)
+	c.wg.Add(1)
+	go func() { defer c.wg.Done(); watchFreeSpace(ctx, c.Dir) }()
 	// `return nil, err` clears c before deferred calls run: stop what was started.
 	self := c
 	defer func() {

@@ -230,7 +230,7 @@ func (n *Node) startReal(ctx context.Context, seq int) (err error) {
 	}
 	for _, a := range archives {
 		out, err := exec.CommandContext(ctx, tools.ctr, "--address", r.sock, "--namespace", "k8s.io",
-			"images", "import", "--snapshotter", "overlayfs", a).CombinedOutput()
+			"images", "import", "--snapshotter", "overlayfs", "--discard-unpacked-layers", a).CombinedOutput()
 		if err != nil {
 			return fmt.Errorf("node %s: ctr images import %s: %v: %s", n.Name, a, err, out)
 		}
@@ -424,6 +424,9 @@ func (r *realNode) startContainerd(ctx context.Context, tools nodeTools) error {
 		`  stream_server_port = "0"`,
 		`[plugins."io.containerd.cri.v1.images"]`,
 		`  snapshotter = "overlayfs"`,
+		// A pulled layer's compressed blob goes once it is unpacked: a
+		// node with the driver's image keeps about 70 MiB less.
+		`  discard_unpacked_layers = true`,
 		// Every registry host resolves to the cluster's registry (hosts.toml).
 		`[plugins."io.containerd.cri.v1.images".registry]`,
 		`  config_path = ` + q(hostsDir),
