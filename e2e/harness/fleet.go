@@ -194,3 +194,14 @@ func EnvInt(name string, def int) (int, error) {
 	}
 	return n, nil
 }
+
+// EnvIntOrExit is EnvInt for a command's settings: a value that is not an
+// integer ends the process with status 2, the error after the command's name.
+func EnvIntOrExit(command, name string, def int) int {
+	n, err := EnvInt(name, def)
+	if err != nil {
+		fmt.Fprintf(os.Stderr, "%s: %v\n", command, err)
+		os.Exit(2)
+	}
+	return n
+}

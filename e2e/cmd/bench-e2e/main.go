@@ -42,9 +42,9 @@ import (
 )
 
 func main() {
-	nodes := flag.Int("nodes", envInt("BENCH_NODES", 100), "simulated nodes (env BENCH_NODES)")
-	pods := flag.Int("pods", envInt("BENCH_PODS", 800), "one-GPU pods (env BENCH_PODS)")
-	rest := flag.Duration("rest", time.Duration(envInt("BENCH_REST_SECONDS", 30))*time.Second, "window at rest in which the plugins' API requests are counted (env BENCH_REST_SECONDS)")
+	nodes := flag.Int("nodes", harness.EnvIntOrExit("bench-e2e", "BENCH_NODES", 100), "simulated nodes (env BENCH_NODES)")
+	pods := flag.Int("pods", harness.EnvIntOrExit("bench-e2e", "BENCH_PODS", 800), "one-GPU pods (env BENCH_PODS)")
+	rest := flag.Duration("rest", time.Duration(harness.EnvIntOrExit("bench-e2e", "BENCH_REST_SECONDS", 30))*time.Second, "window at rest in which the plugins' API requests are counted (env BENCH_REST_SECONDS)")
 	profile := flag.String("profile", "dgx-h100", "simulator profile of every node (dgx-h100: 8 GPUs)")
 	parallel := flag.Int("parallel", 32, "concurrent pod creations")
 	driver := flag.String("driver", "plugin", "plugin: our gpu-kubelet-plugin on the simulator; reference: the upstream Go helper in-process (baseline)")
@@ -64,15 +64,6 @@ func main() {
 
 // envInt is harness.EnvInt; a value that is not an integer stops the
 // benchmark naming it.
-func envInt(name string, def int) int {
-	n, err := harness.EnvInt(name, def)
-	if err != nil {
-		fmt.Fprintln(os.Stderr, "bench-e2e:", err)
-		os.Exit(2)
-	}
-	return n
-}
-
 func run(ctx context.Context, nodeCount, podCount, parallel int, rest time.Duration, profile, driver string, gpus int) error {
 	if driver != "plugin" && driver != "reference" {
 		return fmt.Errorf("--driver %q: want plugin or reference", driver)
@@ -455,7 +446,7 @@ func reportSlices(ctx context.Context, c *harness.Cluster) {
 
 // minFreeMiB is the memory (MemAvailable) below which no further node is
 // added (env BENCH_MIN_FREE_MIB, default 3072).
-var minFreeMiB = envInt("BENCH_MIN_FREE_MIB", 3072)
+var minFreeMiB = harness.EnvIntOrExit("bench-e2e", "BENCH_MIN_FREE_MIB", 3072)
 
 // pluginCPU is the CPU time (user and system) the running node plugins have
 // used so far, from /proc/<pid>/stat in clock ticks (100 per second on Linux).

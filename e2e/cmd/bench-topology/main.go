@@ -41,9 +41,9 @@ import (
 func main() {
 	fleet := flag.String("fleet", envString("BENCH_FLEET", "a100-pcie-x4-nvlink=12,h100-pcie-x8-nvlink=12,l40s-x8=8,dgx1-v100=4"),
 		"simulated hosts, profile=count,... (env BENCH_FLEET)")
-	quads := flag.Int("quads", envInt("BENCH_QUADS", 16), "4-GPU claims per round, created first (env BENCH_QUADS)")
-	pairs := flag.Int("pairs", envInt("BENCH_PAIRS", 64), "2-GPU claims per round, created after the 4-GPU ones (env BENCH_PAIRS)")
-	rounds := flag.Int("rounds", envInt("BENCH_ROUNDS", 5), "rounds with the constraint, and as many without (env BENCH_ROUNDS)")
+	quads := flag.Int("quads", harness.EnvIntOrExit("bench-topology", "BENCH_QUADS", 16), "4-GPU claims per round, created first (env BENCH_QUADS)")
+	pairs := flag.Int("pairs", harness.EnvIntOrExit("bench-topology", "BENCH_PAIRS", 64), "2-GPU claims per round, created after the 4-GPU ones (env BENCH_PAIRS)")
+	rounds := flag.Int("rounds", harness.EnvIntOrExit("bench-topology", "BENCH_ROUNDS", 5), "rounds with the constraint, and as many without (env BENCH_ROUNDS)")
 	parallel := flag.Int("parallel", 16, "concurrent pod creations")
 	out := flag.String("out", os.Getenv("BENCH_OUT"), "file the figures are written to as well (env BENCH_OUT; empty: none)")
 	flag.Parse()
@@ -72,15 +72,6 @@ func envString(name, def string) string {
 
 // envInt is harness.EnvInt; a value that is not an integer stops the
 // benchmark naming it.
-func envInt(name string, def int) int {
-	n, err := harness.EnvInt(name, def)
-	if err != nil {
-		fmt.Fprintln(os.Stderr, "bench-topology:", err)
-		os.Exit(2)
-	}
-	return n
-}
-
 // host is one entry of the fleet: count nodes of a simulator profile.
 type host struct {
 	profile string
