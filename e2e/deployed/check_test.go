@@ -346,9 +346,10 @@ func checkStuckClaim(ctx context.Context, t *testing.T, node string) {
 //   - a certificate of the registered CA for another name than the Service's;
 //
 // and passes again after the fix it names for helm mode: delete the Secret
-// and `helm upgrade`. No node: the webhook's pods stay Pending, which
-// webhook-reachable reports, not this check (and --only keeps the exit
-// status to this one).
+// and `helm upgrade`. No node: the webhook's pods stay Pending, so
+// webhook-reachable fails there, naming the Service without a ready endpoint
+// and how to look at its pods (--only keeps each run's exit status to its
+// one check).
 func TestCheckWebhookCertificate(t *testing.T) {
 	ctx := context.Background()
 	const check = "webhook-certificate"
@@ -360,6 +361,10 @@ func TestCheckWebhookCertificate(t *testing.T) {
 	harness.ExpectCheckPassed(t, r, code)
 
 	svc := harness.HelmRelease + "-gpu-dra-driver-webhook"
+	r, code = cluster.CheckOnly(t, "webhook-reachable")
+	harness.ExpectCheckFailed(t, r, code,
+		[]string{"Service " + harness.DriverNamespace + "/" + svc, "the Service has no ready endpoint"},
+		[]string{"no webhook pod is ready", "app.kubernetes.io/component=webhook", "logs deploy/" + svc})
 	dns := svc + "." + harness.DriverNamespace + ".svc"
 	secretRef := "Secret " + harness.DriverNamespace + "/" + webhookSecret
 	now := time.Now()

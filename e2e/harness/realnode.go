@@ -230,7 +230,7 @@ func (n *Node) startReal(ctx context.Context, seq int) (err error) {
 	}
 	for _, a := range archives {
 		out, err := exec.CommandContext(ctx, tools.ctr, "--address", r.sock, "--namespace", "k8s.io",
-			"images", "import", "--snapshotter", "overlayfs", "--discard-unpacked-layers", a).CombinedOutput()
+			"images", "import", "--snapshotter", "overlayfs", a).CombinedOutput()
 		if err != nil {
 			return fmt.Errorf("node %s: ctr images import %s: %v: %s", n.Name, a, err, out)
 		}
