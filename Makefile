@@ -8,7 +8,7 @@ TOOLS := $(CURDIR)/.tools
 HELM_VERSION ?= v3.22.0
 HELM := $(TOOLS)/bin/helm
 
-.PHONY: help build release unit test lint fmt fuzz bench bench-check generate chart-package chart-check cdi-check e2e e2e-build e2e-bins e2e-tools e2e-runtime e2e-node-tools e2e-image e2e-kubectl e2e-specs e2e-1.34 e2e-1.34-tools demo demo-helm bench-e2e bench-topology bench-mps advise-demo toolkit image-rootfs image-rootfs-arm64 image image-push image-digest image-tool image-arm64-run image-cross-deps kubectl-plugin selftest-bundle selftest-check
+.PHONY: help build release unit test lint fmt fuzz bench bench-check generate chart-package chart-check cdi-check e2e e2e-build e2e-bins e2e-tools e2e-runtime e2e-node-tools e2e-image e2e-kubectl e2e-specs e2e-1.34 e2e-1.34-tools e2e-1.35 e2e-1.35-tools e2e-1.36 e2e-1.36-tools demo demo-helm bench-e2e bench-topology bench-mps advise-demo toolkit image-rootfs image-rootfs-arm64 image image-push image-digest image-tool image-arm64-run image-cross-deps kubectl-plugin selftest-bundle selftest-check
 
 help: ## list targets
 	@grep -E '^[a-z0-9.-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | sort
@@ -116,29 +116,46 @@ e2e-specs: e2e-bins e2e-tools e2e-node-tools e2e-image image ## run every YAML f
 	cd e2e && E2E_SPECS_DIR=$(abspath $(DIR)) $(if $(E2E_K8S_RELEASE_DIR),E2E_K8S_RELEASE_DIR=$(abspath $(E2E_K8S_RELEASE_DIR))) \
 		$(E2E_ENV) $(GO) test -count=1 -timeout $(E2E_TIMEOUT) -run '^($(SPECS_TESTS))$$' -v ./tests
 
-# An older supported release: the control plane and kubelet of the newest Kubernetes 1.34 patch,
-# built from e2e/release-1.34 (its own module, the release's pins) into .tools/k8s-1.34/bin
-# (e2e/harness/external.go runs them as processes). On it: the examples that must work there
-# (whole GPUs, static MIG, time-slicing, MPS) through e2e-specs, what the plugin does where device
-# taints are dropped, and the chart installed with helm (refusing values that need a gate that
-# is off). Not in CI: a cold build of the four binaries does not fit its budget (docs/STATUS.md
-# has the figures).
-K8S_134_BIN := $(TOOLS)/k8s-1.34/bin
-E2E_134_EXAMPLES ?= whole-gpu mig-1g5gb time-slicing-shared mps
-e2e-1.34-tools: $(K8S_134_BIN)/kubelet ## kube-apiserver, kube-controller-manager, kube-scheduler and kubelet of the newest 1.34 patch into .tools/k8s-1.34/bin
+# Older supported releases: the control plane and kubelet of the newest patch of Kubernetes 1.34,
+# 1.35 and 1.36, each built from e2e/release-<minor> (its own module, the release's pins) into
+# .tools/k8s-<minor>/bin (e2e/harness/external.go runs them as processes). On each: the examples
+# that must work there through e2e-specs, the tests of what that release has or lacks (device
+# taints dropped before 1.36: unhealthy GPUs withheld; consumable capacity, partitionable devices
+# and device taints on from 1.36), and the chart installed with helm (refusing values that need a
+# gate that is off, accepting them where it is on). Not in CI: a cold build of the four binaries
+# of one release does not fit its budget (docs/STATUS.md has the figures).
+E2E_RELEASE_EXAMPLES_1.34 ?= whole-gpu mig-1g5gb time-slicing-shared mps
+E2E_RELEASE_EXAMPLES_1.35 ?= $(E2E_RELEASE_EXAMPLES_1.34)
+E2E_RELEASE_EXAMPLES_1.36 ?= $(E2E_RELEASE_EXAMPLES_1.34) dynamic-mig nvlink-pair nvlink-or-numa mig-four-from-one-gpu
+E2E_RELEASE_TESTS_1.34 ?= TestSpecFolder|TestUnhealthyGPUWithheldWithoutDeviceTaints
+E2E_RELEASE_TESTS_1.35 ?= $(E2E_RELEASE_TESTS_1.34)
+E2E_RELEASE_TESTS_1.36 ?= TestSpecFolder|TestDeviceHealth|TestMemoryShares|TestConsumableSharesCount
 
-$(K8S_134_BIN)/kubelet: e2e/release-1.34/go.mod e2e/release-1.34/go.sum
-	cd e2e/release-1.34 && v=$$($(GO) list -m -f '{{.Version}}' k8s.io/kubernetes) && $(K8S_VERSION_FLAGS) && \
-		$(GO) build -o $(K8S_134_BIN)/ -ldflags "$$flags" \
+e2e-1.34-tools: $(TOOLS)/k8s-1.34/bin/kubelet ## kube-apiserver, kube-controller-manager, kube-scheduler and kubelet of the newest 1.34 patch into .tools/k8s-1.34/bin
+e2e-1.35-tools: $(TOOLS)/k8s-1.35/bin/kubelet ## the same of the newest 1.35 patch into .tools/k8s-1.35/bin
+e2e-1.36-tools: $(TOOLS)/k8s-1.36/bin/kubelet ## the same of the newest 1.36 patch into .tools/k8s-1.36/bin
+
+$(TOOLS)/k8s-%/bin/kubelet: e2e/release-%/go.mod e2e/release-%/go.sum
+	cd e2e/release-$* && v=$$($(GO) list -m -f '{{.Version}}' k8s.io/kubernetes) && $(K8S_VERSION_FLAGS) && \
+		$(GO) build -o $(TOOLS)/k8s-$*/bin/ -ldflags "$$flags" \
 		$(foreach b,kube-apiserver kube-controller-manager kube-scheduler kubelet,k8s.io/kubernetes/cmd/$(b))
 
-e2e-1.34: e2e-1.34-tools ## the examples that must work on Kubernetes 1.34 (whole GPUs, static MIG, time-slicing, MPS) and the chart, on its own control plane and kubelet (not in CI)
-	rm -rf target/e2e-1.34 && mkdir -p target/e2e-1.34
-	for e in $(E2E_134_EXAMPLES); do for f in examples/$$e/*.yaml; do cp $$f target/e2e-1.34/$$e-$$(basename $$f); done; done
-	$(MAKE) e2e-specs DIR=target/e2e-1.34 E2E_K8S_RELEASE_DIR=$(K8S_134_BIN) \
-		SPECS_TESTS='TestSpecFolder|TestUnhealthyGPUWithheldWithoutDeviceTaints'
-	cd e2e && E2E_K8S_RELEASE_DIR=$(K8S_134_BIN) $(E2E_ENV) $(GO) test -count=1 -timeout $(E2E_TIMEOUT) \
+# $(call e2e_release,<minor>): that release's examples (a folder of copies in target/e2e-<minor>)
+# and tests through e2e-specs, then the chart test of the deployed suite.
+define e2e_release
+	rm -rf target/e2e-$(1) && mkdir -p target/e2e-$(1)
+	for e in $(E2E_RELEASE_EXAMPLES_$(1)); do for f in examples/$$e/*.yaml; do cp $$f target/e2e-$(1)/$$e-$$(basename $$f); done; done
+	$(MAKE) e2e-specs DIR=target/e2e-$(1) E2E_K8S_RELEASE_DIR=$(TOOLS)/k8s-$(1)/bin SPECS_TESTS='$(E2E_RELEASE_TESTS_$(1))'
+	cd e2e && E2E_K8S_RELEASE_DIR=$(TOOLS)/k8s-$(1)/bin $(E2E_ENV) $(GO) test -count=1 -timeout $(E2E_TIMEOUT) \
 		-run '^TestChartOnAnOlderRelease$$' -v ./deployed
+endef
+
+e2e-1.34: e2e-1.34-tools ## the examples that must work on Kubernetes 1.34 (whole GPUs, static MIG, time-slicing, MPS), the taints fallback and the chart, on its own control plane and kubelet (not in CI)
+	$(call e2e_release,1.34)
+e2e-1.35: e2e-1.35-tools ## the same on Kubernetes 1.35 (not in CI)
+	$(call e2e_release,1.35)
+e2e-1.36: e2e-1.36-tools ## on Kubernetes 1.36, where consumable capacity, partitionable devices and device taints are on: those examples plus dynamic MIG and NVLink, memory and consumable shares, device health, the chart with shares (not in CI)
+	$(call e2e_release,1.36)
 
 demo: e2e-bins e2e-tools e2e-node-tools e2e-image toolkit ## local cluster with real A100 (static and dynamic MIG) and T4 nodes, a short tour, then up for kubectl until Ctrl-C
 	cd e2e && $(E2E_ENV) $(GO) run ./cmd/demo

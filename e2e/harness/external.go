@@ -2,7 +2,8 @@ package harness
 
 // A control plane of another Kubernetes release, run as processes: the
 // release's own kube-apiserver, kube-controller-manager and kube-scheduler
-// binaries (built from its Go module, e2e/release-1.34: `make e2e-1.34`),
+// binaries (built from its Go module, e2e/release-<minor>: `make e2e-1.34`,
+// `e2e-1.35`, `e2e-1.36`),
 // with the flags the in-process control plane gets (apiServerArgs,
 // controllermanager.go), and the release's kubelet on real nodes. The
 // in-process control plane is the newest release's; this one shows what a
@@ -44,7 +45,7 @@ var releaseBinaries = []string{"kube-apiserver", "kube-controller-manager", "kub
 func checkReleaseDir(dir string) error {
 	for _, b := range releaseBinaries {
 		if !isFile(filepath.Join(dir, b)) {
-			return fmt.Errorf("%w: %s not in %s (%s=%s; `make e2e-1.34` builds the 1.34 release's binaries)", ErrMissing, b, dir, ReleaseDirEnv, dir)
+			return fmt.Errorf("%w: %s not in %s (%s=%s; `make e2e-1.34-tools`, `e2e-1.35-tools` or `e2e-1.36-tools` builds a release's binaries)", ErrMissing, b, dir, ReleaseDirEnv, dir)
 		}
 	}
 	return nil
