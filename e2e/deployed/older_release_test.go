@@ -3,6 +3,7 @@ package deployed
 import (
 	"context"
 	"fmt"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -159,9 +160,15 @@ func sharedGPUOnRelease(ctx context.Context, t *testing.T, release, node string,
 			t.Fatalf("claim %s: no single-device allocation: %+v", name, c.Status.Allocation)
 		}
 		r := c.Status.Allocation.Devices.Results[0]
-		t.Logf("claim %s on %s: %s/%s share %v consumed %v", name, release, r.Pool, r.Device, r.ShareID, r.ConsumedCapacity)
 		if r.ShareID == nil {
 			t.Errorf("claim %s: allocated without a share ID on a device allowing multiple allocations", name)
+			continue
 		}
+		consumed := []string{}
+		for k, q := range r.ConsumedCapacity {
+			consumed = append(consumed, string(k)+"="+q.String())
+		}
+		slices.Sort(consumed)
+		t.Logf("claim %s on %s: %s/%s share %s, consumed %s", name, release, r.Pool, r.Device, *r.ShareID, strings.Join(consumed, " "))
 	}
 }
