@@ -104,7 +104,10 @@ func (r *realNode) powerOff() error {
 	}
 	// A network namespace goes once nothing holds it (no process, no
 	// mount); the kernel then deletes its veth pair, which leaves the bridge.
-	if err := wait.PollUntilContextTimeout(context.Background(), 50*time.Millisecond, 10*time.Second, true, func(context.Context) (bool, error) {
+	// The kernel does that from a work queue, behind every other namespace
+	// being torn down on the machine: over 10 s was seen with the other e2e
+	// packages' clusters starting and stopping beside this one.
+	if err := wait.PollUntilContextTimeout(context.Background(), 50*time.Millisecond, 45*time.Second, true, func(context.Context) (bool, error) {
 		return len(r.bridgePorts()) == 0, nil
 	}); err != nil {
 		return fmt.Errorf("node %s: pod links still on bridge %s after power-off: %v", n.Name, r.bridge, r.bridgePorts())
