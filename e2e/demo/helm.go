@@ -131,7 +131,7 @@ func RunHelm(ctx context.Context, c *harness.Cluster, opts HelmOptions) (*HelmRe
 
 	for _, spec := range HelmNodes {
 		if len(spec.DynamicMIG) > 0 {
-			gpus := strings.Trim(strings.ReplaceAll(fmt.Sprint(spec.DynamicMIG), " ", ","), "[]")
+			gpus := harness.JoinInts(spec.DynamicMIG, ",")
 			say("")
 			say("== GPUs %s of %s as dynamic MIG (nvidia-smi emptied them of their MIG instances)", gpus, spec.Name)
 			if _, err := sh.kubectl(ctx, "annotate", "node", spec.Name, "gpu.nvidia.com/dynamic-mig-gpus="+gpus); err != nil {

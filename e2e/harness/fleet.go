@@ -205,3 +205,13 @@ func EnvIntOrExit(command, name string, def int) int {
 	}
 	return n
 }
+
+// JoinInts writes ns with sep between them ([0 1], "," -> "0,1"): GPU
+// indexes for a plugin flag, a Node annotation or a chart value.
+func JoinInts(ns []int, sep string) string {
+	s := make([]string, len(ns))
+	for i, n := range ns {
+		s[i] = strconv.Itoa(n)
+	}
+	return strings.Join(s, sep)
+}

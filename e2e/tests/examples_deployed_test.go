@@ -2,7 +2,6 @@ package tests
 
 import (
 	"context"
-	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
@@ -77,12 +76,8 @@ func TestExamplesDeployed(t *testing.T) {
 				if ex.profile != l.profile {
 					t.Fatalf("%s needs a %s node, not %s", l.dynamic, ex.profile, l.profile)
 				}
-				var gpus []string
-				for _, g := range ex.emptyGPUs {
-					gpus = append(gpus, fmt.Sprint(g))
-				}
 				// Escaped: --set reads a bare comma as the next value.
-				values = append(values, "kubeletPlugin.partitioning.dynamicMigGpus="+strings.Join(gpus, `\,`))
+				values = append(values, "kubeletPlugin.partitioning.dynamicMigGpus="+harness.JoinInts(ex.emptyGPUs, `\,`))
 				empty = func(n *harness.Node) {
 					for _, g := range ex.emptyGPUs {
 						destroyInstances(t, n, g)

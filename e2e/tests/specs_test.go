@@ -48,21 +48,13 @@ func addSpecNodes(ctx context.Context, t *testing.T) {
 		t.Cleanup(func() { setUnschedulable(context.Background(), t, name, false) })
 	}
 	addPluginNodeWith(ctx, t, harness.NodeOptions{Name: specNodeStatic, RealKubelet: true}, "dgx-a100-40gb", nil, nil)
-	args := []string{"--dynamic-mig-gpus=" + joinInts(specDynamicGPUs)}
+	args := []string{"--dynamic-mig-gpus=" + harness.JoinInts(specDynamicGPUs, ",")}
 	empty := func(n *harness.Node) {
 		for _, gpu := range specDynamicGPUs {
 			destroyInstances(t, n, gpu)
 		}
 	}
 	addPluginNodeWith(ctx, t, harness.NodeOptions{Name: specNodeDynamic, RealKubelet: true}, "dgx-a100-40gb", args, empty)
-}
-
-func joinInts(ns []int) string {
-	s := make([]string, len(ns))
-	for i, n := range ns {
-		s[i] = fmt.Sprint(n)
-	}
-	return strings.Join(s, ",")
 }
 
 // setUnschedulable cordons or uncordons a node, as kubectl cordon does.
