@@ -789,10 +789,22 @@ CUDA_MPS_PIPE_DIRECTORY=$RO exec "$APP"
     assert!(m.pipe.join("control").exists());
 }
 
-/// Starts `cuda-app` as user `uid` against the daemon at `m`.
-fn cuda_app_as(host: &SimHost, m: &Mps, uid: u32) -> Child {
+/// A copy of `cuda-app` in a temporary folder that every user may search, for a client of
+/// another user: the build's own copy lies under the checkout, which may be closed to others
+/// (a clone into a folder made by `mktemp -d` is mode 0700), and this leaves its modes alone.
+fn cuda_app_for_all() -> (tempfile::TempDir, PathBuf) {
+    let dir = tempfile::tempdir().expect("tmp");
+    let app = dir.path().join("cuda-app");
+    std::fs::copy(env!("CARGO_BIN_EXE_cuda-app"), &app).expect("copy cuda-app");
+    open_to_all(&app);
+    (dir, app)
+}
+
+/// Starts `app` (a copy of `cuda-app`, [`cuda_app_for_all`]) as user `uid` against the
+/// daemon at `m`.
+fn cuda_app_as(app: &Path, host: &SimHost, m: &Mps, uid: u32) -> Child {
     use std::os::unix::process::CommandExt;
-    Command::new(env!("CARGO_BIN_EXE_cuda-app"))
+    Command::new(app)
         .env("GPU_SIM_STATE", host.state_file().path())
         .env("CUDA_MPS_PIPE_DIRECTORY", &m.pipe)
         .uid(uid)
@@ -835,10 +847,10 @@ fn mps_clients_of_another_user_wait_unless_the_daemon_is_multi_user() {
         assert!(o.status.success(), "{}", text(&o));
         open_to_all(&m.pipe.join("control"));
         open_to_all(host.state_file().path());
-        open_to_all(Path::new(env!("CARGO_BIN_EXE_cuda-app")));
+        let (_app_dir, app) = cuda_app_for_all();
 
         let held = hold_client(&m.pipe);
-        let mut other = cuda_app_as(&host, &m, OTHER);
+        let mut other = cuda_app_as(&app, &host, &m, OTHER);
         if multi_user {
             assert!(
                 exits_within(&mut other, Duration::from_secs(10)),
